@@ -1,0 +1,245 @@
+"""What a checkpoint holds, learned without loading it: config, tensor names, shapes and bytes.
+
+Both the planner (which needs per-layer byte counts) and the stage loader (which needs to
+know which shard holds which tensor) start here. Only safetensors headers are read: a
+checkpoint's weights are never materialised to describe it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_SAFETENSORS = "model.safetensors"
+CONFIG_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "model-package.json",
+]
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be served: unsupported family, pickle-only weights, missing files."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    shard: str  # file name within the checkpoint
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Where a tensor belongs in a layer split."""
+
+    kind: str  # "layer" | "embed" | "norm" | "head" | "other"
+    layer: int = -1
+
+
+def classify(name: str) -> TensorGroup:
+    match = _LAYER_KEY.match(name)
+    if match:
+        return TensorGroup("layer", int(match.group(1)))
+    if name.startswith("model.embed_tokens."):
+        return TensorGroup("embed")
+    if name.startswith("model.norm."):
+        return TensorGroup("norm")
+    if name.startswith("lm_head."):
+        return TensorGroup("head")
+    return TensorGroup("other")
+
+
+@dataclass
+class CheckpointFacts:
+    """Everything the planner and loader need to know about a checkpoint, from metadata only."""
+
+    config: dict
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.hidden_size // int(self.config["num_attention_heads"]))
+
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The torch dtype name the config declares (float32 when it declares none)."""
+        return str(self.config.get("dtype") or self.config.get("torch_dtype") or "float32")
+
+    def layer_bytes(self, dtype_bytes: int | None = None) -> list[int]:
+        sizes = [0] * self.num_layers
+        for info in self.tensors.values():
+            group = classify(info.name)
+            if group.kind == "layer" and group.layer < self.num_layers:
+                sizes[group.layer] += self._scaled(info, dtype_bytes)
+        return sizes
+
+    def group_bytes(self, kind: str, dtype_bytes: int | None = None) -> int:
+        return sum(self._scaled(t, dtype_bytes) for t in self.tensors.values() if classify(t.name).kind == kind)
+
+    def head_bytes(self, dtype_bytes: int | None = None) -> int:
+        """Bytes the last stage holds for the LM head: a tied head reuses the embedding matrix."""
+        head = self.group_bytes("head", dtype_bytes)
+        return head if head else self.group_bytes("embed", dtype_bytes)
+
+    def shards_for(self, names: list[str]) -> list[str]:
+        return sorted({self.tensors[n].shard for n in names})
+
+    def stage_tensor_names(self, layer_start: int, layer_end: int) -> list[str]:
+        """The tensors a stage holding layers [layer_start, layer_end) must load."""
+        first, last = layer_start == 0, layer_end == self.num_layers
+        keep = []
+        for name in self.tensors:
+            group = classify(name)
+            if (
+                (group.kind == "layer" and layer_start <= group.layer < layer_end)
+                or (group.kind == "embed" and (first or (last and self.tie_word_embeddings)))
+                or (group.kind in ("norm", "head") and last)
+            ):
+                keep.append(name)
+        return sorted(keep)
+
+    @staticmethod
+    def _scaled(info: TensorInfo, dtype_bytes: int | None) -> int:
+        if dtype_bytes is None:
+            return info.nbytes
+        return info.nbytes // DTYPE_BYTES[info.dtype] * dtype_bytes
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if length > 100 * 1024 * 1024:
+            raise CheckpointError(f"{path}: implausible safetensors header length {length}")
+        return json.loads(f.read(length))
+
+
+def _tensors_from_header(header: dict, shard: str) -> dict[str, TensorInfo]:
+    return {
+        name: TensorInfo(name, meta["dtype"], tuple(meta["shape"]), shard)
+        for name, meta in header.items()
+        if name != "__metadata__"
+    }
+
+
+def weight_map(model_dir: Path) -> dict[str, str]:
+    """tensor name -> shard file, from the index or the single-file checkpoint."""
+    index = model_dir / SAFETENSORS_INDEX
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = model_dir / SINGLE_SAFETENSORS
+    if single.exists():
+        return {name: SINGLE_SAFETENSORS for name in read_safetensors_header(single) if name != "__metadata__"}
+    refuse_without_safetensors(model_dir, [p.name for p in model_dir.iterdir()])
+    raise AssertionError("unreachable")
+
+
+def refuse_without_safetensors(where: str | Path, files: list[str]) -> None:
+    if not any(f.endswith(".safetensors") for f in files):
+        pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        detail = f" (found only pickle-based weights: {', '.join(sorted(pickled)[:3])})" if pickled else ""
+        raise CheckpointError(
+            f"{where}: no safetensors weights{detail}. InferenceMesh loads safetensors only and never "
+            "unpickles model files; convert the checkpoint to safetensors first."
+        )
+
+
+def check_supported(config: dict, where: str | Path) -> None:
+    model_type = config.get("model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) -> CheckpointFacts:
+    """Describe a local checkpoint directory from config.json and the safetensors headers.
+
+    headers_of limits which shards are opened (a stage only needs its own); by default all.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    config = json.loads(config_path.read_text())
+    check_supported(config, model_dir)
+    wmap = weight_map(model_dir)
+    shards = sorted(set(wmap.values())) if headers_of is None else headers_of
+    facts = CheckpointFacts(config)
+    for shard in shards:
+        facts.tensors.update(_tensors_from_header(read_safetensors_header(model_dir / shard), shard))
+    return facts
+
+
+def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = None) -> CheckpointFacts:
+    """Describe a hub checkpoint from config.json and the safetensors headers only.
+
+    Downloads config.json and reads shard headers through HTTP range requests
+    (huggingface_hub.get_safetensors_metadata); no weights are fetched.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    config = json.loads(Path(hf_hub_download(repo_id, "config.json", revision=revision, token=token)).read_text())
+    check_supported(config, repo_id)
+    api = HfApi(token=token)
+    files = api.list_repo_files(repo_id, revision=revision)
+    refuse_without_safetensors(repo_id, files)
+    meta = api.get_safetensors_metadata(repo_id, revision=revision)
+    facts = CheckpointFacts(config)
+    for shard, file_meta in meta.files_metadata.items():
+        for name, tensor in file_meta.tensors.items():
+            facts.tensors[name] = TensorInfo(name, tensor.dtype, tuple(tensor.shape), shard)
+    return facts
+
+
+def is_local(source: str | Path) -> bool:
+    return Path(source).exists()
+
+
+def read_checkpoint(source: str | Path, *, revision: str | None = None) -> CheckpointFacts:
+    return read_local(source) if is_local(source) else read_hub(str(source), revision=revision)

@@ -1,0 +1,221 @@
+"""Memory-planned contiguous layer ranges: the one plan both `inferencemesh serve` and the operator use.
+
+A stage's memory need is its layers' weight bytes, plus the embedding (first stage) and
+final norm + LM head (last stage; a tied head reuses the embedding matrix), plus a KV-cache
+reserve for its layers at the configured context length and session count, plus a fixed
+runtime overhead. Ranges are chosen to minimise the largest stage's share of its memory
+budget, so a 24 GiB GPU takes more layers than a 16 GiB one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointFacts
+
+GIB = 1024**3
+DEFAULT_OVERHEAD_BYTES = 256 * 1024**2  # allocator slack, activations, runtime
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+class PlanError(ValueError):
+    """The request cannot be planned: more stages than layers, does not fit, bad ranges."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    layer_start: int  # inclusive
+    layer_end: int  # exclusive
+    weight_bytes: int
+    kv_reserve_bytes: int
+    total_bytes: int
+    memory_bytes: int | None  # the budget it was planned against, if any
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Per-layer and end-stage byte counts in the serving dtype, and the KV reserve per layer."""
+
+    layer_bytes: list[int]
+    embed_bytes: int
+    tail_bytes: int  # final norm + LM head
+    kv_bytes_per_layer: int
+    overhead_bytes: int
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        facts: CheckpointFacts,
+        *,
+        dtype: str | None = None,
+        context_length: int = 2048,
+        max_sessions: int = 8,
+        overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+    ) -> PlanInputs:
+        dtype = dtype if dtype and dtype != "auto" else facts.checkpoint_dtype
+        if dtype not in TORCH_DTYPE_BYTES:
+            raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
+        width = TORCH_DTYPE_BYTES[dtype]
+        kv = 2 * facts.num_kv_heads * facts.head_dim * width * context_length * max_sessions
+        return cls(
+            layer_bytes=facts.layer_bytes(width),
+            embed_bytes=facts.group_bytes("embed", width),
+            tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width),
+            kv_bytes_per_layer=kv,
+            overhead_bytes=overhead_bytes,
+        )
+
+    def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
+        """(weights, kv reserve, total) for a stage holding layers [start, end)."""
+        weights = sum(self.layer_bytes[start:end])
+        if start == 0:
+            weights += self.embed_bytes
+        if end == num_layers:
+            weights += self.tail_bytes
+        kv = self.kv_bytes_per_layer * (end - start)
+        return weights, kv, weights + kv + self.overhead_bytes
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '24G', '512Mi', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGTkmgt]i?)?[Bb]?\s*", text)
+    if not match:
+        raise PlanError(f"cannot read memory size {text!r} (examples: 16GiB, 24G, 512Mi)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def plan_stages(
+    inputs: PlanInputs,
+    num_stages: int,
+    stage_memory: list[int] | None = None,
+) -> list[StagePlan]:
+    """Split the layers into num_stages contiguous ranges, planned by memory.
+
+    With stage_memory (one budget per stage, or one for all), minimise the largest
+    used/budget ratio and fail if any stage exceeds its budget; without, balance bytes.
+    """
+    num_layers = len(inputs.layer_bytes)
+    if num_stages < 1:
+        raise PlanError("a mesh needs at least one stage")
+    if num_stages > num_layers:
+        raise PlanError(f"{num_stages} stages requested but the model has only {num_layers} layers")
+    budgets = _budgets(stage_memory, num_stages)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        total = inputs.stage_bytes(start, end, num_layers)[2]
+        return total / budgets[stage] if budgets else float(total)
+
+    # best[s][j]: the smallest achievable max cost placing layers [0, j) on stages [0, s).
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, num_layers - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                value = max(best[s - 1][i], cost(s - 1, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds = [num_layers]
+    for s in range(num_stages, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    plan = []
+    for index in range(num_stages):
+        start, end = bounds[index], bounds[index + 1]
+        weights, kv, total = inputs.stage_bytes(start, end, num_layers)
+        plan.append(StagePlan(index, start, end, weights, kv, total, budgets[index] if budgets else None))
+    if budgets:
+        _check_fits(plan)
+    return plan
+
+
+def plan_auto(inputs: PlanInputs, memory_per_stage: int, max_stages: int = 64) -> list[StagePlan]:
+    """The fewest stages of memory_per_stage each that hold the model."""
+    for count in range(1, min(max_stages, len(inputs.layer_bytes)) + 1):
+        try:
+            return plan_stages(inputs, count, [memory_per_stage])
+        except PlanError:
+            continue
+    need = inputs.stage_bytes(0, len(inputs.layer_bytes), len(inputs.layer_bytes))[2]
+    raise PlanError(
+        f"the model does not fit in up to {max_stages} stages of {format_bytes(memory_per_stage)} "
+        f"(it needs about {format_bytes(need)} in one piece)"
+    )
+
+
+def plan_explicit(inputs: PlanInputs, ranges: list[tuple[int, int]], stage_memory: list[int] | None = None) -> list[StagePlan]:
+    """Check user-given ranges (contiguous, covering every layer once) and size them."""
+    num_layers = len(inputs.layer_bytes)
+    ordered = sorted(ranges)
+    expected = 0
+    for start, end in ordered:
+        if start >= end:
+            raise PlanError(f"layer range [{start}, {end}) is empty")
+        if start < expected:
+            raise PlanError(f"layer ranges overlap at layer {start}")
+        if start > expected:
+            raise PlanError(f"layers [{expected}, {start}) are not assigned to any stage")
+        expected = end
+    if expected != num_layers:
+        raise PlanError(f"layer ranges end at {expected} but the model has {num_layers} layers")
+    budgets = _budgets(stage_memory, len(ordered))
+    plan = []
+    for index, (start, end) in enumerate(ordered):
+        weights, kv, total = inputs.stage_bytes(start, end, num_layers)
+        plan.append(StagePlan(index, start, end, weights, kv, total, budgets[index] if budgets else None))
+    if budgets:
+        _check_fits(plan)
+    return plan
+
+
+def _budgets(stage_memory: list[int] | None, num_stages: int) -> list[int] | None:
+    if not stage_memory:
+        return None
+    if len(stage_memory) == 1:
+        return list(stage_memory) * num_stages
+    if len(stage_memory) != num_stages:
+        raise PlanError(f"{len(stage_memory)} memory sizes given for {num_stages} stages (give one, or one per stage)")
+    if any(m <= 0 for m in stage_memory):
+        raise PlanError("stage memory sizes must be positive")
+    return list(stage_memory)
+
+
+def _check_fits(plan: list[StagePlan]) -> None:
+    for stage in plan:
+        if stage.memory_bytes is not None and stage.total_bytes > stage.memory_bytes:
+            raise PlanError(
+                f"stage {stage.index} (layers {stage.layer_start}-{stage.layer_end - 1}) needs "
+                f"{format_bytes(stage.total_bytes)} but has {format_bytes(stage.memory_bytes)}: "
+                "the model does not fit the given memory; add stages or memory, or lower contextLength/maxSessions"
+            )
+
+
+def render_plan(plan: list[StagePlan]) -> str:
+    rows = ["stage  layers        weights      kv reserve   total        budget"]
+    for s in plan:
+        budget = format_bytes(s.memory_bytes) if s.memory_bytes else "-"
+        rows.append(
+            f"{s.index:<6} [{s.layer_start:>3}, {s.layer_end:>3})  {format_bytes(s.weight_bytes):<12} "
+            f"{format_bytes(s.kv_reserve_bytes):<12} {format_bytes(s.total_bytes):<12} {budget}"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""Generated wire protocol modules (see stage.proto)."""

@@ -1,0 +1,148 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FRAME_KIND_UNSPECIFIED: _ClassVar[FrameKind]
+    PREFILL: _ClassVar[FrameKind]
+    DECODE: _ClassVar[FrameKind]
+    VERIFY: _ClassVar[FrameKind]
+    RELEASE: _ClassVar[FrameKind]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    F32: _ClassVar[DType]
+    F16: _ClassVar[DType]
+    BF16: _ClassVar[DType]
+FRAME_KIND_UNSPECIFIED: FrameKind
+PREFILL: FrameKind
+DECODE: FrameKind
+VERIFY: FrameKind
+RELEASE: FrameKind
+DTYPE_UNSPECIFIED: DType
+F32: DType
+F16: DType
+BF16: DType
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Frame(_message.Message):
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "dtype", "shape", "activations", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POS_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    WANT_PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    request_id: str
+    kind: FrameKind
+    pos_start: int
+    token_count: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    activations: bytes
+    want_prediction: bool
+    sampling: Sampling
+    draft_probs: bytes
+    seq: int
+    sent_ns: int
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., activations: _Optional[bytes] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("seq", "session_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    session_id: str
+    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ResultsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("session_id", "seq", "pos_start", "tokens", "accepted")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    POS_START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq: int
+    pos_start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    accepted: int
+    def __init__(self, session_id: _Optional[str] = ..., seq: _Optional[int] = ..., pos_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("model", "stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "state", "state_reason", "progress", "hidden_size", "vocab_size", "wire_dtype", "active_sessions", "max_sessions", "max_context", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    IS_FIRST_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    num_layers: int
+    is_first: bool
+    is_last: bool
+    state: str
+    state_reason: str
+    progress: float
+    hidden_size: int
+    vocab_size: int
+    wire_dtype: DType
+    active_sessions: int
+    max_sessions: int
+    max_context: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., progress: _Optional[float] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
