@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_stage(args)
     if args.command == "frontend":
-        from inferencemesh.frontend.app import run_frontend
+        from inferencemesh.frontend.main import run_frontend
 
         return run_frontend(args)
     if args.command == "plan":
