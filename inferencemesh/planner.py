@@ -163,7 +163,9 @@ def plan_auto(inputs: PlanInputs, memory_per_stage: int, max_stages: int = 64) -
     )
 
 
-def plan_explicit(inputs: PlanInputs, ranges: list[tuple[int, int]], stage_memory: list[int] | None = None) -> list[StagePlan]:
+def plan_explicit(
+    inputs: PlanInputs, ranges: list[tuple[int, int]], stage_memory: list[int] | None = None
+) -> list[StagePlan]:
     """Check user-given ranges (contiguous, covering every layer once) and size them."""
     num_layers = len(inputs.layer_bytes)
     ordered = sorted(ranges)

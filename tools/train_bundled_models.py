@@ -170,8 +170,9 @@ def train_model(
     model.train()
     started = time.time()
     tokens = 0
-    for step, (x, y) in zip(range(steps), batches(data, seq_len, batch, gen)):
-        scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+    for step, (x, y) in zip(range(steps), batches(data, seq_len, batch, gen), strict=False):
+        progress = (step - warmup) / max(1, steps - warmup)
+        scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * progress))
         for group in opt.param_groups:
             group["lr"] = lr * (0.1 + 0.9 * scale)
         with torch.autocast("cpu", dtype=torch.bfloat16):

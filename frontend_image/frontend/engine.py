@@ -1,0 +1,185 @@
+"""The generation engine: turns a GenerationRequest into frames through the pipeline.
+
+Prefill goes in chunks; each decode step is one frame through every stage. With a
+proposer (speculative decoding) a step carries [last token, d_1..d_k] as a VERIFY frame and
+may yield several tokens for the same round trip. Rollback after a rejected proposal is
+just the next frame's pos_start: the stages truncate their caches themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from inferencemesh.frontend.engine_api import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    GenerationRequest,
+)
+from inferencemesh.frontend.pipeline import PipelineError
+
+from inferencemesh.protocol import stage_pb2 as pb
+
+log = logging.getLogger("inferencemesh.engine")
+
+
+class PipelineFailed(EngineError):
+    status_code = 502
+    error_type = "server_error"
+    code = "pipeline_error"
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: bytes = b""  # f32 [k, vocab] draft distributions (sampling with a draft model), else empty
+
+
+class Proposer:
+    """Speculation strategy for one request: propose tokens, learn from what was accepted."""
+
+    def propose(self, history: list[int]) -> Proposal | None:
+        return None
+
+    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model_name: str
+    max_context: int = 2048
+    max_sessions: int = 16  # concurrent requests in flight through the pipeline
+    max_waiting: int = 256  # queued beyond that: 429
+    prefill_chunk: int = 256  # prompt tokens per frame (bounded message size, interleaving)
+    queue_timeout_s: float = 60.0
+
+
+class PipelineEngine:
+    def __init__(self, pipeline, options: EngineOptions, *,
+                 proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
+                 describe: dict | None = None) -> None:
+        self.pipeline = pipeline
+        self.options = options
+        self.model_name = options.model_name
+        self.max_context = options.max_context
+        self.proposer_for = proposer_for or (lambda request: None)
+        self._describe = describe or {}
+        self._slots = asyncio.Semaphore(options.max_sessions)
+        self.waiting = 0
+        self.running = 0
+
+    async def is_ready(self) -> bool:
+        return await self.pipeline.is_ready()
+
+    def describe(self) -> dict:
+        return dict(self._describe)
+
+    async def close(self) -> None:
+        await self.pipeline.close()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        prompt = list(request.prompt_ids)
+        if not prompt:
+            raise EngineError("empty prompt")
+        if len(prompt) >= self.max_context:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context} tokens"
+            )
+        budget = min(request.max_tokens, self.max_context - len(prompt))
+        if self.waiting >= self.options.max_waiting:
+            raise EngineOverloaded(f"{self.waiting} requests are already waiting; retry later")
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.options.queue_timeout_s)
+        except asyncio.TimeoutError as err:
+            raise EngineOverloaded("timed out waiting for a free pipeline session") from err
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        proposer = self.proposer_for(request)
+        try:
+            async for tokens in self._run(request, prompt, budget, proposer):
+                yield tokens
+        finally:
+            self.running -= 1
+            self._slots.release()
+            if proposer is not None:
+                proposer.close()
+
+    async def _run(self, request: GenerationRequest, prompt: list[int], budget: int,
+                   proposer: Proposer | None) -> AsyncIterator[list[int]]:
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        sampling = pb.Sampling(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed)
+        session = self.pipeline.open()
+        try:
+            frame = pb.Frame(session_id=session.session_id, request_id=request.request_id)
+            fresh = [await self._prefill(session, frame, prompt, sampling)]
+            history = prompt + fresh
+            emitted = 0
+            while True:
+                out: list[int] = []
+                for token in fresh:
+                    if token in request.stop_token_ids or emitted >= budget:
+                        break
+                    out.append(token)
+                    emitted += 1
+                if out:
+                    yield out
+                if len(out) < len(fresh) or emitted >= budget:
+                    return
+                fresh = await self._step(session, frame, history, proposer)
+                history.extend(fresh)
+        except PipelineError as err:
+            raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
+        finally:
+            await session.close()
+
+    async def _prefill(self, session, frame: pb.Frame, prompt: list[int], sampling: pb.Sampling) -> int:
+        """Feed the prompt in chunks; the last chunk's prediction is the first new token."""
+        chunk = self.options.prefill_chunk
+        frame.kind = pb.PREFILL
+        frame.sampling.CopyFrom(sampling)
+        prediction = None
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            frame.pos_start = start
+            frame.token_count = len(piece)
+            frame.token_ids[:] = piece
+            frame.want_prediction = start + chunk >= len(prompt)
+            frame.seq += 1
+            prediction = await session.send(frame)
+            frame.ClearField("sampling")  # stages keep the parameters they saw last
+        frame.want_prediction = False
+        return prediction.tokens[0]
+
+    async def _step(self, session, frame: pb.Frame, history: list[int], proposer: Proposer | None) -> list[int]:
+        """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
+        proposal = proposer.propose(history) if proposer is not None else None
+        frame.pos_start = len(history) - 1
+        frame.seq += 1
+        if proposal is None or not proposal.tokens:
+            frame.kind = pb.DECODE
+            frame.token_count = 1
+            frame.token_ids[:] = history[-1:]
+            frame.draft_probs = b""
+            prediction = await session.send(frame)
+            return list(prediction.tokens)
+        room = self.max_context - len(history)
+        drafts = proposal.tokens[: max(0, room - 1)]
+        frame.kind = pb.VERIFY
+        frame.token_count = 1 + len(drafts)
+        frame.token_ids[:] = history[-1:] + drafts
+        frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
+        started = time.perf_counter()
+        prediction = await session.send(frame)
+        proposer.observe(len(drafts), prediction.accepted, time.perf_counter() - started)
+        return list(prediction.tokens)

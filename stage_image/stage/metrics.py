@@ -1,0 +1,61 @@
+"""Prometheus metrics of a stage process (one registry per stage, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STATES = ("downloading", "loading", "ready", "failed")
+_FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class StageMetrics:
+    def __init__(self, model: str, stage_index: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "stage": str(stage_index)}
+        names = list(labels)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"inferencemesh_stage_{name}", doc, names + list(extra), registry=self.registry)
+
+        self.state = gauge("state", "1 for the stage's current lifecycle state", ("state",))
+        self.progress = gauge("load_progress_ratio", "download / load progress within the current state (0..1)")
+        self.active_sessions = gauge("active_sessions", "sessions holding a KV cache on this stage")
+        self.cached_tokens = gauge("cached_tokens", "token positions held in KV caches on this stage")
+        self.kv_bytes = gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
+        self.forward_seconds = Histogram(
+            "inferencemesh_stage_forward_seconds", "time in the stage's layers per frame",
+            names + ["kind"], buckets=_FORWARD_BUCKETS, registry=self.registry,
+        )
+        self.frames = Counter("inferencemesh_stage_frames_total", "frames processed", names + ["kind"],
+                              registry=self.registry)
+        self.frame_errors = Counter("inferencemesh_stage_frame_errors_total", "frames refused, by gRPC status",
+                                    names + ["code"], registry=self.registry)
+        self.activation_bytes_sent = Counter(
+            "inferencemesh_stage_activation_bytes_sent_total", "activation payload bytes sent downstream",
+            names, registry=self.registry)
+        self.tokens_processed = Counter("inferencemesh_stage_tokens_total", "token positions computed",
+                                        names, registry=self.registry)
+        self._labels = labels
+        # Children bound once: the per-frame path does no label lookups.
+        self.forward_by_kind = {}
+        self.frames_by_kind = {}
+        self.bytes_sent = self.activation_bytes_sent.labels(**labels)
+        self.tokens = self.tokens_processed.labels(**labels)
+        self.sessions_gauge = self.active_sessions.labels(**labels)
+        self.cached_gauge = self.cached_tokens.labels(**labels)
+        self.kv_gauge = self.kv_bytes.labels(**labels)
+        self.progress_gauge = self.progress.labels(**labels)
+        for kind in ("prefill", "decode", "verify", "release"):
+            self.forward_by_kind[kind] = self.forward_seconds.labels(**labels, kind=kind)
+            self.frames_by_kind[kind] = self.frames.labels(**labels, kind=kind)
+
+    def set_state(self, state: str, progress: float) -> None:
+        for name in STATES:
+            self.state.labels(**self._labels, state=name).set(1.0 if name == state else 0.0)
+        self.progress_gauge.set(progress)
+
+    def error(self, code: str) -> None:
+        self.frame_errors.labels(**self._labels, code=code).inc()
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)

@@ -1,0 +1,392 @@
+"""The stage server: one layer range of the model behind the gRPC Stage service.
+
+Per session it keeps one inbound stream (from the frontend or the previous stage) and opens
+one outbound stream to the next stage. The last stage samples or verifies and posts its
+predictions on the session's Results stream, straight to the frontend. Device work runs on
+one compute thread; the event loop only moves frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
+from inferencemesh.stage.worker import KIND_NAMES, Fault, StageWorker
+
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+
+log = logging.getLogger("inferencemesh.stage")
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+SERVICE_NAME = "inferencemesh.v1.Stage"
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    model: str
+    layer_start: int
+    layer_end: int
+    stage_index: int
+    num_stages: int
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 0
+    downstream: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    wire_dtype: str | None = None
+    device: str = "auto"
+    cache_dir: str | None = None
+    max_context: int = 2048
+    max_sessions: int = 16
+    session_ttl: float = 300.0
+    debug_telemetry: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> StageOptions:
+        start, _, end = args.layers.partition(":")
+        return cls(
+            model=args.model, layer_start=int(start), layer_end=int(end), stage_index=args.stage_index,
+            num_stages=args.num_stages, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            downstream=args.downstream, revision=args.revision, dtype=args.dtype, wire_dtype=args.wire_dtype,
+            device=args.device, cache_dir=args.cache_dir, max_context=args.max_context,
+            max_sessions=args.max_sessions, session_ttl=args.session_ttl, debug_telemetry=args.debug_telemetry,
+        )
+
+
+_END = object()  # the inbound stream closed
+
+
+async def _pump(frames, inbox: asyncio.Queue) -> None:
+    """Move inbound frames into the session's inbox, where downstream faults also land."""
+    try:
+        async for frame in frames:
+            inbox.put_nowait(frame)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # the sender went away: same as a closed stream
+        pass
+    inbox.put_nowait(_END)
+
+
+class DownstreamHop:
+    """This session's stream to the next stage; one envelope, mutated per frame."""
+
+    def __init__(self, stub: pb_grpc.StageStub, address: str, session_id: str, inbox: asyncio.Queue,
+                 wire_dtype: torch.dtype) -> None:
+        self.address = address
+        self.wire_dtype = wire_dtype
+        self.wire_code = codec.WIRE_CODES[wire_dtype]
+        self.call = stub.Session()
+        self.envelope = pb.Frame(session_id=session_id, dtype=self.wire_code)
+        self.reader = asyncio.create_task(self._watch(inbox))
+
+    async def _watch(self, inbox: asyncio.Queue) -> None:
+        try:
+            async for _ack in self.call:
+                pass
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                inbox.put_nowait(Fault(err.code(), f"downstream stage {self.address}: {err.details()}"))
+
+    async def forward(self, frame: pb.Frame, hidden: torch.Tensor | None) -> int:
+        env = self.envelope
+        env.request_id = frame.request_id
+        env.kind = frame.kind
+        env.pos_start = frame.pos_start
+        env.token_count = frame.token_count
+        env.want_prediction = frame.want_prediction
+        env.seq = frame.seq
+        env.sent_ns = frame.sent_ns
+        env.draft_probs = frame.draft_probs
+        del env.token_ids[:]
+        env.token_ids.extend(frame.token_ids)
+        if frame.HasField("sampling"):
+            env.sampling.CopyFrom(frame.sampling)
+        else:
+            env.ClearField("sampling")
+        if hidden is None:
+            env.activations = b""
+            del env.shape[:]
+        else:
+            env.activations = codec.encode(hidden, self.wire_dtype)
+            env.shape[:] = hidden.shape
+        try:
+            await self.call.write(env)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+            raise Fault(grpc.StatusCode.UNAVAILABLE, f"downstream stage {self.address} unreachable: {err}") from err
+        return len(env.activations)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.call.done_writing()
+        self.reader.cancel()
+        self.call.cancel()
+
+
+class StageService(pb_grpc.StageServicer):
+    def __init__(self, options: StageOptions, metrics: StageMetrics | None = None, runtime=None) -> None:
+        self.options = options
+        self.metrics = metrics or StageMetrics(options.model, options.stage_index)
+        self.runtime = runtime
+        self.state, self.reason, self.progress = ("ready", "", 1.0) if runtime else ("downloading", "", 0.0)
+        self.sessions = SessionTable(options.max_sessions, options.session_ttl)
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.health = health.aio.HealthServicer()
+        self.is_last = options.stage_index == options.num_stages - 1
+        self.is_first = options.stage_index == 0
+        self.worker = self._worker(runtime) if runtime else None
+        self._downstream_channel = (
+            grpc.aio.insecure_channel(options.downstream, options=GRPC_OPTIONS) if options.downstream else None
+        )
+        self._downstream = pb_grpc.StageStub(self._downstream_channel) if self._downstream_channel else None
+        self._wire_dtype: torch.dtype | None = None
+        self._last_log = 0.0
+        self.metrics.set_state(self.state, self.progress)
+
+    def _worker(self, runtime) -> StageWorker:
+        return StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, metrics=self.metrics)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load the layer range on a background thread; flip health to SERVING when done."""
+        from inferencemesh.stage.runtime import StageRuntime
+
+        o = self.options
+        try:
+            runtime = StageRuntime(
+                o.model, o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
+                cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
+            )
+        except Exception as err:  # a stage that cannot load reports why and stays up: no crash loop
+            log.exception("stage %d failed to load", o.stage_index)
+            self._set_state("failed", 0.0, f"{type(err).__name__}: {err}")
+            return
+        self.runtime = runtime
+        self.worker = self._worker(runtime)
+        self._set_state("ready", 1.0)
+        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s)", o.stage_index, o.layer_start, o.layer_end,
+                 runtime.num_layers, runtime.device, runtime.dtype)
+        asyncio.run_coroutine_threadsafe(self.mark_serving(), loop)
+
+    def _on_progress(self, state: str, fraction: float) -> None:
+        self._set_state(state, fraction)
+        now = time.monotonic()
+        if now - self._last_log > 2.0 or fraction >= 1.0:
+            self._last_log = now
+            log.info("stage %d %s: %3.0f%%", self.options.stage_index, state, 100 * fraction)
+
+    def _set_state(self, state: str, progress: float, reason: str = "") -> None:
+        self.state, self.progress, self.reason = state, progress, reason
+        self.metrics.set_state(state, progress)
+
+    async def mark_serving(self) -> None:
+        for service in ("", SERVICE_NAME):
+            await _maybe_await(self.health.set(service, health_pb2.HealthCheckResponse.SERVING))
+
+    async def mark_not_serving(self) -> None:
+        for service in ("", SERVICE_NAME):
+            await _maybe_await(self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        if self._wire_dtype is None:
+            name = self.options.wire_dtype
+            self._wire_dtype = codec.DTYPE_NAMES[name] if name else self.runtime.dtype
+        return self._wire_dtype
+
+    # ---- RPCs ------------------------------------------------------------------------------
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.StageInfo:
+        o, rt = self.options, self.runtime
+        sessions, _, _ = self.sessions.totals()
+        return pb.StageInfo(
+            model=o.model, stage_index=o.stage_index, num_stages=o.num_stages, layer_start=o.layer_start,
+            layer_end=o.layer_end, num_layers=rt.num_layers if rt else 0, is_first=self.is_first,
+            is_last=self.is_last, state=self.state, state_reason=self.reason, progress=self.progress,
+            hidden_size=rt.hidden_size if rt else 0, vocab_size=rt.vocab_size if rt else 0,
+            wire_dtype=codec.WIRE_CODES[self.wire_dtype] if rt else pb.DTYPE_UNSPECIFIED,
+            active_sessions=sessions, max_sessions=o.max_sessions, max_context=o.max_context,
+            device=str(rt.device) if rt else "",
+        )
+
+    async def Results(self, request: pb.ResultsRequest, context):
+        if not self.is_last:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"stage {self.options.stage_index} is not the last stage; subscribe there")
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        try:
+            session = self.sessions.open(request.session_id)
+        except SessionsFull as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        while True:
+            prediction = await session.results.get()
+            if prediction is None:
+                return
+            yield prediction
+
+    async def Session(self, request_iterator, context) -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(_pump(request_iterator, inbox))
+        session: StageSession | None = None
+        hop: DownstreamHop | None = None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                item = await inbox.get()
+                if item is _END:
+                    return
+                if isinstance(item, Fault):
+                    raise item
+                frame: pb.Frame = item
+                session = self._bind(frame, session)
+                if frame.kind not in KIND_NAMES:
+                    raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
+                if frame.kind == pb.RELEASE:
+                    if hop is not None:
+                        await hop.forward(frame, None)
+                    self._release(session.session_id)
+                    session = None
+                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id))
+                    continue
+                inputs = self.worker.inputs(frame)
+                session.last_used = time.monotonic()
+                out = await loop.run_in_executor(self.compute, self.worker.compute, session, frame, inputs)
+                if self.is_last:
+                    if out is not None:
+                        session.results.put_nowait(out)
+                else:
+                    if hop is None:
+                        hop = DownstreamHop(self._downstream, self.options.downstream, frame.session_id, inbox,
+                                            self.wire_dtype)
+                    self.metrics.bytes_sent.inc(await hop.forward(frame, out))
+        except Fault as fault:
+            self.metrics.error(fault.code.name)
+            if session is not None and fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._release(session.session_id)
+                session = None
+            await context.abort(fault.code, f"stage {self.options.stage_index}: {fault.message}")
+        finally:
+            pump.cancel()
+            if hop is not None:
+                await hop.close()
+            if session is not None:  # the sender went away without RELEASE: free the KV now
+                self._release(session.session_id)
+
+    # ---- per frame -------------------------------------------------------------------------
+
+    def _bind(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
+        if self.runtime is None:
+            raise Fault(grpc.StatusCode.UNAVAILABLE, f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
+        if not frame.session_id:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "frame without session_id")
+        if current is not None:
+            if frame.session_id != current.session_id:
+                raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"frame for session {frame.session_id!r} on the stream of {current.session_id!r}")
+            return current
+        existing = self.sessions.get(frame.session_id)
+        if (existing is None or existing.kv is None) and frame.kind != pb.RELEASE and frame.pos_start != 0:
+            raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"unknown session {frame.session_id!r} at position {frame.pos_start} (expired, released or "
+                        "the stage restarted): prefill it again from position 0")
+        try:
+            return self.sessions.open(frame.session_id)
+        except SessionsFull as err:
+            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+
+    def _release(self, session_id: str) -> None:
+        self.sessions.release(session_id)
+        self._publish_totals()
+
+    def _publish_totals(self) -> None:
+        sessions, cached, kv_bytes = self.sessions.totals()
+        self.metrics.sessions_gauge.set(sessions)
+        self.metrics.cached_gauge.set(cached)
+        self.metrics.kv_gauge.set(kv_bytes)
+
+    async def sweep_forever(self) -> None:
+        """Drop sessions idle past the TTL (a frontend that died never sends RELEASE)."""
+        period = max(0.05, min(5.0, self.options.session_ttl / 4))
+        while True:
+            await asyncio.sleep(period)
+            for session_id in self.sessions.expired():
+                log.info("dropping idle session %s after %.0fs", session_id, self.options.session_ttl)
+                self._release(session_id)
+            self._publish_totals()
+
+    async def close(self) -> None:
+        if self._downstream_channel is not None:
+            await self._downstream_channel.close()
+        self.compute.shutdown(wait=False, cancel_futures=True)
+
+
+async def _maybe_await(value) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+async def start_stage_server(options: StageOptions, *, runtime=None) -> tuple[grpc.aio.Server, StageService, int]:
+    """Start the gRPC server (stage service + health) and begin loading; returns the bound port."""
+    service = StageService(options, runtime=runtime)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_StageServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    await server.start()
+    await service.mark_not_serving()
+    loop = asyncio.get_running_loop()
+    if runtime is None:
+        threading.Thread(target=service.load, args=(loop,), name="stage-load", daemon=True).start()
+    else:
+        await service.mark_serving()
+    service.sweeper = asyncio.create_task(service.sweep_forever())
+    return server, service, port
+
+
+async def serve_stage(options: StageOptions) -> None:
+    server, service, port = await start_stage_server(options)
+    if options.metrics_port:
+        service.metrics.serve(options.metrics_port)
+    log.info("stage %d/%d serving gRPC on %s:%d (layers [%d, %d), downstream %s)", options.stage_index,
+             options.num_stages, options.host, port, options.layer_start, options.layer_end,
+             options.downstream or "none: last stage")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await service.mark_not_serving()
+    await server.stop(grace=2.0)
+    await service.close()
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.debug_telemetry:
+        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
+    torch.set_grad_enabled(False)
+    asyncio.run(serve_stage(StageOptions.from_args(args)))
+    return 0

@@ -1,0 +1,78 @@
+"""Per-session state held by a stage: its KV cache, sampling parameters and (last stage) results.
+
+A session exists from its first frame (or, on the last stage, from the frontend's Results
+subscription, whichever comes first) until RELEASE, an idle TTL, or the stage's restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferencemesh.sampling import GREEDY, SamplingParams
+
+
+class SessionsFull(Exception):
+    """The stage holds max_sessions sessions already."""
+
+
+@dataclass
+class StageSession:
+    session_id: str
+    kv: Any = None  # SessionKV of the runtime, created on the first frame
+    sampling: SamplingParams = GREEDY
+    results: asyncio.Queue = field(default_factory=asyncio.Queue)  # Predictions, None = closed
+    last_used: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.kv.length if self.kv is not None else 0
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int, ttl_seconds: float) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_seconds = ttl_seconds
+        self._sessions: dict[str, StageSession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> StageSession | None:
+        return self._sessions.get(session_id)
+
+    def open(self, session_id: str) -> StageSession:
+        """The session, created if new; SessionsFull when the stage is at capacity."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionsFull(f"stage holds its maximum of {self.max_sessions} sessions; retry later")
+            session = self._sessions[session_id] = StageSession(session_id)
+        session.last_used = time.monotonic()
+        return session
+
+    def release(self, session_id: str) -> StageSession | None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.released = True
+            if session.kv is not None:
+                session.kv.release()
+                session.kv = None
+            session.results.put_nowait(None)
+        return session
+
+    def expired(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_seconds]
+
+    def totals(self) -> tuple[int, int, int]:
+        """(sessions, cached token positions, KV bytes)."""
+        sessions = list(self._sessions.values())
+        return (
+            len(sessions),
+            sum(s.cached_tokens for s in sessions),
+            sum(s.kv.nbytes() for s in sessions if s.kv is not None),
+        )

@@ -1,0 +1,111 @@
+"""What a stage does with one frame, with no transport in sight.
+
+The gRPC server and the in-process pipeline (one process, no network: `bench`, tests) both
+run frames through a StageWorker, so validation, position handling and the last stage's
+sampling / verification exist once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import torch
+from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import StageSession
+
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.sampling import SamplingParams, next_token, verify
+
+KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
+
+
+class Fault(Exception):
+    """A frame the stage refuses, with the gRPC status the sender gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class StageWorker:
+    def __init__(self, runtime, *, is_first: bool, is_last: bool, metrics: StageMetrics | None = None) -> None:
+        self.runtime = runtime
+        self.is_first, self.is_last = is_first, is_last
+        self.metrics = metrics
+
+    def inputs(self, frame: pb.Frame) -> torch.Tensor:
+        """Validate the frame header against its payload; token ids (stage 0) or hidden states."""
+        rt, n = self.runtime, frame.token_count
+        if frame.kind not in KIND_NAMES or frame.kind == pb.RELEASE:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"frame kind {frame.kind} carries no tokens to compute")
+        if n < 1:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "token_count must be at least 1")
+        if frame.pos_start + n > rt.max_context:
+            raise Fault(grpc.StatusCode.OUT_OF_RANGE,
+                        f"positions [{frame.pos_start}, {frame.pos_start + n}) exceed max_context {rt.max_context}")
+        needs_ids = self.is_first or (self.is_last and frame.kind == pb.VERIFY)
+        if needs_ids and len(frame.token_ids) != n:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"frame has {len(frame.token_ids)} token ids but token_count {n}")
+        if frame.kind == pb.VERIFY and n < 2:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "a VERIFY frame holds the last token and at least one draft")
+        if self.is_first:
+            ids = torch.tensor(frame.token_ids, dtype=torch.long)
+            if int(ids.min()) < 0 or int(ids.max()) >= rt.vocab_size:
+                raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary [0, {rt.vocab_size})")
+            return ids
+        if len(frame.shape) != 2 or frame.shape[1] != rt.hidden_size:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"activation shape {list(frame.shape)} must be [{n}, {rt.hidden_size}]")
+        try:
+            return codec.decode(frame.activations, frame.dtype, tuple(frame.shape), n)
+        except codec.PayloadError as err:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+
+    def compute(self, session: StageSession, frame: pb.Frame, inputs: torch.Tensor):
+        """Run the layers for one frame. Non-last stages return hidden states; the last stage
+        returns a Prediction (or None for a prompt chunk that wants none)."""
+        from inferencemesh.stage.runtime import PositionError
+
+        rt = self.runtime
+        if frame.HasField("sampling"):
+            s = frame.sampling
+            session.sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
+        if session.kv is None:
+            session.kv = rt.new_session()
+        started = time.perf_counter()
+        is_verify = frame.kind == pb.VERIFY
+        feed = {"token_ids": inputs} if self.is_first else {"hidden": inputs}
+        try:
+            out = rt.forward(session.kv, frame.pos_start, logits="all" if is_verify else "last", **feed)
+        except PositionError as err:
+            raise Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from err
+        if self.metrics is not None:
+            kind = KIND_NAMES[frame.kind]
+            self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)
+            self.metrics.frames_by_kind[kind].inc()
+            self.metrics.tokens.inc(frame.token_count)
+        if not self.is_last:
+            return out
+        return self._decide(session, frame, out)
+
+    def _decide(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> pb.Prediction | None:
+        """Last stage: sample the next token, or verify a speculative window."""
+        if frame.kind == pb.VERIFY:
+            drafts = list(frame.token_ids[1:])
+            probs = None
+            if frame.draft_probs and not session.sampling.greedy:
+                try:
+                    probs = codec.decode_probs(frame.draft_probs, len(drafts), self.runtime.vocab_size)
+                except codec.PayloadError as err:
+                    raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+            accepted, tokens = verify(logits, drafts, session.sampling, frame.pos_start, probs)
+            return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
+                                 tokens=tokens, accepted=accepted)
+        if frame.kind == pb.PREFILL and not frame.want_prediction:
+            return None
+        position = frame.pos_start + frame.token_count
+        token = next_token(logits[-1], session.sampling, position)
+        return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position, tokens=[token])
