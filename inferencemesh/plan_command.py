@@ -1,0 +1,44 @@
+"""`inferencemesh plan`: print the memory-planned layer ranges for a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from inferencemesh.bundled import resolve_model
+from inferencemesh.checkpoint import CheckpointError, read_checkpoint
+from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes, plan_auto, plan_stages, render_plan
+
+
+def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: str | None, context_length: int,
+             max_sessions: int, revision: str | None = None) -> list[StagePlan]:
+    """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory)."""
+    facts = read_checkpoint(model, revision=revision)
+    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions)
+    memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
+    if str(stages) == "auto":
+        if not memory or len(memory) != 1:
+            raise PlanError("--stages auto needs exactly one --stage-memory size (the memory of each stage)")
+        return plan_auto(inputs, memory[0])
+    try:
+        count = int(stages)
+    except ValueError as err:
+        raise PlanError(f"--stages must be a number or auto, not {stages!r}") from err
+    return plan_stages(inputs, count, memory)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    try:
+        plan = plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
+                        context_length=args.max_context, max_sessions=args.max_sessions, revision=args.revision)
+    except (PlanError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
+    else:
+        print(f"model: {model}")
+        print(render_plan(plan))
+    return 0
