@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from inferencemesh.frontend.engine_api import (
@@ -42,6 +43,8 @@ class Proposal:
 
 class Proposer:
     """Speculation strategy for one request: propose tokens, learn from what was accepted."""
+
+    blocking = False  # True when propose() does device work (a draft model)
 
     def propose(self, history: list[int]) -> Proposal | None:
         return None
@@ -74,6 +77,7 @@ class PipelineEngine:
         self.proposer_for = proposer_for or (lambda request: None)
         self._describe = describe or {}
         self._slots = asyncio.Semaphore(options.max_sessions)
+        self._draft_executor = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self.waiting = 0
         self.running = 0
 
@@ -85,6 +89,7 @@ class PipelineEngine:
 
     async def close(self) -> None:
         await self.pipeline.close()
+        self._draft_executor.shutdown(wait=False)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         prompt = list(request.prompt_ids)
@@ -163,7 +168,13 @@ class PipelineEngine:
 
     async def _step(self, session, frame: pb.Frame, history: list[int], proposer: Proposer | None) -> list[int]:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
-        proposal = proposer.propose(history) if proposer is not None else None
+        proposal = None
+        if proposer is not None:
+            if proposer.blocking:  # a draft model computes: keep the event loop free for other requests
+                loop = asyncio.get_running_loop()
+                proposal = await loop.run_in_executor(self._draft_executor, proposer.propose, history)
+            else:
+                proposal = proposer.propose(history)
         frame.pos_start = len(history) - 1
         frame.seq += 1
         if proposal is None or not proposal.tokens:
@@ -171,7 +182,10 @@ class PipelineEngine:
             frame.token_count = 1
             frame.token_ids[:] = history[-1:]
             frame.draft_probs = b""
+            started = time.perf_counter()
             prediction = await session.send(frame)
+            if proposer is not None:
+                proposer.observe(0, 0, time.perf_counter() - started)
             return list(prediction.tokens)
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]

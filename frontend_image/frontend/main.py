@@ -22,13 +22,13 @@ def local_model_dir(source: str, *, revision: str | None = None, cache_dir: str 
     return Path(snapshot_download(source, revision=revision, cache_dir=cache_dir, allow_patterns=CONFIG_FILES))
 
 
-def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer):
+def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer, metrics):
     from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
     from inferencemesh.frontend.pipeline import GrpcPipeline
     from inferencemesh.frontend.speculative import resolve_speculation
 
-    name = args.served_model_name or model_dir.name
-    speculation = resolve_speculation(args, model_dir, tokenizer)
+    name = metrics.model
+    speculation = resolve_speculation(args, model_dir, tokenizer, metrics)
     pipeline = GrpcPipeline([a.strip() for a in args.stage_addresses.split(",") if a.strip()])
     options = EngineOptions(model_name=name, max_context=args.max_context, max_sessions=args.max_sessions)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
@@ -38,17 +38,19 @@ def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer):
 def run_frontend(args: argparse.Namespace) -> int:
     import uvicorn
     from inferencemesh.frontend.app import create_app
+    from inferencemesh.frontend.metrics import FrontendMetrics
     from transformers import AutoTokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     source = resolve_model(args.model)
     model_dir = local_model_dir(source, revision=args.revision, cache_dir=args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine, speculation = build_engine(args, model_dir, tokenizer)
+    metrics = FrontendMetrics(args.served_model_name or model_dir.name)
+    engine, speculation = build_engine(args, model_dir, tokenizer, metrics)
     log.info("speculative decoding: %s (%s)", speculation.strategy, speculation.reason)
     app = create_app(
         engine, tokenizer, served_model_name=engine.model_name,
-        api_key=os.environ.get(args.api_key_env) or None, max_body_bytes=args.max_body_bytes,
+        api_key=os.environ.get(args.api_key_env) or None, max_body_bytes=args.max_body_bytes, metrics=metrics,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
     return 0
