@@ -1,0 +1,275 @@
+"""Load one stage's slice of a Hugging Face causal LM: its layer range, plus the end-stage tensors.
+
+Only what the stage runs is ever read: from a hub repo, only the config/tokenizer files and the
+safetensors shards holding this stage's tensors are downloaded (found through
+model.safetensors.index.json); the modules are built on the meta device and the tensors,
+read with safetensors.safe_open from those shards only, are assigned into them. The whole
+model is never materialised. Pickle-based weights are refused.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from inferencemesh import checkpoint
+from inferencemesh.checkpoint import (
+    CONFIG_FILES,
+    SAFETENSORS_INDEX,
+    SINGLE_SAFETENSORS,
+    CheckpointError,
+    CheckpointFacts,
+    TensorInfo,
+)
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, float], None]
+
+# model_type -> (transformers module, class-name prefix) of the decoder layer, norm and rotary classes.
+FAMILIES = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StageModules:
+    """The modules one stage runs, with real weights on the target device."""
+
+    facts: CheckpointFacts
+    config: object  # the transformers PretrainedConfig
+    model_dir: Path
+    embed: nn.Embedding | None  # first stage only
+    layers: nn.ModuleList  # decoder layers [layer_start, layer_end), built with their global layer_idx
+    norm: nn.Module | None  # last stage only
+    lm_head: nn.Linear | None  # last stage only (its weight is the embedding matrix when tied)
+    rotary: nn.Module
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_dtype(name: str, config_dtype: str) -> torch.dtype:
+    """'auto' means the checkpoint's declared dtype; otherwise one of float32|float16|bfloat16."""
+    key = config_dtype if name == "auto" else name
+    key = str(key).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unsupported dtype {key!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _noop(state: str, fraction: float) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- locating files
+
+
+def locate(
+    source: str | Path,
+    layer_start: int,
+    layer_end: int,
+    *,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    on_progress: Progress = _noop,
+) -> tuple[Path, CheckpointFacts]:
+    """A directory holding the config and every shard this stage needs, and the checkpoint's facts.
+
+    A local directory is used as is. Anything else is a hub repo id: see _download.
+    """
+    if checkpoint.is_local(source):
+        facts = checkpoint.read_local(source)  # refuses unsupported families and pickle-only weights
+        _check_range(facts, layer_start, layer_end, source)
+        return Path(source), facts
+    return _download(str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress)
+
+
+def _check_range(facts: CheckpointFacts, layer_start: int, layer_end: int, where: str | Path) -> None:
+    if not 0 <= layer_start < layer_end <= facts.num_layers:
+        raise CheckpointError(f"{where}: layer range [{layer_start}, {layer_end}) is not within [0, {facts.num_layers})")
+
+
+def _download(
+    repo_id: str,
+    layer_start: int,
+    layer_end: int,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    on_progress: Progress,
+) -> tuple[Path, CheckpointFacts]:
+    """Fetch config/tokenizer files and the index first, then only the shards this stage reads.
+
+    Each shard is its own snapshot_download call (allow_patterns = that one file), which keeps
+    the request minimal and lets progress be reported per shard. With HF_HUB_OFFLINE=1 the
+    same calls resolve against the local Hugging Face cache.
+    """
+    from huggingface_hub import snapshot_download
+
+    on_progress("downloading", 0.0)
+    snapshot = Path(
+        snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=[*CONFIG_FILES, SAFETENSORS_INDEX]
+        )
+    )
+    # The snapshot folder is named by the resolved commit: pinning it keeps every later call on
+    # the same revision and spares them a round trip to resolve a branch name.
+    commit = snapshot.name
+    config_path = snapshot / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{repo_id}: no config.json (is this a Hugging Face model repo?)")
+    config = json.loads(config_path.read_text())
+    checkpoint.check_supported(config, repo_id)
+
+    index = snapshot / SAFETENSORS_INDEX
+    if index.exists():
+        wmap = dict(json.loads(index.read_text())["weight_map"])
+    elif SINGLE_SAFETENSORS in _repo_files(repo_id, commit, cache_dir, snapshot):
+        wmap = {}  # one file holds everything; its header is read once it is here
+    else:
+        checkpoint.refuse_without_safetensors(repo_id, _repo_files(repo_id, commit, cache_dir, snapshot))
+        raise CheckpointError(f"{repo_id}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
+
+    if wmap:
+        # Only names and shards matter to select files; shapes come from the headers later.
+        placeholder = CheckpointFacts(config, {n: TensorInfo(n, "U8", (0,), s) for n, s in wmap.items()})
+        _check_range(placeholder, layer_start, layer_end, repo_id)
+        shards = placeholder.shards_for(placeholder.stage_tensor_names(layer_start, layer_end))
+    else:
+        shards = [SINGLE_SAFETENSORS]
+    for i, shard in enumerate(shards):
+        log.info("%s: downloading %s (%d/%d)", repo_id, shard, i + 1, len(shards))
+        snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, allow_patterns=[shard])
+        on_progress("downloading", (i + 1) / len(shards))
+
+    # Headers of the shards this stage holds only: the other shards are never fetched.
+    facts = checkpoint.read_local(snapshot, headers_of=shards)
+    _check_range(facts, layer_start, layer_end, repo_id)
+    return snapshot, facts
+
+
+def _repo_files(repo_id: str, commit: str, cache_dir: str | None, snapshot: Path) -> list[str]:
+    """The repo's file list: the tree listing huggingface_hub cached, else what the snapshot holds."""
+    try:
+        from huggingface_hub import get_cached_repo_tree
+
+        return [f.path for f in get_cached_repo_tree(repo_id, revision=commit, cache_dir=cache_dir)]
+    except Exception:  # older huggingface_hub, or no cached listing: fall back to the local snapshot
+        return [p.name for p in snapshot.iterdir()]
+
+
+# --------------------------------------------------------------------------- building modules
+
+
+def load_stage(
+    source: str | Path,
+    layer_start: int,
+    layer_end: int,
+    *,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    cache_dir: str | None = None,
+    on_progress: Progress | None = None,
+) -> StageModules:
+    """Locate (download if needed) and load the modules of the stage holding layers [layer_start, layer_end)."""
+    from transformers import AutoConfig
+
+    on_progress = on_progress or _noop
+    model_dir, facts = locate(
+        source, layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
+    )
+    on_progress("loading", 0.0)
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "sdpa"  # the runtime passes sdpa-style boolean masks (see runtime.py)
+    torch_dtype = resolve_dtype(dtype, facts.checkpoint_dtype)
+    torch_device = resolve_device(device)
+    first, last = layer_start == 0, layer_end == facts.num_layers
+
+    module_path, prefix = FAMILIES[facts.model_type]
+    family = importlib.import_module(module_path)
+    decoder_cls = getattr(family, f"{prefix}DecoderLayer")
+    norm_cls = getattr(family, f"{prefix}RMSNorm")
+    rotary_cls = getattr(family, f"{prefix}RotaryEmbedding")
+
+    # Shapes only: nothing is allocated until the loaded tensors are assigned.
+    with torch.device("meta"):
+        embed = nn.Embedding(facts.vocab_size, facts.hidden_size, config.pad_token_id) if first else None
+        layers = nn.ModuleList(decoder_cls(config, i) for i in range(layer_start, layer_end))
+        norm = norm_cls(facts.hidden_size, eps=config.rms_norm_eps) if last else None
+        lm_head = nn.Linear(facts.hidden_size, facts.vocab_size, bias=False) if last else None
+
+    tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress)
+    if embed is not None:
+        embed.load_state_dict({"weight": tensors.pop("model.embed_tokens.weight")}, assign=True)
+    for layer, i in zip(layers, range(layer_start, layer_end), strict=True):
+        prefix_i = f"model.layers.{i}."
+        own = {k.removeprefix(prefix_i): tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix_i)]}
+        layer.load_state_dict(own, assign=True, strict=True)
+    if last:
+        norm.load_state_dict({"weight": tensors.pop("model.norm.weight")}, assign=True)
+        if "lm_head.weight" in tensors and not facts.tie_word_embeddings:
+            head = tensors.pop("lm_head.weight")
+        elif facts.tie_word_embeddings:
+            # A tied head is the embedding matrix; share the very tensor when this stage also embeds.
+            head = embed.weight if embed is not None else tensors.pop("model.embed_tokens.weight")
+            tensors.pop("lm_head.weight", None)
+        else:
+            raise CheckpointError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
+        lm_head.load_state_dict({"weight": head}, assign=True)
+    if tensors:
+        log.debug("unused tensors in the stage's selection: %s", sorted(tensors))
+
+    rotary = rotary_cls(config=config).to(torch_device)  # small and computed, so built for real
+    for module in (embed, layers, norm, lm_head):
+        if module is not None:
+            module.eval().requires_grad_(False)
+    return StageModules(facts, config, model_dir, embed, layers, norm, lm_head, rotary, torch_dtype, torch_device)
+
+
+def _read_tensors(
+    model_dir: Path,
+    facts: CheckpointFacts,
+    layer_start: int,
+    layer_end: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_progress: Progress,
+) -> dict[str, torch.Tensor]:
+    """Read this stage's tensors, shard by shard, converted to dtype and placed on device."""
+    names = facts.stage_tensor_names(layer_start, layer_end)
+    total = sum(facts.tensors[n].nbytes for n in names) or 1
+    done, reported = 0, 0.0
+    out: dict[str, torch.Tensor] = {}
+    for shard in facts.shards_for(names):
+        wanted = [n for n in names if facts.tensors[n].shard == shard]
+        # The shard is memory-mapped; only the byte ranges of the wanted tensors are touched, and
+        # closing it per shard keeps at most one shard's mapped pages resident.
+        with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
+            for name in wanted:
+                tensor = f.get_tensor(name)
+                out[name] = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
+                del tensor
+                done += facts.tensors[name].nbytes
+                if done / total - reported >= 0.05 or done == total:  # a few updates, not one per tensor
+                    reported = done / total
+                    on_progress("loading", reported)
+    return out

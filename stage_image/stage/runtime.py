@@ -1,0 +1,213 @@
+"""The stage runtime: run a layer range of a causal LM over per-session KV caches.
+
+    rt = StageRuntime("path/or/org/model", 0, 12)
+    kv = rt.new_session()
+    logits = rt.forward(kv, 0, token_ids=prompt)        # prefill (first and last stage)
+    logits = rt.forward(kv, len(prompt), token_ids=nxt)  # decode
+
+pos_start is authoritative: a frame at position p first truncates the session's cache to p,
+which is how a rejected speculation rolls back without a message of its own. The first stage
+takes token ids, the others the previous stage's hidden states; the last stage returns float32
+logits, only for the last row unless asked for all (speculative verification).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .kv import SessionKV
+from .loader import load_stage
+
+# Rotary types whose frequencies do not depend on the sequence length, so a table of cos/sin
+# per position can be computed once. Others (dynamic NTK, longrope) are computed per forward.
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+
+
+class PositionError(ValueError):
+    """pos_start beyond what the session's cache holds, or past max_context."""
+
+
+class StageRuntime:
+    """Layers [layer_start, layer_end) of a model, plus embeddings (first stage) or norm + head (last)."""
+
+    def __init__(
+        self,
+        source: str | Path,
+        layer_start: int,
+        layer_end: int,
+        *,
+        revision: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        cache_dir: str | None = None,
+        max_context: int = 2048,
+        on_progress: Callable[[str, float], None] | None = None,
+    ) -> None:
+        stage = load_stage(
+            source,
+            layer_start,
+            layer_end,
+            revision=revision,
+            dtype=dtype,
+            device=device,
+            cache_dir=cache_dir,
+            on_progress=on_progress,
+        )
+        self.facts = stage.facts
+        self.config = stage.config
+        self.num_layers = stage.facts.num_layers
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == self.num_layers
+        self.hidden_size = stage.facts.hidden_size
+        self.vocab_size = stage.facts.vocab_size
+        self.dtype = stage.dtype
+        self.device = stage.device
+        self.max_context = max_context
+        self.model_dir = stage.model_dir
+
+        self._embed = stage.embed
+        self._layers = list(stage.layers)
+        self._norm = stage.norm
+        self._lm_head = stage.lm_head
+        self._rotary = stage.rotary
+        self._kv_heads = stage.facts.num_kv_heads
+        self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
+        self._windows = [self._sliding_window(i) for i in range(layer_start, layer_end)]
+        self._rope_table = self._build_rope_table()
+        if on_progress is not None:
+            on_progress("ready", 1.0)
+
+    # ------------------------------------------------------------------ sessions
+
+    def new_session(self) -> SessionKV:
+        return SessionKV(
+            len(self._layers),
+            self.layer_start,
+            self._kv_heads,
+            self._head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_context=self.max_context,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        kv: SessionKV,
+        pos_start: int,
+        *,
+        token_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        logits: str = "last",
+    ) -> torch.Tensor:
+        """Run the stage on T new positions starting at pos_start.
+
+        Returns hidden [T, H] (non-last stage), or float32 logits [1, V] (logits="last") or
+        [T, V] (logits="all") on the last stage.
+        """
+        x = self._input(token_ids, hidden)  # [1, T, H]
+        count = x.shape[1]
+        if pos_start < 0 or pos_start > kv.length:
+            raise PositionError(f"pos_start {pos_start} is beyond the {kv.length} positions this session holds")
+        if pos_start + count > self.max_context:
+            raise PositionError(f"positions up to {pos_start + count} exceed max_context {self.max_context}")
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
+
+        kv.truncate(pos_start)
+        kv.begin(pos_start, count)
+        position_embeddings = self._rope(x, pos_start, count)
+        masks = self._masks(pos_start, count)
+        for layer, mask in zip(self._layers, masks, strict=True):
+            x = layer(
+                x,
+                attention_mask=mask,
+                position_ids=None,
+                past_key_values=kv,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        kv.end()
+
+        if not self.is_last:
+            return x[0]
+        if logits == "last":
+            x = x[:, -1:]  # dead rows skipped: only the last row goes through norm and head
+        return self._lm_head(self._norm(x))[0].float()
+
+    def _input(self, token_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.is_first:
+            if token_ids is None or hidden is not None:
+                raise ValueError("the first stage takes token_ids (and no hidden states)")
+            if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {tuple(token_ids.shape)}")
+            ids = token_ids.to(device=self.device, dtype=torch.long)
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+            return self._embed(ids)[None]
+        if hidden is None or token_ids is not None:
+            raise ValueError("a stage after the first takes hidden states (and no token_ids)")
+        if hidden.dim() != 2 or hidden.shape[0] == 0 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}] with T >= 1, got {tuple(hidden.shape)}")
+        return hidden.to(device=self.device, dtype=self.dtype)[None]
+
+    # ------------------------------------------------------------------ positions
+
+    def _build_rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in _STATIC_ROPE:
+            return None
+        positions = torch.arange(self.max_context, device=self.device)[None]
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            cos, sin = self._rotary(probe, positions)  # [1, max_context, head_dim], in self.dtype
+        return cos, sin
+
+    def _rope(self, x: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rope_table is not None:
+            cos, sin = self._rope_table
+            return cos[:, start : start + count], sin[:, start : start + count]
+        positions = torch.arange(start, start + count, device=self.device)[None]
+        return self._rotary(x, positions)
+
+    def _sliding_window(self, layer: int) -> int | None:
+        """The layer's sliding window, as transformers applies it for this family."""
+        window = getattr(self.config, "sliding_window", None)
+        if not window:
+            return None
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is None:  # Mistral: every layer slides when a window is set
+            return int(window)
+        return int(window) if layer_types[layer] == "sliding_attention" else None
+
+    def _masks(self, start: int, count: int) -> list[torch.Tensor | None]:
+        """Boolean attention masks (True = attend) per layer; None where sdpa needs none.
+
+        A single query attends to everything cached (no mask), and a prefill from position 0
+        uses sdpa's causal mode. Any other window needs an explicit mask: sdpa's is_causal is
+        aligned top-left, which is wrong once the cache holds earlier positions.
+        """
+        stop = start + count
+        cache: dict[int | None, torch.Tensor | None] = {}
+        masks = []
+        for window in self._windows:
+            if window not in cache:
+                slides = window is not None and stop > window
+                if (count == 1 or start == 0) and not slides:
+                    cache[window] = None
+                else:
+                    q = torch.arange(start, stop, device=self.device)[:, None]
+                    k = torch.arange(stop, device=self.device)[None, :]
+                    allowed = k <= q
+                    if window is not None:
+                        allowed &= k > q - window
+                    cache[window] = allowed[None, None]
+            masks.append(cache[window])
+        return masks
