@@ -1,0 +1,540 @@
+"""The OpenAI-compatible HTTP layer: requests in, token ids to the engine, text out.
+
+    create_app(engine, tokenizer, served_model_name=...) -> FastAPI
+
+Routes: GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
+GET /health (liveness), GET /ready (engine ready), GET /metrics (Prometheus).
+Every error, including FastAPI's own validation errors, is answered in OpenAI's error JSON.
+The engine owns generation; this module owns tokenization, limits, stop strings and metrics.
+The caller owns the engine's lifecycle (create_app never closes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from transformers import PreTrainedTokenizerBase
+
+from .detokenize import OutputText
+from .engine_api import Engine, EngineError, GenerationRequest
+from .metrics import FrontendMetrics, RequestTracker
+from .openai_models import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("inferencemesh.frontend")
+
+# End-of-turn markers of common chat templates: generation stops on them as on EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _from_engine_error(exc: EngineError) -> APIError:
+    return APIError(exc.status_code, str(exc) or type(exc).__name__, type=exc.error_type, code=exc.code)
+
+
+# --- request guard: API key and body size, before any parsing ---------------------------------
+
+
+class _Guard:
+    """Pure ASGI middleware: 401 without the API key, 413 for oversized bodies.
+
+    The body is read here, bounded, and replayed to the app: Content-Length can be absent
+    (chunked) or wrong, so the bytes actually received are what is counted.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, exempt: tuple[str, ...], max_body_bytes: int,
+                 reject: Callable[[APIError], Response]) -> None:
+        self.app, self.api_key, self.exempt, self.max_body_bytes = app, api_key, exempt, max_body_bytes
+        self.reject = reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"] not in self.exempt and not self._authorized(headers):
+            err = APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+            response = self.reject(err)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # afterwards: the real channel, which reports disconnects
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        assert self.api_key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = APIError(413, f"Request body exceeds the limit of {self.max_body_bytes} bytes.",
+                       code="request_too_large")
+        response = self.reject(err)
+        response.headers["Connection"] = "close"  # the unread rest of the body is not drained
+        await response(scope, receive, send)
+
+
+# --- server-sent events that always release the engine ----------------------------------------
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that watches for the client going away while it waits on the engine, and
+    always closes its body iterator (which closes the engine's iterator: the session is freed)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client is gone; the finally below cleans up
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            if hasattr(body, "aclose"):
+                with anyio.CancelScope(shield=True):
+                    await body.aclose()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _close(iterator: AsyncIterator[list[int]]) -> None:
+    """Close the engine iterator even from a cancelled task: this is what releases the session."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await aclose()
+            except Exception:
+                log.exception("closing the engine iterator failed")
+
+
+async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
+    """Run work; cancel it if the client disconnects first. Returns (completed, result)."""
+    result: Any = None
+    error: BaseException | None = None
+    completed = False
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            nonlocal result, completed, error
+            try:
+                result = await work()
+                completed = True
+            except Exception as exc:  # re-raised below, unwrapped from the task group
+                error = exc
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    if error is not None:
+        raise error
+    return completed, result
+
+
+# --- one generation ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """A validated request, ready for the engine."""
+
+    kind: str  # "chat" | "completion"
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    request: GenerationRequest
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    arrival: float  # time.perf_counter() when the request arrived
+    echo_text: str = ""
+    # Set when generation ends:
+    finish_reason: str = "length"
+    completion_tokens: int = 0
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Frontend:
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str,
+                 metrics: FrontendMetrics) -> None:
+        self.engine, self.tokenizer, self.model, self.metrics = engine, tokenizer, model, metrics
+        self.created = int(time.time())
+        self.vocab_size = len(tokenizer)
+        vocab = tokenizer.get_vocab()
+        stop_ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        eos = tokenizer.eos_token_id
+        stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.stop_token_ids = frozenset(stop_ids)
+
+    def error_response(self, err: APIError) -> JSONResponse:
+        self.metrics.request_errors.labels(self.model, str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status)
+
+    # --- validation and tokenization ---
+
+    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, arrival: float) -> _Job:
+        if body.model != self.model:
+            raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model}`.",
+                           param="model", code="model_not_found")
+        refused = body.unsupported()
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+        if not await self._ready():
+            raise APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
+
+        echo_text = ""
+        if isinstance(body, ChatCompletionRequest):
+            kind, prefix, max_tokens, param = "chat", "chatcmpl-", body.requested_max_tokens(), "messages"
+            prompt_ids = await asyncio.to_thread(self._chat_ids, body)
+        else:
+            kind, prefix, max_tokens, param = "completion", "cmpl-", body.max_tokens, "prompt"
+            prompt = body.single_prompt()
+            if isinstance(prompt, str):
+                prompt_ids = await asyncio.to_thread(self._text_ids, prompt)
+            else:
+                bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise APIError(400, f"Token id {bad} is outside the vocabulary (size {self.vocab_size}).",
+                                   param="prompt")
+                prompt_ids = list(prompt)
+            if body.echo:
+                echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        if not prompt_ids:
+            if self.tokenizer.bos_token_id is None:
+                raise APIError(400, "The prompt is empty.", param=param)
+            prompt_ids = [self.tokenizer.bos_token_id]
+
+        limit, n = self.engine.max_context, len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = limit - n  # not set: as many as fit
+        if max_tokens < 1 or n + max_tokens > limit:
+            asked = f"{n} prompt tokens" + (f" + {max_tokens} max_tokens" if n < limit else "")
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the request has {asked}.",
+                           param=param, code="context_length_exceeded")
+
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        request_id = prefix + uuid.uuid4().hex
+        gen = GenerationRequest(
+            request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+            stop_token_ids=self.stop_token_ids,
+        )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
+                    bool(body.stream), include_usage, arrival, echo_text)
+
+    async def _ready(self) -> bool:
+        try:
+            return bool(await self.engine.is_ready())
+        except Exception:
+            log.exception("engine.is_ready() failed")
+            return False
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # templates raise on conversations they reject (e.g. role order)
+            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+        # The template already placed any BOS / control tokens.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # --- running the engine ---
+
+    async def start(self, job: _Job) -> tuple[AsyncIterator[list[int]], list[int] | None, RequestTracker]:
+        """Submit to the engine and wait for its first step, so that errors at admission
+        (overloaded, not ready, context) still get their HTTP status. None: no tokens at all."""
+        tracker = self.metrics.track_request(job.arrival, len(job.prompt_ids))
+        iterator: Any = self.engine.generate(job.request)
+        try:
+            if inspect.isawaitable(iterator):
+                iterator = await iterator
+            try:
+                first = await iterator.__anext__()
+            except StopAsyncIteration:
+                first = None
+        except EngineError as exc:
+            tracker.finish("error", status=exc.status_code)
+            await _close(iterator)
+            raise _from_engine_error(exc) from exc
+        except BaseException:
+            tracker.finish("abort")
+            await _close(iterator)
+            raise
+        return iterator, first, tracker
+
+    async def steps(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
+                    tracker: RequestTracker, text: OutputText) -> AsyncIterator[str]:
+        """Text deltas of one generation; sets job.finish_reason and job.completion_tokens at the end."""
+        budget = job.request.max_tokens
+        count = 0
+        ids = first
+        while ids is not None:
+            ids = ids[: budget - count]  # a speculative step may overshoot the budget
+            if ids:
+                count += len(ids)
+                tracker.on_tokens(len(ids))
+                delta = text.add_tokens(ids)
+                if delta:
+                    yield delta
+            if text.stopped or count >= budget:
+                break
+            try:
+                ids = await iterator.__anext__()
+            except StopAsyncIteration:
+                ids = None
+        if not text.stopped:
+            tail = text.finish()
+            if tail:
+                yield tail
+        job.completion_tokens = count
+        # The engine ends early only on a stop token; a stop string also ends it: both are "stop".
+        job.finish_reason = "stop" if text.stopped or count < budget else "length"
+
+    # --- responses ---
+
+    def _chunk(self, job: _Job, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> str:
+        obj: dict[str, Any] = {
+            "id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": [] if choice is None else [choice],
+        }
+        if usage is not None:
+            obj["usage"] = usage
+        return _sse(obj)
+
+    def _delta_choice(self, job: _Job, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if job.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    async def stream(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
+                     tracker: RequestTracker) -> AsyncIterator[str]:
+        text = OutputText(self.tokenizer, job.prompt_ids, job.stops)
+        try:
+            if job.kind == "chat":
+                yield self._chunk(job, self._delta_choice(job, "", None, role=True))
+            elif job.echo_text:
+                yield self._chunk(job, self._delta_choice(job, job.echo_text, None))
+            try:
+                async for delta in self.steps(job, iterator, first, tracker, text):
+                    yield self._chunk(job, self._delta_choice(job, delta, None))
+            except EngineError as exc:  # headers are sent: report in-band, as OpenAI does
+                tracker.finish("error", status=exc.status_code)
+                yield _sse(_from_engine_error(exc).body())
+                yield "data: [DONE]\n\n"
+                return
+            finish = job.finish_reason
+            yield self._chunk(job, self._delta_choice(job, None if job.kind == "chat" else "", finish))
+            if job.include_usage:
+                yield self._chunk(job, None, _usage(len(job.prompt_ids), job.completion_tokens))
+            yield "data: [DONE]\n\n"
+            tracker.finish(finish)
+        finally:
+            await _close(iterator)
+            tracker.finish("abort")  # no-op when already finished
+
+    async def complete(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
+                       tracker: RequestTracker) -> dict[str, Any]:
+        text = OutputText(self.tokenizer, job.prompt_ids, job.stops)
+        try:
+            parts = [delta async for delta in self.steps(job, iterator, first, tracker, text)]
+        except EngineError as exc:
+            tracker.finish("error", status=exc.status_code)
+            raise _from_engine_error(exc) from exc
+        finally:
+            await _close(iterator)
+        finish, out = job.finish_reason, "".join(parts)
+        tracker.finish(finish)
+        usage = _usage(len(job.prompt_ids), job.completion_tokens)
+        if job.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
+                      "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": job.echo_text + out, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice],
+                "usage": usage}
+
+    async def handle(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        job = await self.prepare(body, getattr(request.state, "arrival", time.perf_counter()))
+        iterator, first, tracker = await self.start(job)
+        if job.stream:
+            return _EventStream(self.stream(job, iterator, first, tracker),
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            completed, result = await _until_disconnect(request, lambda: self.complete(job, iterator, first, tracker))
+        finally:
+            await _close(iterator)  # also when complete() never started (a cancelled task)
+            tracker.finish("abort")
+        if not completed:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(result)
+
+    def model_card(self) -> dict[str, Any]:
+        try:
+            described = self.engine.describe()
+        except Exception:
+            log.exception("engine.describe() failed")
+            described = {}
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "inferencemesh",
+                "max_model_len": self.engine.max_context, "inferencemesh": described}
+
+
+# --- the factory ------------------------------------------------------------------------------
+
+
+def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_model_name: str,
+               api_key: str | None = None, auth_exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics"),
+               max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None) -> FastAPI:
+    """The frontend's ASGI app. api_key None or "": no authentication."""
+    front = _Frontend(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name))
+    app = FastAPI(title="InferenceMesh", description="OpenAI-compatible endpoint of an InferenceMesh.",
+                  docs_url=None, redoc_url=None)
+    app.state.frontend = front
+    app.state.metrics = front.metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return front.error_response(exc)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return front.error_response(_from_engine_error(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers a malformed body with 400 invalid_request_error, not FastAPI's 422.
+        errors = exc.errors()
+        first_loc = [str(p) for p in errors[0]["loc"][1:]] if errors else []
+        param = ".".join(first_loc) if errors and errors[0]["type"] != "json_invalid" else None
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
+        return front.error_response(APIError(400, f"Invalid request body: {details}", param=param or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return front.error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return front.error_response(APIError(500, "Internal server error.", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if await front._ready():
+            return JSONResponse({"status": "ready"})
+        return front.error_response(APIError(503, "The model is not ready yet.", type="service_unavailable",
+                                             code="not_ready"))
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        data, content_type = front.metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [front.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return front.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await front.handle(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await front.handle(request, body)
+
+    app.add_middleware(_Guard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),
+                       max_body_bytes=max_body_bytes, reject=front.error_response)
+    return app

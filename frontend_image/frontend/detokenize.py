@@ -1,0 +1,101 @@
+"""Token ids -> text deltas for streaming, and stop strings that never leak into the output.
+
+Decoding token by token is wrong for two reasons: a byte-level BPE token can hold half of a
+UTF-8 character, and some decoders (SentencePiece's leading space) depend on the previous
+token. So we decode a small window twice, as vLLM and TGI do, and emit the difference only
+once it no longer ends in U+FFFD.
+
+Stop strings can straddle tokens ("\\n\\n" from "\\n" + "\\n"), so text that could be the start
+of a stop string is held back until the next tokens prove it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tail decoded with the output so the first token's spacing is right
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0  # start of the decode window
+        self._read = len(self._ids)  # ids before this have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _delta(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if len(full_text) <= len(prefix_text) or (not final and full_text.endswith(REPLACEMENT_CHAR)):
+            return ""  # nothing new yet, or an incomplete character: wait for the next token
+        self._prefix, self._read = self._read, len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def add(self, ids: Sequence[int]) -> str:
+        """Append new token ids; return the text that is now certain."""
+        self._ids.extend(ids)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Generation ended: return whatever is still held back (even an incomplete character)."""
+        return self._delta(final=True)
+
+
+class StopStringMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Feed text; return (text safe to emit, whether a stop string was found)."""
+        if not self._stops:
+            return text, False
+        pending = self._pending + text
+        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return pending[:min(hits)], True
+        hold = max((self._partial_suffix(pending, s) for s in self._stops), default=0)
+        cut = len(pending) - hold
+        self._pending = pending[cut:]
+        return pending[:cut], False
+
+    @staticmethod
+    def _partial_suffix(text: str, stop: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of stop."""
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+class OutputText:
+    """The text of one generation: detokenized, with stop strings cut out."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], stops: Sequence[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = StopStringMatcher(stops)
+        self.stopped = False  # a stop string was seen: the caller ends generation
+
+    def add_tokens(self, ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        out, self.stopped = self._stops.push(self._detok.add(ids))
+        return out
+
+    def finish(self) -> str:
+        """Generation ended by the engine: the held-back rest (still cut at a stop string)."""
+        if self.stopped:
+            return ""
+        out, self.stopped = self._stops.push(self._detok.flush())
+        return out if self.stopped else out + self._stops.flush()

@@ -1,0 +1,180 @@
+"""Every Prometheus metric the frontend exports, in one place.
+
+Names follow vLLM's (`time_to_first_token_seconds`, `num_requests_running`, …) under an
+`inferencemesh_` prefix so existing vLLM dashboards need only a prefix change. Each
+FrontendMetrics owns its CollectorRegistry: several apps in one process (tests) never collide,
+and /metrics shows exactly one frontend's series.
+
+The HTTP layer updates the request metrics; the engine updates the speculative-decoding ones
+through the same object (main.py hands one instance to both).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "inferencemesh_"
+
+# vLLM's buckets, extended downwards: a small model on CPU decodes in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+FINISHED_REASONS = ("stop", "length", "abort")  # abort: the client went away
+# States of automatic (n-gram) speculation, seed 003: watch the prompt and the first tokens,
+# speculate while it pays, back off after poor acceptance; "off" when auto is not in use.
+AUTO_STATES = ("off", "observing", "active", "cooldown")
+
+
+class FrontendMetrics:
+    def __init__(self, model: str, *, max_spec_positions: int = 16) -> None:
+        self.model = model
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        m = ["model"]
+
+        # Request flow (updated by the HTTP layer).
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first generated token.",
+            m, buckets=TTFT_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between successive engine steps of one request (a step may carry several accepted tokens).",
+            m, buckets=ITL_BUCKETS, registry=registry)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
+            m, buckets=E2E_BUCKETS, registry=registry)
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running", "Requests that are producing tokens.", m, registry=registry)
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Admitted requests that have not produced their first token yet.",
+            m, registry=registry)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens_total", "Prompt tokens of admitted requests.", m, registry=registry)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens_total", "Tokens generated.", m, registry=registry)
+        self.request_success = Counter(
+            PREFIX + "request_success_total", "Finished requests by finish reason.",
+            m + ["finished_reason"], registry=registry)
+        self.request_errors = Counter(
+            PREFIX + "request_errors_total", "Requests answered with an error, by HTTP status code.",
+            m + ["status"], registry=registry)
+
+        # Speculative decoding (updated by the engine).
+        self.spec_decode_num_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts_total", "Verify rounds that carried draft tokens.", m, registry=registry)
+        self.spec_decode_num_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens_total", "Draft tokens proposed for verification.", m,
+            registry=registry)
+        self.spec_decode_num_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target.", m,
+            registry=registry)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted draft tokens by position in the verify window (0 = first draft token).",
+            m + ["position"], registry=registry)
+        self.spec_decode_window_size = Gauge(
+            PREFIX + "spec_decode_window_size", "Current number of draft tokens per verify round.", m,
+            registry=registry)
+        self.spec_decode_auto_state = Gauge(
+            PREFIX + "spec_decode_auto_state", "State of automatic n-gram speculation (1 on the current state).",
+            m + ["state"], registry=registry)
+        self.speculative_strategy_info = Gauge(
+            PREFIX + "speculative_strategy_info",
+            "The speculative strategy in use (value 1) and why it was chosen.",
+            m + ["strategy", "reason"], registry=registry)
+
+        # Create the labelled children now so every series is exported (at 0) from the first scrape.
+        for metric in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                       self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
+                       self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                       self.spec_decode_num_accepted_tokens, self.spec_decode_window_size):
+            metric.labels(model)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model, reason)
+        for pos in range(max_spec_positions):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(model, str(pos))
+        self.set_auto_state("off")
+        self.set_speculative_strategy("none", "not configured")
+
+    # --- helpers for the HTTP layer ---------------------------------------------------------
+
+    def track_request(self, arrival: float, prompt_tokens: int) -> RequestTracker:
+        """Start tracking an admitted request that arrived at `arrival` (time.perf_counter())."""
+        return RequestTracker(self, arrival, prompt_tokens)
+
+    # --- helpers for the engine -------------------------------------------------------------
+
+    def set_speculative_strategy(self, strategy: str, reason: str) -> None:
+        """Replace the info series: exactly one (strategy, reason) pair is exported at a time."""
+        self.speculative_strategy_info.clear()
+        self.speculative_strategy_info.labels(self.model, strategy, reason).set(1)
+
+    def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
+        """One verify round of `draft_tokens` proposals of which the first `accepted` were kept."""
+        if draft_tokens <= 0:
+            return
+        self.spec_decode_num_drafts.labels(self.model).inc()
+        self.spec_decode_num_draft_tokens.labels(self.model).inc(draft_tokens)
+        self.spec_decode_num_accepted_tokens.labels(self.model).inc(accepted)
+        for pos in range(accepted):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(self.model, str(pos)).inc()
+
+    def set_auto_state(self, state: str) -> None:
+        """One-hot over AUTO_STATES, like a Prometheus StateSet."""
+        if state not in AUTO_STATES:
+            raise ValueError(f"unknown auto speculation state {state!r}; known: {AUTO_STATES}")
+        for s in AUTO_STATES:
+            self.spec_decode_auto_state.labels(self.model, s).set(1 if s == state else 0)
+
+    def set_window_size(self, k: int) -> None:
+        self.spec_decode_window_size.labels(self.model).set(k)
+
+    # --- exposition -------------------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of this registry and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """One request's path through the metrics: waiting -> running -> finished, exactly once."""
+
+    def __init__(self, metrics: FrontendMetrics, arrival: float, prompt_tokens: int) -> None:
+        self._m = metrics
+        self._model = metrics.model
+        self._arrival = arrival
+        self._last: float | None = None
+        self._finished = False
+        metrics.prompt_tokens.labels(self._model).inc(prompt_tokens)
+        metrics.num_requests_waiting.labels(self._model).inc()
+
+    def on_tokens(self, count: int) -> None:
+        """An engine step delivered `count` new tokens."""
+        now = time.perf_counter()
+        m, model = self._m, self._model
+        if self._last is None:
+            m.time_to_first_token.labels(model).observe(now - self._arrival)
+            m.num_requests_waiting.labels(model).dec()
+            m.num_requests_running.labels(model).inc()
+        else:
+            m.inter_token_latency.labels(model).observe(now - self._last)
+        self._last = now
+        m.generation_tokens.labels(model).inc(count)
+
+    def finish(self, reason: str, *, status: int = 500) -> None:
+        """reason: one of FINISHED_REASONS, or "error" (counted under `status` in request_errors_total)."""
+        if self._finished:
+            return
+        self._finished = True
+        m, model = self._m, self._model
+        (m.num_requests_waiting if self._last is None else m.num_requests_running).labels(model).dec()
+        m.e2e_request_latency.labels(model).observe(time.perf_counter() - self._arrival)
+        if reason == "error":
+            m.request_errors.labels(model, str(status)).inc()
+        else:
+            m.request_success.labels(model, reason).inc()

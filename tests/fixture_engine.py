@@ -1,0 +1,236 @@
+"""A small but real Engine for the HTTP tests: a transformers causal LM, one token per step.
+
+It implements the frontend's Engine protocol (inferencemesh.frontend.engine_api) in-process:
+prefill, then decode with a per-request KV cache in a worker thread (asyncio.to_thread), with
+greedy or seeded temperature / top-k / top-p sampling, stop token ids and max_tokens. It also
+keeps count of open sessions so tests can prove that the HTTP layer releases them.
+
+The model is the bundled code target when it exists (inferencemesh/bundled/imesh-code-target,
+or /tmp/bundled/imesh-code-target while it is being trained), else a tiny random Llama with a
+byte-level BPE tokenizer trained here in a second, shaped like the bundled one (same special
+tokens and chat template). INFERENCEMESH_TEST_MODEL=tiny forces the tiny one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import os
+import random
+import socket
+import sysconfig
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import uvicorn
+from inferencemesh.frontend.engine_api import (
+    ContextLengthExceeded,
+    EngineNotReady,
+    EngineOverloaded,
+    GenerationRequest,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+BUNDLED_TARGET = "imesh-code-target"
+EOS = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TransformersEngine:
+    """Engine protocol over a Hugging Face causal LM held in this process."""
+
+    def __init__(self, model: PreTrainedModel, *, model_name: str, max_context: int | None = None,
+                 max_sessions: int = 64, step_delay_s: float = 0.0) -> None:
+        self.model = model.eval()
+        self.model_name = model_name
+        self.max_context = max_context or int(model.config.max_position_embeddings)
+        self.max_sessions = max_sessions  # beyond this, EngineOverloaded (HTTP 429)
+        self.ready = True  # tests flip it to exercise 503
+        self.step_delay_s = step_delay_s  # pause between decode steps (makes disconnect tests deterministic)
+        self.open_sessions = 0
+        self.peak_sessions = 0  # most sessions open at once: proves requests interleaved
+        self.released: dict[str, int] = {}  # request_id -> tokens yielded, recorded when the session ends
+
+    async def is_ready(self) -> bool:
+        return self.ready
+
+    def describe(self) -> dict:
+        return {"engine": "transformers-fixture", "stages": 1,
+                "speculative": {"strategy": "none", "reason": "the test fixture engine does not speculate"}}
+
+    async def close(self) -> None:
+        self.ready = False
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+        if not self.ready:
+            raise EngineNotReady("the engine is not ready")
+        if self.open_sessions >= self.max_sessions:
+            raise EngineOverloaded(f"{self.open_sessions} sessions open, the limit is {self.max_sessions}")
+        if len(request.prompt_ids) + request.max_tokens > self.max_context:
+            raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
+        self.open_sessions += 1
+        self.peak_sessions = max(self.peak_sessions, self.open_sessions)
+        produced = 0
+        try:
+            session = _Session(self.model, request)
+            logits = await asyncio.to_thread(session.forward, request.prompt_ids)
+            while True:
+                token = session.sample(logits)
+                if token in request.stop_token_ids:
+                    return
+                produced += 1
+                yield [token]
+                if produced >= request.max_tokens:
+                    return
+                if self.step_delay_s:
+                    await asyncio.sleep(self.step_delay_s)
+                logits = await asyncio.to_thread(session.forward, [token])
+        finally:
+            self.open_sessions -= 1
+            self.released[request.request_id] = produced
+
+
+class _Session:
+    """One request's KV cache and sampler."""
+
+    def __init__(self, model: PreTrainedModel, request: GenerationRequest) -> None:
+        self.model, self.request = model, request
+        self.cache = None
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[0, -1].float()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        r = self.request
+        if r.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / r.temperature
+        if 0 < r.top_k < logits.numel():
+            kth = torch.topk(logits, r.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if r.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= r.top_p  # keeps at least one
+            sorted_probs[outside] = 0.0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+@dataclass
+class FixtureModel:
+    engine: TransformersEngine
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # the served model name
+
+
+def bundled_target_dir() -> Path | None:
+    try:
+        packaged = Path(str(importlib.resources.files("inferencemesh.bundled") / BUNDLED_TARGET))
+    except ModuleNotFoundError:
+        packaged = None
+    for path in (packaged, Path("/tmp/bundled") / BUNDLED_TARGET):
+        if path is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            return path
+    return None
+
+
+def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained on a few standard-library modules, shaped like the bundled one."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / name).read_text(encoding="utf-8") for name in ("textwrap.py", "string.py", "shlex.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None,
+                                   pad_token="<|pad|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   model_max_length=256, clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model(tokenizer: PreTrainedTokenizerBase, max_context: int = 256, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    # The default 0.02-std init makes a model that repeats one token forever; wider, untied
+    # embeddings give varied text (including byte tokens that split UTF-8 characters).
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 0.5)
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def build_fixture_model(**engine_kwargs) -> FixtureModel:
+    """The one place tests get their engine: switch it here (e.g. to the pipeline engine)."""
+    path = None if os.environ.get("INFERENCEMESH_TEST_MODEL") == "tiny" else bundled_target_dir()
+    if path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        name = BUNDLED_TARGET
+    else:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(tokenizer)
+        name = "tiny-random-llama"
+    return FixtureModel(TransformersEngine(model, model_name=name, **engine_kwargs), tokenizer, name)
+
+
+# --- a real HTTP server ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serve(app) -> Iterator[str]:
+    """Run an ASGI app under uvicorn on a free loopback port in a background thread; yield its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
