@@ -1,0 +1,149 @@
+"""What the operator knows about a mesh's model: the planner's inputs and the package's declared draft.
+
+Sources, in order (documented in the CRD's model description):
+  1. spec.model.layout        numbers carried in the spec (required for PVC models): no I/O at all
+  2. bundled://NAME           a model shipped in the package (inferencemesh/bundled/NAME, or
+                              $INFERENCEMESH_BUNDLED_DIR/NAME when that exists)
+  3. an absolute path         a directory the operator can read (and the images, at the same path)
+  4. anything else            a Hugging Face hub id: config.json + safetensors headers only
+Hub answers are cached for a while, so reconciles do not hit the network each time.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_hub, read_local
+from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
+
+from .spec import MeshSpec
+
+BUNDLED_PREFIX = "bundled://"
+# Bundled models kept outside the package (a custom operator image, the tests) are looked up here first.
+BUNDLED_DIR_ENV = "INFERENCEMESH_BUNDLED_DIR"
+HUB_CACHE_SECONDS = 600.0
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+
+
+class ModelUnavailable(RuntimeError):
+    """The model could not be read right now (network, hub outage): worth retrying later."""
+
+
+@dataclass(frozen=True)
+class PackageDraft:
+    """A draft strategy the model package declares (model-package.json)."""
+
+    name: str
+    draft_model: str | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    inputs: PlanInputs
+    source: str  # "layout" | "bundled" | "local" | "hub"
+    package_draft: PackageDraft | None = None
+
+
+def resolve_bundled(name: str) -> Path:
+    """bundled://NAME -> the directory inside the installed package."""
+    short = name[len(BUNDLED_PREFIX):]
+    if not short or "/" in short or short.startswith("."):
+        raise CheckpointError(f"{name!r}: a bundled model is named bundled://NAME")
+    extra = os.environ.get(BUNDLED_DIR_ENV)
+    if extra and (Path(extra) / short).is_dir():
+        return Path(extra) / short
+    path = Path(str(importlib.resources.files("inferencemesh.bundled") / short))
+    if not path.is_dir():
+        raise CheckpointError(f"{name!r}: no bundled model {short!r} in this operator's package")
+    return path
+
+
+def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
+    layout = spec.model.layout
+    assert layout is not None
+    return PlanInputs(
+        layer_bytes=[layout.layer_bytes] * layout.num_layers,
+        embed_bytes=layout.embed_bytes,
+        tail_bytes=layout.head_bytes,
+        kv_bytes_per_layer=layout.kv_bytes_per_token * spec.context_length * spec.max_sessions,
+        overhead_bytes=DEFAULT_OVERHEAD_BYTES,
+    )
+
+
+def read_package_draft(model_dir: Path) -> PackageDraft | None:
+    """The default draft strategy of model-package.json, if the package declares one."""
+    path = model_dir / "model-package.json"
+    if not path.is_file():
+        return None
+    try:
+        package = json.loads(path.read_text())
+        decl = package["generation"]["speculative_decoding"]
+        name = decl["default"]
+        strategy = decl["strategies"][name]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(strategy, dict) or strategy.get("type") != "draft-model":
+        return None
+    return PackageDraft(str(name), strategy.get("draft_model"))
+
+
+class ModelFacts:
+    """Reads and caches model facts; one instance per operator process."""
+
+    def __init__(self, hub_ttl: float = HUB_CACHE_SECONDS) -> None:
+        self._hub_ttl = hub_ttl
+        self._hub: dict[tuple[str, str | None], tuple[float, CheckpointFacts]] = {}
+        self._lock = threading.Lock()
+
+    def info(self, spec: MeshSpec) -> ModelInfo:
+        """Planner inputs for the spec. Raises CheckpointError/PlanError (permanent) or ModelUnavailable."""
+        model = spec.model
+        if model.layout is not None:
+            return ModelInfo(inputs_from_layout(spec), "layout")
+        if model.name.startswith(BUNDLED_PREFIX):
+            path = resolve_bundled(model.name)
+            return ModelInfo(self._local_inputs(path, spec), "bundled", read_package_draft(path))
+        if model.name.startswith("/"):
+            path = Path(model.name)
+            if not path.is_dir():
+                raise CheckpointError(f"{model.name}: not a directory the operator can read; "
+                                      "give model.layout, or use a hub id or bundled://NAME")
+            return ModelInfo(self._local_inputs(path, spec), "local", read_package_draft(path))
+        if not HUB_ID.fullmatch(model.name):
+            raise CheckpointError(f"{model.name!r} is not a hub id (org/name), bundled://NAME or an absolute path")
+        facts = self._hub_facts(model.name, model.revision)
+        return ModelInfo(self._inputs(facts, spec), "hub")
+
+    def _local_inputs(self, path: Path, spec: MeshSpec) -> PlanInputs:
+        return self._inputs(read_local(path), spec)
+
+    @staticmethod
+    def _inputs(facts: CheckpointFacts, spec: MeshSpec) -> PlanInputs:
+        if facts.num_layers < 1:
+            raise PlanError(f"the model declares {facts.num_layers} layers: at least one is needed")
+        return PlanInputs.from_checkpoint(
+            facts, dtype=spec.model.dtype, context_length=spec.context_length, max_sessions=spec.max_sessions
+        )
+
+    def _hub_facts(self, repo_id: str, revision: str | None) -> CheckpointFacts:
+        key = (repo_id, revision)
+        with self._lock:
+            hit = self._hub.get(key)
+            if hit and time.monotonic() - hit[0] < self._hub_ttl:
+                return hit[1]
+        try:
+            facts = read_hub(repo_id, revision=revision)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: all retried later
+            raise ModelUnavailable(f"cannot read {repo_id!r} from the hub: {type(exc).__name__}: {exc}") from exc
+        with self._lock:
+            self._hub[key] = (time.monotonic(), facts)
+        return facts

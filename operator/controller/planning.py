@@ -1,0 +1,159 @@
+"""From a spec and its model's facts to a plan: layer ranges per stage and the speculative strategy.
+
+The ranges come from the data plane's planner (inferencemesh.planner), the same one
+`inferencemesh serve` uses. This module only bounds its work (hostile specs must not stall the
+operator) and resolves what the frontend will do about speculation, for the status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from inferencemesh.planner import (
+    PlanError,
+    PlanInputs,
+    StagePlan,
+    format_bytes,
+    parse_bytes,
+    plan_explicit,
+    plan_stages,
+)
+
+from .modelfacts import ModelInfo, PackageDraft
+from .spec import MAX_STAGES, MeshSpec
+
+# The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
+MAX_PLAN_LAYERS = 256
+
+
+@dataclass(frozen=True)
+class SpeculativeChoice:
+    strategy: str  # what the frontend will run: draft | ngram | auto | none
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    model_source: str
+    speculative: SpeculativeChoice
+
+    def to_dict(self) -> dict:
+        return {
+            "modelSource": self.model_source,
+            "stages": [s.to_dict() for s in self.stages],
+            "speculative": {"strategy": self.speculative.strategy, "reason": self.speculative.reason},
+        }
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class _PrefixInputs(PlanInputs):
+    """PlanInputs whose stage_bytes is O(1) (prefix sums), so the planner stays O(stages x layers^2)."""
+
+    prefix: tuple[int, ...] = ()
+
+    @classmethod
+    def wrap(cls, inputs: PlanInputs) -> _PrefixInputs:
+        sums = [0]
+        for b in inputs.layer_bytes:
+            sums.append(sums[-1] + b)
+        return cls(tuple(inputs.layer_bytes), inputs.embed_bytes, inputs.tail_bytes,
+                   inputs.kv_bytes_per_layer, inputs.overhead_bytes, tuple(sums))
+
+    def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
+        weights = self.prefix[end] - self.prefix[start]
+        if start == 0:
+            weights += self.embed_bytes
+        if end == num_layers:
+            weights += self.tail_bytes
+        kv = self.kv_bytes_per_layer * (end - start)
+        return weights, kv, weights + kv + self.overhead_bytes
+
+
+def plan_layers(spec: MeshSpec, inputs: PlanInputs) -> list[StagePlan]:
+    """The layer ranges for the spec. Raises PlanError with a user-facing message."""
+    num_layers = len(inputs.layer_bytes)
+    if num_layers > MAX_PLAN_LAYERS:
+        raise PlanError(f"the model has {num_layers} layers; the operator plans models of up to {MAX_PLAN_LAYERS}")
+    memory = [parse_bytes(m) for m in spec.stages.memory] or None
+    if memory and any(m <= 0 for m in memory):
+        raise PlanError("stage memory sizes must be positive")
+    return list(_cached_plan(_PrefixInputs.wrap(inputs), spec.stages.count, tuple(spec.stages.ranges),
+                             tuple(memory or ())))
+
+
+@lru_cache(maxsize=256)
+def _cached_plan(inputs: _PrefixInputs, count: int | str, ranges: tuple, memory: tuple) -> tuple[StagePlan, ...]:
+    mem = list(memory) or None
+    if ranges:
+        return tuple(plan_explicit(inputs, list(ranges), mem))
+    if count == "auto":
+        assert mem is not None
+        return tuple(_plan_auto(inputs, mem[0]))
+    assert isinstance(count, int)
+    return tuple(plan_stages(inputs, count, mem))
+
+
+def _plan_auto(inputs: PlanInputs, memory: int) -> list[StagePlan]:
+    """The fewest stages that fit, trying only counts that could: a lower bound first, then upward."""
+    n = len(inputs.layer_bytes)
+    everything = inputs.stage_bytes(0, n, n)[2] - inputs.overhead_bytes
+    biggest_layer = max(inputs.stage_bytes(i, i + 1, n)[2] for i in range(n))
+    limit = min(MAX_STAGES, n)
+    if biggest_layer > memory or everything + limit * inputs.overhead_bytes > limit * memory:
+        raise PlanError(
+            f"the model does not fit in up to {limit} stages of {format_bytes(memory)} "
+            f"(it needs about {format_bytes(everything)} plus per-stage overhead)"
+        )
+    start = max(1, math.ceil(everything / max(1, memory - inputs.overhead_bytes)))
+    last_error = None
+    for count in range(start, limit + 1):
+        try:
+            return plan_stages(inputs, count, [memory])
+        except PlanError as exc:
+            last_error = exc
+    raise PlanError(f"no stage count up to {limit} fits {format_bytes(memory)} per stage: {last_error}")
+
+
+def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
+    """What the frontend will do, from the spec and (when readable) the model package's declaration."""
+    sp = spec.speculative
+    window = sp.window.flag()
+    if sp.strategy == "none":
+        return SpeculativeChoice("none", "Disabled", "speculative.strategy is none")
+    if sp.strategy == "ngram":
+        return SpeculativeChoice("ngram", "Requested", f"n-gram (prompt lookup) speculation, window {window}")
+    if sp.draft:
+        return SpeculativeChoice("draft", "SpecDraft", f"draft model {sp.draft}, window {window}")
+    pkg: PackageDraft | None = info.package_draft
+    if pkg and not sp.no_draft:
+        return SpeculativeChoice(
+            "draft", "PackageDefault",
+            f"the model package declares draft strategy {pkg.name!r} ({pkg.draft_model}), window {window}",
+        )
+    if sp.strategy == "draft":
+        return SpeculativeChoice(
+            "none", "DraftUnresolved",
+            "strategy draft, but no draft model is named and the model package declares none: "
+            "serving without speculation",
+        )
+    if info.source in ("layout", "hub") and not sp.no_draft:
+        return SpeculativeChoice(
+            "auto", "Auto",
+            "the frontend uses a draft the model package declares, else n-gram speculation gated on prompt shape",
+        )
+    why = "noDraft is set" if sp.no_draft and pkg else "the model package declares no draft"
+    return SpeculativeChoice("ngram", "AutoNgram", f"{why}: n-gram speculation gated on prompt shape, window {window}")
+
+
+def make_plan(spec: MeshSpec, info: ModelInfo) -> Plan:
+    return Plan(tuple(plan_layers(spec, info.inputs)), info.source, resolve_speculative(spec, info))

@@ -1,0 +1,225 @@
+"""One reconcile of one InferenceMesh: read it, plan, converge its children, write its status.
+
+Level-triggered and idempotent: each call recomputes the desired children (render.py) and the
+status (status.py) from scratch and writes only what differs, so a second call on an unchanged
+world writes nothing. Children carry a hash of their rendered content; a child is replaced only
+when that hash changes (server-side defaults never cause churn). Every call returns its writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kubernetes.client.rest import ApiException
+
+from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.planner import PlanError
+
+from . import metrics
+from .kube import Kube, Write
+from .modelfacts import ModelFacts, ModelUnavailable
+from .planning import make_plan
+from .render import (
+    HASH_ANNOTATION,
+    LABEL_MESH,
+    RenderOptions,
+    base_name,
+    render_children,
+)
+from .spec import parse_spec, validate
+from .status import CONDITION_TYPES, PlanOutcome, compute_status
+
+log = logging.getLogger("inferencemesh.operator")
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy")
+RETRY_SECONDS = 30.0
+
+
+class ChildConflict(RuntimeError):
+    """A child's name is taken by an object this mesh does not own."""
+
+
+@dataclass
+class Result:
+    writes: list[Write] = field(default_factory=list)
+    phase: str = ""
+    retry_after: float | None = None  # set when the model could not be read yet
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _owned_by(obj: dict, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, facts: ModelFacts | None = None, options: RenderOptions | None = None) -> None:
+        self.kube = kube
+        self.facts = facts or ModelFacts()
+        self.options = options or RenderOptions()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, namespace: str, name: str) -> Result:
+        """Converge one mesh; safe to call from any thread, any number of times."""
+        start = time.monotonic()
+        with self._lock(namespace, name):
+            try:
+                result = self._reconcile(namespace, name)
+            except Exception as exc:
+                metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+                metrics.RECONCILES.labels("error").inc()
+                raise
+            finally:
+                metrics.RECONCILE_SECONDS.observe(time.monotonic() - start)
+        metrics.RECONCILES.labels("changed" if result.writes else "unchanged").inc()
+        for w in result.writes:
+            metrics.WRITES.labels(w.verb, w.kind).inc()
+        return result
+
+    # -- the steps --------------------------------------------------------------------------
+
+    def _reconcile(self, namespace: str, name: str) -> Result:
+        mesh = self.kube.get("InferenceMesh", namespace, name)
+        result = Result()
+        if mesh is None or mesh["metadata"].get("deletionTimestamp"):
+            return result  # owner references let the garbage collector remove the children
+        spec = parse_spec(mesh.get("spec") or {})
+        outcome = self._plan(spec, mesh, result)
+        base = base_name(name)
+        selector = f"{LABEL_MESH}={base}"
+        live = {kind: self.kube.list(kind, namespace, selector) for kind in CHILD_KINDS}
+        if outcome.plan is not None:
+            try:
+                self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options), live, result)
+            except ChildConflict as exc:
+                outcome = PlanOutcome(None, "False", "ChildConflict", str(exc))
+            else:
+                live["Deployment"] = self.kube.list("Deployment", namespace, selector)
+        deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
+        pods = self.kube.list("Pod", namespace, selector)
+        status = compute_status(mesh, spec, outcome, deployments, pods, _now())
+        self._write_status(mesh, status, result)
+        result.phase = status["phase"]
+        return result
+
+    def _plan(self, spec, mesh: dict, result: Result) -> PlanOutcome:
+        errors = validate(spec)
+        if errors:
+            return PlanOutcome(None, "False", "InvalidSpec", "; ".join(errors))
+        try:
+            info = self.facts.info(spec)
+            plan = make_plan(spec, info)
+        except ModelUnavailable as exc:
+            result.retry_after = RETRY_SECONDS
+            return PlanOutcome(None, "Unknown", "ModelUnavailable", f"{exc}; retrying every {RETRY_SECONDS:.0f}s")
+        except CheckpointError as exc:
+            return PlanOutcome(None, "False", "ModelUnreadable", str(exc))
+        except PlanError as exc:
+            return PlanOutcome(None, "False", "PlanFailed", str(exc))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a malformed checkpoint: permanent
+            return PlanOutcome(None, "False", "ModelUnreadable", f"{type(exc).__name__}: {exc}")
+        ranges = ", ".join(f"[{s.layer_start}, {s.layer_end})" for s in plan.stages)
+        return PlanOutcome(plan, "True", "Planned", f"{len(plan.stages)} stages, layers {ranges} ({info.source} model)")
+
+    def _converge(self, mesh: dict, desired: list[dict], live: dict[str, list[dict]], result: Result) -> None:
+        uid = mesh["metadata"]["uid"]
+        ns = mesh["metadata"]["namespace"]
+        # List items carry no kind of their own.
+        by_key = {(kind, o["metadata"]["name"]): o for kind, objs in live.items() for o in objs}
+        wanted = set()
+        for obj in desired:
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            wanted.add((kind, name))
+            current = by_key.get((kind, name))
+            if current is None:
+                try:
+                    self.kube.create(obj)
+                    result.writes.append(Write("create", kind, name))
+                    continue
+                except ApiException as exc:
+                    if exc.status != 409:
+                        raise
+                    current = self.kube.get(kind, ns, name)  # exists without our label
+                    if current is None:
+                        raise
+            if not _owned_by(current, uid):
+                raise ChildConflict(f"{kind} {name} already exists and is not owned by this InferenceMesh")
+            have = (current["metadata"].get("annotations") or {}).get(HASH_ANNOTATION)
+            if have == obj["metadata"]["annotations"][HASH_ANNOTATION]:
+                continue
+            update = dict(obj, metadata=dict(obj["metadata"], resourceVersion=current["metadata"]["resourceVersion"]))
+            if kind == "Service":  # clusterIP is immutable once allocated
+                update["spec"] = dict(obj["spec"], clusterIP=current["spec"].get("clusterIP"))
+            self.kube.replace(update)
+            result.writes.append(Write("replace", kind, name))
+        for (kind, name), obj in by_key.items():
+            if (kind, name) not in wanted and _owned_by(obj, uid):
+                self.kube.delete(kind, ns, name)
+                result.writes.append(Write("delete", kind, name))
+
+    def _write_status(self, mesh: dict, status: dict, result: Result) -> None:
+        old = mesh.get("status") or {}
+        if old == status:
+            return
+        # A merge patch keeps keys it does not mention: null out the ones that went away.
+        patch = {"status": {**{k: None for k in old if k not in status}, **status}}
+        meta = mesh["metadata"]
+        self.kube.patch_status("InferenceMesh", meta["namespace"], meta["name"], patch)
+        result.writes.append(Write("patch-status", "InferenceMesh", meta["name"]))
+        for reason, kind, message in transition_events(old, status):
+            self._event(mesh, reason, kind, message)
+            result.writes.append(Write("event", "Event", reason))
+
+    def _event(self, mesh: dict, reason: str, kind: str, message: str) -> None:
+        meta = mesh["metadata"]
+        now = _now()
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{base_name(meta['name'])}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": mesh["apiVersion"], "kind": mesh["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "reason": reason, "message": message[:1024], "type": kind,
+            "source": {"component": "inferencemesh-operator"},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.kube.create(event)
+        except ApiException as exc:  # events are best effort
+            log.warning("could not post event %s: %s", reason, exc.reason)
+
+
+def transition_events(old: dict, new: dict) -> list[tuple[str, str, str]]:
+    """(reason, Normal|Warning, message) for the key transitions between two statuses."""
+    def conds(status: dict) -> dict[str, dict]:
+        return {c["type"]: c for c in status.get("conditions") or [] if isinstance(c, dict) and "type" in c}
+
+    before, after = conds(old), conds(new)
+    events = []
+    for ctype in CONDITION_TYPES:
+        b, a = before.get(ctype, {}), after.get(ctype, {})
+        if a.get("status") == b.get("status") and a.get("reason") == b.get("reason"):
+            continue
+        status, reason, message = a.get("status"), a.get("reason", ""), a.get("message", "")
+        if ctype == "Planned" and status == "True":
+            events.append(("Planned", "Normal", message))
+        elif ctype == "Planned" and status == "False":
+            events.append((reason or "PlanFailed", "Warning", message))
+        elif ctype == "Ready" and status == "True":
+            events.append(("Ready", "Normal", message))
+        elif ctype == "Degraded" and status == "True":
+            events.append(("Degraded", "Warning", message))
+        elif ctype == "Degraded" and b.get("status") == "True":
+            events.append(("Recovered", "Normal", message))
+    if old.get("planHash") and new.get("planHash") and old["planHash"] != new["planHash"]:
+        events.append(("Replanned", "Normal", after.get("Planned", {}).get("message", "")))
+    return events

@@ -1,0 +1,406 @@
+"""Pure rendering: an InferenceMesh and its plan -> the child objects, as plain dicts.
+
+No API calls here. reconcile.py compares what this returns with what exists and writes the
+difference; unit tests (tests/operator/test_render.py) check these objects without a cluster.
+
+Per mesh:  ConfigMap <base>-plan; per stage i a Deployment + Service <base>-stage-<i> and a
+NetworkPolicy <base>-stage-<i> (gRPC only from the frontend and stage i-1); the frontend
+Deployment + Service <base>-frontend. All carry an owner reference to the mesh (kopf.adopt), so
+deleting the mesh garbage-collects them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+import kopf
+
+from inferencemesh.planner import render_plan
+
+from .modelfacts import BUNDLED_PREFIX
+from .planning import Plan
+from .spec import MeshSpec
+
+API_GROUP = "inferencemesh.io"
+API_VERSION = "v1alpha1"
+STAGE_GRPC_PORT = 50051
+STAGE_METRICS_PORT = 9090
+FRONTEND_PORT = 8000
+API_KEY_ENV = "INFERENCEMESH_API_KEY"
+MODELS_MOUNT = "/models"
+CACHE_MOUNT = "/cache"
+DEFAULT_STAGE_IMAGE = "ghcr.io/inferencemesh/stage:0.1.0"
+DEFAULT_FRONTEND_IMAGE = "ghcr.io/inferencemesh/frontend:0.1.0"
+
+MANAGED_BY = "inferencemesh-operator"
+LABEL_MESH = "inferencemesh.io/mesh"
+LABEL_STAGE = "inferencemesh.io/stage"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+HASH_ANNOTATION = "inferencemesh.io/spec-hash"
+
+_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_BASE_MAX = 40  # leaves room for "-stage-63" / "-frontend" within a 63-character Service name
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    stage_image: str = DEFAULT_STAGE_IMAGE
+    frontend_image: str = DEFAULT_FRONTEND_IMAGE
+    grpc_probes: bool = True  # native gRPC probes need Kubernetes >= 1.24; else an exec probe
+
+
+def base_name(mesh_name: str) -> str:
+    """A DNS-1035 prefix for child names and label values, stable for a given mesh name.
+
+    A mesh may be named like any DNS subdomain (253 characters, dots, a leading digit); Service
+    names and label values may not, so such names are folded and suffixed with a short hash.
+    """
+    if len(mesh_name) <= _BASE_MAX and _DNS1035.fullmatch(mesh_name):
+        return mesh_name
+    folded = re.sub(r"[^a-z0-9-]+", "-", mesh_name.lower()).strip("-")
+    if not folded or not folded[0].isalpha():
+        folded = "m-" + folded
+    digest = hashlib.sha256(mesh_name.encode()).hexdigest()[:8]
+    return f"{folded[:_BASE_MAX - 9].rstrip('-')}-{digest}"
+
+
+def stage_name(base: str, index: int) -> str:
+    return f"{base}-stage-{index}"
+
+
+def frontend_name(base: str) -> str:
+    return f"{base}-frontend"
+
+
+def plan_name(base: str) -> str:
+    return f"{base}-plan"
+
+
+def mesh_labels(base: str) -> dict[str, str]:
+    """Labels every child carries; the operator finds its children with LABEL_MESH."""
+    return {
+        "app.kubernetes.io/name": "inferencemesh",
+        "app.kubernetes.io/instance": base,
+        "app.kubernetes.io/part-of": "inferencemesh",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_MESH: base,
+    }
+
+
+def stage_selector(base: str, index: int) -> dict[str, str]:
+    return {LABEL_MESH: base, LABEL_COMPONENT: "stage", LABEL_STAGE: str(index)}
+
+
+def frontend_selector(base: str) -> dict[str, str]:
+    return {LABEL_MESH: base, LABEL_COMPONENT: "frontend"}
+
+
+def stage_address(base: str, namespace: str, index: int) -> str:
+    return f"{stage_name(base, index)}.{namespace}.svc:{STAGE_GRPC_PORT}"
+
+
+def endpoint_url(base: str, namespace: str, spec: MeshSpec) -> str:
+    return f"http://{frontend_name(base)}.{namespace}.svc:{spec.frontend.service_port}/v1"
+
+
+def served_model_name(spec: MeshSpec) -> str:
+    if spec.model.served_model_name:
+        return spec.model.served_model_name
+    name = spec.model.name
+    return name[len(BUNDLED_PREFIX):] if name.startswith(BUNDLED_PREFIX) else name
+
+
+def content_hash(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
+
+
+# ---- pieces shared by both pod templates ---------------------------------------------------
+
+def _model_args(spec: MeshSpec) -> list[str]:
+    model = spec.model
+    if model.pvc_claim:
+        path = f"{MODELS_MOUNT}/{model.pvc_sub_path.strip('/')}".rstrip("/")
+        args = ["--model", path]
+    else:
+        args = ["--model", model.name]
+        if model.revision:
+            args += ["--revision", model.revision]
+    args += ["--dtype", model.dtype, "--cache-dir", f"{CACHE_MOUNT}/hub"]
+    return args
+
+
+def _runtime_args(spec: MeshSpec) -> list[str]:
+    args = ["--max-context", str(spec.context_length), "--max-sessions", str(spec.max_sessions)]
+    if spec.wire_dtype:
+        args += ["--wire-dtype", spec.wire_dtype]
+    if spec.debug_tracing:
+        args.append("--debug-telemetry")
+    return args
+
+
+def _volumes(spec: MeshSpec) -> tuple[list[dict], list[dict]]:
+    """emptyDirs for the caches (the root filesystem is read-only) and the model claim if any."""
+    volumes: list[dict] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.pvc_claim:
+        claim = {"claimName": spec.model.pvc_claim, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": MODELS_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+_ENV = [
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
+    {"name": "XDG_CACHE_HOME", "value": f"{CACHE_MOUNT}/xdg"},
+    {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_MOUNT}/inductor"},
+    {"name": "PYTHONUNBUFFERED", "value": "1"},
+]
+
+_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _pod_spec(spec: MeshSpec, container: dict, volumes: list[dict], *, node_selector: dict,
+              tolerations: tuple, affinity: dict | None) -> dict:
+    pod: dict = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,  # the data plane never talks to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        pod["tolerations"] = [dict(t) for t in tolerations]
+    if affinity:
+        pod["affinity"] = copy.deepcopy(affinity)
+    if spec.images.pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in spec.images.pull_secrets]
+    return pod
+
+
+def _metrics_annotations(spec: MeshSpec, port: int) -> dict[str, str]:
+    if not spec.metrics:
+        return {}
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def _grpc_probe(opts: RenderOptions, **timing: int) -> dict:
+    if opts.grpc_probes:
+        return {"grpc": {"port": STAGE_GRPC_PORT}, **timing}
+    # Older clusters: the same grpc.health.v1 check from inside the container.
+    command = ["python", "-m", "inferencemesh.operator.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
+    return {"exec": {"command": command}, **timing}
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], annotations: dict | None = None) -> dict:
+    meta: dict = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+# ---- the children --------------------------------------------------------------------------
+
+def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    stage = plan.stages[index]
+    n = len(plan.stages)
+    args = ["stage", *_model_args(spec),
+            "--layers", f"{stage.layer_start}:{stage.layer_end}",
+            "--stage-index", str(index), "--num-stages", str(n),
+            "--port", str(STAGE_GRPC_PORT),
+            "--metrics-port", str(STAGE_METRICS_PORT if spec.metrics else 0),
+            "--device", spec.stages.device,
+            *_runtime_args(spec)]
+    if index + 1 < n:
+        args += ["--downstream", stage_address(base, ns, index + 1)]
+    resources = copy.deepcopy(spec.stages.resources)
+    if spec.stages.gpus:
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.stages.gpus
+    ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"}]
+    if spec.metrics:
+        ports.append({"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"})
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": "stage",
+        "image": spec.images.stage or opts.stage_image,
+        "imagePullPolicy": spec.images.pull_policy,
+        "args": args,
+        "env": copy.deepcopy(_ENV),
+        "ports": ports,
+        "volumeMounts": mounts,
+        "resources": resources,
+        "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
+        # Loading a large range can take minutes: the startup probe holds liveness off until the port opens.
+        "startupProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 180},
+        "livenessProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 20, "failureThreshold": 3},
+        "readinessProbe": _grpc_probe(opts, periodSeconds=5, failureThreshold=2),
+    }
+    selector = stage_selector(base, index)
+    labels = {**mesh_labels(base), **selector}
+    template_annotations = {"inferencemesh.io/layers": f"{stage.layer_start}:{stage.layer_end}",
+                            **_metrics_annotations(spec, STAGE_METRICS_PORT)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(stage_name(base, index), ns, labels),
+        "spec": {
+            "replicas": 1,
+            # One GPU-sized pod per stage: never run the old and the new side by side.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels, "annotations": template_annotations},
+                "spec": _pod_spec(spec, container, volumes, node_selector=spec.stages.node_selector,
+                                  tolerations=spec.stages.tolerations, affinity=spec.stages.affinity),
+            },
+        },
+    }
+
+
+def render_stage_service(mesh: dict, spec: MeshSpec, index: int) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    ports = [{"name": "grpc", "port": STAGE_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"}]
+    if spec.metrics:
+        ports.append({"name": "metrics", "port": STAGE_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(stage_name(base, index), ns, {**mesh_labels(base), **stage_selector(base, index)}),
+        "spec": {"type": "ClusterIP", "selector": stage_selector(base, index), "ports": ports},
+    }
+
+
+def render_stage_network_policy(mesh: dict, spec: MeshSpec, index: int) -> dict:
+    """Stage i accepts gRPC only from the frontend and stage i-1; metrics stay open to scrapers."""
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    peers = [{"podSelector": {"matchLabels": frontend_selector(base)}}]
+    if index > 0:
+        peers.append({"podSelector": {"matchLabels": stage_selector(base, index - 1)}})
+    ingress = [{"from": peers, "ports": [{"protocol": "TCP", "port": STAGE_GRPC_PORT}]}]
+    if spec.metrics:
+        ingress.append({"ports": [{"protocol": "TCP", "port": STAGE_METRICS_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(stage_name(base, index), ns, {**mesh_labels(base), **stage_selector(base, index)}),
+        "spec": {
+            "podSelector": {"matchLabels": stage_selector(base, index)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    addresses = ",".join(stage_address(base, ns, i) for i in range(len(plan.stages)))
+    sp = spec.speculative
+    args = ["frontend", *_model_args(spec),
+            "--stage-addresses", addresses,
+            "--port", str(FRONTEND_PORT),
+            "--served-model-name", served_model_name(spec),
+            "--api-key-env", API_KEY_ENV,
+            "--speculative", sp.strategy,
+            "--window", sp.window.flag(),
+            *_runtime_args(spec)]
+    if sp.draft:
+        args += ["--draft", sp.draft]
+    if sp.no_draft:
+        args.append("--no-draft")
+    return args
+
+
+def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    env = copy.deepcopy(_ENV)
+    if spec.frontend.api_key_secret:
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}})
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": "frontend",
+        "image": spec.images.frontend or opts.frontend_image,
+        "imagePullPolicy": spec.images.pull_policy,
+        "args": frontend_args(mesh, spec, plan),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        "resources": copy.deepcopy(spec.frontend.resources),
+        "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+        # /ready is true only while every stage answers SERVING.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+    }
+    selector = frontend_selector(base)
+    labels = {**mesh_labels(base), **selector}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(frontend_name(base), ns, labels),
+        "spec": {
+            "replicas": spec.frontend.replicas,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _metrics_annotations(spec, FRONTEND_PORT)},
+                "spec": _pod_spec(spec, container, volumes, node_selector=spec.frontend.node_selector,
+                                  tolerations=spec.frontend.tolerations, affinity=None),
+            },
+        },
+    }
+
+
+def render_frontend_service(mesh: dict, spec: MeshSpec) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(frontend_name(base), ns, {**mesh_labels(base), **frontend_selector(base)}),
+        "spec": {
+            "type": spec.frontend.service_type,
+            "selector": frontend_selector(base),
+            "ports": [{"name": "http", "port": spec.frontend.service_port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_plan_configmap(mesh: dict, spec: MeshSpec, plan: Plan) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    doc = {"model": spec.model.name, "planHash": plan.hash, **plan.to_dict()}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(plan_name(base), ns, {**mesh_labels(base), LABEL_COMPONENT: "plan"}),
+        "data": {
+            "plan.json": json.dumps(doc, indent=2, sort_keys=True) + "\n",
+            "plan.txt": render_plan(list(plan.stages)) + "\n",
+        },
+    }
+
+
+def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> list[dict]:
+    """Every child of the mesh, owned by it and stamped with a hash of its own content."""
+    children = [render_plan_configmap(mesh, spec, plan)]
+    for i in range(len(plan.stages)):
+        children += [render_stage_deployment(mesh, spec, plan, i, opts),
+                     render_stage_service(mesh, spec, i),
+                     render_stage_network_policy(mesh, spec, i)]
+    children += [render_frontend_deployment(mesh, spec, plan, opts), render_frontend_service(mesh, spec)]
+    kopf.adopt(children, owner=mesh)
+    for child in children:
+        child["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(child)
+    return children
