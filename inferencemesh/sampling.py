@@ -65,6 +65,11 @@ def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> i
     return sample(probabilities(logits.unsqueeze(0), params)[0], params.seed, position)
 
 
+def accept(p_token: float, q_token: float, u: float) -> bool:
+    """Speculative sampling's acceptance rule: keep a draft token with probability min(1, p/q)."""
+    return q_token > 0 and u < min(1.0, p_token / q_token)
+
+
 def verify(
     logits: torch.Tensor,
     draft_tokens: list[int],
@@ -97,7 +102,7 @@ def verify(
         q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
         p_token = float(p[i, token])
         u = float(torch.rand(1, generator=generator_for(params.seed, position, _SALT_ACCEPT)))
-        if q_token > 0 and u < min(1.0, p_token / q_token):
+        if accept(p_token, q_token, u):
             continue
         if draft_probs is None:
             residual = p[i].clone()

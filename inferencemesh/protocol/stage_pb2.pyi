@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -43,7 +41,7 @@ class Sampling(_message.Message):
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., seed: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
     __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "dtype", "shape", "activations", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns")
@@ -75,7 +73,7 @@ class Frame(_message.Message):
     draft_probs: bytes
     seq: int
     sent_ns: int
-    def __init__(self, session_id: str | None = ..., request_id: str | None = ..., kind: FrameKind | str | None = ..., pos_start: int | None = ..., token_count: int | None = ..., token_ids: _Iterable[int] | None = ..., dtype: DType | str | None = ..., shape: _Iterable[int] | None = ..., activations: bytes | None = ..., want_prediction: bool | None = ..., sampling: Sampling | _Mapping | None = ..., draft_probs: bytes | None = ..., seq: int | None = ..., sent_ns: int | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., activations: _Optional[bytes] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "session_id")
@@ -83,13 +81,13 @@ class Ack(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     session_id: str
-    def __init__(self, seq: int | None = ..., session_id: str | None = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: str | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("session_id", "seq", "pos_start", "tokens", "accepted")
@@ -103,7 +101,7 @@ class Prediction(_message.Message):
     pos_start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
-    def __init__(self, session_id: str | None = ..., seq: int | None = ..., pos_start: int | None = ..., tokens: _Iterable[int] | None = ..., accepted: int | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., seq: _Optional[int] = ..., pos_start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -147,4 +145,4 @@ class StageInfo(_message.Message):
     max_sessions: int
     max_context: int
     device: str
-    def __init__(self, model: str | None = ..., stage_index: int | None = ..., num_stages: int | None = ..., layer_start: int | None = ..., layer_end: int | None = ..., num_layers: int | None = ..., is_first: bool | None = ..., is_last: bool | None = ..., state: str | None = ..., state_reason: str | None = ..., progress: float | None = ..., hidden_size: int | None = ..., vocab_size: int | None = ..., wire_dtype: DType | str | None = ..., active_sessions: int | None = ..., max_sessions: int | None = ..., max_context: int | None = ..., device: str | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., progress: _Optional[float] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...

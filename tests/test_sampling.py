@@ -1,0 +1,88 @@
+"""Sampling and speculative verification: exact in distribution, reproducible by seed."""
+
+from __future__ import annotations
+
+import torch
+
+from inferencemesh import sampling
+from inferencemesh.sampling import SamplingParams, next_token, probabilities, verify
+
+CHI2_CRITICAL_P001 = {3: 16.27, 4: 18.47, 5: 20.52}  # chi-square quantiles at p = 0.001
+
+
+def chi_square(samples: list[int], probs: torch.Tensor) -> tuple[float, int]:
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    expected = probs.double() * len(samples)
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+def test_greedy_verify_accepts_longest_matching_prefix() -> None:
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([3, 7, 1, 9]):
+        logits[row, token] = 5.0
+    assert verify(logits, [3, 7, 2], SamplingParams(), 10) == (2, [3, 7, 1])
+    assert verify(logits, [3, 7, 1], SamplingParams(), 10) == (3, [3, 7, 1, 9])  # all accepted: bonus token
+    assert verify(logits, [4, 7, 1], SamplingParams(), 10) == (0, [3])
+
+
+def test_top_k_and_top_p_restrict_support() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert (probabilities(logits, SamplingParams(temperature=1.0, top_k=2))[0, 2:] == 0).all()
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))[0]
+    assert p[0] > 0 and p[1] > 0 and (p[2:] == 0).all()  # 0.64 < 0.7 so the second token stays
+    assert torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+def test_seeded_sampling_is_a_function_of_seed_and_position() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=1234)
+    draws = [next_token(logits, params, pos) for pos in range(40)]
+    assert draws == [next_token(logits, params, pos) for pos in range(40)]
+    assert len(set(draws)) > 5  # and positions differ
+    other = [next_token(logits, SamplingParams(temperature=1.0, seed=99), pos) for pos in range(40)]
+    assert other != draws
+
+
+def _speculative_samples(n: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """Run verification n times with a draft distribution q far from the target p."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 6
+    target_logits = torch.randn(3, vocab, generator=gen) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p = probabilities(target_logits, params)
+    q = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, -1)
+    first, second = [], []
+    for seed in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        _, tokens = verify(target_logits, drafts, SamplingParams(temperature=1.0, seed=seed), 100, q)
+        first.append(tokens[0])
+        if len(tokens) > 1:
+            second.append(tokens[1])
+    return first, second, p
+
+
+def test_speculative_sampling_matches_target_distribution() -> None:
+    first, second, p = _speculative_samples(6000)
+    stat, dof = chi_square(first, p[0])
+    assert stat < CHI2_CRITICAL_P001[dof], f"first token deviates from p: chi2={stat:.1f}"
+    stat, dof = chi_square(second, p[1])
+    assert len(second) > 500 and stat < CHI2_CRITICAL_P001[dof], f"second token deviates: chi2={stat:.1f}"
+
+
+def test_wrong_acceptance_rule_is_detected(monkeypatch) -> None:
+    """The same statistical test fails when verification accepts every draft token."""
+    monkeypatch.setattr(sampling, "accept", lambda p_token, q_token, u: True)
+    first, _, p = _speculative_samples(6000)
+    stat, dof = chi_square(first, p[0])
+    assert stat > CHI2_CRITICAL_P001[dof]
+
+
+def test_point_mass_proposals_keep_the_distribution() -> None:
+    """N-gram proposals have q = 1 on the proposed token: accept with p(x), else p without x."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, generator=gen)
+    p = probabilities(logits, SamplingParams(temperature=1.0))
+    firsts = [verify(logits, [2], SamplingParams(temperature=1.0, seed=s), 0)[1][0] for s in range(6000)]
+    stat, dof = chi_square(firsts, p[0])
+    assert stat < CHI2_CRITICAL_P001[dof]
