@@ -264,7 +264,8 @@ def model_card(name: str, role: str, *, args: argparse.Namespace, stats: dict, s
         "## How it was made",
         "",
         "```",
-        f"python tools/train_bundled_models.py --out <dir> --seed {args.seed} --target-steps {args.target_steps} --draft-steps {args.draft_steps}",
+        f"python tools/train_bundled_models.py --out <dir> --seed {args.seed} "
+        f"--target-steps {args.target_steps} --draft-steps {args.draft_steps}",
         "```",
         "",
         "| fact | value |",
@@ -310,13 +311,15 @@ def main() -> None:
 
     root, train_paths, heldout_paths = corpus_files()
     train_texts, heldout_texts = read_texts(root, train_paths), read_texts(root, heldout_paths)
-    print(f"corpus: Python {sys.version.split()[0]} stdlib, {len(train_texts)} train / {len(heldout_texts)} held-out files")
+    python = sys.version.split()[0]
+    print(f"corpus: Python {python} stdlib, {len(train_texts)} train / {len(heldout_texts)} held-out files")
     raw_tok = train_tokenizer(train_texts, args.vocab_size)
     tok = wrap_tokenizer(raw_tok)
     vocab = raw_tok.get_vocab_size()
     train_ids = encode_corpus(raw_tok, train_texts)
     heldout_ids = encode_corpus(raw_tok, heldout_texts)
-    print(f"tokenizer: vocab {vocab}; {len(train_ids):,} train / {len(heldout_ids):,} held-out tokens ({time.time() - t0:.0f}s)")
+    print(f"tokenizer: vocab {vocab}; {len(train_ids):,} train / {len(heldout_ids):,} held-out tokens "
+          f"({time.time() - t0:.0f}s)")
 
     max_pos = 2048
     target = build_model(TARGET_SHAPE, vocab, raw_tok, max_pos)
@@ -351,7 +354,8 @@ def main() -> None:
     target_dir, draft_dir = args.out / TARGET_NAME, args.out / DRAFT_NAME
     save_model(target, tok, target_dir, 256)
     save_model(draft, tok, draft_dir, 256)
-    corpus = f"Python {sys.version.split()[0]} standard library source ({len(train_texts)} train / {len(heldout_texts)} held-out files, 1 in {HELDOUT_EVERY} held out by SHA-256 of path)"
+    corpus = (f"Python {python} standard library source ({len(train_texts)} train / {len(heldout_texts)} "
+              f"held-out files, 1 in {HELDOUT_EVERY} held out by SHA-256 of path)")
     shared = {
         "seed": args.seed,
         "corpus": corpus,
