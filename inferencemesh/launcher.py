@@ -3,7 +3,7 @@
 The same plan the operator would make, the same `inferencemesh stage` / `inferencemesh
 frontend` programs the pods run. Stages start first and the frontend only once every stage
 reports SERVING, downstream first; a stage that dies is restarted (as its Deployment would
-be); Ctrl-C stops everything.
+be); Ctrl-C stops everything. LocalStages is also what the benchmarks and tests start.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferencemesh.bundled import resolve_model
@@ -24,6 +26,7 @@ from inferencemesh.plan_command import plan_for
 from inferencemesh.planner import PlanError, StagePlan, render_plan
 
 RESTART_BACKOFF_S = 2.0
+CLI = [sys.executable, "-m", "inferencemesh.cli"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,12 +39,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ManagedProcess:
     name: str
     argv: list[str]
+    env: dict[str, str] | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
-    started_at: float = field(default=0.0)
+    started_at: float = 0.0
 
     def start(self) -> None:
-        self.process = subprocess.Popen(self.argv, start_new_session=True)  # own group: Ctrl-C is ours to relay
+        env = {**os.environ, **self.env} if self.env else None
+        self.process = subprocess.Popen(self.argv, env=env, start_new_session=True)  # Ctrl-C is ours to relay
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -58,33 +63,102 @@ class ManagedProcess:
             self.process.wait()
 
 
-def stage_argv(args: argparse.Namespace, model: str, plan: list[StagePlan], ports: list[int],
-               metrics_ports: list[int], index: int) -> list[str]:
-    stage = plan[index]
-    argv = [
-        sys.executable, "-m", "inferencemesh.cli", "stage", "--model", model, "--dtype", args.dtype,
-        "--layers", f"{stage.layer_start}:{stage.layer_end}", "--stage-index", str(index),
-        "--num-stages", str(len(plan)), "--host", "127.0.0.1", "--port", str(ports[index]),
-        "--metrics-port", str(metrics_ports[index]), "--max-context", str(args.max_context),
+@dataclass(frozen=True)
+class StageSettings:
+    """What every stage process of a local mesh shares."""
+
+    dtype: str = "auto"
+    wire_dtype: str | None = None
+    max_context: int = 2048
+    max_sessions: int = 16
+    session_ttl: float = 300.0
+    device: str = "auto"
+    revision: str | None = None
+    debug_telemetry: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalStages:
+    """The stage processes of one plan, on loopback ports."""
+
+    def __init__(self, model: str, plan: list[StagePlan], settings: StageSettings, base_port: int = 0) -> None:
+        self.model, self.plan, self.settings = model, plan, settings
+        self.ports = [base_port + i if base_port else free_port() for i in range(len(plan))]
+        self.metrics_ports = [free_port() for _ in plan]
+        self.processes = [ManagedProcess(f"stage-{i}", self._argv(i), settings.env or None) for i in range(len(plan))]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def _argv(self, index: int) -> list[str]:
+        stage, s = self.plan[index], self.settings
+        argv = CLI + [
+            "stage", "--model", self.model, "--dtype", s.dtype,
+            "--layers", f"{stage.layer_start}:{stage.layer_end}", "--stage-index", str(index),
+            "--num-stages", str(len(self.plan)), "--host", "127.0.0.1", "--port", str(self.ports[index]),
+            "--metrics-port", str(self.metrics_ports[index]), "--max-context", str(s.max_context),
+            "--max-sessions", str(s.max_sessions), "--session-ttl", str(s.session_ttl), "--device", s.device,
+        ]
+        if index + 1 < len(self.plan):
+            argv += ["--downstream", f"127.0.0.1:{self.ports[index + 1]}"]
+        if s.wire_dtype:
+            argv += ["--wire-dtype", s.wire_dtype]
+        if s.revision:
+            argv += ["--revision", s.revision]
+        if s.debug_telemetry:
+            argv.append("--debug-telemetry")
+        return argv
+
+    def start(self) -> None:
+        for proc in reversed(self.processes):  # downstream first
+            proc.start()
+
+    def wait_ready(self, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False,
+                   on_ready: Callable[[int], None] | None = None) -> None:
+        """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
+        deadline = time.monotonic() + timeout
+        for index in reversed(range(len(self.processes))):
+            while not asyncio.run(_serving(self.addresses[index], 1.0)):
+                proc = self.processes[index]
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
+                if stopping() or time.monotonic() > deadline:
+                    raise TimeoutError(f"{proc.name} not ready after {timeout:.0f}s")
+            if on_ready is not None:
+                on_ready(index)
+
+    def restart_dead(self) -> list[ManagedProcess]:
+        """Restart stages that exited (at most once per RESTART_BACKOFF_S each)."""
+        restarted = []
+        for proc in self.processes:
+            if not proc.alive() and time.monotonic() - proc.started_at > RESTART_BACKOFF_S:
+                proc.restarts += 1
+                proc.start()
+                restarted.append(proc)
+        return restarted
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            with contextlib.suppress(Exception):
+                proc.stop()
+
+
+async def _serving(address: str, deadline: float) -> bool:
+    from inferencemesh.frontend.pipeline import GrpcPipeline
+
+    pipeline = GrpcPipeline([address])
+    try:
+        return await pipeline.wait_ready(deadline)
+    finally:
+        await pipeline.close()
+
+
+def frontend_argv(args: argparse.Namespace, model: str, addresses: list[str]) -> list[str]:
+    argv = CLI + [
+        "frontend", "--model", model, "--dtype", args.dtype, "--stage-addresses", ",".join(addresses),
+        "--host", args.host, "--port", str(args.port), "--max-context", str(args.max_context),
         "--max-sessions", str(args.max_sessions), "--device", args.device,
-    ]
-    if index + 1 < len(plan):
-        argv += ["--downstream", f"127.0.0.1:{ports[index + 1]}"]
-    if args.wire_dtype:
-        argv += ["--wire-dtype", args.wire_dtype]
-    if args.revision:
-        argv += ["--revision", args.revision]
-    if args.debug_telemetry:
-        argv.append("--debug-telemetry")
-    return argv
-
-
-def frontend_argv(args: argparse.Namespace, model: str, ports: list[int]) -> list[str]:
-    argv = [
-        sys.executable, "-m", "inferencemesh.cli", "frontend", "--model", model, "--dtype", args.dtype,
-        "--stage-addresses", ",".join(f"127.0.0.1:{p}" for p in ports), "--host", args.host,
-        "--port", str(args.port), "--max-context", str(args.max_context), "--max-sessions", str(args.max_sessions),
-        "--device", args.device,
     ]
     for flag, value in (("--served-model-name", args.served_model_name), ("--speculative", args.speculative),
                         ("--draft", args.draft), ("--window", args.window), ("--revision", args.revision)):
@@ -93,16 +167,6 @@ def frontend_argv(args: argparse.Namespace, model: str, ports: list[int]) -> lis
     if args.no_draft:
         argv.append("--no-draft")
     return argv
-
-
-async def _wait_serving(address: str, deadline: float) -> bool:
-    from inferencemesh.frontend.pipeline import GrpcPipeline
-
-    pipeline = GrpcPipeline([address])
-    try:
-        return await pipeline.wait_ready(deadline)
-    finally:
-        await pipeline.close()
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -114,14 +178,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
-    base = args.base_stage_port
-    ports = [base + i if base else free_port() for i in range(len(plan))]
-    metrics_ports = [free_port() for _ in plan]
-    stages = [ManagedProcess(f"stage-{i}", stage_argv(args, model, plan, ports, metrics_ports, i))
-              for i in range(len(plan))]
-    frontend = ManagedProcess("frontend", frontend_argv(args, model, ports))
-    everything = [frontend, *stages]
-
+    settings = StageSettings(dtype=args.dtype, wire_dtype=args.wire_dtype, max_context=args.max_context,
+                             max_sessions=args.max_sessions, device=args.device, revision=args.revision,
+                             debug_telemetry=args.debug_telemetry)
+    stages = LocalStages(model, plan, settings, args.base_stage_port)
+    frontend = ManagedProcess("frontend", frontend_argv(args, model, stages.addresses))
     stopping = False
 
     def request_stop(signum, _frame) -> None:
@@ -131,35 +192,28 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        for stage in reversed(stages):  # downstream first
-            stage.start()
-        for index in reversed(range(len(stages))):
-            while not stopping and not asyncio.run(_wait_serving(f"127.0.0.1:{ports[index]}", 1.0)):
-                if not stages[index].alive():
-                    print(f"inferencemesh: {stages[index].name} exited with {stages[index].process.returncode} "
-                          "while loading; see its log above", file=sys.stderr)
-                    return 1
-            if stopping:
-                return 130
-            print(f"inferencemesh: stage {index} ready on 127.0.0.1:{ports[index]} "
-                  f"(metrics :{metrics_ports[index]})", flush=True)
+        stages.start()
+        try:
+            stages.wait_ready(stopping=lambda: stopping, on_ready=lambda i: print(
+                f"inferencemesh: stage {i} ready on {stages.addresses[i]} (metrics :{stages.metrics_ports[i]})",
+                flush=True))
+        except (RuntimeError, TimeoutError) as err:
+            print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
+            return 130 if stopping else 1
         frontend.start()
         print(f"inferencemesh: OpenAI endpoint http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
         while not stopping:
             time.sleep(0.5)
-            for proc in stages:
-                # restart a dead stage, at most once per RESTART_BACKOFF_S so a crash loop stays visible
-                if not proc.alive() and not stopping and time.monotonic() - proc.started_at > RESTART_BACKOFF_S:
-                    proc.restarts += 1
-                    print(f"inferencemesh: {proc.name} exited ({proc.process.returncode}); restarting "
-                          f"(restart {proc.restarts})", file=sys.stderr, flush=True)
-                    proc.start()
-            if not frontend.alive() and not stopping:
+            if stopping:
+                break
+            for proc in stages.restart_dead():
+                print(f"inferencemesh: {proc.name} had exited; restarted it (restart {proc.restarts})",
+                      file=sys.stderr, flush=True)
+            if not frontend.alive():
                 print(f"inferencemesh: frontend exited ({frontend.process.returncode})", file=sys.stderr)
                 return 1
         return 0
     finally:
-        for proc in everything:
-            with contextlib.suppress(Exception):
-                proc.stop()
+        frontend.stop()
+        stages.stop()
         print("inferencemesh: stopped", flush=True)
