@@ -99,12 +99,16 @@ def locate(
         facts = checkpoint.read_local(source)  # refuses unsupported families and pickle-only weights
         _check_range(facts, layer_start, layer_end, source)
         return Path(source), facts
-    return _download(str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress)
+    return _download(
+        str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
+    )
 
 
 def _check_range(facts: CheckpointFacts, layer_start: int, layer_end: int, where: str | Path) -> None:
     if not 0 <= layer_start < layer_end <= facts.num_layers:
-        raise CheckpointError(f"{where}: layer range [{layer_start}, {layer_end}) is not within [0, {facts.num_layers})")
+        raise CheckpointError(
+            f"{where}: layer range [{layer_start}, {layer_end}) is not within [0, {facts.num_layers})"
+        )
 
 
 def _download(
@@ -146,7 +150,9 @@ def _download(
         wmap = {}  # one file holds everything; its header is read once it is here
     else:
         checkpoint.refuse_without_safetensors(repo_id, _repo_files(repo_id, commit, cache_dir, snapshot))
-        raise CheckpointError(f"{repo_id}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
+        raise CheckpointError(
+            f"{repo_id}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}"
+        )
 
     if wmap:
         # Only names and shards matter to select files; shapes come from the headers later.
