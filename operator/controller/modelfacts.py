@@ -11,7 +11,6 @@ Hub answers are cached for a while, so reconciles do not hit the network each ti
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import re
@@ -20,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from inferencemesh.bundled import bundled_path
 from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_hub, read_local
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
 
@@ -59,10 +59,10 @@ def resolve_bundled(name: str) -> Path:
     extra = os.environ.get(BUNDLED_DIR_ENV)
     if extra and (Path(extra) / short).is_dir():
         return Path(extra) / short
-    path = Path(str(importlib.resources.files("inferencemesh.bundled") / short))
-    if not path.is_dir():
-        raise CheckpointError(f"{name!r}: no bundled model {short!r} in this operator's package")
-    return path
+    try:
+        return bundled_path(short)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{name!r}: no bundled model {short!r} in this operator's package") from exc
 
 
 def inputs_from_layout(spec: MeshSpec) -> PlanInputs:

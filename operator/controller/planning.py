@@ -87,7 +87,7 @@ def plan_layers(spec: MeshSpec, inputs: PlanInputs) -> list[StagePlan]:
     memory = [parse_bytes(m) for m in spec.stages.memory] or None
     if memory and any(m <= 0 for m in memory):
         raise PlanError("stage memory sizes must be positive")
-    return list(_cached_plan(_PrefixInputs.wrap(inputs), spec.stages.count, tuple(spec.stages.ranges),
+    return list(_cached_plan(_PrefixInputs.wrap(inputs), spec.stages.count, tuple(spec.stages.ranges or ()),
                              tuple(memory or ())))
 
 

@@ -50,7 +50,7 @@ class ModelSpec:
 class StagesSpec:
     count: int | str = 2  # a number or "auto"
     memory: tuple[str, ...] = ()
-    ranges: tuple[tuple[int, int], ...] = ()
+    ranges: tuple[tuple[int, int], ...] | None = None  # None: absent (an empty list is present, and wrong)
     gpus: int = 1
     device: str = "auto"
     resources: dict = field(default_factory=dict)
@@ -152,7 +152,8 @@ def parse_spec(spec: dict) -> MeshSpec:
         stages=StagesSpec(
             count=stages.get("count", 2),
             memory=tuple(stages.get("memory") or ()),
-            ranges=tuple((int(r.get("start", 0)), int(r.get("end", 0))) for r in stages.get("ranges") or ()),
+            ranges=None if stages.get("ranges") is None else tuple(
+                (int(r.get("start", 0)), int(r.get("end", 0))) for r in stages["ranges"]),
             gpus=int(stages.get("gpus", 1)),
             device=stages.get("device", "auto"),
             resources=_obj(stages.get("resources")),
@@ -209,9 +210,9 @@ def validate(spec: MeshSpec) -> list[str]:
         errors.append(MSG_AUTO_MEMORY)
     if len(st.memory) > 1 and count_is_int and len(st.memory) != st.count:
         errors.append(MSG_MEMORY_COUNT)
-    if st.ranges and not (count_is_int and len(st.ranges) == st.count):
+    if st.ranges is not None and not (count_is_int and len(st.ranges) == st.count):
         errors.append(MSG_RANGES_COUNT)
-    if any(start >= end for start, end in st.ranges):
+    if any(start >= end for start, end in st.ranges or ()):
         errors.append(MSG_RANGE_ORDER)
     if st.ranges and not all(
         sum(1 for b in st.ranges if b[0] < a[1] and a[0] < b[1]) == 1 for a in st.ranges

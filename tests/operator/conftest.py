@@ -76,6 +76,11 @@ def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 64, vocab: int
 
 
 @pytest.fixture(scope="session")
+def make_model() -> Callable[..., Path]:
+    return make_tiny_llama
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -1,0 +1,158 @@
+"""Planning in the operator: model facts from each source, bounded planner work, speculative choice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from inferencemesh.operator import modelfacts
+from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable, PackageDraft
+from inferencemesh.operator.planning import _PrefixInputs, make_plan, plan_layers, resolve_speculative
+from inferencemesh.operator.spec import parse_spec
+
+from inferencemesh.checkpoint import CheckpointError, read_local
+from inferencemesh.planner import PlanError, PlanInputs, plan_stages
+
+
+def spec(**fields: object) -> object:
+    return parse_spec({"model": {"name": "org/m"}, **fields})
+
+
+def layout_spec(num_layers: int, layer_bytes: int = 1000, **fields: object) -> object:
+    return parse_spec({"model": {"name": "m", "layout": {"numLayers": num_layers, "layerBytes": layer_bytes,
+                                                         "embedBytes": 500, "headBytes": 500,
+                                                         "kvBytesPerToken": 0}}, **fields})
+
+
+def test_local_checkpoint_is_planned_from_its_headers(tiny_model: Path) -> None:
+    s = parse_spec({"model": {"name": str(tiny_model)}, "stages": {"count": 2}})
+    info = ModelFacts().info(s)
+    assert info.source == "local" and len(info.inputs.layer_bytes) == 4
+    plan = make_plan(s, info)
+    assert [(p.layer_start, p.layer_end) for p in plan.stages] == [(0, 2), (2, 4)]
+    facts = read_local(tiny_model)
+    assert info.inputs.layer_bytes == facts.layer_bytes(4)  # float32 checkpoint, auto dtype
+
+
+def test_bigger_budget_gets_more_layers(tiny_model: Path) -> None:
+    info = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}}))
+    whole = info.inputs.stage_bytes(0, 4, 4)[2]
+    last_two = info.inputs.stage_bytes(2, 4, 4)[2]
+    splits = []
+    for budgets in ([whole, last_two - 1], [last_two - 1, whole]):
+        stages = {"count": 2, "memory": [str(b) for b in budgets]}
+        s = parse_spec({"model": {"name": str(tiny_model)}, "stages": stages})
+        splits.append(tuple(p.num_layers for p in plan_layers(s, info.inputs)))
+    assert splits == [(3, 1), (1, 3)]
+
+
+def test_impossible_specs_raise_plan_errors(tiny_model: Path) -> None:
+    info = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}}))
+    with pytest.raises(PlanError, match="only 4 layers"):
+        plan_layers(parse_spec({"model": {"name": "x"}, "stages": {"count": 5}}), info.inputs)
+    with pytest.raises(PlanError, match="does not fit"):
+        plan_layers(parse_spec({"model": {"name": "x"}, "stages": {"count": 2, "memory": ["1Ki"]}}), info.inputs)
+    with pytest.raises(PlanError, match="does not fit"):
+        plan_layers(parse_spec({"model": {"name": "x"}, "stages": {"count": "auto", "memory": ["1Ki"]}}), info.inputs)
+    with pytest.raises(PlanError, match="overlap"):
+        plan_layers(parse_spec({"model": {"name": "x"}, "stages": {
+            "count": 2, "ranges": [{"start": 0, "end": 3}, {"start": 2, "end": 4}]}}), info.inputs)
+    with pytest.raises(PlanError, match="positive"):
+        plan_layers(parse_spec({"model": {"name": "x"}, "stages": {"count": 2, "memory": ["0"]}}), info.inputs)
+
+
+def test_auto_picks_the_fewest_stages_that_fit() -> None:
+    # 32 layers of 512 MiB; 4 GiB per stage less 256 MiB overhead holds 7 layers: 5 stages.
+    s = layout_spec(32, 512 * 2**20, stages={"count": "auto", "memory": ["4Gi"]})
+    inputs = ModelFacts().info(s).inputs
+    plan = plan_layers(s, inputs)
+    assert len(plan) == 5 and all(p.total_bytes <= 4 * 2**30 for p in plan)
+    with pytest.raises(PlanError):
+        plan_stages(inputs, 4, [4 * 2**30])
+
+
+def test_hostile_sizes_plan_within_bounds() -> None:
+    s = layout_spec(256, stages={"count": 64})
+    start = time.monotonic()
+    plan = plan_layers(s, ModelFacts().info(s).inputs)
+    assert len(plan) == 64 and plan[-1].layer_end == 256
+    assert time.monotonic() - start < 20  # ~2 s on a busy 2-core machine
+    with pytest.raises(PlanError, match="up to 256"):
+        plan_layers(s, PlanInputs([1] * 300, 0, 0, 0, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=24), st.integers(0, 5000), st.integers(0, 5000),
+       st.integers(1, 6), st.booleans())
+def test_prefix_sum_inputs_plan_exactly_like_the_planner(layers: list[int], embed: int, tail: int, n: int,
+                                                         budget: bool) -> None:
+    inputs = PlanInputs(layers, embed, tail, 7, 11)
+    n = min(n, len(layers))
+    memory = [sum(layers) // n + embed + tail + 200] if budget else None
+
+    def run(inp: PlanInputs) -> object:
+        try:
+            return plan_stages(inp, n, memory)
+        except PlanError as exc:
+            return str(exc)
+
+    assert run(_PrefixInputs.wrap(inputs)) == run(inputs)
+
+
+def test_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    facts = ModelFacts()
+    with pytest.raises(CheckpointError, match="bundled://NAME"):
+        facts.info(parse_spec({"model": {"name": "bundled://../../etc"}}))
+    with pytest.raises(CheckpointError, match="no bundled model"):
+        facts.info(parse_spec({"model": {"name": "bundled://no-such-model"}}))
+    with pytest.raises(CheckpointError, match="not a directory"):
+        facts.info(parse_spec({"model": {"name": str(tmp_path / "missing")}}))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        facts.info(parse_spec({"model": {"name": str(tmp_path)}}))
+    with pytest.raises(CheckpointError, match="not a hub id"):
+        facts.info(parse_spec({"model": {"name": "a/b/c d"}}))
+    # bundled models outside the package: $INFERENCEMESH_BUNDLED_DIR/NAME
+    monkeypatch.setenv(modelfacts.BUNDLED_DIR_ENV, str(tiny_model.parent))
+    info = facts.info(parse_spec({"model": {"name": f"bundled://{tiny_model.name}"}}))
+    assert info.source == "bundled" and len(info.inputs.layer_bytes) == 4
+
+
+def test_hub_reads_are_cached_and_outages_are_retryable(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    calls = []
+
+    def fake_read_hub(repo_id: str, revision: str | None = None) -> object:
+        calls.append((repo_id, revision))
+        if repo_id == "org/down":
+            raise ConnectionError("hub unreachable")
+        return read_local(tiny_model)
+
+    monkeypatch.setattr(modelfacts, "read_hub", fake_read_hub)
+    facts = ModelFacts()
+    for _ in range(3):
+        assert facts.info(parse_spec({"model": {"name": "org/up", "revision": "main"}})).source == "hub"
+    assert calls == [("org/up", "main")]
+    with pytest.raises(ModelUnavailable, match="hub unreachable"):
+        facts.info(parse_spec({"model": {"name": "org/down"}}))
+
+
+def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: object) -> None:
+    with_draft = make_model(tmp_path / "with-draft", package_draft="../the-draft")
+    info = ModelFacts().info(parse_spec({"model": {"name": str(with_draft)}}))
+    assert info.package_draft == PackageDraft("tiny-draft", "../the-draft")
+    plain = ModelInfo(info.inputs, "local", None)
+
+    def choose(info: ModelInfo, **speculative: object) -> tuple[str, str]:
+        c = resolve_speculative(spec(speculative=speculative), info)
+        return c.strategy, c.reason
+
+    assert choose(info) == ("draft", "PackageDefault")
+    assert choose(info, noDraft=True) == ("ngram", "AutoNgram")
+    assert choose(info, strategy="none") == ("none", "Disabled")
+    assert choose(info, strategy="ngram") == ("ngram", "Requested")
+    assert choose(plain, strategy="draft", draft="org/d") == ("draft", "SpecDraft")
+    assert choose(plain, strategy="draft") == ("none", "DraftUnresolved")
+    assert choose(plain) == ("ngram", "AutoNgram")
+    assert choose(ModelInfo(info.inputs, "hub", None)) == ("auto", "Auto")

@@ -1,0 +1,203 @@
+"""The pure rendering of child objects: no cluster, just the dicts the operator would write."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from inferencemesh.operator import render as R
+from inferencemesh.operator.planning import Plan, SpeculativeChoice
+from inferencemesh.operator.spec import parse_spec
+
+from inferencemesh.cli import build_parser
+from inferencemesh.planner import StagePlan
+
+MESH = {
+    "apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh",
+    "metadata": {"name": "code", "namespace": "ml", "uid": "uid-123", "labels": {"team": "search"}},
+}
+
+
+def make_plan(ranges: list[tuple[int, int]]) -> Plan:
+    stages = tuple(StagePlan(i, a, b, 100 * (b - a), 10, 110 * (b - a), None) for i, (a, b) in enumerate(ranges))
+    return Plan(stages, "local", SpeculativeChoice("ngram", "AutoNgram", "x"))
+
+
+def children(spec: dict | None = None, ranges: list[tuple[int, int]] | None = None,
+             opts: R.RenderOptions | None = None) -> dict[tuple[str, str], dict]:
+    parsed = parse_spec(spec or {"model": {"name": "bundled://imesh-code-target"}})
+    objs = R.render_children(MESH, parsed, make_plan(ranges or [(0, 3), (3, 6), (6, 8)]), opts or R.RenderOptions())
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_the_children_of_a_three_stage_mesh() -> None:
+    objs = children()
+    assert sorted(objs) == sorted(
+        [("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")]
+        + [(kind, f"code-stage-{i}") for i in range(3) for kind in ("Deployment", "Service", "NetworkPolicy")]
+    )
+    for obj in objs.values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{"apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh",
+                                             "name": "code", "uid": "uid-123", "controller": True,
+                                             "blockOwnerDeletion": True}]
+        assert meta["labels"][R.LABEL_MESH] == "code" and meta["labels"]["team"] == "search"
+        assert re.fullmatch(r"[0-9a-f]{20}", meta["annotations"][R.HASH_ANNOTATION])
+
+
+def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_real_cli() -> None:
+    objs = children()
+    parser = build_parser()
+    for i, (start, end) in enumerate([(0, 3), (3, 6), (6, 8)]):
+        c = container(objs[("Deployment", f"code-stage-{i}")])
+        args = c["args"]
+        parsed = parser.parse_args(args)  # the stage program's own argparse contract
+        assert parsed.command == "stage" and parsed.layers == f"{start}:{end}"
+        assert parsed.stage_index == i and parsed.num_stages == 3 and parsed.port == R.STAGE_GRPC_PORT
+        assert parsed.model == "bundled://imesh-code-target"
+        want_downstream = None if i == 2 else f"code-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
+        assert parsed.downstream == want_downstream
+        assert c["readinessProbe"]["grpc"] == {"port": R.STAGE_GRPC_PORT}
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert objs[("Deployment", f"code-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_frontend_arguments_list_every_stage_in_order_and_parse() -> None:
+    spec = {"model": {"name": "org/m", "revision": "v2"}, "contextLength": 4096, "maxSessions": 4,
+            "wireDtype": "bfloat16", "telemetry": {"debugTracing": True},
+            "speculative": {"strategy": "draft", "draft": "org/d", "window": {"policy": "fixed", "size": 6}}}
+    c = container(children(spec)[("Deployment", "code-frontend")])
+    parsed = build_parser().parse_args(c["args"])
+    assert parsed.command == "frontend" and parsed.model == "org/m" and parsed.revision == "v2"
+    assert parsed.stage_addresses.split(",") == [f"code-stage-{i}.ml.svc:50051" for i in range(3)]
+    assert (parsed.speculative, parsed.draft, parsed.window) == ("draft", "org/d", "6")
+    assert (parsed.max_context, parsed.max_sessions, parsed.wire_dtype) == (4096, 4, "bfloat16")
+    assert parsed.debug_telemetry and parsed.served_model_name == "org/m"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_bundled_model_name_is_served_without_the_scheme_and_no_draft_flag() -> None:
+    c = container(children({"model": {"name": "bundled://imesh-code-target"},
+                            "speculative": {"noDraft": True}})[("Deployment", "code-frontend")])
+    parsed = build_parser().parse_args(c["args"])
+    assert parsed.served_model_name == "imesh-code-target" and parsed.no_draft and parsed.window == "adaptive:4:1:8"
+
+
+def test_network_policy_admits_only_the_frontend_and_the_previous_stage() -> None:
+    objs = children()
+    for i in range(3):
+        pol = objs[("NetworkPolicy", f"code-stage-{i}")]["spec"]
+        assert pol["podSelector"]["matchLabels"] == R.stage_selector("code", i)
+        assert pol["policyTypes"] == ["Ingress"]
+        grpc_rule, metrics_rule = pol["ingress"]
+        sources = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
+        expected = [R.frontend_selector("code")] + ([R.stage_selector("code", i - 1)] if i else [])
+        assert sources == expected
+        assert grpc_rule["ports"] == [{"protocol": "TCP", "port": R.STAGE_GRPC_PORT}]
+        assert "from" not in metrics_rule and metrics_rule["ports"][0]["port"] == R.STAGE_METRICS_PORT
+    # metrics off: no open metrics port, no metrics container port, metrics flag 0
+    off = children({"model": {"name": "org/m"}, "telemetry": {"metrics": False}})
+    assert len(off[("NetworkPolicy", "code-stage-1")]["spec"]["ingress"]) == 1
+    stage = container(off[("Deployment", "code-stage-1")])
+    assert arg(stage["args"], "--metrics-port") == "0" and [p["name"] for p in stage["ports"]] == ["grpc"]
+
+
+def test_services_select_their_own_pods() -> None:
+    objs = children()
+    for i in range(3):
+        svc = objs[("Service", f"code-stage-{i}")]
+        dep = objs[("Deployment", f"code-stage-{i}")]
+        assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    front = objs[("Service", "code-frontend")]
+    assert front["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_pods_are_locked_down() -> None:
+    for obj in children().values():
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+        sc = pod["containers"][0]["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} >= {"/tmp", "/cache"}
+
+
+def test_pvc_api_key_placement_and_image_options() -> None:
+    spec = {
+        "model": {"name": "Llama-70B", "pvc": {"claimName": "models", "subPath": "llama/70b"},
+                  "layout": {"numLayers": 8, "layerBytes": 10}},
+        "stages": {"gpus": 2, "resources": {"limits": {"memory": "64Gi"}}, "nodeSelector": {"gpu": "a100"},
+                   "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+        "frontend": {"apiKeySecret": {"name": "keys"}, "replicas": 3, "service": {"type": "LoadBalancer", "port": 443}},
+        "images": {"stage": "reg/stage:1", "frontend": "reg/front:1", "pullPolicy": "Never",
+                   "pullSecrets": ["regcred"]},
+    }
+    objs = children(spec)
+    stage = objs[("Deployment", "code-stage-0")]["spec"]["template"]["spec"]
+    c = stage["containers"][0]
+    assert arg(c["args"], "--model") == "/models/llama/70b"
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in stage["volumes"]
+    assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
+    assert c["image"] == "reg/stage:1" and c["imagePullPolicy"] == "Never"
+    assert stage["nodeSelector"] == {"gpu": "a100"} and stage["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert stage["imagePullSecrets"] == [{"name": "regcred"}]
+    front = objs[("Deployment", "code-frontend")]
+    assert front["spec"]["replicas"] == 3
+    env = {e["name"]: e for e in container(front)["env"]}
+    assert env[R.API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    svc = objs[("Service", "code-frontend")]["spec"]
+    assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 443
+    assert R.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"
+
+
+def test_old_clusters_get_an_exec_health_probe() -> None:
+    c = container(children(opts=R.RenderOptions(grpc_probes=False))[("Deployment", "code-stage-0")])
+    assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.operator.healthprobe"]
+
+
+def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
+    a, b = children(), children()
+    assert a == b
+    c = children(ranges=[(0, 2), (2, 6), (6, 8)])
+    h = lambda objs, key: objs[key]["metadata"]["annotations"][R.HASH_ANNOTATION]  # noqa: E731
+    assert h(a, ("Deployment", "code-stage-0")) != h(c, ("Deployment", "code-stage-0"))
+    assert h(a, ("Deployment", "code-stage-2")) == h(c, ("Deployment", "code-stage-2"))
+    assert h(a, ("Service", "code-stage-0")) == h(c, ("Service", "code-stage-0"))
+    assert h(a, ("ConfigMap", "code-plan")) != h(c, ("ConfigMap", "code-plan"))
+
+
+@pytest.mark.parametrize("name", ["code", "a" * 40, "a" * 41, "x.y.z", "9lives", "-", "UPPER", "a" * 253, "..."])
+def test_base_names_are_dns_1035_and_stable(name: str) -> None:
+    base = R.base_name(name)
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", base) and len(base) <= 40
+    assert len(R.stage_name(base, 63)) <= 63 and len(R.frontend_name(base)) <= 63
+    assert R.base_name(name) == base
+    if len(name) <= 40 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        assert base == name
+
+
+def test_base_names_do_not_collide_when_folding() -> None:
+    names = ["a.b", "a-b", "a_b", "A-B", "a" * 50, "a" * 51]
+    assert len({R.base_name(n) for n in names}) == len(names)
+
+
+def test_plan_configmap_holds_the_ranges() -> None:
+    import json
+
+    cm = children()[("ConfigMap", "code-plan")]
+    doc = json.loads(cm["data"]["plan.json"])
+    assert [(s["layer_start"], s["layer_end"]) for s in doc["stages"]] == [(0, 3), (3, 6), (6, 8)]
+    assert doc["model"] == "bundled://imesh-code-target" and "[  3,   6)" in cm["data"]["plan.txt"]
