@@ -9,6 +9,7 @@ when that hash changes (server-side defaults never cause churn). Every call retu
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 import time
@@ -40,6 +41,17 @@ RETRY_SECONDS = 30.0
 
 class ChildConflict(RuntimeError):
     """A child's name is taken by an object this mesh does not own."""
+
+
+class ChildRejected(RuntimeError):
+    """The API server refuses a rendered child (e.g. hostile resources or tolerations): a spec problem."""
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)
 
 
 @dataclass
@@ -103,6 +115,8 @@ class Reconciler:
                 self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options), live, result)
             except ChildConflict as exc:
                 outcome = PlanOutcome(None, "False", "ChildConflict", str(exc))
+            except ChildRejected as exc:
+                outcome = PlanOutcome(None, "False", "InvalidChild", str(exc))
             else:
                 live["Deployment"] = self.kube.list("Deployment", namespace, selector)
         deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
@@ -147,6 +161,8 @@ class Reconciler:
                     result.writes.append(Write("create", kind, name))
                     continue
                 except ApiException as exc:
+                    if exc.status in (400, 422):
+                        raise ChildRejected(f"{kind} {name} rejected by the API server: {_api_message(exc)}") from exc
                     if exc.status != 409:
                         raise
                     current = self.kube.get(kind, ns, name)  # exists without our label
@@ -160,7 +176,12 @@ class Reconciler:
             update = dict(obj, metadata=dict(obj["metadata"], resourceVersion=current["metadata"]["resourceVersion"]))
             if kind == "Service":  # clusterIP is immutable once allocated
                 update["spec"] = dict(obj["spec"], clusterIP=current["spec"].get("clusterIP"))
-            self.kube.replace(update)
+            try:
+                self.kube.replace(update)
+            except ApiException as exc:
+                if exc.status in (400, 422):
+                    raise ChildRejected(f"{kind} {name} rejected by the API server: {_api_message(exc)}") from exc
+                raise
             result.writes.append(Write("replace", kind, name))
         for (kind, name), obj in by_key.items():
             if (kind, name) not in wanted and _owned_by(obj, uid):

@@ -1,0 +1,281 @@
+"""Helpers for the operator tests: tiny checkpoints, a real control plane, the operator process.
+
+The control plane is BRIEF §5 steps 1-5: etcd + kube-apiserver (RBAC, a static admin token,
+service-account keys) + kube-controller-manager (garbage collector, Deployment and ReplicaSet
+controllers) on free loopback ports. There is no scheduler and no node: pods stay Pending, and
+tests play kubelet by patching pod status. Binaries come from `bash tools/k8s/ensure_binaries.sh`;
+without them the cluster tests fail (never skip) and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import save_file
+
+REPO = Path(__file__).resolve().parents[2]
+K8S_BIN = Path(os.environ.get("IMESH_K8S_BIN", "/var/cache/inferencemesh/k8s/bin"))
+CHART = REPO / "charts" / "inferencemesh"
+OPERATOR_NAMESPACE = "imesh-system"
+RELEASE = "imesh"
+
+
+def make_tiny_llama(path: Path, *, layers: int = 4, hidden: int = 64, vocab: int = 256, intermediate: int = 128,
+                    heads: int = 4, kv_heads: int = 2, package_draft: str | None = None) -> Path:
+    """A Llama-shaped safetensors checkpoint (zeros): enough for config + header based planning."""
+    path.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden // heads
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers,
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    f32 = np.float32
+    tensors = {"model.embed_tokens.weight": np.zeros((vocab, hidden), f32),
+               "model.norm.weight": np.zeros((hidden,), f32),
+               "lm_head.weight": np.zeros((vocab, hidden), f32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": np.zeros((heads * head_dim, hidden), f32),
+            p + "self_attn.k_proj.weight": np.zeros((kv_heads * head_dim, hidden), f32),
+            p + "self_attn.v_proj.weight": np.zeros((kv_heads * head_dim, hidden), f32),
+            p + "self_attn.o_proj.weight": np.zeros((hidden, heads * head_dim), f32),
+            p + "mlp.gate_proj.weight": np.zeros((intermediate, hidden), f32),
+            p + "mlp.up_proj.weight": np.zeros((intermediate, hidden), f32),
+            p + "mlp.down_proj.weight": np.zeros((hidden, intermediate), f32),
+            p + "input_layernorm.weight": np.zeros((hidden,), f32),
+            p + "post_attention_layernorm.weight": np.zeros((hidden,), f32),
+        }
+    save_file(tensors, str(path / "model.safetensors"))
+    if package_draft:
+        package = {"name": path.name, "generation": {"speculative_decoding": {
+            "default": "tiny-draft",
+            "strategies": {"tiny-draft": {"type": "draft-model", "draft_model": package_draft}}}}}
+        (path / "model-package.json").write_text(json.dumps(package))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.5) -> object:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:  # noqa: BLE001 - keep polling, report the last failure
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "<no log>"
+
+
+@dataclass
+class ControlPlane:
+    workdir: Path
+    server: str
+    kubeconfig: Path
+    procs: dict[str, subprocess.Popen]
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                kubeconfig: Path | None = None) -> subprocess.CompletedProcess:
+        cmd = ["kubectl", "--kubeconfig", str(kubeconfig or self.kubeconfig), *args]
+        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=60)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
+        return proc
+
+    def get_json(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, obj: dict | str, namespace: str = "default") -> None:
+        text = obj if isinstance(obj, str) else yaml.safe_dump(obj)
+        self.kubectl("apply", "-n", namespace, "-f", "-", input=text)
+
+    def log(self, name: str) -> str:
+        return _tail(self.workdir / f"{name}.log")
+
+    def write_kubeconfig(self, path: Path, token: str, user: str) -> Path:
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "local",
+            "clusters": [{"name": "local", "cluster": {
+                "server": self.server, "certificate-authority": str(self.workdir / "certs" / "apiserver.crt")}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "user": user, "namespace": "default"}}],
+        }))
+        return path
+
+
+def _binaries() -> dict[str, str]:
+    found = {
+        "etcd": shutil.which("etcd") or "",
+        "kube-apiserver": str(K8S_BIN / "kube-apiserver") if (K8S_BIN / "kube-apiserver").exists() else "",
+        "kube-controller-manager": (str(K8S_BIN / "kube-controller-manager")
+                                    if (K8S_BIN / "kube-controller-manager").exists() else ""),
+        "kubectl": shutil.which("kubectl") or "",
+    }
+    missing = [name for name, path in found.items() if not path]
+    if missing:
+        pytest.fail(
+            f"the Kubernetes control-plane binaries are missing: {', '.join(missing)} "
+            f"(looked in {K8S_BIN} and PATH). Build and cache them with: bash tools/k8s/ensure_binaries.sh",
+            pytrace=False,
+        )
+    return found
+
+
+def _start(name: str, cmd: list[str], workdir: Path) -> subprocess.Popen:
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_processes(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in reversed(list(procs.values())):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def start_control_plane(workdir: Path) -> ControlPlane:
+    bins = _binaries()
+    certs = workdir / "certs"
+    certs.mkdir(parents=True)
+    subprocess.run(["openssl", "genrsa", "-out", str(workdir / "sa.key"), "2048"], check=True, capture_output=True)
+    subprocess.run(["openssl", "rsa", "-in", str(workdir / "sa.key"), "-pubout", "-out", str(workdir / "sa.pub")],
+                   check=True, capture_output=True)
+    token = os.urandom(16).hex()
+    (workdir / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
+    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["etcd"] = _start("etcd", [
+            bins["etcd"], "--name", "default", "--data-dir", str(workdir / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+            "--quota-backend-bytes", str(2 * 1024**3),
+        ], workdir)
+        procs["kube-apiserver"] = _start("kube-apiserver", [
+            bins["kube-apiserver"], f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--cert-dir={certs}", f"--token-auth-file={workdir / 'tokens.csv'}",
+            "--authorization-mode=RBAC", "--allow-privileged=true",
+            f"--service-account-key-file={workdir / 'sa.pub'}",
+            f"--service-account-signing-key-file={workdir / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--api-audiences=https://kubernetes.default.svc.cluster.local",
+            "--service-cluster-ip-range=10.96.0.0/16", "--insecure-port=0",
+        ], workdir)
+        server = f"https://127.0.0.1:{api_port}"
+        cp = ControlPlane(workdir, server, workdir / "admin.kubeconfig", procs)
+        wait_for(lambda: (certs / "apiserver.crt").exists(), 60, "the apiserver's serving certificate")
+        cp.write_kubeconfig(cp.kubeconfig, token, "admin")
+
+        def api_ready() -> bool:
+            if procs["kube-apiserver"].poll() is not None:
+                raise AssertionError("kube-apiserver exited:\n" + cp.log("kube-apiserver"))
+            return cp.kubectl("get", "--raw", "/readyz", check=False).returncode == 0
+
+        wait_for(api_ready, 120, "kube-apiserver /readyz")
+        procs["kube-controller-manager"] = _start("kube-controller-manager", [
+            bins["kube-controller-manager"], f"--kubeconfig={cp.kubeconfig}", "--leader-elect=false",
+            f"--service-account-private-key-file={workdir / 'sa.key'}", f"--root-ca-file={certs / 'apiserver.crt'}",
+            "--use-service-account-credentials=false", "--port=0", "--secure-port=0",
+            "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-route,-service",
+            "--concurrent-gc-syncs=5", "--namespace-sync-period=10s",
+        ], workdir)
+        wait_for(lambda: cp.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
+                 120, "the default ServiceAccount (kube-controller-manager running)")
+        return cp
+    except BaseException:
+        stop_processes(procs)
+        raise
+
+
+@dataclass
+class OperatorProcess:
+    proc: subprocess.Popen
+    liveness: str
+    metrics: str
+    log_path: Path
+    kubeconfig: Path
+
+    def log(self, n: int = 60) -> str:
+        return _tail(self.log_path, n)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of a Prometheus sample family, optionally only samples whose labels contain `labels`."""
+        text = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {") and labels in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: dict[str, str]) -> OperatorProcess:
+    live_port, metrics_port = free_port(), free_port()
+    log_path = workdir / f"operator-{live_port}.log"
+    cmd = [sys.executable, "-m", "inferencemesh.cli", "operator", "--standalone",
+           "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--metrics-port", str(metrics_port)]
+    full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HF_HUB_OFFLINE": "1",
+                "INFERENCEMESH_RESYNC_SECONDS": "30", **env}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    op = OperatorProcess(proc, f"http://127.0.0.1:{live_port}/healthz", f"http://127.0.0.1:{metrics_port}/metrics",
+                         log_path, kubeconfig)
+
+    def alive() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError("the operator exited:\n" + op.log())
+        return urllib.request.urlopen(op.liveness, timeout=2).status == 200
+
+    wait_for(alive, 60, "the operator's liveness endpoint")
+    return op
+
+
+def stop_operator(op: OperatorProcess) -> None:
+    if op.proc.poll() is None:
+        os.killpg(op.proc.pid, signal.SIGTERM)
+        try:
+            op.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(op.proc.pid, signal.SIGKILL)
+            op.proc.wait()

@@ -1,0 +1,283 @@
+"""The operator against a real kube-apiserver + kube-controller-manager (see conftest.py).
+
+The operator runs as a subprocess with the chart's ServiceAccount token, so these tests also prove
+the chart's RBAC is enough. No kubelet runs: pods stay Pending and the tests play kubelet by
+writing pod status, which the real ReplicaSet/Deployment controllers turn into readiness.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from imesh_k8s import REPO, ControlPlane, OperatorProcess, wait_for
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+NS = "mesh-tests"
+EXAMPLE = REPO / "examples" / "inferencemesh.yaml"
+CHILD_KINDS = "configmaps,deployments,services,networkpolicies"
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: ControlPlane, operator: OperatorProcess) -> str:
+    cluster.kubectl("create", "namespace", NS)
+    return NS
+
+
+def status_of(cluster: ControlPlane, name: str, ns: str = NS) -> dict:
+    return cluster.get_json("inferencemesh", name, "-n", ns).get("status") or {}
+
+
+def cond(status: dict, ctype: str) -> dict:
+    return next((c for c in status.get("conditions") or [] if c["type"] == ctype), {})
+
+
+def wait_condition(cluster: ControlPlane, name: str, ctype: str, value: str, reason: str | None = None,
+                   timeout: float = 60, ns: str = NS) -> dict:
+    def check() -> dict | bool:
+        st = status_of(cluster, name, ns)
+        c = cond(st, ctype)
+        return st if c.get("status") == value and (reason is None or c.get("reason") == reason) else False
+
+    return wait_for(check, timeout, f"{name}: {ctype}={value} {reason or ''}")  # type: ignore[return-value]
+
+
+def children(cluster: ControlPlane, base: str, ns: str = NS, kinds: str = CHILD_KINDS) -> dict[tuple[str, str], dict]:
+    items = cluster.get_json(kinds, "-n", ns, "-l", f"inferencemesh.io/mesh={base}")["items"]
+    return {(o["kind"], o["metadata"]["name"]): o for o in items}
+
+
+def events_for(cluster: ControlPlane, name: str, ns: str = NS) -> list[tuple[str, str]]:
+    items = cluster.get_json("events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]
+    return [(e["type"], e["reason"]) for e in items]
+
+
+def mesh_doc(name: str, spec: dict) -> dict:
+    return {"apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh", "metadata": {"name": name},
+            "spec": spec}
+
+
+def set_pod_status(cluster: ControlPlane, pod: dict, *, ready: bool, waiting: str | None = None,
+                   restarts: int = 0) -> None:
+    """What a kubelet would report for the pod's single container."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    container = pod["spec"]["containers"][0]["name"]
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {"startedAt": now}}
+    flag = "True" if ready else "False"
+    status = {"status": {
+        "phase": "Running",
+        "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
+                       (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+        "containerStatuses": [{"name": container, "ready": ready, "restartCount": restarts, "image": "img",
+                               "imageID": "", "started": ready, "state": state}],
+    }}
+    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", NS, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(status))
+
+
+def pods_of(cluster: ControlPlane, base: str) -> list[dict]:
+    return cluster.get_json("pods", "-n", NS, "-l", f"inferencemesh.io/mesh={base}")["items"]
+
+
+# ---- the operator process ---------------------------------------------------------------------
+
+def test_operator_is_live_and_exports_metrics(operator: OperatorProcess) -> None:
+    assert urllib.request.urlopen(operator.liveness, timeout=5).status == 200
+    text = urllib.request.urlopen(operator.metrics, timeout=5).read().decode()
+    assert "inferencemesh_operator_reconcile_duration_seconds_count" in text
+
+
+# ---- schema validation at the API server ------------------------------------------------------
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"stages": {"count": 0}}, "spec.stages.count"),
+    ({"model": {"name": "m", "dtype": "float8"}}, 'Unsupported value: "float8"'),
+    ({"speculative": {"strategy": "sometimes"}}, "spec.speculative.strategy"),
+    ({"frontend": {"service": {"port": 70000}}}, "spec.frontend.service.port"),
+    ({"model": {}}, "spec.model.name: Required value"),
+    ({"stages": {"memory": ["lots"]}}, "spec.stages.memory"),
+])
+def test_the_api_server_rejects_schema_violations(cluster: ControlPlane, ns: str, spec: dict, message: str) -> None:
+    body = {"model": {"name": "org/m"}, **spec}
+    proc = cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(mesh_doc("bad", body)), check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert cluster.kubectl("get", "inferencemesh", "bad", "-n", ns, check=False).returncode != 0
+
+
+# ---- the example, end to end on the control plane ---------------------------------------------
+
+def test_the_example_creates_planned_children(cluster: ControlPlane, ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", str(EXAMPLE))
+    st = wait_condition(cluster, "code", "Planned", "True")
+    mesh = cluster.get_json("inferencemesh", "code", "-n", ns)
+    objs = children(cluster, "code")
+    stage_names = [f"code-stage-{i}" for i in range(2)]
+    assert set(objs) == ({("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")}
+                         | {(k, n) for n in stage_names for k in ("Deployment", "Service", "NetworkPolicy")})
+    for obj in objs.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == mesh["metadata"]["uid"] and ref["kind"] == "InferenceMesh" and ref["controller"]
+    plan = json.loads(objs[("ConfigMap", "code-plan")]["data"]["plan.json"])
+    ranges = [(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
+    assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0]
+    for i, (start, end) in enumerate(ranges):
+        args = objs[("Deployment", f"code-stage-{i}")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--layers") + 1] == f"{start}:{end}"
+        assert st["stages"][i]["layers"] == f"{start}:{end}" and st["stages"][i]["ready"] is False
+    args0 = objs[("Deployment", "code-stage-0")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args0[args0.index("--downstream") + 1] == f"code-stage-1.{ns}.svc:50051"
+    front = objs[("Deployment", "code-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert front[front.index("--stage-addresses") + 1] == f"code-stage-0.{ns}.svc:50051,code-stage-1.{ns}.svc:50051"
+    policy = objs[("NetworkPolicy", "code-stage-1")]["spec"]
+    sources = [p["podSelector"]["matchLabels"] for p in policy["ingress"][0]["from"]]
+    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "frontend"} in sources
+    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "stage",
+            "inferencemesh.io/stage": "0"} in sources
+    assert st["phase"] == "Progressing" and st["observedGeneration"] == mesh["metadata"]["generation"]
+    assert cond(st, "StagesReady")["status"] == "False" and cond(st, "Ready")["status"] == "False"
+    assert cond(st, "Degraded")["status"] == "False"
+    assert st["endpoint"] == f"http://code-frontend.{ns}.svc:8000/v1"
+    assert st["speculative"]["strategy"] in ("draft", "ngram") and st["speculative"]["reason"]
+    wait_for(lambda: ("Normal", "Planned") in events_for(cluster, "code"), 30, "a Planned event")
+
+
+def test_kubectl_get_shows_the_printer_columns(cluster: ControlPlane, ns: str) -> None:
+    out = cluster.kubectl("get", "imesh", "code", "-n", ns).stdout.splitlines()
+    assert out[0].split() == ["NAME", "MODEL", "STAGES", "READY", "ENDPOINT", "AGE"]
+    row = out[1].split()
+    assert row[:5] == ["code", "bundled://imesh-code-target", "0/2", "False", f"http://code-frontend.{ns}.svc:8000/v1"]
+    wide = cluster.kubectl("get", "imesh", "code", "-n", ns, "-o", "wide").stdout.splitlines()
+    assert "PHASE" in wide[0].split() and "Progressing" in wide[1].split()
+
+
+def test_pod_readiness_makes_the_mesh_ready_and_a_crash_loop_degrades_it(cluster: ControlPlane, ns: str) -> None:
+    pods = wait_for(lambda: len(pods_of(cluster, "code")) == 3 and pods_of(cluster, "code"), 60, "3 pods")
+    for pod in pods:  # type: ignore[union-attr]
+        set_pod_status(cluster, pod, ready=True)
+    st = wait_condition(cluster, "code", "Ready", "True", timeout=90)
+    assert st["phase"] == "Ready" and st["stagesSummary"] == "2/2" and all(s["ready"] for s in st["stages"])
+    assert cond(st, "StagesReady")["status"] == "True" and cond(st, "FrontendReady")["status"] == "True"
+    wait_for(lambda: ("Normal", "Ready") in events_for(cluster, "code"), 30, "a Ready event")
+
+    stage1 = next(p for p in pods_of(cluster, "code") if p["metadata"]["labels"].get("inferencemesh.io/stage") == "1")
+    set_pod_status(cluster, stage1, ready=False, waiting="CrashLoopBackOff", restarts=3)
+    st = wait_condition(cluster, "code", "Degraded", "True", "PodsFailing", timeout=90)
+    assert st["phase"] == "Degraded" and "CrashLoopBackOff (restarts 3)" in cond(st, "Degraded")["message"]
+    assert stage1["metadata"]["name"] in cond(st, "Degraded")["message"]
+    wait_for(lambda: ("Warning", "Degraded") in events_for(cluster, "code"), 30, "a Degraded event")
+
+    set_pod_status(cluster, stage1, ready=True, restarts=3)
+    st = wait_condition(cluster, "code", "Degraded", "False", timeout=90)
+    st = wait_condition(cluster, "code", "Ready", "True", timeout=90)
+    assert st["phase"] == "Ready"
+    wait_for(lambda: ("Normal", "Recovered") in events_for(cluster, "code"), 30, "a Recovered event")
+
+
+def _versions(cluster: ControlPlane, ns: str, base: str) -> dict[tuple[str, str], str]:
+    return {key: o["metadata"]["resourceVersion"] for key, o in children(cluster, base, ns).items()}
+
+
+def test_a_second_reconcile_writes_nothing(cluster: ControlPlane, ns: str, operator: OperatorProcess,
+                                           bundled_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inferencemesh.operator.kube import Kube
+    from inferencemesh.operator.reconcile import Reconciler
+    from inferencemesh.operator.render import RenderOptions
+    from kubernetes import config
+
+    wait_condition(cluster, "code", "Ready", "True")
+    time.sleep(2)  # let the last events settle
+    before = _versions(cluster, ns, "code")
+    mesh_rv = cluster.get_json("inferencemesh", "code", "-n", ns)["metadata"]["resourceVersion"]
+    writes = operator.metric("inferencemesh_operator_writes_total")
+
+    # 1. the same reconcile, in this process, with the operator's options: no write at all
+    monkeypatch.setenv("INFERENCEMESH_BUNDLED_DIR", str(bundled_dir))
+    api = config.new_client_from_config(config_file=str(operator.kubeconfig))
+    reconciler = Reconciler(Kube(api), options=RenderOptions(grpc_probes=Kube(api).server_minor_version() >= 24))
+    for _ in range(2):
+        assert reconciler.reconcile(ns, "code").writes == []
+
+    # 2. the operator reconciles on an unrelated change (an annotation) and writes nothing either
+    unchanged = operator.metric("inferencemesh_operator_reconciles_total", 'result="unchanged"')
+    cluster.kubectl("annotate", "inferencemesh", "code", "-n", ns, "test/poke=1")
+    wait_for(lambda: operator.metric("inferencemesh_operator_reconciles_total", 'result="unchanged"') > unchanged,
+             30, "the operator to reconcile after the annotation")
+    time.sleep(1)
+    assert _versions(cluster, ns, "code") == before
+    mesh = cluster.get_json("inferencemesh", "code", "-n", ns)
+    assert int(mesh["metadata"]["resourceVersion"]) > int(mesh_rv)  # only the annotation moved it
+    assert "kopf.zalando.org/last-handled-configuration" not in mesh["metadata"].get("annotations", {})
+    assert not mesh["metadata"].get("finalizers")  # deletion never waits for the operator
+    assert operator.metric("inferencemesh_operator_writes_total") == writes
+
+
+def test_an_update_replans_and_rolls_the_children(cluster: ControlPlane, ns: str) -> None:
+    old = status_of(cluster, "code")
+    old_stage0 = children(cluster, "code")[("Deployment", "code-stage-0")]
+    cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge", "-p", '{"spec":{"stages":{"count":3}}}')
+    st = wait_for(lambda: (s := status_of(cluster, "code")).get("stagesSummary", "").endswith("/3") and s, 60,
+                  "a 3-stage plan")
+    assert st["planHash"] != old["planHash"] and len(st["stages"]) == 3
+    objs = children(cluster, "code")
+    plan = json.loads(objs[("ConfigMap", "code-plan")]["data"]["plan.json"])
+    ranges = [(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
+    assert [s["layers"] for s in st["stages"]] == [f"{a}:{b}" for a, b in ranges]
+    for kind in ("Deployment", "Service", "NetworkPolicy"):
+        assert (kind, "code-stage-2") in objs
+    stage0 = objs[("Deployment", "code-stage-0")]
+    args = stage0["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--layers") + 1] == f"{ranges[0][0]}:{ranges[0][1]}"
+    assert args[args.index("--num-stages") + 1] == "3"
+    assert stage0["metadata"]["generation"] > old_stage0["metadata"]["generation"]  # rolled
+    front = objs[("Deployment", "code-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert len(front[front.index("--stage-addresses") + 1].split(",")) == 3
+    wait_for(lambda: ("Normal", "Replanned") in events_for(cluster, "code"), 30, "a Replanned event")
+
+    cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge", "-p", '{"spec":{"stages":{"count":2}}}')
+    wait_for(lambda: not any(name == "code-stage-2" for _, name in children(cluster, "code")), 60,
+             "stage 2's objects to go")
+    assert status_of(cluster, "code")["stagesSummary"].endswith("/2")
+
+
+def test_scale_subresource_scales_the_frontend(cluster: ControlPlane, ns: str) -> None:
+    cluster.kubectl("scale", "inferencemesh", "code", "-n", ns, "--replicas=2")
+    wait_for(lambda: children(cluster, "code")[("Deployment", "code-frontend")]["spec"]["replicas"] == 2, 60,
+             "the frontend Deployment at 2 replicas")
+    wait_for(lambda: status_of(cluster, "code").get("frontendReplicas") == 2, 60, "status.frontendReplicas == 2")
+
+
+@pytest.mark.parametrize(("name", "stages", "reason", "message"), [
+    ("too-many-stages", {"count": 9}, "PlanFailed", "9 stages requested but the model has only 4 layers"),
+    ("does-not-fit", {"count": 2, "memory": ["300Mi"]}, "PlanFailed", "does not fit"),
+    ("overlapping", {"count": 2, "ranges": [{"start": 0, "end": 3}, {"start": 2, "end": 4}]},
+     "InvalidSpec", "stages.ranges must not overlap"),
+    ("gap", {"count": 2, "ranges": [{"start": 0, "end": 1}, {"start": 2, "end": 4}]},
+     "PlanFailed", "layers [1, 2) are not assigned"),
+])
+def test_impossible_specs_end_planned_false(cluster: ControlPlane, ns: str, tiny_model: Path, name: str,
+                                            stages: dict, reason: str, message: str) -> None:
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": stages}), ns)
+    st = wait_condition(cluster, name, "Planned", "False", reason)
+    assert message in cond(st, "Planned")["message"]
+    assert st["phase"] == "Failed" and cond(st, "Ready")["reason"] == reason
+    assert children(cluster, name) == {}
+    wait_for(lambda: ("Warning", reason) in events_for(cluster, name), 30, f"a {reason} event")
+    # fixing the spec recovers
+    cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=json",
+                    "-p", '[{"op": "replace", "path": "/spec/stages", "value": {"count": 2}}]')
+    wait_condition(cluster, name, "Planned", "True")
+    assert ("Deployment", f"{name}-stage-1") in children(cluster, name)
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+
+
+def test_delete_garbage_collects_every_child(cluster: ControlPlane, ns: str) -> None:
+    assert children(cluster, "code")
+    cluster.kubectl("delete", "inferencemesh", "code", "-n", ns, "--wait=false")
+    kinds = CHILD_KINDS + ",replicasets,pods"
+    # the garbage collector's first sweep after a new CRD can take ~30 s
+    wait_for(lambda: children(cluster, "code", kinds=kinds) == {}, 150, "every child of code to be collected", 2)
