@@ -454,3 +454,31 @@ def test_client_disconnect_releases_the_engine_session(fm: FixtureModel) -> None
             h.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
         assert wait_for(lambda: engine.open_sessions == 0), "non-stream session leaked"
         assert len(engine.released) == 2 and max(engine.released.values()) < 50
+
+
+def test_tiny_temperature_is_greedy(client: openai.OpenAI, fm: FixtureModel) -> None:
+    # Found by the fuzzer: logits / 1e-300 overflow; such temperatures mean greedy.
+    greedy = client.completions.create(model=fm.name, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    tiny = client.completions.create(model=fm.name, prompt=PROMPT, max_tokens=8, temperature=1e-300)
+    assert tiny.choices[0].text == greedy
+
+
+def test_oversized_requests_do_not_disturb_a_running_stream(fm: FixtureModel) -> None:
+    engine = sibling_engine(fm, step_delay_s=0.01)
+    app = create_app(engine, fm.tokenizer, served_model_name=fm.name, max_body_bytes=64 * 1024)
+    body = {"model": fm.name, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+    with serve(app) as base, httpx.Client(base_url=base, timeout=60) as h:
+        expected = h.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            parts = [json.loads(next(line for line in lines if line)[6:])["choices"][0]["text"]]
+            with httpx.Client(base_url=base, timeout=60) as other:
+                check_error(other.post("/v1/completions", json={**body, "prompt": "y" * 70_000}), 413)
+                check_error(other.post("/v1/completions", json={**body, "prompt": "y " * 5000}), 400,
+                            "context_length_exceeded")
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    parts += [c["text"] for c in chunk["choices"]]
+        assert "".join(parts) == expected
+        assert engine.open_sessions == 0

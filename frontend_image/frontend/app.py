@@ -37,6 +37,8 @@ from .openai_models import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("inferencemesh.frontend")
 
+READY_CACHE_S = 1.0
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -234,6 +236,7 @@ class _Frontend:
         eos = tokenizer.eos_token_id
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stop_token_ids = frozenset(stop_ids)
+        self._ready_until = 0.0  # a positive readiness answer is reused this long (monotonic time)
 
     def error_response(self, err: APIError) -> JSONResponse:
         self.metrics.request_errors.labels(self.model, str(err.status)).inc()
@@ -248,7 +251,7 @@ class _Frontend:
         refused = body.unsupported()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
-        if not await self._ready():
+        if not await self._ready(cached=True):
             raise APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
 
         echo_text = ""
@@ -282,10 +285,13 @@ class _Frontend:
                            param=param, code="context_length_exceeded")
 
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0  # logits / 1e-300 overflow to inf: this close to 0 means greedy
         request_id = prefix + uuid.uuid4().hex
         gen = GenerationRequest(
             request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
+            temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
             stop_token_ids=self.stop_token_ids,
         )
@@ -293,12 +299,20 @@ class _Frontend:
         return _Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
                     bool(body.stream), include_usage, arrival, echo_text)
 
-    async def _ready(self) -> bool:
+    async def _ready(self, cached: bool = False) -> bool:
+        # Per request, a "ready" seen within READY_CACHE_S is trusted: asking every stage's health
+        # service on every request would add round trips to the latency we are trying to save.
+        # "Not ready" is never cached, so recovery is seen at once; /ready always asks.
+        now = time.monotonic()
+        if cached and now < self._ready_until:
+            return True
         try:
-            return bool(await self.engine.is_ready())
+            ready = bool(await self.engine.is_ready())
         except Exception:
             log.exception("engine.is_ready() failed")
-            return False
+            ready = False
+        self._ready_until = now + READY_CACHE_S if ready else 0.0
+        return ready
 
     def _text_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
