@@ -30,6 +30,7 @@ import torch
 import uvicorn
 from inferencemesh.frontend.engine_api import (
     ContextLengthExceeded,
+    EngineError,
     EngineNotReady,
     EngineOverloaded,
     GenerationRequest,
@@ -60,13 +61,15 @@ class TransformersEngine:
     """Engine protocol over a Hugging Face causal LM held in this process."""
 
     def __init__(self, model: PreTrainedModel, *, model_name: str, max_context: int | None = None,
-                 max_sessions: int = 64, step_delay_s: float = 0.0) -> None:
+                 max_sessions: int = 64, step_delay_s: float = 0.0, fail_after_tokens: int | None = None) -> None:
         self.model = model.eval()
         self.model_name = model_name
         self.max_context = max_context or int(model.config.max_position_embeddings)
         self.max_sessions = max_sessions  # beyond this, EngineOverloaded (HTTP 429)
         self.ready = True  # tests flip it to exercise 503
         self.step_delay_s = step_delay_s  # pause between decode steps (makes disconnect tests deterministic)
+        # Fault injection: raise EngineError after this many tokens, as a pipeline does when a stage is lost.
+        self.fail_after_tokens = fail_after_tokens
         self.open_sessions = 0
         self.peak_sessions = 0  # most sessions open at once: proves requests interleaved
         self.released: dict[str, int] = {}  # request_id -> tokens yielded, recorded when the session ends
@@ -102,6 +105,8 @@ class TransformersEngine:
                 yield [token]
                 if produced >= request.max_tokens:
                     return
+                if self.fail_after_tokens is not None and produced >= self.fail_after_tokens:
+                    raise EngineError("stage 1 was lost mid-generation")
                 if self.step_delay_s:
                     await asyncio.sleep(self.step_delay_s)
                 logits = await asyncio.to_thread(session.forward, [token])

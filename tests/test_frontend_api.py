@@ -482,3 +482,24 @@ def test_oversized_requests_do_not_disturb_a_running_stream(fm: FixtureModel) ->
                     parts += [c["text"] for c in chunk["choices"]]
         assert "".join(parts) == expected
         assert engine.open_sessions == 0
+
+
+def test_engine_failure_mid_generation(fm: FixtureModel) -> None:
+    engine = sibling_engine(fm, fail_after_tokens=3)
+    with serve(create_app(engine, fm.tokenizer, served_model_name=fm.name)) as base, \
+            httpx.Client(base_url=base, timeout=60) as h:
+        body = {"model": fm.name, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+        err = check_error(h.post("/v1/completions", json=body), 500)
+        assert err["type"] == "server_error" and "stage 1 was lost" in err["message"]
+        # Streamed: the headers are already sent, so the error arrives in-band, then [DONE].
+        events = sse(h, "/v1/completions", {**body, "stream": True})
+        assert events[-1] == "[DONE]"
+        check(events[-2], "ErrorResponse")
+        assert "stage 1 was lost" in events[-2]["error"]["message"]
+        for chunk in events[:-2]:
+            check(chunk, COMPLETION_STREAM_CHUNK)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIError, match="stage 1 was lost"):
+            for _ in client.completions.create(**body, stream=True):
+                pass
+        assert engine.open_sessions == 0
