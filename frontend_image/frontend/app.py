@@ -254,23 +254,11 @@ class _Frontend:
         if not await self._ready(cached=True):
             raise APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
 
-        echo_text = ""
         if isinstance(body, ChatCompletionRequest):
             kind, prefix, max_tokens, param = "chat", "chatcmpl-", body.requested_max_tokens(), "messages"
-            prompt_ids = await asyncio.to_thread(self._chat_ids, body)
         else:
             kind, prefix, max_tokens, param = "completion", "cmpl-", body.max_tokens, "prompt"
-            prompt = body.single_prompt()
-            if isinstance(prompt, str):
-                prompt_ids = await asyncio.to_thread(self._text_ids, prompt)
-            else:
-                bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise APIError(400, f"Token id {bad} is outside the vocabulary (size {self.vocab_size}).",
-                                   param="prompt")
-                prompt_ids = list(prompt)
-            if body.echo:
-                echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        prompt_ids, echo_text = await self._prompt(body)
         if not prompt_ids:
             if self.tokenizer.bos_token_id is None:
                 raise APIError(400, "The prompt is empty.", param=param)
@@ -313,6 +301,18 @@ class _Frontend:
             ready = False
         self._ready_until = now + READY_CACHE_S if ready else 0.0
         return ready
+
+    async def _prompt(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+        """The prompt's token ids, and the text to echo (completions with echo=true)."""
+        if isinstance(body, ChatCompletionRequest):
+            return await asyncio.to_thread(self._chat_ids, body), ""  # off the event loop: prompts can be long
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self._text_ids, prompt), prompt if body.echo else ""
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is outside the vocabulary (size {self.vocab_size}).", param="prompt")
+        return list(prompt), self.tokenizer.decode(prompt) if body.echo else ""
 
     def _text_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
