@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.resources
 import os
 import random
 import socket
@@ -45,6 +44,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from inferencemesh.bundled import bundled_path
 
 BUNDLED_TARGET = "imesh-code-target"
 EOS = "<|endoftext|>"
@@ -159,8 +160,8 @@ class FixtureModel:
 
 def bundled_target_dir() -> Path | None:
     try:
-        packaged = Path(str(importlib.resources.files("inferencemesh.bundled") / BUNDLED_TARGET))
-    except ModuleNotFoundError:
+        packaged: Path | None = bundled_path(BUNDLED_TARGET)
+    except FileNotFoundError:
         packaged = None
     for path in (packaged, Path("/tmp/bundled") / BUNDLED_TARGET):
         if path is not None and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
