@@ -59,6 +59,14 @@ def _from_engine_error(exc: EngineError) -> APIError:
     return APIError(exc.status_code, str(exc) or type(exc).__name__, type=exc.error_type, code=exc.code)
 
 
+def _as_api_error(exc: Exception) -> APIError:
+    """Any failure during generation, as an OpenAI error (unexpected ones are logged, not described)."""
+    if isinstance(exc, EngineError):
+        return _from_engine_error(exc)
+    log.error("generation failed", exc_info=exc)
+    return APIError(500, "Generation failed inside the server.", type="server_error")
+
+
 # --- request guard: API key and body size, before any parsing ---------------------------------
 
 
@@ -412,9 +420,10 @@ class _Frontend:
             try:
                 async for delta in self.steps(job, iterator, first, tracker, text):
                     yield self._chunk(job, self._delta_choice(job, delta, None))
-            except EngineError as exc:  # headers are sent: report in-band, as OpenAI does
-                tracker.finish("error", status=exc.status_code)
-                yield _sse(_from_engine_error(exc).body())
+            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+                err = _as_api_error(exc)
+                tracker.finish("error", status=err.status)
+                yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
             finish = job.finish_reason
@@ -432,9 +441,10 @@ class _Frontend:
         text = OutputText(self.tokenizer, job.prompt_ids, job.stops)
         try:
             parts = [delta async for delta in self.steps(job, iterator, first, tracker, text)]
-        except EngineError as exc:
-            tracker.finish("error", status=exc.status_code)
-            raise _from_engine_error(exc) from exc
+        except Exception as exc:
+            err = _as_api_error(exc)
+            tracker.finish("error", status=err.status)
+            raise err from exc
         finally:
             await _close(iterator)
         finish, out = job.finish_reason, "".join(parts)
