@@ -57,13 +57,15 @@ class Kube:
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
               content_type: str = "application/json") -> dict:
-        response = self.api.call_api(
-            path, method, query_params=query or [], body=body,
+        request = self.api.param_serialize(
+            method=method, resource_path=path, query_params=query or [], body=body,
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True,
-            _request_timeout=self.timeout,
+            auth_settings=["BearerToken"],
         )
-        data = response.data
+        response = self.api.call_api(*request, _request_timeout=self.timeout)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise ApiException(http_resp=response)
         return json.loads(data) if data else {}
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:

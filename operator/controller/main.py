@@ -12,6 +12,9 @@ from prometheus_client import start_http_server
 def run_operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=False, log_prefix=True)
     logging.getLogger("inferencemesh").setLevel(logging.INFO)
+    # One line per watch event ("Handler ... succeeded") and per probe drowns what matters; errors still show.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port)
     from . import handlers  # noqa: F401 - importing registers the kopf handlers

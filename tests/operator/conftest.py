@@ -17,6 +17,7 @@ from imesh_k8s import (
     REPO,
     ControlPlane,
     OperatorProcess,
+    helm_install,
     make_tiny_llama,
     start_control_plane,
     start_operator,
@@ -72,7 +73,7 @@ def chart_release(cluster: ControlPlane) -> dict:
 
     cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
     with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=OPERATOR_NAMESPACE) as cfg:
-        release = cfg.install(str(CHART), RELEASE, {}, namespace=OPERATOR_NAMESPACE, timeout=120)
+        release = helm_install(cfg, CHART, RELEASE, {}, OPERATOR_NAMESPACE)
     wait_for(lambda: cluster.kubectl("get", "crd", "inferencemeshes.inferencemesh.io", check=False).returncode == 0,
              30, "the CRD from the chart")
     cluster.kubectl("wait", "--for=condition=Established", "crd/inferencemeshes.inferencemesh.io", "--timeout=60s")

@@ -267,7 +267,11 @@ def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: 
             raise AssertionError("the operator exited:\n" + op.log())
         return urllib.request.urlopen(op.liveness, timeout=2).status == 200
 
-    wait_for(alive, 60, "the operator's liveness endpoint")
+    try:
+        wait_for(alive, 60, "the operator's liveness endpoint")
+    except AssertionError as exc:
+        stop_operator(op)
+        raise AssertionError(f"{exc}\n---- operator log ----\n{op.log()}") from None
     return op
 
 
@@ -279,3 +283,20 @@ def stop_operator(op: OperatorProcess) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(op.proc.pid, signal.SIGKILL)
             op.proc.wait()
+
+
+def helm_install(cfg: object, chart: Path, name: str, values: dict, namespace: str, *,
+                 create_namespace: bool = False, timeout: int = 120) -> dict:
+    """`helm install --server-side=false`: Helm 4 applies CRDs server-side by default, and API servers
+    older than 1.25 (this one is 1.20) refuse the CRD's x-kubernetes-validations under server-side
+    apply ("field not declared in schema") while a plain create just drops them. helm-python-sdk's
+    Config.install has no keyword for it yet, so this passes the option to the same native call."""
+    from helm_python import _native
+
+    opts = {"namespace": namespace, "timeout_seconds": timeout, "server_side_apply": False}
+    if create_namespace:
+        opts["create_namespace"] = True
+    payload = _native.call_string(
+        "helm_install", cfg._raw(), _native.HANDLE(0), _native.HANDLE(0), str(chart), name,  # type: ignore[attr-defined]
+        json.dumps(values), json.dumps(opts))
+    return json.loads(payload)

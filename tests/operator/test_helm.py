@@ -1,0 +1,47 @@
+"""A real `helm install` / `helm uninstall` of the chart against the test API server (Helm Go SDK via PyPI)."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import pytest
+from imesh_k8s import CHART, OPERATOR_NAMESPACE, RELEASE, ControlPlane, helm_install, wait_for
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+
+def test_the_session_release_is_deployed(cluster: ControlPlane, chart_release: dict) -> None:
+    with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=OPERATOR_NAMESPACE) as cfg:
+        status = cfg.status(RELEASE)
+    assert status["info"]["status"] == "deployed"
+    dep = cluster.get_json("deployment", f"{RELEASE}-inferencemesh-operator", "-n", OPERATOR_NAMESPACE)
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert c["args"][:1] == ["operator"] and "--standalone" in c["args"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    cluster.kubectl("get", "clusterrole", f"{RELEASE}-inferencemesh-operator-cluster")
+    cluster.kubectl("get", "crd", "inferencemeshes.inferencemesh.io")
+
+
+def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart_release: dict) -> None:
+    cluster.kubectl("create", "namespace", "team-b")
+    values = {"watchNamespaces": ["team-b"], "serviceMonitor": {"enabled": False}}
+    with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace="imesh-b") as cfg:
+        release = helm_install(cfg, CHART, "imesh-b", values, "imesh-b", create_namespace=True)
+        assert release["info"]["status"] == "deployed"
+        role = cluster.get_json("role", "imesh-b-inferencemesh-operator", "-n", "team-b")
+        assert all("*" not in rule["verbs"] for rule in role["rules"])
+        cluster.kubectl("get", "deployment", "imesh-b-inferencemesh-operator", "-n", "imesh-b")
+        # the namespaced release's ServiceAccount may manage meshes in team-b only
+        sa = "system:serviceaccount:imesh-b:imesh-b-inferencemesh-operator"
+        can = lambda *a: cluster.kubectl("auth", "can-i", *a, "--as", sa, check=False).stdout.strip()  # noqa: E731
+        assert can("create", "deployments", "-n", "team-b") == "yes"
+        assert can("create", "deployments", "-n", "default") == "no"
+        assert can("list", "customresourcedefinitions") == "yes"
+        assert [r["name"] for r in cfg.list()] == ["imesh-b"]
+        cfg.uninstall("imesh-b", timeout=120)
+    for args in (("deployment", "imesh-b-inferencemesh-operator", "-n", "imesh-b"),
+                 ("role", "imesh-b-inferencemesh-operator", "-n", "team-b"),
+                 ("clusterrole", "imesh-b-inferencemesh-operator-cluster")):
+        wait_for(lambda a=args: cluster.kubectl("get", *a, check=False).returncode != 0, 60, f"{args} to be removed")
+    # Helm never deletes CRDs, and the session release is untouched
+    cluster.kubectl("get", "crd", "inferencemeshes.inferencemesh.io")
+    cluster.kubectl("get", "deployment", f"{RELEASE}-inferencemesh-operator", "-n", OPERATOR_NAMESPACE)
