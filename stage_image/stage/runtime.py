@@ -20,6 +20,7 @@ import torch
 
 from .kv import SessionKV
 from .loader import load_stage
+from .packed import PackedLinear, pack_linears
 
 # Rotary types whose frequencies do not depend on the sequence length, so a table of cos/sin
 # per position can be computed once. Others (dynamic NTK, longrope) are computed per forward.
@@ -74,6 +75,12 @@ class StageRuntime:
         self._layers = list(stage.layers)
         self._norm = stage.norm
         self._lm_head = stage.lm_head
+        if self.device.type == "cpu":
+            pack_linears(stage.layers)
+            # A head that shares its matrix with this stage's embedding stays as is: packing
+            # would hold the largest matrix twice.
+            if self._lm_head is not None and not (self._embed is not None and self._lm_head.weight is self._embed.weight):
+                self._lm_head = PackedLinear(self._lm_head)
         self._rotary = stage.rotary
         self._kv_heads = stage.facts.num_kv_heads
         self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)

@@ -1,0 +1,66 @@
+"""CPU linear layers with their weights laid out once for the matmul kernel, not on every call.
+
+Decoding runs every linear layer on a single row, so on CPU the weight layout decides the
+speed. nn.Linear in bfloat16/float16 hands oneDNN a plain weight that it reorders into its
+blocked layout on every call; prepacking once (what inductor's weight freezing does) makes the
+same kernel about twice as fast, with bit-identical results. In float32, MKL streams a
+[in, out] weight for one row markedly faster than nn.Linear's [out, in] (about 1.3x on
+a 150M-parameter Llama); results differ from nn.Linear only by summation order.
+
+pack_linears() swaps these modules in place inside transformers' own decoder layers, so the
+layers' forward code (norms, rotary, attention, MLP) stays theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _mkldnn_packs(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W stored as the CPU kernel wants it (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.bias = linear.bias
+        self._mkldnn = _mkldnn_packs(weight.dtype)
+        if self._mkldnn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        else:
+            self.packed = weight.t().contiguous()  # [in, out]
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.matmul(x, self.packed)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        kind = "mkldnn" if self._mkldnn else "transposed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every nn.Linear under `module` (CPU only) with a PackedLinear. Returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.weight.device.type == "cpu":
+            setattr(module, name, PackedLinear(child))
+            count += 1
+        else:
+            count += pack_linears(child)
+    return count
