@@ -13,19 +13,20 @@ from dataclasses import dataclass
 import torch
 
 _MASK63 = (1 << 63) - 1
+GREEDY_BELOW = 1e-5  # a smaller temperature would overflow the logits: it means greedy
 _SALT_SAMPLE, _SALT_ACCEPT, _SALT_RESAMPLE = 0x5A17, 0xACCE, 0x4E5A
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 GREEDY = SamplingParams()

@@ -116,15 +116,22 @@ class GrpcPipeline:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.step_timeout = step_timeout
-        self._channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in addresses]
-        self._stubs = [pb_grpc.StageStub(c) for c in self._channels]
-        self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _connect(self) -> None:
+        """Channels belong to the event loop that makes them: make them on first use."""
+        if not self._channels:
+            self._channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+            self._stubs = [pb_grpc.StageStub(c) for c in self._channels]
+            self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
 
     def open(self) -> GrpcSession:
+        self._connect()
         return GrpcSession(self._stubs[0], self._stubs[-1], uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 1.0) -> bool:
         """True when every stage's grpc.health.v1 says SERVING."""
+        self._connect()
         async def serving(stub: health_pb2_grpc.HealthStub) -> bool:
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -135,6 +142,7 @@ class GrpcPipeline:
         return all(await asyncio.gather(*(serving(h) for h in self._health)))
 
     async def infos(self, timeout: float = 2.0) -> list[pb.StageInfo]:
+        self._connect()
         return list(await asyncio.gather(*(s.Info(pb.InfoRequest(), timeout=timeout) for s in self._stubs)))
 
     async def wait_ready(self, deadline_s: float) -> bool:
@@ -148,6 +156,7 @@ class GrpcPipeline:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
+        self._channels = []
 
 
 class LocalSession:

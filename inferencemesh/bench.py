@@ -1,0 +1,318 @@
+"""`inferencemesh bench`: tokens/s, TPOT and TTFT of the mesh against `transformers` on the same model.
+
+Configurations, all measured in one run on one model (the machine is noisy: compare the
+ratios within a run, not numbers across runs):
+- hf-generate: `transformers` generate() of the unsplit model (greedy, same dtype);
+- in-process 1 stage: our engine and stage runtime with no network;
+- N stages: stage processes on loopback gRPC, the engine in this process;
+- with --speculative: each strategy at each stage count, plus the peers `transformers`
+  assisted generation (hf-assisted) and prompt lookup (hf-prompt-lookup).
+per_hop_overhead_ms = (TPOT at N stages - TPOT in-process) / (N + 1 network hops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inferencemesh.bundled import resolve_model
+
+SHAPES = {
+    # ~155M parameters: Llama architecture at GPT-2-small width.
+    "llama-150m": dict(hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False),
+}
+
+PROMPTS = {
+    "code": [
+        "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+        "    if len(argv) < 2:\n",
+        "class LRUCache:\n    def __init__(self, capacity):\n        self.capacity = capacity\n"
+        "        self.data = {}\n\n    def get(self, key):\n",
+        "def read_config(path):\n    with open(path) as f:\n        lines = f.readlines()\n    result = {}\n"
+        "    for line in lines:\n",
+        "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, self.name)\n\n"
+        "    def __eq__(self, other):\n",
+    ],
+    "prose": [
+        "The history of the city begins with a small settlement on the river, where traders stopped on their way",
+        "She walked into the kitchen, looked at the empty table, and wondered why nobody had told her that",
+        "In the summer of that year the weather was unusually warm, and the farmers in the valley",
+        "Our team believes that good documentation is as important as good software, because",
+    ],
+}
+
+
+@dataclass
+class Run:
+    ttft_s: float
+    total_s: float
+    tokens: int
+
+
+@dataclass
+class SpecCounter:
+    """Collects what speculation proposed and got accepted (the engine's metrics interface)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    model: str = "bench"
+    windows: list[int] = field(default_factory=list)
+
+    def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += draft_tokens
+        self.accepted += accepted
+
+    def set_window_size(self, k: int) -> None:
+        self.windows.append(k)
+
+    def set_auto_state(self, state: str) -> None:
+        pass
+
+    def set_speculative_strategy(self, strategy: str, reason: str) -> None:
+        pass
+
+
+def summarise(label: str, runs: list[Run], **extra) -> dict:
+    tpots = [(r.total_s - r.ttft_s) / (r.tokens - 1) for r in runs if r.tokens > 1]
+    entry = {
+        "label": label,
+        **extra,
+        "tokens_per_s": round(sum(r.tokens for r in runs) / sum(r.total_s for r in runs), 2),
+        "tpot_ms_median": round(1000 * statistics.median(tpots), 3) if tpots else None,
+        "ttft_ms_median": round(1000 * statistics.median(r.ttft_s for r in runs), 3),
+        "runs": len(runs),
+    }
+    print(f"  {label:<34} {entry['tokens_per_s']:>8.1f} tok/s  TPOT {entry['tpot_ms_median']} ms  "
+          f"TTFT {entry['ttft_ms_median']} ms", flush=True)
+    return entry
+
+
+def make_shape_model(shape: str, dtype: str) -> Path:
+    """A random-weight checkpoint of a preset shape, cached under ~/.cache/inferencemesh/bench."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown --shape {shape!r}; presets: {', '.join(SHAPES)}")
+    out = Path.home() / ".cache" / "inferencemesh" / "bench" / f"{shape}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096))
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    bundled = Path(resolve_model(None))  # any tokenizer will do for random weights: token ids are what count
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (bundled / name).exists():
+            (out / name).write_bytes((bundled / name).read_bytes())
+    return out
+
+
+def prompt_ids(tokenizer, sets: list[str], vocab: int) -> dict[str, list[list[int]]]:
+    return {name: [[t % vocab for t in tokenizer(p).input_ids] for p in PROMPTS[name]] for name in sets}
+
+
+# ---- peers ------------------------------------------------------------------------------------
+
+
+def bench_hf(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int, repeats: int,
+             **generate_kwargs) -> list[Run]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    runs = []
+    for ids in [prompts[0]] + prompts * repeats:  # the first is a warm-up
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            ttft = time.perf_counter() - started
+            started = time.perf_counter()
+            out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, **generate_kwargs)
+            total = time.perf_counter() - started
+        runs.append(Run(ttft, total, out.shape[1] - len(ids)))
+    return runs[1:]
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+
+async def bench_engine(pipeline, prompts: list[list[int]], new_tokens: int, repeats: int, max_context: int,
+                       proposer_for=None) -> list[Run]:
+    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.engine_api import GenerationRequest
+
+    engine = PipelineEngine(pipeline, EngineOptions("bench", max_context=max_context), proposer_for=proposer_for)
+    runs = []
+    for i, ids in enumerate([prompts[0]] + prompts * repeats):
+        request = GenerationRequest(f"bench-{i}", ids, new_tokens, temperature=0.0)
+        started = time.perf_counter()
+        first = None
+        count = 0
+        async for tokens in engine.generate(request):
+            if first is None:
+                first = time.perf_counter() - started
+            count += len(tokens)
+        runs.append(Run(first, time.perf_counter() - started, count))
+    return runs[1:]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from inferencemesh.checkpoint import read_local
+    from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+    from inferencemesh.launcher import LocalStages, StageSettings
+    from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.stage.runtime import StageRuntime
+
+    torch.set_grad_enabled(False)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if args.shape else "auto")
+    model_dir = make_shape_model(args.shape, dtype_name) if args.shape else Path(resolve_model(args.model))
+    facts = read_local(model_dir)
+    dtype = getattr(torch, dtype_name if dtype_name != "auto" else facts.checkpoint_dtype)
+    stage_counts = [int(s) for s in str(args.stages).split(",")]
+    strategies = [s.strip() for s in args.speculative.split(",") if s.strip()]
+    sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = prompt_ids(tokenizer, sets, facts.vocab_size)
+    max_context = 1024
+    print(f"bench: {model_dir} ({facts.num_layers} layers, {dtype}), {args.new_tokens} new tokens, "
+          f"{args.repeats} repeats x {sum(len(p) for p in prompts.values())} prompts, torch threads "
+          f"{torch.get_num_threads()}", flush=True)
+
+    speculation = {}
+    if strategies != ["none"]:
+        speculation = _speculation_setups(strategies, model_dir, tokenizer, dtype_name, max_context)
+
+    results: list[dict] = []
+    spec_mode = strategies != ["none"]
+    for prompt_set, ids in prompts.items():
+        common = {"prompts": prompt_set} if spec_mode or len(prompts) > 1 else {}
+        results.append(summarise("hf-generate", bench_hf(model_dir, dtype, ids, args.new_tokens, args.repeats),
+                                 stages=1, speculative="none", **common))
+        if "draft" in speculation and speculation["draft"].draft is not None:
+            draft_dir = Path(speculation["draft"].draft.source)
+            from transformers import AutoModelForCausalLM
+
+            assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+            results.append(summarise("hf-assisted", bench_hf(model_dir, dtype, ids, args.new_tokens, args.repeats,
+                                                             assistant_model=assistant),
+                                     stages=1, speculative="draft", **common))
+        if spec_mode and ("ngram" in strategies or "auto" in strategies):
+            results.append(summarise("hf-prompt-lookup", bench_hf(model_dir, dtype, ids, args.new_tokens,
+                                                                  args.repeats, prompt_lookup_num_tokens=4),
+                                     stages=1, speculative="ngram", **common))
+
+    for count in stage_counts:
+        if count == 1:
+            pipeline_factory, stages = (lambda: LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers,
+                                                                             dtype=dtype_name,
+                                                                             max_context=max_context)])), None
+        else:
+            plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
+            stages = LocalStages(str(model_dir), plan, StageSettings(dtype=dtype_name, max_context=max_context))
+            stages.start()
+            stages.wait_ready(600)
+            pipeline_factory = lambda addresses=stages.addresses: GrpcPipeline(addresses)  # noqa: E731
+        try:
+            label = "in-process-1-stage" if count == 1 else f"grpc-{count}-stages"
+            for prompt_set, ids in prompts.items():
+                for strategy in strategies:
+                    counter = SpecCounter()
+                    proposer_for = None
+                    if strategy != "none":
+                        setup = speculation[strategy]
+                        setup.metrics = counter
+                        proposer_for = setup.proposer_for
+                    pipeline = pipeline_factory()
+                    runs = asyncio.run(bench_engine(pipeline, ids, args.new_tokens, args.repeats, max_context,
+                                                    proposer_for))
+                    extra = {"stages": count, "speculative": strategy}
+                    if spec_mode or len(prompts) > 1:
+                        extra["prompts"] = prompt_set
+                    if strategy != "none":
+                        extra["acceptance_rate"] = round(counter.accepted / counter.draft_tokens, 4) \
+                            if counter.draft_tokens else 0.0
+                        extra["mean_accepted_per_window"] = round(counter.accepted / counter.drafts, 3) \
+                            if counter.drafts else 0.0
+                    name = label if strategy == "none" else f"{label}+{strategy}"
+                    results.append(summarise(name, runs, **extra))
+        finally:
+            if stages is not None:
+                stages.stop()
+
+    report = {
+        "model": str(model_dir), "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(), "python": sys.version.split()[0],
+        "results": results,
+    }
+    report.update(_ratios(results))
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _speculation_setups(strategies: list[str], model_dir: Path, tokenizer, dtype: str, max_context: int) -> dict:
+    from inferencemesh.frontend.speculative import resolve_speculation
+
+    setups = {}
+    for strategy in strategies:
+        if strategy == "none":
+            continue
+        ns = argparse.Namespace(speculative=strategy, draft=None, no_draft=False, window=None, dtype=dtype,
+                                device="auto", max_context=max_context)
+        setups[strategy] = resolve_speculation(ns, model_dir, tokenizer)
+        print(f"  speculative {strategy}: {setups[strategy].strategy} ({setups[strategy].reason})", flush=True)
+    return setups
+
+
+def _ratios(results: list[dict]) -> dict:
+    """The headline ratios the targets are stated in, from entries of this run."""
+    def find(label: str, **match) -> dict | None:
+        for r in results:
+            if r["label"] == label and all(r.get(k) == v for k, v in match.items()):
+                return r
+        return None
+
+    out: dict = {}
+    base = find("in-process-1-stage", speculative="none")
+    hf = find("hf-generate")
+    if base and hf:
+        out["one_stage_vs_hf_generate"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
+    hops = {}
+    for r in results:
+        if r["label"].startswith("grpc-") and r.get("speculative") == "none" and base and r.get("prompts") == base.get(
+                "prompts"):
+            n = r["stages"]
+            out[f"stages_{n}_vs_1"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            hops[str(n)] = round((r["tpot_ms_median"] - base["tpot_ms_median"]) / (n + 1), 3)
+    if hops:
+        out["per_hop_overhead_ms_by_stages"] = hops
+        out["per_hop_overhead_ms"] = max(hops.values())
+    for prompt_set in ("code", "prose"):
+        none2 = find("grpc-2-stages", speculative="none", prompts=prompt_set)
+        for strategy in ("draft", "auto", "ngram"):
+            spec2 = find("grpc-2-stages+" + strategy, prompts=prompt_set)
+            if none2 and spec2:
+                ratio = spec2["tokens_per_s"] / none2["tokens_per_s"]
+                out[f"{strategy}_vs_none_2_stages_{prompt_set}"] = round(ratio, 3)
+        ours = find("in-process-1-stage+draft", prompts=prompt_set)
+        peer = find("hf-assisted", prompts=prompt_set)
+        if ours and peer:
+            out[f"draft_1_stage_vs_hf_assisted_{prompt_set}"] = round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
+    return out

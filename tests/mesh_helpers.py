@@ -1,0 +1,60 @@
+"""Shared pieces of the pipeline tests: tiny meshes of real stage processes, HF references."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from inferencemesh.checkpoint import read_local
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine_api import GenerationRequest
+from inferencemesh.launcher import LocalStages, StageSettings
+from inferencemesh.planner import PlanInputs, plan_stages
+
+# One compute thread per stage process: several processes share two cores in CI.
+QUIET_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def start_mesh(model_dir: Path, stages: int, *, max_context: int = 256, **settings) -> LocalStages:
+    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir)), stages)
+    mesh = LocalStages(str(model_dir), plan, StageSettings(max_context=max_context, env=QUIET_THREADS, **settings))
+    mesh.start()
+    try:
+        mesh.wait_ready(120)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare full lengths, no early stop
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+async def collect(engine: PipelineEngine, prompt: list[int], new_tokens: int, **sampling) -> list[int]:
+    out: list[int] = []
+    request = GenerationRequest(f"t-{id(out)}", prompt, new_tokens, **sampling)
+    async for tokens in engine.generate(request):
+        out.extend(tokens)
+    return out
+
+
+def generate(pipeline, prompt: list[int], new_tokens: int, proposer_for=None, max_context: int = 256,
+             **sampling) -> list[int]:
+    """Run one request through a pipeline (closing it afterwards)."""
+    async def go() -> list[int]:
+        engine = PipelineEngine(pipeline, EngineOptions("test", max_context=max_context), proposer_for=proposer_for)
+        try:
+            return await collect(engine, prompt, new_tokens, **sampling)
+        finally:
+            await engine.close()
+
+    return asyncio.run(go())

@@ -1,0 +1,171 @@
+"""The split model over real gRPC between real stage processes: exact, concurrent, strict."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage.runtime import StageRuntime
+from mesh_helpers import collect, generate, hf_greedy, start_mesh
+from tiny_models import write_tiny_model
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> object:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", num_layers=4, shards=3)
+
+
+@pytest.fixture(scope="module")
+def mesh2(tiny):
+    mesh = start_mesh(tiny, 2)
+    yield mesh
+    mesh.stop()
+
+
+def test_two_stages_greedy_equals_unsplit_transformers(tiny, mesh2) -> None:
+    expected = hf_greedy(tiny, PROMPT, 24)
+    assert generate(GrpcPipeline(mesh2.addresses), PROMPT, 24, temperature=0.0) == expected
+
+
+def test_four_stages_and_chunked_prefill_equal_unsplit(tiny) -> None:
+    long_prompt = (PROMPT * 30)[:300]
+    expected = hf_greedy(tiny, long_prompt, 12)
+    mesh = start_mesh(tiny, 4, max_context=512)
+    try:
+        pipeline = GrpcPipeline(mesh.addresses)
+
+        async def go() -> list[int]:  # prefill in 64-token frames: 5 chunks
+            engine = PipelineEngine(pipeline, EngineOptions("t", max_context=512, prefill_chunk=64))
+            try:
+                return await collect(engine, long_prompt, 12, temperature=0.0)
+            finally:
+                await engine.close()
+
+        assert asyncio.run(go()) == expected
+    finally:
+        mesh.stop()
+
+
+def test_seeded_sampling_same_through_two_stages_as_one(tiny, mesh2) -> None:
+    local = LocalPipeline([StageRuntime(tiny, 0, 4)])
+    params = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    one = generate(local, PROMPT, 20, **params)
+    two = generate(GrpcPipeline(mesh2.addresses), PROMPT, 20, **params)
+    assert one == two
+    assert one != generate(GrpcPipeline(mesh2.addresses), PROMPT, 20, **{**params, "seed": 99})
+
+
+def test_concurrent_requests_interleave_and_stay_exact(tiny, mesh2) -> None:
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
+    expected = [hf_greedy(tiny, p, 16) for p in prompts]
+
+    async def go() -> list[list[int]]:
+        engine = PipelineEngine(GrpcPipeline(mesh2.addresses), EngineOptions("t", max_context=256))
+        try:
+            return list(await asyncio.gather(*(collect(engine, p, 16, temperature=0.0) for p in prompts)))
+        finally:
+            await engine.close()
+
+    assert asyncio.run(go()) == expected
+
+
+# ---- bad frames: clean statuses, and the stage keeps serving --------------------------------
+
+
+def _call(address: str, frames: list[pb.Frame]) -> grpc.RpcError | None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            list(pb_grpc.StageStub(channel).Session(iter(frames), timeout=20))
+        except grpc.RpcError as err:
+            return err
+    return None
+
+
+def _hidden_frame(session: str, pos: int, count: int, hidden: int, dtype: torch.dtype = torch.float32) -> pb.Frame:
+    payload = codec.encode(torch.zeros(count, hidden), dtype)
+    return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=pos, token_count=count, dtype=codec.WIRE_CODES[dtype],
+                    shape=[count, hidden], activations=payload)
+
+
+@pytest.mark.parametrize(
+    "frames, code, message",
+    [
+        ([pb.Frame(session_id="a", kind=pb.PREFILL, pos_start=0, token_count=2, token_ids=[1, 99999])],
+         grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        ([pb.Frame(session_id="b", kind=pb.PREFILL, pos_start=0, token_count=3, token_ids=[1, 2])],
+         grpc.StatusCode.INVALID_ARGUMENT, "token_count"),
+        ([pb.Frame(session_id="c", kind=pb.DECODE, pos_start=5, token_count=1, token_ids=[1])],
+         grpc.StatusCode.FAILED_PRECONDITION, "unknown session"),
+        ([pb.Frame(session_id="d", kind=pb.PREFILL, pos_start=0, token_count=2, token_ids=[1, 2]),
+          pb.Frame(session_id="d", kind=pb.DECODE, pos_start=9, token_count=1, token_ids=[3])],
+         grpc.StatusCode.FAILED_PRECONDITION, "position"),
+        ([pb.Frame(session_id="e", kind=7, pos_start=0, token_count=1, token_ids=[1])],
+         grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+        ([pb.Frame(session_id="f", kind=pb.PREFILL, pos_start=0, token_count=300, token_ids=list(range(300)))],
+         grpc.StatusCode.OUT_OF_RANGE, "max_context"),
+    ],
+    ids=["token-out-of-vocab", "count-mismatch", "unknown-session", "position-beyond-cache", "unknown-kind",
+         "past-context"],
+)
+def test_bad_frames_to_stage_zero(mesh2, frames, code, message) -> None:
+    err = _call(mesh2.addresses[0], frames)
+    assert err is not None and err.code() == code, err
+    assert message in err.details()
+
+
+def test_bad_activations_to_a_middle_stage(mesh2) -> None:
+    address = mesh2.addresses[1]
+    info = pb_grpc.StageStub(grpc.insecure_channel(address)).Info(pb.InfoRequest(), timeout=5)
+    good = _hidden_frame("g", 0, 2, info.hidden_size)
+    truncated = pb.Frame()
+    truncated.CopyFrom(good)
+    truncated.activations = good.activations[:-4]
+    wrong_dtype = pb.Frame()
+    wrong_dtype.CopyFrom(good)
+    wrong_dtype.dtype = 9
+    wrong_shape = _hidden_frame("g", 0, 2, info.hidden_size + 1)
+    for frame, needle in ((truncated, "bytes"), (wrong_dtype, "dtype"), (wrong_shape, "shape")):
+        err = _call(address, [frame])
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.details()
+
+
+def test_bad_frames_do_not_disturb_a_concurrent_session(tiny, mesh2) -> None:
+    expected = hf_greedy(tiny, PROMPT, 20)
+
+    async def go() -> list[int]:
+        engine = PipelineEngine(GrpcPipeline(mesh2.addresses), EngineOptions("t", max_context=256))
+        try:
+            good = asyncio.create_task(collect(engine, PROMPT, 20, temperature=0.0))
+            for i in range(5):
+                bad = [pb.Frame(session_id=f"bad{i}", kind=pb.PREFILL, pos_start=0, token_count=1, token_ids=[-1])]
+                assert (await asyncio.to_thread(_call, mesh2.addresses[0], bad)) is not None
+            return await good
+        finally:
+            await engine.close()
+
+    assert asyncio.run(go()) == expected
+
+
+def test_results_only_on_the_last_stage(mesh2) -> None:
+    with grpc.insecure_channel(mesh2.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.StageStub(channel).Results(pb.ResultsRequest(session_id="x"), timeout=5))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_sessions_are_released_at_request_end(mesh2) -> None:
+    generate(GrpcPipeline(mesh2.addresses), PROMPT, 8, temperature=0.0)
+    for address in mesh2.addresses:
+        info = pb_grpc.StageStub(grpc.insecure_channel(address)).Info(pb.InfoRequest(), timeout=5)
+        assert info.active_sessions == 0, address
