@@ -195,7 +195,11 @@ class Reconciler:
         # A merge patch keeps keys it does not mention: null out the ones that went away.
         patch = {"status": {**{k: None for k in old if k not in status}, **status}}
         meta = mesh["metadata"]
-        self.kube.patch_status("InferenceMesh", meta["namespace"], meta["name"], patch)
+        try:
+            self.kube.patch_status("InferenceMesh", meta["namespace"], meta["name"], patch)
+        except ApiException:
+            log.error("status patch of %s/%s refused; patch was %s", meta["namespace"], meta["name"], json.dumps(patch))
+            raise
         result.writes.append(Write("patch-status", "InferenceMesh", meta["name"]))
         for reason, kind, message in transition_events(old, status):
             self._event(mesh, reason, kind, message)

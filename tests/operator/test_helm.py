@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 def test_the_session_release_is_deployed(cluster: ControlPlane, chart_release: dict) -> None:
     with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=OPERATOR_NAMESPACE) as cfg:
         status = cfg.status(RELEASE)
-    assert status["info"]["status"] == "deployed"
+    assert status["status"] == "deployed" and status["revision"] == 1
+    assert "kubectl get imesh" in status["notes"]
     dep = cluster.get_json("deployment", f"{RELEASE}-inferencemesh-operator", "-n", OPERATOR_NAMESPACE)
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["args"][:1] == ["operator"] and "--standalone" in c["args"]
@@ -26,7 +27,7 @@ def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart
     values = {"watchNamespaces": ["team-b"], "serviceMonitor": {"enabled": False}}
     with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace="imesh-b") as cfg:
         release = helm_install(cfg, CHART, "imesh-b", values, "imesh-b", create_namespace=True)
-        assert release["info"]["status"] == "deployed"
+        assert release["status"] == "deployed"
         role = cluster.get_json("role", "imesh-b-inferencemesh-operator", "-n", "team-b")
         assert all("*" not in rule["verbs"] for rule in role["rules"])
         cluster.kubectl("get", "deployment", "imesh-b-inferencemesh-operator", "-n", "imesh-b")
