@@ -91,17 +91,52 @@ def locate(
     cache_dir: str | None = None,
     on_progress: Progress = _noop,
 ) -> tuple[Path, CheckpointFacts]:
-    """A directory holding the config and every shard this stage needs, and the checkpoint's facts.
+    """A directory holding the config and every shard this stage reads, and the checkpoint's facts.
 
-    A local directory is used as is. Anything else is a hub repo id: see _download.
+    A local directory is used as is. Anything else is a hub repo id: see _download. Either way
+    only the headers of the stage's own shards are read, so facts.tensors covers those shards
+    (shards holding none of the stage's tensors need not even be present).
     """
-    if checkpoint.is_local(source):
-        facts = checkpoint.read_local(source)  # refuses unsupported families and pickle-only weights
-        _check_range(facts, layer_start, layer_end, source)
-        return Path(source), facts
-    return _download(
-        str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
-    )
+    if not checkpoint.is_local(source):
+        return _download(
+            str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
+        )
+    model_dir = Path(source)
+    config = _read_config(model_dir / "config.json", model_dir)
+    files = [p.name for p in model_dir.iterdir()]
+    shards = _stage_shards(model_dir, config, files, layer_start, layer_end, model_dir)
+    facts = checkpoint.read_local(model_dir, headers_of=shards)
+    _check_range(facts, layer_start, layer_end, model_dir)
+    return model_dir, facts
+
+
+def _read_config(path: Path, where: str | Path) -> dict:
+    if not path.exists():
+        raise CheckpointError(f"{where}: no config.json (is this a Hugging Face model?)")
+    config = json.loads(path.read_text())
+    checkpoint.check_supported(config, where)  # before any weight is fetched
+    return config
+
+
+def _stage_shards(
+    directory: Path, config: dict, repo_files: list[str], layer_start: int, layer_end: int, where: str | Path
+) -> list[str]:
+    """The safetensors files holding the stage's tensors, from the index's weight_map.
+
+    repo_files (what the checkpoint holds, here or on the hub) decides between a sharded
+    checkpoint, a single model.safetensors, and a refusal when there are no safetensors.
+    """
+    index = directory / SAFETENSORS_INDEX
+    if index.exists():
+        wmap = dict(json.loads(index.read_text())["weight_map"])
+        # Only names and shards matter to select files; shapes come from the headers later.
+        placeholder = CheckpointFacts(config, {n: TensorInfo(n, "U8", (0,), s) for n, s in wmap.items()})
+        _check_range(placeholder, layer_start, layer_end, where)
+        return placeholder.shards_for(placeholder.stage_tensor_names(layer_start, layer_end))
+    if SINGLE_SAFETENSORS in repo_files:
+        return [SINGLE_SAFETENSORS]
+    checkpoint.refuse_without_safetensors(where, repo_files)
+    raise CheckpointError(f"{where}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
 
 
 def _check_range(facts: CheckpointFacts, layer_start: int, layer_end: int, where: str | Path) -> None:
@@ -137,30 +172,9 @@ def _download(
     # The snapshot folder is named by the resolved commit: pinning it keeps every later call on
     # the same revision and spares them a round trip to resolve a branch name.
     commit = snapshot.name
-    config_path = snapshot / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{repo_id}: no config.json (is this a Hugging Face model repo?)")
-    config = json.loads(config_path.read_text())
-    checkpoint.check_supported(config, repo_id)
-
-    index = snapshot / SAFETENSORS_INDEX
-    if index.exists():
-        wmap = dict(json.loads(index.read_text())["weight_map"])
-    elif SINGLE_SAFETENSORS in _repo_files(repo_id, commit, cache_dir, snapshot):
-        wmap = {}  # one file holds everything; its header is read once it is here
-    else:
-        checkpoint.refuse_without_safetensors(repo_id, _repo_files(repo_id, commit, cache_dir, snapshot))
-        raise CheckpointError(
-            f"{repo_id}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}"
-        )
-
-    if wmap:
-        # Only names and shards matter to select files; shapes come from the headers later.
-        placeholder = CheckpointFacts(config, {n: TensorInfo(n, "U8", (0,), s) for n, s in wmap.items()})
-        _check_range(placeholder, layer_start, layer_end, repo_id)
-        shards = placeholder.shards_for(placeholder.stage_tensor_names(layer_start, layer_end))
-    else:
-        shards = [SINGLE_SAFETENSORS]
+    config = _read_config(snapshot / "config.json", repo_id)
+    files = [] if (snapshot / SAFETENSORS_INDEX).exists() else _repo_files(repo_id, commit, cache_dir, snapshot)
+    shards = _stage_shards(snapshot, config, files, layer_start, layer_end, repo_id)
     for i, shard in enumerate(shards):
         log.info("%s: downloading %s (%d/%d)", repo_id, shard, i + 1, len(shards))
         snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, allow_patterns=[shard])
@@ -267,12 +281,15 @@ def _read_tensors(
     out: dict[str, torch.Tensor] = {}
     for shard in facts.shards_for(names):
         wanted = [n for n in names if facts.tensors[n].shard == shard]
-        # The shard is memory-mapped; only the byte ranges of the wanted tensors are touched, and
-        # closing it per shard keeps at most one shard's mapped pages resident.
-        with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
-            for name in wanted:
+        for name in wanted:
+            # get_tensor returns a view of the memory-mapped shard, and the mapping stays alive
+            # (every page touched counted as resident) while any view does. Copying into memory
+            # the stage owns, and closing the shard per tensor, means the load never holds more
+            # than one tensor's worth of file pages on top of the stage's own weights.
+            with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
                 tensor = f.get_tensor(name)
-                out[name] = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
+                target = dtype if tensor.is_floating_point() else tensor.dtype
+                out[name] = tensor.to(device=device, dtype=target, copy=True)
                 del tensor
                 done += facts.tensors[name].nbytes
                 if done / total - reported >= 0.05 or done == total:  # a few updates, not one per tensor

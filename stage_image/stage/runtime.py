@@ -79,8 +79,9 @@ class StageRuntime:
             pack_linears(stage.layers)
             # A head that shares its matrix with this stage's embedding stays as is: packing
             # would hold the largest matrix twice.
-            if self._lm_head is not None and not (self._embed is not None and self._lm_head.weight is self._embed.weight):
-                self._lm_head = PackedLinear(self._lm_head)
+            head = self._lm_head
+            if head is not None and not (self._embed is not None and head.weight is self._embed.weight):
+                self._lm_head = PackedLinear(head)
         self._rotary = stage.rotary
         self._kv_heads = stage.facts.num_kv_heads
         self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
