@@ -64,6 +64,22 @@ class EngineOptions:
     max_waiting: int = 256  # queued beyond that: 429
     prefill_chunk: int = 256  # prompt tokens per frame (bounded message size, interleaving)
     queue_timeout_s: float = 60.0
+    recovery_timeout_s: float = 60.0  # how long an in-flight request waits for a lost stage to return
+
+
+class _Connection:
+    """A request's current pipeline session and its reusable frame envelope."""
+
+    def __init__(self, pipeline, request_id: str) -> None:
+        self.pipeline, self.request_id = pipeline, request_id
+        self.open()
+
+    def open(self) -> None:
+        self.session = self.pipeline.open()
+        self.frame = pb.Frame(session_id=self.session.session_id, request_id=self.request_id)
+
+    async def close(self) -> None:
+        await self.session.close()
 
 
 class PipelineEngine:
@@ -80,6 +96,7 @@ class PipelineEngine:
         self._draft_executor = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self.waiting = 0
         self.running = 0
+        self.recoveries = 0  # in-flight requests carried over a lost stage
 
     async def is_ready(self) -> bool:
         return await self.pipeline.is_ready()
@@ -124,10 +141,9 @@ class PipelineEngine:
                    proposer: Proposer | None) -> AsyncIterator[list[int]]:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         sampling = pb.Sampling(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed)
-        session = self.pipeline.open()
+        conn = _Connection(self.pipeline, request.request_id)
         try:
-            frame = pb.Frame(session_id=session.session_id, request_id=request.request_id)
-            fresh = [await self._prefill(session, frame, prompt, sampling)]
+            fresh = [await self._resilient(conn, sampling, [], lambda: self._prefill(conn, prompt, sampling))]
             history = prompt + fresh
             emitted = 0
             while True:
@@ -141,15 +157,56 @@ class PipelineEngine:
                     yield out
                 if len(out) < len(fresh) or emitted >= budget:
                     return
-                fresh = await self._step(session, frame, history, proposer)
+                # Everything but the last token is in the stages' caches; a replacement stage
+                # gets exactly that prefix again.
+                fresh = await self._resilient(conn, sampling, history[:-1],
+                                              lambda: self._step(conn, history, proposer))
                 history.extend(fresh)
         except PipelineError as err:
             raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
         finally:
-            await session.close()
+            await conn.close()
 
-    async def _prefill(self, session, frame: pb.Frame, prompt: list[int], sampling: pb.Sampling) -> int:
+    async def _resilient(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], operation):
+        """Run one pipeline operation; if a stage was lost, wait for it to come back (up to
+        recovery_timeout_s), prefill `prefix` into a new session, and run the operation again."""
+        deadline = None
+        while True:
+            try:
+                return await operation()
+            except PipelineError as err:
+                if not err.retryable or self.options.recovery_timeout_s <= 0:
+                    raise
+                started = time.monotonic()
+                deadline = deadline or started + self.options.recovery_timeout_s
+                log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
+                await self._reconnect(conn, sampling, prefix, deadline, err)
+                self.recoveries += 1
+                log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
+                         time.monotonic() - started, len(prefix))
+
+    async def _reconnect(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], deadline: float,
+                         cause: PipelineError) -> None:
+        await conn.close()
+        while time.monotonic() < deadline:
+            if await self.pipeline.is_ready():
+                conn.open()
+                try:
+                    if prefix:
+                        await self._prefill(conn, prefix, sampling, want_prediction=False)
+                    return
+                except PipelineError as err:
+                    if not err.retryable:
+                        raise
+                    await conn.close()
+            await asyncio.sleep(0.1)
+        raise PipelineError(cause.code, f"the pipeline did not recover within {self.options.recovery_timeout_s:.0f}s "
+                                        f"after: {cause}")
+
+    async def _prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
+                       want_prediction: bool = True) -> int | None:
         """Feed the prompt in chunks; the last chunk's prediction is the first new token."""
+        session, frame = conn.session, conn.frame
         chunk = self.options.prefill_chunk
         frame.kind = pb.PREFILL
         frame.sampling.CopyFrom(sampling)
@@ -159,15 +216,16 @@ class PipelineEngine:
             frame.pos_start = start
             frame.token_count = len(piece)
             frame.token_ids[:] = piece
-            frame.want_prediction = start + chunk >= len(prompt)
+            frame.want_prediction = want_prediction and start + chunk >= len(prompt)
             frame.seq += 1
             prediction = await session.send(frame)
             frame.ClearField("sampling")  # stages keep the parameters they saw last
         frame.want_prediction = False
-        return prediction.tokens[0]
+        return prediction.tokens[0] if prediction is not None else None
 
-    async def _step(self, session, frame: pb.Frame, history: list[int], proposer: Proposer | None) -> list[int]:
+    async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> list[int]:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
+        session, frame = conn.session, conn.frame
         proposal = None
         if proposer is not None:
             if proposer.blocking:  # a draft model computes: keep the event loop free for other requests

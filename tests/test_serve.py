@@ -1,0 +1,97 @@
+"""`inferencemesh serve` as a user runs it: the bundled model, real processes, the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferencemesh.launcher import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh.cli", "serve", "--port", str(port),
+                             "--max-sessions", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "".join(lines)
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("serve never became ready:\n" + "".join(lines))
+    yield base, proc, lines
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+def test_openai_client_completions_and_chat(served) -> None:
+    base, _, _ = served
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=24, temperature=0)
+    assert done.choices[0].text and done.usage.completion_tokens > 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="def add(a, b):\n", max_tokens=24, temperature=0, stream=True) if c.choices)
+    assert streamed == done.choices[0].text  # greedy: streaming changes nothing
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "import os"}],
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "import os"}], max_tokens=16, temperature=0,
+        stream=True) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+
+
+def test_metrics_of_frontend_and_every_stage_parse(served) -> None:
+    base, _, lines = served
+    stage_ports = [int(m) for m in re.findall(r"metrics :(\d+)", "".join(lines))]
+    assert len(stage_ports) == 2, "".join(lines)
+    pages = {"frontend": httpx.get(f"{base}/metrics").text}
+    for i, port in enumerate(stage_ports):
+        pages[f"stage{i}"] = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    for name, text in pages.items():
+        names = {f.name for f in text_string_to_metric_families(text)}
+        if name == "frontend":
+            assert {"inferencemesh_time_to_first_token_seconds", "inferencemesh_generation_tokens"} <= names
+        else:
+            assert {"inferencemesh_stage_forward_seconds", "inferencemesh_stage_active_sessions",
+                    "inferencemesh_stage_activation_bytes_sent"} <= names, names
+        if shutil.which("promtool"):
+            check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+            assert check.returncode == 0, f"{name}: {check.stdout}{check.stderr}"
+
+
+def test_ctrl_c_stops_every_process(served) -> None:
+    _, proc, lines = served
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    assert len(children.split()) == 3  # two stages and the frontend
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, "".join(lines)
+    time.sleep(1)
+    for pid in children.split():
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
