@@ -50,6 +50,7 @@ def test_fresh_mesh_is_progressing() -> None:
                          "FrontendReady": ("False", "NoFrontend"), "Ready": ("False", "StagesNotReady"),
                          "Degraded": ("False", "AsExpected")}
     assert [s["layers"] for s in st["stages"]] == ["0:2", "2:4"] and st["stages"][0]["pod"] == "p0"
+    assert "pod" not in st["stages"][1]  # absent, never "": see status.py
     assert st["stages"][1]["memoryBytes"] == 2**30 and "memoryBytes" not in st["stages"][0]
     assert st["endpoint"] == "http://code-frontend.ml.svc:8000/v1"
     assert st["speculative"] == {"strategy": "ngram", "reason": "AutoNgram", "message": "why"}
