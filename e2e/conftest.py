@@ -1,0 +1,87 @@
+"""End-to-end tests against a real cluster named by KUBECONFIG (skipped without one).
+
+They install the chart, apply examples/inferencemesh.yaml, wait for Ready, call the OpenAI
+endpoint through the frontend Service and clean up. Settings (environment):
+  KUBECONFIG                 the cluster (required)
+  IMESH_E2E_OPERATOR_IMAGE   operator image, e.g. ghcr.io/inferencemesh/operator:0.1.0
+  IMESH_E2E_STAGE_IMAGE      stage image for the mesh
+  IMESH_E2E_FRONTEND_IMAGE   frontend image for the mesh
+  IMESH_E2E_PULL_POLICY      imagePullPolicy for all three (e.g. Never for locally imported images)
+  IMESH_E2E_NAMESPACE        namespace of the mesh (default imesh-e2e); the operator goes to <ns>-system
+  IMESH_E2E_TIMEOUT          seconds to wait for Ready (default 900)
+  IMESH_E2E_SERVER_SIDE      "false" to install with client-side apply (Kubernetes < 1.25)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from imesh_e2e import REPO, get_json, kubectl, wait_for
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("KUBECONFIG"):
+        skip = pytest.mark.skip(reason="e2e tests need a cluster: set KUBECONFIG")
+        here = Path(__file__).parent
+        for item in items:
+            if here in Path(item.fspath).parents:  # only e2e's own tests
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def settings() -> dict:
+    ns = os.environ.get("IMESH_E2E_NAMESPACE", "imesh-e2e")
+    return {
+        "namespace": ns,
+        "operator_namespace": f"{ns}-system",
+        "timeout": float(os.environ.get("IMESH_E2E_TIMEOUT", "900")),
+        "operator_image": os.environ.get("IMESH_E2E_OPERATOR_IMAGE", ""),
+        "stage_image": os.environ.get("IMESH_E2E_STAGE_IMAGE", ""),
+        "frontend_image": os.environ.get("IMESH_E2E_FRONTEND_IMAGE", ""),
+        "pull_policy": os.environ.get("IMESH_E2E_PULL_POLICY", ""),
+        "server_side": os.environ.get("IMESH_E2E_SERVER_SIDE", "true").lower() != "false",
+    }
+
+
+@pytest.fixture(scope="session")
+def release(settings: dict) -> Iterator[str]:
+    """`helm install` of charts/inferencemesh with the Helm Go SDK; uninstalled at the end."""
+    import helm_python as helm
+    from helm_python import _native
+
+    values: dict = {"meshImages": {}}
+    if settings["operator_image"]:
+        repo, _, tag = settings["operator_image"].rpartition(":")
+        values["image"] = {"repository": repo, "tag": tag}
+    if settings["pull_policy"]:
+        values.setdefault("image", {})["pullPolicy"] = settings["pull_policy"]
+    for key in ("stage", "frontend"):
+        if settings[f"{key}_image"]:
+            values["meshImages"][key] = settings[f"{key}_image"]
+    if not values["meshImages"]:
+        del values["meshImages"]
+    name, ns = "imesh-e2e", settings["operator_namespace"]
+    with helm.Config(namespace=ns) as cfg:
+        opts = {"namespace": ns, "create_namespace": True, "timeout_seconds": 300,
+                "server_side_apply": settings["server_side"]}
+        # Config.install has no server-side switch yet; the native call takes the same options.
+        _native.call_string("helm_install", cfg._raw(), _native.HANDLE(0), _native.HANDLE(0),
+                            str(REPO / "charts" / "inferencemesh"), name, json.dumps(values), json.dumps(opts))
+        try:
+            wait_for(lambda: get_json("deployment", f"{name}-inferencemesh-operator", "-n", ns)
+                     .get("status", {}).get("readyReplicas") == 1, 300, "the operator Deployment to be ready")
+            yield name
+        finally:
+            cfg.uninstall(name, timeout=300, ignore_not_found=True)
+
+
+@pytest.fixture(scope="session")
+def mesh_namespace(settings: dict, release: str) -> Iterator[str]:
+    ns = settings["namespace"]
+    kubectl("create", "namespace", ns, check=False)
+    yield ns
+    kubectl("delete", "namespace", ns, "--wait=false", check=False)
