@@ -219,6 +219,25 @@ def test_a_second_reconcile_writes_nothing(cluster: ControlPlane, ns: str, opera
     assert operator.metric("inferencemesh_operator_writes_total") == writes
 
 
+def test_a_restarted_operator_resumes_without_writing(cluster: ControlPlane, ns: str, operator: OperatorProcess,
+                                                      bundled_dir: Path) -> None:
+    """A fresh operator process (as after a restart) lists every mesh, reconciles it and writes nothing."""
+    from imesh_k8s import start_operator, stop_operator
+
+    before = _versions(cluster, ns, "code")
+    second = start_operator(cluster, operator.kubeconfig, cluster.workdir,
+                            {"INFERENCEMESH_BUNDLED_DIR": str(bundled_dir)})
+    try:
+        wait_for(lambda: second.metric("inferencemesh_operator_reconciles_total") >= 1, 30,
+                 "the restarted operator to reconcile the existing mesh")
+        time.sleep(1)
+        assert second.metric("inferencemesh_operator_writes_total") == 0, second.log()
+        assert second.metric("inferencemesh_operator_reconciles_total", 'result="changed"') == 0
+    finally:
+        stop_operator(second)
+    assert _versions(cluster, ns, "code") == before
+
+
 def test_an_update_replans_and_rolls_the_children(cluster: ControlPlane, ns: str) -> None:
     old = status_of(cluster, "code")
     old_stage0 = children(cluster, "code")[("Deployment", "code-stage-0")]
