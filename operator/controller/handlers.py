@@ -116,6 +116,10 @@ def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's only errors
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
+    # Filter pods and deployments at the API server: only the mesh's own, never every pod of the cluster.
+    managed = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    settings.watching.label_selectors["v1", "pods"] = managed
+    settings.watching.label_selectors["apps", "v1", "deployments"] = managed
     kube = Kube(load_api_client())
     options = RenderOptions(
         stage_image=os.environ.get("INFERENCEMESH_STAGE_IMAGE") or DEFAULT_STAGE_IMAGE,
