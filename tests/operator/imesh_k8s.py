@@ -165,7 +165,7 @@ def stop_processes(procs: dict[str, subprocess.Popen]) -> None:
             os.killpg(proc.pid, signal.SIGTERM)
     for proc in procs.values():
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=5)  # a throwaway control plane: no need for a graceful stop
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
