@@ -15,6 +15,7 @@ def run_operator(args: argparse.Namespace) -> int:
     # One line per watch event ("Handler ... succeeded") and per probe drowns what matters; errors still show.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("kopf.activities.probe").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port)
     from . import handlers  # noqa: F401 - importing registers the kopf handlers

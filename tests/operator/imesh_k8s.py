@@ -250,11 +250,14 @@ class OperatorProcess:
         return total
 
 
-def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: dict[str, str]) -> OperatorProcess:
+def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: dict[str, str],
+                   namespaces: tuple[str, ...] = ()) -> OperatorProcess:
     live_port, metrics_port = free_port(), free_port()
     log_path = workdir / f"operator-{live_port}.log"
     cmd = [sys.executable, "-m", "inferencemesh.cli", "operator", "--standalone",
            "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--metrics-port", str(metrics_port)]
+    for ns in namespaces:
+        cmd += ["--namespace", ns]
     full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HF_HUB_OFFLINE": "1",
                 "INFERENCEMESH_RESYNC_SECONDS": "30", **env}
     with open(log_path, "wb") as log:

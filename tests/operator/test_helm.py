@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import helm_python as helm
 import pytest
-from imesh_k8s import CHART, OPERATOR_NAMESPACE, RELEASE, ControlPlane, helm_install, wait_for
+from imesh_k8s import (
+    CHART,
+    OPERATOR_NAMESPACE,
+    RELEASE,
+    ControlPlane,
+    helm_install,
+    start_operator,
+    stop_operator,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -22,7 +33,8 @@ def test_the_session_release_is_deployed(cluster: ControlPlane, chart_release: d
     cluster.kubectl("get", "crd", "inferencemeshes.inferencemesh.io")
 
 
-def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart_release: dict) -> None:
+def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart_release: dict,
+                                                    tiny_model: Path) -> None:
     cluster.kubectl("create", "namespace", "team-b")
     values = {"watchNamespaces": ["team-b"], "serviceMonitor": {"enabled": False}}
     with helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace="imesh-b") as cfg:
@@ -38,6 +50,7 @@ def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart
         assert can("create", "deployments", "-n", "default") == "no"
         assert can("list", "customresourcedefinitions") == "yes"
         assert [r["name"] for r in cfg.list()] == ["imesh-b"]
+        run_namespaced_operator(cluster, tiny_model)
         cfg.uninstall("imesh-b", timeout=120)
     for args in (("deployment", "imesh-b-inferencemesh-operator", "-n", "imesh-b"),
                  ("role", "imesh-b-inferencemesh-operator", "-n", "team-b"),
@@ -46,3 +59,25 @@ def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart
     # Helm never deletes CRDs, and the session release is untouched
     cluster.kubectl("get", "crd", "inferencemeshes.inferencemesh.io")
     cluster.kubectl("get", "deployment", f"{RELEASE}-inferencemesh-operator", "-n", OPERATOR_NAMESPACE)
+
+
+def run_namespaced_operator(cluster: ControlPlane, tiny_model: Path) -> None:
+    """The namespaced release's Role is enough for `inferencemesh operator --namespace team-b`."""
+    token = cluster.kubectl("create", "token", "imesh-b-inferencemesh-operator", "-n", "imesh-b").stdout.strip()
+    kubeconfig = cluster.write_kubeconfig(cluster.workdir / "team-b.kubeconfig", token, "team-b-operator")
+    op = start_operator(cluster, kubeconfig, cluster.workdir, {}, namespaces=("team-b",))
+    try:
+        mesh = {"apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh", "metadata": {"name": "nsmesh"},
+                "spec": {"model": {"name": str(tiny_model)}}}
+        cluster.apply(mesh, "team-b")
+
+        def planned() -> bool:
+            status = cluster.get_json("inferencemesh", "nsmesh", "-n", "team-b").get("status") or {}
+            return any(c["type"] == "Planned" and c["status"] == "True" for c in status.get("conditions", []))
+
+        wait_for(planned, 60, "the namespaced operator to plan team-b/nsmesh")
+        deps = cluster.get_json("deployments", "-n", "team-b", "-l", "inferencemesh.io/mesh=nsmesh")["items"]
+        assert len(deps) == 3
+        assert "Forbidden" not in op.log(200), op.log()
+    finally:
+        stop_operator(op)
