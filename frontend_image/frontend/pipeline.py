@@ -81,8 +81,9 @@ class GrpcSession:
     async def send(self, frame: pb.Frame) -> pb.Prediction | None:
         try:
             await self._frames.write(frame)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
-            raise PipelineError(grpc.StatusCode.UNAVAILABLE, f"stage 0 unreachable: {err}") from err
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+            # the stream already ended: its reader has queued the stage's status, prefer that
+            raise self._ended_with(err) from err
         if not expects_prediction(frame):
             return None
         while True:
@@ -96,6 +97,13 @@ class GrpcSession:
             if item.seq == frame.seq:
                 return item
             # a late answer to an earlier, abandoned frame: skip it
+
+    def _ended_with(self, err: Exception) -> PipelineError:
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, PipelineError):
+                return item
+        return PipelineError(grpc.StatusCode.UNAVAILABLE, f"stage 0 stream ended: {err}")
 
     async def close(self) -> None:
         if self._closed:

@@ -133,7 +133,7 @@ class DownstreamHop:
             env.shape[:] = hidden.shape
         try:
             await self.call.write(env)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as err:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
             raise Fault(grpc.StatusCode.UNAVAILABLE, f"downstream stage {self.address} unreachable: {err}") from err
         return len(env.activations)
 
