@@ -30,6 +30,8 @@ from inferencemesh.checkpoint import (
     TensorInfo,
 )
 
+from . import attention
+
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, float], None]
@@ -219,7 +221,9 @@ def load_stage(
     )
     on_progress("loading", 0.0)
     config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = "sdpa"  # the runtime passes sdpa-style boolean masks (see runtime.py)
+    # transformers' sdpa attention, reached through our registered name (see attention.py); the
+    # runtime passes it sdpa-style boolean masks.
+    config._attn_implementation = attention.NAME
     torch_dtype = resolve_dtype(dtype, facts.checkpoint_dtype)
     torch_device = resolve_device(device)
     first, last = layer_start == 0, layer_end == facts.num_layers

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import kv_cache_dtype
 from .kv import SessionKV
 from .loader import load_stage
 from .packed import PackedLinear, pack_linears
@@ -84,6 +85,7 @@ class StageRuntime:
                 self._lm_head = PackedLinear(head)
         self._rotary = stage.rotary
         self._kv_heads = stage.facts.num_kv_heads
+        self._kv_dtype = kv_cache_dtype(self.dtype, self.device)
         self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
         self._windows = [self._sliding_window(i) for i in range(layer_start, layer_end)]
         self._rope_table = self._build_rope_table()
@@ -98,7 +100,7 @@ class StageRuntime:
             self.layer_start,
             self._kv_heads,
             self._head_dim,
-            dtype=self.dtype,
+            dtype=self._kv_dtype,
             device=self.device,
             max_context=self.max_context,
         )
@@ -120,14 +122,14 @@ class StageRuntime:
         Returns hidden [T, H] (non-last stage), or float32 logits [1, V] (logits="last") or
         [T, V] (logits="all") on the last stage.
         """
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
         x = self._input(token_ids, hidden)  # [1, T, H]
         count = x.shape[1]
         if pos_start < 0 or pos_start > kv.length:
             raise PositionError(f"pos_start {pos_start} is beyond the {kv.length} positions this session holds")
         if pos_start + count > self.max_context:
             raise PositionError(f"positions up to {pos_start + count} exceed max_context {self.max_context}")
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
 
         kv.truncate(pos_start)
         kv.begin(pos_start, count)
@@ -156,10 +158,11 @@ class StageRuntime:
                 raise ValueError("the first stage takes token_ids (and no hidden states)")
             if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {tuple(token_ids.shape)}")
-            ids = token_ids.to(device=self.device, dtype=torch.long)
-            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            # Checked where the ids arrive (the CPU, from the wire): no device sync for it.
+            low, high = (int(token_ids), int(token_ids)) if len(token_ids) == 1 else map(int, token_ids.aminmax())
+            if low < 0 or high >= self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
-            return self._embed(ids)[None]
+            return self._embed(token_ids.to(device=self.device, dtype=torch.long))[None]
         if hidden is None or token_ids is not None:
             raise ValueError("a stage after the first takes hidden states (and no token_ids)")
         if hidden.dim() != 2 or hidden.shape[0] == 0 or hidden.shape[1] != self.hidden_size:
