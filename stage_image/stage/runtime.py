@@ -88,6 +88,8 @@ class StageRuntime:
         self._kv_dtype = kv_cache_dtype(self.dtype, self.device)
         self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
         self._windows = [self._sliding_window(i) for i in range(layer_start, layer_end)]
+        self._smallest_window = min((w for w in self._windows if w is not None), default=None)
+        self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
         self._rope_table = self._build_rope_table()
         if on_progress is not None:
             on_progress("ready", 1.0)
@@ -206,6 +208,8 @@ class StageRuntime:
         aligned top-left, which is wrong once the cache holds earlier positions.
         """
         stop = start + count
+        if (count == 1 or start == 0) and (self._smallest_window is None or stop <= self._smallest_window):
+            return self._no_masks  # the decode step: nothing to build
         cache: dict[int | None, torch.Tensor | None] = {}
         masks = []
         for window in self._windows:
