@@ -274,3 +274,15 @@ def test_packed_linear_matches_nn_linear():
             x = torch.randn(1, rows, 96, dtype=dtype)
             with torch.inference_mode():
                 torch.testing.assert_close(packed(x), linear(x), rtol=tol, atol=tol)
+
+
+def test_length_dependent_rope_is_computed_per_forward(tmp_path, prompt):
+    """Dynamic-NTK rope changes its frequencies past max_position_embeddings: no precomputed table."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    path = write_tiny_model(tmp_path / "dyn", "llama", max_position_embeddings=32, rope_parameters=rope)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = model.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:].tolist()
+    chain = Chain(path, SPLITS[2], dtype="float32")
+    assert chain.stages[0]._rope_table is None
+    assert PROMPT_LEN + NEW_TOKENS > 32  # the decode crosses into the rescaled range
+    assert chain.greedy(prompt, NEW_TOKENS) == expected

@@ -174,7 +174,9 @@ class StageRuntime:
     # ------------------------------------------------------------------ positions
 
     def _build_rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        rope_type = (getattr(self.config, "rope_parameters", None) or {}).get("rope_type", "default")
+        # transformers 5 names it rope_parameters, 4.x rope_scaling (None for the default rope).
+        rope = getattr(self.config, "rope_parameters", None) or getattr(self.config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in _STATIC_ROPE:
             return None
         positions = torch.arange(self.max_context, device=self.device)[None]
