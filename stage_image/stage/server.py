@@ -171,26 +171,34 @@ class StageService(pb_grpc.StageServicer):
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the layer range on a background thread; flip health to SERVING when done."""
+        from inferencemesh.bundled import resolve_model
         from inferencemesh.stage.runtime import StageRuntime
 
         o = self.options
         try:
             runtime = StageRuntime(
-                o.model, o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
+                resolve_model(o.model), o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
                 cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
             )
         except Exception as err:  # a stage that cannot load reports why and stays up: no crash loop
             log.exception("stage %d failed to load", o.stage_index)
             self._set_state("failed", 0.0, f"{type(err).__name__}: {err}")
             return
+        asyncio.run_coroutine_threadsafe(self._become_ready(runtime), loop)
+
+    async def _become_ready(self, runtime) -> None:
+        """On the event loop, so no RPC sees a half-ready stage: runtime, state and health at once."""
+        o = self.options
         self.runtime = runtime
         self.worker = self._worker(runtime)
         self._set_state("ready", 1.0)
+        await self.mark_serving()
         log.info("stage %d ready: layers [%d, %d) of %d on %s (%s)", o.stage_index, o.layer_start, o.layer_end,
                  runtime.num_layers, runtime.device, runtime.dtype)
-        asyncio.run_coroutine_threadsafe(self.mark_serving(), loop)
 
     def _on_progress(self, state: str, fraction: float) -> None:
+        if state == "ready":  # the runtime is built; the stage is ready once _become_ready has run
+            state = "loading"
         self._set_state(state, fraction)
         now = time.monotonic()
         if now - self._last_log > 2.0 or fraction >= 1.0:

@@ -1,0 +1,118 @@
+"""The stage server's own contract: lifecycle, health, capacity, metrics, the plan command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
+from tiny_models import write_tiny_model
+
+from inferencemesh.launcher import free_port
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", num_layers=2, shards=1)
+
+
+def test_full_stage_answers_resource_exhausted_and_keeps_serving(tiny) -> None:
+    async def go() -> None:
+        options = StageOptions(model=str(tiny), layer_start=0, layer_end=2, stage_index=0, num_stages=1,
+                               host="127.0.0.1", port=0, max_sessions=2, max_context=64)
+        server, service, port = await start_stage_server(options, runtime=StageRuntime(tiny, 0, 2, max_context=64))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.StageStub(channel)
+                holders = [stub.Results(pb.ResultsRequest(session_id=f"s{i}")) for i in range(2)]
+                await asyncio.sleep(0.3)
+                assert (await stub.Info(pb.InfoRequest())).active_sessions == 2
+                third = stub.Session()
+                await third.write(pb.Frame(session_id="s3", kind=pb.PREFILL, pos_start=0, token_count=1,
+                                           token_ids=[5], want_prediction=True))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await third.read()
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "maximum of 2 sessions" in err.value.details()
+                # the sessions it holds still work
+                first = stub.Session()
+                await first.write(pb.Frame(session_id="s0", kind=pb.PREFILL, pos_start=0, token_count=2,
+                                           token_ids=[5, 6], want_prediction=True, seq=1))
+                prediction = await asyncio.wait_for(holders[0].read(), 10)
+                assert prediction.seq == 1 and len(prediction.tokens) == 1
+                for call in holders + [first]:
+                    call.cancel()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(go())
+
+
+def test_lifecycle_and_health_of_a_stage_process(tiny, tmp_path) -> None:
+    """A good stage goes NOT_SERVING -> SERVING; a broken model reports `failed` and stays up."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    (broken / "pytorch_model.bin").write_bytes(b"not a pickle we would ever open")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    for name, model in (("good", tiny), ("broken", broken)):
+        port = free_port()
+        argv = [sys.executable, "-m", "inferencemesh.cli", "stage", "--model", str(model), "--layers", "0:2",
+                "--stage-index", "0", "--num-stages", "1", "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", "0"]
+        log = open(tmp_path / f"{name}.log", "w")  # a file, not a pipe nobody drains
+        procs[name] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), port)
+    try:
+        states = {}
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(states) < 2:
+            for name, (proc, port) in procs.items():
+                assert proc.poll() is None, f"{name} stage exited: {(tmp_path / f'{name}.log').read_text()[-2000:]}"
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    try:
+                        info = pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=2)
+                        health = health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(service="inferencemesh.v1.Stage"), timeout=2)
+                    except grpc.RpcError:
+                        continue
+                if info.state in ("ready", "failed"):
+                    states[name] = (info, health.status)
+            time.sleep(0.3)
+        good, good_health = states["good"]
+        assert good.state == "ready" and good_health == health_pb2.HealthCheckResponse.SERVING
+        assert (good.layer_start, good.layer_end, good.is_first, good.is_last) == (0, 2, True, True)
+        bad, bad_health = states["broken"]
+        assert bad.state == "failed" and "safetensors" in bad.state_reason
+        assert bad_health == health_pb2.HealthCheckResponse.NOT_SERVING
+        time.sleep(1)
+        assert procs["broken"][0].poll() is None  # reports its failure instead of crash-looping
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+
+
+def test_plan_command_prints_json_ranges(tiny) -> None:
+    out = subprocess.run([sys.executable, "-m", "inferencemesh.cli", "plan", "--model", str(tiny), "--stages", "2",
+                          "--json"], capture_output=True, text=True, check=True).stdout
+    stages = json.loads(out)["stages"]
+    assert [(s["layer_start"], s["layer_end"]) for s in stages] == [(0, 1), (1, 2)]
+    failed = subprocess.run([sys.executable, "-m", "inferencemesh.cli", "plan", "--model", str(tiny), "--stages", "3"],
+                            capture_output=True, text=True)
+    assert failed.returncode == 2 and "only 2 layers" in failed.stderr
