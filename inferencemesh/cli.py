@@ -32,6 +32,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                    help="dtype of activations between stages (default: the compute dtype)")
     p.add_argument("--debug-telemetry", action="store_true", help="per-token timings and debug attributes")
+    p.add_argument("--tls-dir", default=None,
+                   help="mutual TLS between frontend and stages: a directory with tls.crt, tls.key, ca.crt")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,7 @@ class StageSettings:
     device: str = "auto"
     revision: str | None = None
     debug_telemetry: bool = False
+    tls_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -108,6 +109,8 @@ class LocalStages:
             argv += ["--revision", s.revision]
         if s.debug_telemetry:
             argv.append("--debug-telemetry")
+        if s.tls_dir:
+            argv += ["--tls-dir", s.tls_dir]
         return argv
 
     def start(self) -> None:
@@ -119,7 +122,7 @@ class LocalStages:
         """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
         deadline = time.monotonic() + timeout
         for index in reversed(range(len(self.processes))):
-            while not asyncio.run(_serving(self.addresses[index], 1.0)):
+            while not asyncio.run(_serving(self.addresses[index], 1.0, self.settings.tls_dir)):
                 proc = self.processes[index]
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
@@ -144,10 +147,11 @@ class LocalStages:
                 proc.stop()
 
 
-async def _serving(address: str, deadline: float) -> bool:
+async def _serving(address: str, deadline: float, tls_dir: str | None = None) -> bool:
+    from inferencemesh import tls
     from inferencemesh.frontend.pipeline import GrpcPipeline
 
-    pipeline = GrpcPipeline([address])
+    pipeline = GrpcPipeline([address], tls=tls.load(tls_dir))
     try:
         return await pipeline.wait_ready(deadline)
     finally:
@@ -161,7 +165,8 @@ def frontend_argv(args: argparse.Namespace, model: str, addresses: list[str]) ->
         "--max-sessions", str(args.max_sessions), "--device", args.device,
     ]
     for flag, value in (("--served-model-name", args.served_model_name), ("--speculative", args.speculative),
-                        ("--draft", args.draft), ("--window", args.window), ("--revision", args.revision)):
+                        ("--draft", args.draft), ("--window", args.window), ("--revision", args.revision),
+                        ("--tls-dir", args.tls_dir)):
         if value:
             argv += [flag, value]
     if args.no_draft:
@@ -180,7 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
     settings = StageSettings(dtype=args.dtype, wire_dtype=args.wire_dtype, max_context=args.max_context,
                              max_sessions=args.max_sessions, device=args.device, revision=args.revision,
-                             debug_telemetry=args.debug_telemetry)
+                             debug_telemetry=args.debug_telemetry, tls_dir=args.tls_dir)
     stages = LocalStages(model, plan, settings, args.base_stage_port)
     frontend = ManagedProcess("frontend", frontend_argv(args, model, stages.addresses))
     stopping = False

@@ -29,7 +29,10 @@ def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer, metrics):
 
     name = metrics.model
     speculation = resolve_speculation(args, model_dir, tokenizer, metrics)
-    pipeline = GrpcPipeline([a.strip() for a in args.stage_addresses.split(",") if a.strip()])
+    from inferencemesh import tls
+
+    addresses = [a.strip() for a in args.stage_addresses.split(",") if a.strip()]
+    pipeline = GrpcPipeline(addresses, tls=tls.load(args.tls_dir))
     options = EngineOptions(model_name=name, max_context=args.max_context, max_sessions=args.max_sessions)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}), speculation

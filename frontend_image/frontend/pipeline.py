@@ -23,6 +23,7 @@ from inferencemesh.stage.worker import Fault, StageWorker
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.tls import TlsMaterial, aio_channel
 
 
 class PipelineError(Exception):
@@ -119,17 +120,18 @@ class GrpcSession:
 
 
 class GrpcPipeline:
-    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0) -> None:
+    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None) -> None:
         if not addresses:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.step_timeout = step_timeout
+        self.tls = tls
         self._channels: list[grpc.aio.Channel] = []
 
     def _connect(self) -> None:
         """Channels belong to the event loop that makes them: make them on first use."""
         if not self._channels:
-            self._channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+            self._channels = [aio_channel(a, self.tls, GRPC_OPTIONS) for a in self.addresses]
             self._stubs = [pb_grpc.StageStub(c) for c in self._channels]
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
 

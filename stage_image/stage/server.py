@@ -26,6 +26,7 @@ from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
 from inferencemesh.stage.worker import KIND_NAMES, Fault, StageWorker
 
+from inferencemesh import tls
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -61,6 +62,7 @@ class StageOptions:
     max_sessions: int = 16
     session_ttl: float = 300.0
     debug_telemetry: bool = False
+    tls_dir: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StageOptions:
@@ -71,6 +73,7 @@ class StageOptions:
             downstream=args.downstream, revision=args.revision, dtype=args.dtype, wire_dtype=args.wire_dtype,
             device=args.device, cache_dir=args.cache_dir, max_context=args.max_context,
             max_sessions=args.max_sessions, session_ttl=args.session_ttl, debug_telemetry=args.debug_telemetry,
+            tls_dir=args.tls_dir,
         )
 
 
@@ -156,8 +159,9 @@ class StageService(pb_grpc.StageServicer):
         self.is_last = options.stage_index == options.num_stages - 1
         self.is_first = options.stage_index == 0
         self.worker = self._worker(runtime) if runtime else None
+        self.tls = tls.load(options.tls_dir)
         self._downstream_channel = (
-            grpc.aio.insecure_channel(options.downstream, options=GRPC_OPTIONS) if options.downstream else None
+            tls.aio_channel(options.downstream, self.tls, GRPC_OPTIONS) if options.downstream else None
         )
         self._downstream = pb_grpc.StageStub(self._downstream_channel) if self._downstream_channel else None
         self._wire_dtype: torch.dtype | None = None
@@ -171,8 +175,9 @@ class StageService(pb_grpc.StageServicer):
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the layer range on a background thread; flip health to SERVING when done."""
-        from inferencemesh.bundled import resolve_model
         from inferencemesh.stage.runtime import StageRuntime
+
+        from inferencemesh.bundled import resolve_model
 
         o = self.options
         try:
@@ -362,7 +367,11 @@ async def start_stage_server(options: StageOptions, *, runtime=None) -> tuple[gr
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_StageServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    if service.tls is not None:
+        port = server.add_secure_port(address, service.tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
     await service.mark_not_serving()
     loop = asyncio.get_running_loop()
