@@ -9,8 +9,9 @@ budget, so a 24 GiB GPU takes more layers than a 16 GiB one.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointFacts
 
@@ -46,11 +47,21 @@ class StagePlan:
 class PlanInputs:
     """Per-layer and end-stage byte counts in the serving dtype, and the KV reserve per layer."""
 
-    layer_bytes: list[int]
+    layer_bytes: tuple[int, ...]
     embed_bytes: int
     tail_bytes: int  # final norm + LM head
     kv_bytes_per_layer: int
     overhead_bytes: int
+    _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashable (plans can be cached) and with prefix sums, so stage_bytes is O(1) and the
+        # planner stays O(stages x layers^2).
+        object.__setattr__(self, "layer_bytes", tuple(self.layer_bytes))
+        sums = [0]
+        for size in self.layer_bytes:
+            sums.append(sums[-1] + size)
+        object.__setattr__(self, "_prefix", tuple(sums))
 
     @classmethod
     def from_checkpoint(
@@ -77,7 +88,7 @@ class PlanInputs:
 
     def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
         """(weights, kv reserve, total) for a stage holding layers [start, end)."""
-        weights = sum(self.layer_bytes[start:end])
+        weights = self._prefix[end] - self._prefix[start]
         if start == 0:
             weights += self.embed_bytes
         if end == num_layers:
@@ -150,17 +161,27 @@ def plan_stages(
 
 
 def plan_auto(inputs: PlanInputs, memory_per_stage: int, max_stages: int = 64) -> list[StagePlan]:
-    """The fewest stages of memory_per_stage each that hold the model."""
-    for count in range(1, min(max_stages, len(inputs.layer_bytes)) + 1):
+    """The fewest stages of memory_per_stage each that hold the model.
+
+    Counts that cannot fit by total bytes are skipped, so a hostile budget costs little.
+    """
+    n = len(inputs.layer_bytes)
+    limit = min(max_stages, n)
+    everything = inputs.stage_bytes(0, n, n)[2] - inputs.overhead_bytes
+    biggest_layer = max(inputs.stage_bytes(i, i + 1, n)[2] for i in range(n))
+    if biggest_layer > memory_per_stage or everything + limit * inputs.overhead_bytes > limit * memory_per_stage:
+        raise PlanError(
+            f"the model does not fit in up to {limit} stages of {format_bytes(memory_per_stage)} "
+            f"(it needs about {format_bytes(everything)} plus per-stage overhead)"
+        )
+    start = max(1, math.ceil(everything / max(1, memory_per_stage - inputs.overhead_bytes)))
+    last_error = None
+    for count in range(start, limit + 1):
         try:
             return plan_stages(inputs, count, [memory_per_stage])
-        except PlanError:
-            continue
-    need = inputs.stage_bytes(0, len(inputs.layer_bytes), len(inputs.layer_bytes))[2]
-    raise PlanError(
-        f"the model does not fit in up to {max_stages} stages of {format_bytes(memory_per_stage)} "
-        f"(it needs about {format_bytes(need)} in one piece)"
-    )
+        except PlanError as err:
+            last_error = err
+    raise PlanError(f"no stage count up to {limit} fits {format_bytes(memory_per_stage)} per stage: {last_error}")
 
 
 def plan_explicit(

@@ -10,14 +10,14 @@ import time
 
 import grpc
 import pytest
-
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine, PipelineFailed
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from mesh_helpers import hf_greedy, start_mesh
 from tiny_models import write_tiny_model
+
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

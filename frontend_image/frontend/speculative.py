@@ -120,15 +120,12 @@ def ngram_lookup(history: list[int], k: int, min_ngram: int = 2, max_ngram: int 
     return []
 
 
-class NgramProposer(Proposer):
-    def __init__(self, policy: WindowPolicy, metrics=None, min_ngram: int = 2, max_ngram: int = 4) -> None:
+class WindowedProposer(Proposer):
+    """A proposer with a live window, reporting every verify round to the metrics."""
+
+    def __init__(self, policy: WindowPolicy, metrics=None) -> None:
         self.window = Window(policy)
         self.metrics = metrics
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-
-    def propose(self, history: list[int]) -> Proposal | None:
-        tokens = ngram_lookup(history, self.window.k, self.min_ngram, self.max_ngram)
-        return Proposal(tokens) if tokens else None
 
     def observe(self, proposed: int, accepted: int, seconds: float) -> None:
         if proposed == 0:
@@ -138,6 +135,16 @@ class NgramProposer(Proposer):
         if self.metrics is not None:
             self.metrics.record_verify_round(proposed, accepted)
             self.metrics.set_window_size(self.window.k)
+
+
+class NgramProposer(WindowedProposer):
+    def __init__(self, policy: WindowPolicy, metrics=None, min_ngram: int = 2, max_ngram: int = 4) -> None:
+        super().__init__(policy, metrics)
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def propose(self, history: list[int]) -> Proposal | None:
+        tokens = ngram_lookup(history, self.window.k, self.min_ngram, self.max_ngram)
+        return Proposal(tokens) if tokens else None
 
 
 # ---- auto ------------------------------------------------------------------------------------
@@ -232,7 +239,7 @@ class DraftModel:
         self.source = source
 
 
-class DraftProposer(Proposer):
+class DraftProposer(WindowedProposer):
     """Propose k tokens with the draft model. Its cache rolls back like the stages': the next
     call truncates to the longest prefix the draft has seen that the history still agrees with.
     Catching up on accepted tokens computes logits for the last row only (dead rows skipped)."""
@@ -240,10 +247,9 @@ class DraftProposer(Proposer):
     blocking = True  # device work: the engine runs it off the event loop
 
     def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams, metrics=None) -> None:
+        super().__init__(policy, metrics)
         self.draft = draft
-        self.window = Window(policy)
         self.params = params
-        self.metrics = metrics
         self.kv = draft.runtime.new_session()
         self.fed: list[int] = []  # tokens whose KV the draft holds, by position
 
@@ -277,15 +283,6 @@ class DraftProposer(Proposer):
                 self.fed.append(token)
         probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
         return Proposal(tokens, probs)
-
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        if proposed == 0:
-            self.window.observe_plain(seconds)
-            return
-        self.window.observe(proposed, accepted, seconds)
-        if self.metrics is not None:
-            self.metrics.record_verify_round(proposed, accepted)
-            self.metrics.set_window_size(self.window.k)
 
     def close(self) -> None:
         self.kv.release()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,8 +16,8 @@ from inferencemesh.planner import (
     PlanError,
     PlanInputs,
     StagePlan,
-    format_bytes,
     parse_bytes,
+    plan_auto,
     plan_explicit,
     plan_stages,
 )
@@ -55,30 +54,6 @@ class Plan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class _PrefixInputs(PlanInputs):
-    """PlanInputs whose stage_bytes is O(1) (prefix sums), so the planner stays O(stages x layers^2)."""
-
-    prefix: tuple[int, ...] = ()
-
-    @classmethod
-    def wrap(cls, inputs: PlanInputs) -> _PrefixInputs:
-        sums = [0]
-        for b in inputs.layer_bytes:
-            sums.append(sums[-1] + b)
-        return cls(tuple(inputs.layer_bytes), inputs.embed_bytes, inputs.tail_bytes,
-                   inputs.kv_bytes_per_layer, inputs.overhead_bytes, tuple(sums))
-
-    def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
-        weights = self.prefix[end] - self.prefix[start]
-        if start == 0:
-            weights += self.embed_bytes
-        if end == num_layers:
-            weights += self.tail_bytes
-        kv = self.kv_bytes_per_layer * (end - start)
-        return weights, kv, weights + kv + self.overhead_bytes
-
-
 def plan_layers(spec: MeshSpec, inputs: PlanInputs) -> list[StagePlan]:
     """The layer ranges for the spec. Raises PlanError with a user-facing message."""
     num_layers = len(inputs.layer_bytes)
@@ -87,41 +62,20 @@ def plan_layers(spec: MeshSpec, inputs: PlanInputs) -> list[StagePlan]:
     memory = [parse_bytes(m) for m in spec.stages.memory] or None
     if memory and any(m <= 0 for m in memory):
         raise PlanError("stage memory sizes must be positive")
-    return list(_cached_plan(_PrefixInputs.wrap(inputs), spec.stages.count, tuple(spec.stages.ranges or ()),
+    return list(_cached_plan(inputs, spec.stages.count, tuple(spec.stages.ranges or ()),
                              tuple(memory or ())))
 
 
 @lru_cache(maxsize=256)
-def _cached_plan(inputs: _PrefixInputs, count: int | str, ranges: tuple, memory: tuple) -> tuple[StagePlan, ...]:
+def _cached_plan(inputs: PlanInputs, count: int | str, ranges: tuple, memory: tuple) -> tuple[StagePlan, ...]:
     mem = list(memory) or None
     if ranges:
         return tuple(plan_explicit(inputs, list(ranges), mem))
     if count == "auto":
         assert mem is not None
-        return tuple(_plan_auto(inputs, mem[0]))
+        return tuple(plan_auto(inputs, mem[0], MAX_STAGES))
     assert isinstance(count, int)
     return tuple(plan_stages(inputs, count, mem))
-
-
-def _plan_auto(inputs: PlanInputs, memory: int) -> list[StagePlan]:
-    """The fewest stages that fit, trying only counts that could: a lower bound first, then upward."""
-    n = len(inputs.layer_bytes)
-    everything = inputs.stage_bytes(0, n, n)[2] - inputs.overhead_bytes
-    biggest_layer = max(inputs.stage_bytes(i, i + 1, n)[2] for i in range(n))
-    limit = min(MAX_STAGES, n)
-    if biggest_layer > memory or everything + limit * inputs.overhead_bytes > limit * memory:
-        raise PlanError(
-            f"the model does not fit in up to {limit} stages of {format_bytes(memory)} "
-            f"(it needs about {format_bytes(everything)} plus per-stage overhead)"
-        )
-    start = max(1, math.ceil(everything / max(1, memory - inputs.overhead_bytes)))
-    last_error = None
-    for count in range(start, limit + 1):
-        try:
-            return plan_stages(inputs, count, [memory])
-        except PlanError as exc:
-            last_error = exc
-    raise PlanError(f"no stage count up to {limit} fits {format_bytes(memory)} per stage: {last_error}")
 
 
 def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
