@@ -51,5 +51,6 @@ def test_scanner_catches_each_pattern() -> None:
 
 
 def test_no_code_path_unpickles_or_trusts_remote_code() -> None:
-    problems = {str(p.relative_to(REPO)): found for p in python_files() if (found := offences(ast.parse(p.read_text())))}
+    problems = {str(p.relative_to(REPO)): found
+                for p in python_files() if (found := offences(ast.parse(p.read_text())))}
     assert problems == {}

@@ -93,8 +93,8 @@ def _call(address: str, frames: list[pb.Frame]) -> grpc.RpcError | None:
 
 def _hidden_frame(session: str, pos: int, count: int, hidden: int, dtype: torch.dtype = torch.float32) -> pb.Frame:
     payload = codec.encode(torch.zeros(count, hidden), dtype)
-    return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=pos, token_count=count, dtype=codec.WIRE_CODES[dtype],
-                    shape=[count, hidden], activations=payload)
+    return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=pos, token_count=count,
+                    dtype=codec.WIRE_CODES[dtype], shape=[count, hidden], activations=payload)
 
 
 @pytest.mark.parametrize(
