@@ -1,0 +1,117 @@
+"""Property-based fuzzing of stage frames: every bad frame gets a clean gRPC status, and a
+well-formed session running at the same time still gets exactly the right tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
+from mesh_helpers import generate
+from tiny_models import write_tiny_model
+
+pytestmark = pytest.mark.slow
+CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+         grpc.StatusCode.RESOURCE_EXHAUSTED}
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+class TwoStageServers:
+    """Stage 0 and stage 1 of a tiny model, real gRPC servers on loopback, in a background loop."""
+
+    def __init__(self, model) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runtimes = [StageRuntime(model, 0, 1, max_context=128), StageRuntime(model, 1, 2, max_context=128)]
+        self.servers, self.ports = [], []
+        for index in (1, 0):
+            downstream = f"127.0.0.1:{self.ports[0]}" if index == 0 else None
+            options = StageOptions(model=str(model), layer_start=index, layer_end=index + 1, stage_index=index,
+                                   num_stages=2, host="127.0.0.1", port=0, downstream=downstream, max_sessions=64,
+                                   max_context=128)
+            server, service, port = asyncio.run_coroutine_threadsafe(
+                start_stage_server(options, runtime=self.runtimes[index]), self.loop).result(30)
+            self.servers.append((server, service))
+            self.ports.insert(0, port)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def close(self) -> None:
+        for server, service in self.servers:
+            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(10)
+            asyncio.run_coroutine_threadsafe(service.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("fuzz") / "m", "llama", num_layers=2, shards=1,
+                             hidden_size=32, intermediate_size=64)
+    s = TwoStageServers(model)
+    s.expected = generate(LocalPipeline(s.runtimes), PROMPT, 30, temperature=0.0)
+    yield s
+    s.close()
+
+
+frames = st.builds(
+    pb.Frame,
+    session_id=st.sampled_from(["fz-a", "fz-b", ""]) | st.text(max_size=8),
+    kind=st.integers(-1, 6),
+    pos_start=st.integers(0, 300),
+    token_count=st.integers(0, 40),
+    token_ids=st.lists(st.integers(-5, 400), max_size=40),
+    dtype=st.integers(-1, 4),
+    shape=st.lists(st.integers(0, 64), max_size=3),
+    activations=st.binary(max_size=512),
+    want_prediction=st.booleans(),
+    draft_probs=st.binary(max_size=64),
+)
+
+
+def _send(address: str, batch: list[pb.Frame]) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            list(pb_grpc.StageStub(channel).Session(iter(batch), timeout=10))
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(frames, min_size=1, max_size=3), target=st.sampled_from([0, 1]))
+def test_random_frames_get_clean_statuses(servers, batch, target) -> None:
+    code = _send(servers.addresses[target], batch)
+    assert code in CLEAN | {grpc.StatusCode.OK}, code
+
+
+def test_well_formed_session_stays_exact_under_fuzzing(servers) -> None:
+    stop = threading.Event()
+
+    def fuzz() -> None:
+        rng = torch.Generator().manual_seed(0)
+        while not stop.is_set():
+            n = int(torch.randint(1, 6, (1,), generator=rng))
+            junk = pb.Frame(session_id="junk", kind=pb.PREFILL, pos_start=0, token_count=n, dtype=pb.F32,
+                            shape=[n, 32], activations=bytes(int(torch.randint(0, 400, (1,), generator=rng))))
+            assert _send(servers.addresses[1], [junk]) in CLEAN | {grpc.StatusCode.OK}
+
+    worker = threading.Thread(target=fuzz, daemon=True)
+    worker.start()
+    try:
+        for _ in range(3):
+            assert generate(GrpcPipeline(servers.addresses), PROMPT, 30, temperature=0.0) == servers.expected
+    finally:
+        stop.set()
+        worker.join(10)
