@@ -65,6 +65,7 @@ class EngineOptions:
     prefill_chunk: int = 256  # prompt tokens per frame (bounded message size, interleaving)
     queue_timeout_s: float = 60.0
     recovery_timeout_s: float = 60.0  # how long an in-flight request waits for a lost stage to return
+    debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
 
 
 class _Connection:
@@ -235,6 +236,8 @@ class PipelineEngine:
                 proposal = proposer.propose(history)
         frame.pos_start = len(history) - 1
         frame.seq += 1
+        if self.options.debug_telemetry:
+            frame.sent_ns = time.time_ns()
         if proposal is None or not proposal.tokens:
             frame.kind = pb.DECODE
             frame.token_count = 1
@@ -253,5 +256,9 @@ class PipelineEngine:
         frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
         started = time.perf_counter()
         prediction = await session.send(frame)
-        proposer.observe(len(drafts), prediction.accepted, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        proposer.observe(len(drafts), prediction.accepted, seconds)
+        if self.options.debug_telemetry:
+            log.debug("request %s window %d accepted %d in %.2f ms", conn.request_id, len(drafts),
+                      prediction.accepted, 1000 * seconds)
         return list(prediction.tokens)

@@ -33,7 +33,8 @@ def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer, metrics):
 
     addresses = [a.strip() for a in args.stage_addresses.split(",") if a.strip()]
     pipeline = GrpcPipeline(addresses, tls=tls.load(args.tls_dir))
-    options = EngineOptions(model_name=name, max_context=args.max_context, max_sessions=args.max_sessions)
+    options = EngineOptions(model_name=name, max_context=args.max_context, max_sessions=args.max_sessions,
+                            debug_telemetry=args.debug_telemetry)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}), speculation
 

@@ -157,6 +157,7 @@ class StageService(pb_grpc.StageServicer):
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self.health = health.aio.HealthServicer()
         self.is_last = options.stage_index == options.num_stages - 1
+        self.debug = options.debug_telemetry
         self.is_first = options.stage_index == 0
         self.worker = self._worker(runtime) if runtime else None
         self.tls = tls.load(options.tls_dir)
@@ -287,6 +288,8 @@ class StageService(pb_grpc.StageServicer):
                 inputs = self.worker.inputs(frame)
                 session.last_used = time.monotonic()
                 out = await loop.run_in_executor(self.compute, self.worker.compute, session, frame, inputs)
+                if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
+                    self._trace(frame)
                 if self.is_last:
                     if out is not None:
                         session.results.put_nowait(out)
@@ -329,6 +332,11 @@ class StageService(pb_grpc.StageServicer):
             return self.sessions.open(frame.session_id)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+
+    def _trace(self, frame: pb.Frame) -> None:
+        waited_ms = (time.time_ns() - frame.sent_ns) / 1e6 if frame.sent_ns else float("nan")
+        log.debug("session %s %s pos %d x%d: %.2f ms since the frontend sent it", frame.session_id,
+                  KIND_NAMES[frame.kind], frame.pos_start, frame.token_count, waited_ms)
 
     def _release(self, session_id: str) -> None:
         self.sessions.release(session_id)

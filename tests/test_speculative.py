@@ -1,0 +1,126 @@
+"""Speculative decoding over the split pipeline: exact for greedy, resolved from the package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+from inferencemesh.frontend.speculative import (
+    AutoProposer,
+    WindowPolicy,
+    favourable_prompt,
+    ngram_lookup,
+    resolve_speculation,
+)
+from inferencemesh.stage.runtime import StageRuntime
+from mesh_helpers import generate, start_mesh
+from transformers import AutoTokenizer
+
+from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
+
+TARGET = bundled_path(DEFAULT_MODEL)
+CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \
+       "def read_words(path):\n    with open(path) as f:\n"
+PROSE = "The weather in the valley was mild that spring, and the farmers"
+
+
+def args(**overrides) -> argparse.Namespace:
+    base = dict(speculative=None, draft=None, no_draft=False, window=None, dtype="float32", device="cpu",
+                max_context=512)
+    return argparse.Namespace(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TARGET)
+
+
+@pytest.fixture(scope="module")
+def setups(tokenizer) -> dict:
+    return {name: resolve_speculation(args(speculative=name), TARGET, tokenizer) for name in
+            ("none", "ngram", "draft", "auto")}
+
+
+def run_all(pipeline_factory, setups, prompt: list[int], new_tokens: int = 40) -> dict[str, list[int]]:
+    return {name: generate(pipeline_factory(), prompt, new_tokens, proposer_for=s.proposer_for, max_context=512,
+                           temperature=0.0) for name, s in setups.items()}
+
+
+def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
+    assert setups["draft"].strategy == "draft", setups["draft"].reason
+    runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
+    for text in (CODE, PROSE):
+        outputs = run_all(lambda: LocalPipeline([runtime]), setups, tokenizer(text).input_ids)
+        assert all(out == outputs["none"] for out in outputs.values()), outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+def test_every_strategy_is_exact_across_stages(tokenizer, setups, stages: int) -> None:
+    runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
+    prompt = tokenizer(CODE).input_ids
+    expected = generate(LocalPipeline([runtime]), prompt, 40, max_context=512, temperature=0.0)
+    mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32")
+    try:
+        outputs = run_all(lambda: GrpcPipeline(mesh.addresses), setups, prompt)
+    finally:
+        mesh.stop()
+    assert outputs == {name: expected for name in setups}
+
+
+def test_package_default_is_the_declared_draft(tokenizer) -> None:
+    chosen = resolve_speculation(args(), TARGET, tokenizer)
+    assert chosen.strategy == "draft" and "model package" in chosen.reason
+    assert Path(chosen.draft.source).resolve() == bundled_path(DRAFT_MODEL).resolve()
+    assert chosen.window == WindowPolicy(adaptive=True, initial=4, minimum=1, maximum=8)
+    off = resolve_speculation(args(no_draft=True), TARGET, tokenizer)
+    assert off.strategy == "auto" and "no-draft" in off.reason
+    explicit = resolve_speculation(args(speculative="ngram"), TARGET, tokenizer)
+    assert explicit.strategy == "ngram" and "explicitly" in explicit.reason
+
+
+def test_missing_declared_draft_serves_without_speculation(tmp_path, tokenizer) -> None:
+    package = tmp_path / "target"
+    shutil.copytree(TARGET, package)
+    spec = json.loads((package / "model-package.json").read_text())
+    spec["generation"]["speculative_decoding"]["strategies"]["bundled-draft"]["draft_model"] = "../no-such-draft"
+    (package / "model-package.json").write_text(json.dumps(spec))
+    chosen = resolve_speculation(args(), package, tokenizer)
+    assert chosen.strategy == "none" and "could not be loaded" in chosen.reason
+    assert chosen.describe()["reason"] == chosen.reason
+
+
+def test_malformed_package_is_reported_not_fatal(tmp_path, tokenizer) -> None:
+    package = tmp_path / "target"
+    shutil.copytree(TARGET, package)
+    (package / "model-package.json").write_text('{"generation": {"speculative_decoding": {"default": "x"}}}')
+    chosen = resolve_speculation(args(), package, tokenizer)
+    assert chosen.strategy == "auto" and "model package ignored" in chosen.reason
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path, tokenizer) -> None:
+    from tiny_models import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "other", "llama", num_layers=2)
+    chosen = resolve_speculation(args(draft=str(other)), TARGET, tokenizer)
+    assert chosen.strategy == "none" and "vocabulary" in chosen.reason
+
+
+def test_ngram_lookup_and_auto_gating() -> None:
+    history = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert ngram_lookup(history, 3) == [4, 5, 9]
+    assert ngram_lookup([1, 2, 3, 4], 3) == []
+    assert favourable_prompt("```python\nprint(1)\n```") and favourable_prompt("SELECT * FROM t")
+    assert not favourable_prompt("The weather was mild that spring")
+    auto = AutoProposer(WindowPolicy(), favourable=False)
+    assert auto.state == "observing"
+    repeated = [7, 8, 9] * 3
+    proposals = [auto.propose(repeated[: i + 1]) for i in range(len(repeated))]
+    assert auto.state == "active" and proposals[-1] is not None  # repetition switched it on
+    for _ in range(AutoProposer.RECENT_ROUNDS):
+        auto.observe(4, 0, 0.01)  # nothing accepted
+    assert auto.state == "cooldown" and auto.propose(repeated) is None
