@@ -86,7 +86,10 @@ class LocalStages:
         self.model, self.plan, self.settings = model, plan, settings
         self.ports = [base_port + i if base_port else free_port() for i in range(len(plan))]
         self.metrics_ports = [free_port() for _ in plan]
-        self.processes = [ManagedProcess(f"stage-{i}", self._argv(i), settings.env or None) for i in range(len(plan))]
+        # Idle stages on a shared CPU must not spin long in OpenMP barriers (the default spin
+        # steals cores from the stage that is computing); 100k spins keep a forward's own ops hot.
+        env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "100000"), **settings.env}
+        self.processes = [ManagedProcess(f"stage-{i}", self._argv(i), env) for i in range(len(plan))]
 
     @property
     def addresses(self) -> list[str]:

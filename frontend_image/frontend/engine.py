@@ -229,7 +229,8 @@ class PipelineEngine:
         session, frame = conn.session, conn.frame
         proposal = None
         if proposer is not None:
-            if proposer.blocking:  # a draft model computes: keep the event loop free for other requests
+            if proposer.blocking and not getattr(self.pipeline, "computes_inline", False):
+                # a draft model computes: keep the event loop free for other requests
                 loop = asyncio.get_running_loop()
                 proposal = await loop.run_in_executor(self._draft_executor, proposer.propose, history)
             else:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -186,8 +185,7 @@ class LocalSession:
         return x
 
     async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pipeline.executor, self._run, frame)
+        return self._run(frame)  # on the event loop's own thread: see LocalPipeline
 
     async def close(self) -> None:
         for state in self.states:
@@ -197,12 +195,18 @@ class LocalSession:
 
 
 class LocalPipeline:
-    """All stages in this process: frames pass from worker to worker as tensors."""
+    """All stages in this process: frames pass from worker to worker as tensors.
+
+    It computes on the calling (event-loop) thread, blocking it: in one process there is
+    nothing else to serve meanwhile, and PyTorch's CPU kernels run faster on the thread that
+    owns the OpenMP team than on a worker thread (see stage.server.MainThreadExecutor).
+    """
+
+    computes_inline = True
 
     def __init__(self, runtimes: list) -> None:
         last = len(runtimes) - 1
         self.workers = [StageWorker(rt, is_first=i == 0, is_last=i == last) for i, rt in enumerate(runtimes)]
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="local-pipeline")
 
     def open(self) -> LocalSession:
         return LocalSession(self, uuid.uuid4().hex)
@@ -211,4 +215,4 @@ class LocalPipeline:
         return True
 
     async def close(self) -> None:
-        self.executor.shutdown(wait=False)
+        pass
