@@ -13,7 +13,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from inferencemesh.frontend.engine_api import (
@@ -44,7 +43,6 @@ class Proposal:
 class Proposer:
     """Speculation strategy for one request: propose tokens, learn from what was accepted."""
 
-    blocking = False  # True when propose() does device work (a draft model)
 
     def propose(self, history: list[int]) -> Proposal | None:
         return None
@@ -94,7 +92,6 @@ class PipelineEngine:
         self.proposer_for = proposer_for or (lambda request: None)
         self._describe = describe or {}
         self._slots = asyncio.Semaphore(options.max_sessions)
-        self._draft_executor = ThreadPoolExecutor(1, thread_name_prefix="draft")
         self.waiting = 0
         self.running = 0
         self.recoveries = 0  # in-flight requests carried over a lost stage
@@ -107,7 +104,6 @@ class PipelineEngine:
 
     async def close(self) -> None:
         await self.pipeline.close()
-        self._draft_executor.shutdown(wait=False)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
         prompt = list(request.prompt_ids)
@@ -227,14 +223,9 @@ class PipelineEngine:
     async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> list[int]:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
         session, frame = conn.session, conn.frame
-        proposal = None
-        if proposer is not None:
-            if proposer.blocking and not getattr(self.pipeline, "computes_inline", False):
-                # a draft model computes: keep the event loop free for other requests
-                loop = asyncio.get_running_loop()
-                proposal = await loop.run_in_executor(self._draft_executor, proposer.propose, history)
-            else:
-                proposal = proposer.propose(history)
+        # Proposals are computed on the event loop's thread, draft models included: PyTorch's CPU
+        # kernels run slowest on a worker thread, and a draft step is short (milliseconds).
+        proposal = proposer.propose(history) if proposer is not None else None
         frame.pos_start = len(history) - 1
         frame.seq += 1
         if self.options.debug_telemetry:

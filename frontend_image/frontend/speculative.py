@@ -244,8 +244,6 @@ class DraftProposer(WindowedProposer):
     call truncates to the longest prefix the draft has seen that the history still agrees with.
     Catching up on accepted tokens computes logits for the last row only (dead rows skipped)."""
 
-    blocking = True  # device work: the engine runs it off the event loop
-
     def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams, metrics=None) -> None:
         super().__init__(policy, metrics)
         self.draft = draft
