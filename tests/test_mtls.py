@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.operator import healthprobe
 from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
@@ -79,5 +80,8 @@ def test_mesh_over_mutual_tls_and_refusal_without_a_valid_certificate(tmp_path: 
             info(channel)
         with grpc.secure_channel(mesh.addresses[0], material.channel_credentials()) as channel:
             assert info(channel).is_first
+        # the readiness probe the operator renders for meshes with mutual TLS
+        assert healthprobe.main([mesh.addresses[1], "--tls-dir", str(good), "--server-name", "localhost"]) == 0
+        assert healthprobe.main([mesh.addresses[1]]) == 1  # no certificate: not let in
     finally:
         mesh.stop()

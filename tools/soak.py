@@ -49,6 +49,13 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:  # not listening yet
+        return False
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -115,7 +122,7 @@ def main() -> int:
             f.start()
         for port in ports:
             deadline = time.monotonic() + 120
-            while httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code != 200:
+            while not _ready(f"http://127.0.0.1:{port}/ready"):
                 if time.monotonic() > deadline:
                     raise SystemExit(f"frontend on {port} never became ready")
                 time.sleep(0.5)

@@ -1,19 +1,28 @@
-"""`python -m inferencemesh.operator.healthprobe HOST:PORT`: exit 0 when grpc.health.v1 says SERVING.
+"""`python -m inferencemesh.operator.healthprobe HOST:PORT [--tls-dir DIR --server-name NAME]`.
 
-The stage readiness probe on clusters older than Kubernetes 1.24, which lack native gRPC probes.
-Imports only grpcio (the stage image has it), never kopf or the operator.
+Exits 0 when grpc.health.v1 says SERVING. The stage readiness probe on clusters older than
+Kubernetes 1.24 (no native gRPC probes) and on meshes with mutual TLS (the kubelet's gRPC
+probe presents no client certificate). Imports only grpcio, never kopf or the operator.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inferencemesh.tls import TlsMaterial
 
-def check(address: str, timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+
+def check(address: str, timeout: float = 3.0, tls: TlsMaterial | None = None, server_name: str | None = None) -> bool:
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -22,11 +31,13 @@ def check(address: str, timeout: float = 3.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m inferencemesh.operator.healthprobe HOST:PORT", file=sys.stderr)
-        return 2
-    ok = check(args[0])
+    parser = argparse.ArgumentParser(prog="python -m inferencemesh.operator.healthprobe")
+    parser.add_argument("address", help="HOST:PORT")
+    parser.add_argument("--tls-dir", default=None, help="tls.crt, tls.key, ca.crt for mutual TLS")
+    parser.add_argument("--server-name", default=None, help="the name the server certificate carries")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    tls = TlsMaterial.from_dir(args.tls_dir) if args.tls_dir else None
+    ok = check(args.address, tls=tls, server_name=args.server_name)
     print("SERVING" if ok else "NOT SERVING")
     return 0 if ok else 1
 

@@ -32,6 +32,7 @@ STAGE_METRICS_PORT = 9090
 FRONTEND_PORT = 8000
 API_KEY_ENV = "INFERENCEMESH_API_KEY"
 MODELS_MOUNT = "/models"
+TLS_MOUNT = "/etc/inferencemesh/tls"  # the mTLS Secret: tls.crt, tls.key, ca.crt
 CACHE_MOUNT = "/cache"
 DEFAULT_STAGE_IMAGE = "ghcr.io/inferencemesh/stage:0.1.0"
 DEFAULT_FRONTEND_IMAGE = "ghcr.io/inferencemesh/frontend:0.1.0"
@@ -140,6 +141,8 @@ def _runtime_args(spec: MeshSpec) -> list[str]:
         args += ["--wire-dtype", spec.wire_dtype]
     if spec.debug_tracing:
         args.append("--debug-telemetry")
+    if spec.mtls_secret:
+        args += ["--tls-dir", TLS_MOUNT]
     return args
 
 
@@ -151,6 +154,9 @@ def _volumes(spec: MeshSpec) -> tuple[list[dict], list[dict]]:
         claim = {"claimName": spec.model.pvc_claim, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODELS_MOUNT, "readOnly": True})
+    if spec.mtls_secret:
+        volumes.append({"name": "tls", "secret": {"secretName": spec.mtls_secret, "defaultMode": 0o440}})
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
     return volumes, mounts
 
 
@@ -196,11 +202,14 @@ def _metrics_annotations(spec: MeshSpec, port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
-def _grpc_probe(opts: RenderOptions, **timing: int) -> dict:
-    if opts.grpc_probes:
+def _grpc_probe(spec: MeshSpec, opts: RenderOptions, server_name: str, **timing: int) -> dict:
+    if opts.grpc_probes and not spec.mtls_secret:
         return {"grpc": {"port": STAGE_GRPC_PORT}, **timing}
-    # Older clusters: the same grpc.health.v1 check from inside the container.
+    # Older clusters, or mutual TLS (the kubelet's gRPC probe presents no client certificate):
+    # the same grpc.health.v1 check from inside the container.
     command = ["python", "-m", "inferencemesh.operator.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
+    if spec.mtls_secret:  # the certificate names the stage's Service, not 127.0.0.1
+        command += ["--tls-dir", TLS_MOUNT, "--server-name", server_name]
     return {"exec": {"command": command}, **timing}
 
 
@@ -246,7 +255,8 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
         # Loading a large range can take minutes: the startup probe holds liveness off until the port opens.
         "startupProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 180},
         "livenessProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 20, "failureThreshold": 3},
-        "readinessProbe": _grpc_probe(opts, periodSeconds=5, failureThreshold=2),
+        "readinessProbe": _grpc_probe(spec, opts, stage_address(base, ns, index).rsplit(":", 1)[0],
+                                      periodSeconds=5, failureThreshold=2),
     }
     selector = stage_selector(base, index)
     labels = {**mesh_labels(base), **selector}

@@ -114,6 +114,7 @@ class MeshSpec:
     metrics: bool = True
     debug_tracing: bool = False
     images: ImagesSpec = field(default_factory=ImagesSpec)
+    mtls_secret: str | None = None  # Secret with tls.crt, tls.key, ca.crt: mutual TLS on every gRPC hop
 
 
 def _obj(value: Any) -> dict:
@@ -133,7 +134,9 @@ def parse_spec(spec: dict) -> MeshSpec:
     window = _obj(spec_.get("window"))
     telemetry = _obj(spec.get("telemetry"))
     images = _obj(spec.get("images"))
+    security = _obj(spec.get("security"))
     return MeshSpec(
+        mtls_secret=security.get("mtlsSecretName"),
         model=ModelSpec(
             name=str(model.get("name", "")),
             revision=model.get("revision"),

@@ -168,6 +168,24 @@ def test_old_clusters_get_an_exec_health_probe() -> None:
     assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.operator.healthprobe"]
 
 
+def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate() -> None:
+    spec = {"model": {"name": "bundled://imesh-code-target"}, "security": {"mtlsSecretName": "mesh-tls"}}
+    objs = children(spec)
+    parser = build_parser()
+    for name in ("code-stage-0", "code-stage-2", "code-frontend"):
+        deployment = objs[("Deployment", name)]
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "mesh-tls"
+        c = container(deployment)
+        assert {"name": "tls", "mountPath": R.TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
+        assert parser.parse_args(c["args"]).tls_dir == R.TLS_MOUNT
+    probe = container(objs[("Deployment", "code-stage-1")])["readinessProbe"]["exec"]["command"]
+    assert probe[3:] == ["127.0.0.1:50051", "--tls-dir", R.TLS_MOUNT, "--server-name", "code-stage-1.ml.svc"]
+    plain = children()
+    assert "--tls-dir" not in container(plain[("Deployment", "code-frontend")])["args"]
+    assert "grpc" in container(plain[("Deployment", "code-stage-1")])["readinessProbe"]
+
+
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b
