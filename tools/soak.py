@@ -65,6 +65,7 @@ async def client(base: str, deadline: float, rng: random.Random, stats: dict) ->
     async with httpx.AsyncClient(base_url=base, timeout=60) as http:
         while time.monotonic() < deadline:
             body = {"model": "imesh-code-target", "prompt": rng.choice(PROMPTS), "stream": True,
+                    "stream_options": {"include_usage": True},
                     "max_tokens": rng.randint(8, 96), "temperature": rng.choice([0.0, 0.0, 0.8]),
                     "seed": rng.randint(0, 9)}
             started = last = time.perf_counter()
@@ -81,6 +82,10 @@ async def client(base: str, deadline: float, rng: random.Random, stats: dict) ->
                         if "error" in chunk:
                             stats["errors"].append(str(chunk["error"])[:200])
                             break
+                        if chunk.get("usage"):
+                            stats["tokens"] += chunk["usage"]["completion_tokens"]
+                        if not chunk.get("choices"):
+                            continue
                         now = time.perf_counter()
                         if first:
                             stats["ttft"].append(now - started)
@@ -128,7 +133,7 @@ def main() -> int:
                 time.sleep(0.5)
 
         async def phase(seconds: float) -> dict:
-            stats = {"ttft": [], "itl": [], "chunks": 0, "requests": 0, "errors": []}
+            stats = {"ttft": [], "itl": [], "chunks": 0, "tokens": 0, "requests": 0, "errors": []}
             deadline = time.monotonic() + seconds
             await asyncio.gather(*(client(f"http://127.0.0.1:{ports[i % 2]}", deadline, random.Random(i), stats)
                                    for i in range(args.clients)))
@@ -149,7 +154,8 @@ def main() -> int:
         growth = {name: round(rss_end[name] - rss_start[name], 1) for name in rss_start}
         report = {
             "clients": args.clients, "seconds": round(elapsed, 1), "requests": stats["requests"],
-            "stream_chunks": stats["chunks"], "chunks_per_s": round(stats["chunks"] / elapsed, 1),
+            "stream_chunks": stats["chunks"], "tokens": stats["tokens"],
+            "tokens_per_s": round(stats["tokens"] / elapsed, 1),
             "ttft_ms_p50": round(1000 * percentile(stats["ttft"], 0.5), 1),
             "ttft_ms_p99": round(1000 * percentile(stats["ttft"], 0.99), 1),
             "itl_ms_p50": round(1000 * percentile(stats["itl"], 0.5), 2),

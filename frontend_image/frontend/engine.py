@@ -26,6 +26,7 @@ from inferencemesh.frontend.pipeline import PipelineError
 from inferencemesh.protocol import stage_pb2 as pb
 
 log = logging.getLogger("inferencemesh.engine")
+READY_TRUST_S = 5.0
 
 
 class PipelineFailed(EngineError):
@@ -95,9 +96,18 @@ class PipelineEngine:
         self.waiting = 0
         self.running = 0
         self.recoveries = 0  # in-flight requests carried over a lost stage
+        self._ready_at = 0.0
 
     async def is_ready(self) -> bool:
-        return await self.pipeline.is_ready()
+        """Every stage SERVING. A recent yes is trusted for READY_TRUST_S: under heavy load a health
+        check can be slow, and a slow answer is not a reason to turn requests away (a stage that
+        really is gone fails the request itself, which also clears the trust)."""
+        now = time.monotonic()
+        if now - self._ready_at < READY_TRUST_S:
+            return True
+        ready = await self.pipeline.is_ready()
+        self._ready_at = now if ready else 0.0
+        return ready
 
     def describe(self) -> dict:
         return dict(self._describe)
@@ -160,6 +170,7 @@ class PipelineEngine:
                                               lambda: self._step(conn, history, proposer))
                 history.extend(fresh)
         except PipelineError as err:
+            self._ready_at = 0.0
             raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
         finally:
             await conn.close()

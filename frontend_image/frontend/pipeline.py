@@ -138,7 +138,7 @@ class GrpcPipeline:
         self._connect()
         return GrpcSession(self._stubs[0], self._stubs[-1], uuid.uuid4().hex, self.step_timeout)
 
-    async def is_ready(self, timeout: float = 1.0) -> bool:
+    async def is_ready(self, timeout: float = 3.0) -> bool:
         """True when every stage's grpc.health.v1 says SERVING."""
         self._connect()
         async def serving(stub: health_pb2_grpc.HealthStub) -> bool:
