@@ -20,10 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import CheckpointError
-from inferencemesh.plan_command import plan_for
-from inferencemesh.planner import PlanError, StagePlan, render_plan
+from inferencemesh.plan_command import plan_from_args
+from inferencemesh.planner import StagePlan, render_plan
 
 RESTART_BACKOFF_S = 2.0
 CLI = [sys.executable, "-m", "inferencemesh.cli"]
@@ -179,13 +177,10 @@ def frontend_argv(args: argparse.Namespace, model: str, addresses: list[str]) ->
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
-    try:
-        plan = plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
-                        context_length=args.max_context, max_sessions=args.max_sessions, revision=args.revision)
-    except (PlanError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    planned = plan_from_args(args)
+    if planned is None:
         return 2
+    model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
     settings = StageSettings(dtype=args.dtype, wire_dtype=args.wire_dtype, max_context=args.max_context,
                              max_sessions=args.max_sessions, device=args.device, revision=args.revision,

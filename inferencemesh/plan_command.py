@@ -28,14 +28,23 @@ def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: 
     return plan_stages(inputs, count, memory)
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def plan_from_args(args: argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
+    """The model (resolved) and its plan from `plan` / `serve` arguments; None after printing why not."""
     model = resolve_model(args.model)
     try:
-        plan = plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
-                        context_length=args.max_context, max_sessions=args.max_sessions, revision=args.revision)
+        return model, plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
+                               context_length=args.max_context, max_sessions=args.max_sessions,
+                               revision=args.revision)
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    planned = plan_from_args(args)
+    if planned is None:
         return 2
+    model, plan = planned
     if args.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:
