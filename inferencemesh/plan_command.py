@@ -12,10 +12,11 @@ from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes,
 
 
 def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: str | None, context_length: int,
-             max_sessions: int, revision: str | None = None) -> list[StagePlan]:
+             max_sessions: int, revision: str | None = None, kv_dtype: str | None = None) -> list[StagePlan]:
     """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory)."""
     facts = read_checkpoint(model, revision=revision)
-    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions)
+    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions,
+                                        kv_dtype=kv_dtype)
     memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
     if str(stages) == "auto":
         if not memory or len(memory) != 1:
@@ -28,13 +29,22 @@ def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: 
     return plan_stages(inputs, count, memory)
 
 
+def _kv_dtype(device: str | None) -> str | None:
+    """Stages on CPU keep their KV cache in float32 (stage.attention); elsewhere in the model's dtype."""
+    if device == "auto":
+        import torch  # only `serve` names a device; `plan` stays free of torch's start-up
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "float32" if device == "cpu" else None
+
+
 def plan_from_args(args: argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
     """The model (resolved) and its plan from `plan` / `serve` arguments; None after printing why not."""
     model = resolve_model(args.model)
     try:
         return model, plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
                                context_length=args.max_context, max_sessions=args.max_sessions,
-                               revision=args.revision)
+                               revision=args.revision, kv_dtype=_kv_dtype(getattr(args, "device", None)))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

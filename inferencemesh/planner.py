@@ -72,12 +72,16 @@ class PlanInputs:
         context_length: int = 2048,
         max_sessions: int = 8,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+        kv_dtype: str | None = None,
     ) -> PlanInputs:
+        """kv_dtype: the KV cache's dtype when it differs from the weights' (CPU stages keep a
+        half-precision model's cache in float32)."""
         dtype = dtype if dtype and dtype != "auto" else facts.checkpoint_dtype
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
         width = TORCH_DTYPE_BYTES[dtype]
-        kv = 2 * facts.num_kv_heads * facts.head_dim * width * context_length * max_sessions
+        kv_width = TORCH_DTYPE_BYTES[kv_dtype] if kv_dtype else width
+        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * context_length * max_sessions
         return cls(
             layer_bytes=facts.layer_bytes(width),
             embed_bytes=facts.group_bytes("embed", width),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inferencemesh.planner import PlanError, PlanInputs, parse_bytes, plan_auto, plan_explicit, plan_stages
 
@@ -54,3 +55,16 @@ def test_parse_bytes() -> None:
     assert parse_bytes("512Mi") == 512 * MIB
     with pytest.raises(PlanError):
         parse_bytes("lots")
+
+
+def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
+    from tiny_models import write_tiny_model
+
+    from inferencemesh.checkpoint import read_local
+
+    model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.bfloat16)
+    facts = read_local(model)
+    half = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2)
+    on_cpu = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, kv_dtype="float32")
+    assert on_cpu.kv_bytes_per_layer == 2 * half.kv_bytes_per_layer
+    assert on_cpu.layer_bytes == half.layer_bytes
