@@ -18,6 +18,7 @@ import contextlib
 import os
 import random
 import socket
+import sys
 import sysconfig
 import threading
 import time
@@ -34,7 +35,6 @@ from inferencemesh.frontend.engine_api import (
     EngineOverloaded,
     GenerationRequest,
 )
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -47,15 +47,10 @@ from transformers import (
 
 from inferencemesh.bundled import bundled_path
 
+# the bundled models' training script, whose tokenizer recipe the tiny fallback reuses
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
 BUNDLED_TARGET = "imesh-code-target"
-EOS = "<|endoftext|>"
-SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", "<|pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 class TransformersEngine:
@@ -170,21 +165,12 @@ def bundled_target_dir() -> Path | None:
 
 
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on a few standard-library modules, shaped like the bundled one."""
+    """A byte-level BPE trained on a few standard-library modules by the bundled models' own recipe."""
+    from train_bundled_models import train_tokenizer, wrap_tokenizer
+
     root = Path(sysconfig.get_paths()["stdlib"])
     texts = [(root / name).read_text(encoding="utf-8") for name in ("textwrap.py", "string.py", "shlex.py")]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=None,
-                                   pad_token="<|pad|>", additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-                                   model_max_length=256, clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return wrap_tokenizer(train_tokenizer(texts, vocab_size))
 
 
 def tiny_model(tokenizer: PreTrainedTokenizerBase, max_context: int = 256, seed: int = 0) -> LlamaForCausalLM:
