@@ -8,12 +8,15 @@ ratios within a run, not numbers across runs):
 - with --speculative: each strategy at each stage count, plus the peers `transformers`
   assisted generation (hf-assisted) and prompt lookup (hf-prompt-lookup).
 per_hop_overhead_ms = (TPOT at N stages - TPOT in-process) / (N + 1 network hops).
+Configurations take turns (a warm-up each, then round after round over the prompts), so a
+noisy machine's drift falls on all of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import statistics
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 
 from inferencemesh.bundled import resolve_model
+from inferencemesh.cli import DRAFT_THREADS
 
 SHAPES = {
     # ~155M parameters: Llama architecture at GPT-2-small width.
@@ -68,6 +72,10 @@ class SpecCounter:
     accepted: int = 0
     model: str = "bench"
     windows: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.windows.clear()
 
     def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
         self.drafts += 1
@@ -125,47 +133,84 @@ def prompt_ids(tokenizer, sets: list[str], vocab: int) -> dict[str, list[list[in
 # ---- peers ------------------------------------------------------------------------------------
 
 
-def bench_hf(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], new_tokens: int, repeats: int,
-             **generate_kwargs) -> list[Run]:
-    from transformers import AutoModelForCausalLM
+class HfPeer:
+    """`transformers` generate() on the unsplit model: plain, assisted or prompt lookup."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    runs = []
-    for ids in [prompts[0]] + prompts * repeats:  # the first is a warm-up
+    def __init__(self, model, new_tokens: int, **generate_kwargs) -> None:
+        self.model, self.new_tokens, self.kwargs = model, new_tokens, generate_kwargs
+
+    async def run(self, ids: list[int]) -> Run:
         x = torch.tensor([ids])
         with torch.inference_mode():
             started = time.perf_counter()
-            model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            self.model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
             ttft = time.perf_counter() - started
             started = time.perf_counter()
-            out = model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=0, **generate_kwargs)
+            out = self.model.generate(x, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
+                                      do_sample=False, pad_token_id=0, **self.kwargs)
             total = time.perf_counter() - started
-        runs.append(Run(ttft, total, out.shape[1] - len(ids)))
-    return runs[1:]
+        return Run(ttft, total, out.shape[1] - len(ids))
 
 
-# ---- ours -------------------------------------------------------------------------------------
+class EngineUnderTest:
+    """Our engine over one pipeline (in-process or stage processes), with one speculation strategy."""
 
+    def __init__(self, pipeline, new_tokens: int, max_context: int, proposer_for=None) -> None:
+        from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
-async def bench_engine(pipeline, prompts: list[list[int]], new_tokens: int, repeats: int, max_context: int,
-                       proposer_for=None) -> list[Run]:
-    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-    from inferencemesh.frontend.engine_api import GenerationRequest
+        self.engine = PipelineEngine(pipeline, EngineOptions("bench", max_context=max_context),
+                                     proposer_for=proposer_for)
+        self.new_tokens = new_tokens
+        self.count = 0
 
-    engine = PipelineEngine(pipeline, EngineOptions("bench", max_context=max_context), proposer_for=proposer_for)
-    runs = []
-    for i, ids in enumerate([prompts[0]] + prompts * repeats):
-        request = GenerationRequest(f"bench-{i}", ids, new_tokens, temperature=0.0)
+    async def run(self, ids: list[int]) -> Run:
+        from inferencemesh.frontend.engine_api import GenerationRequest
+
+        self.count += 1
+        request = GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0)
         started = time.perf_counter()
         first = None
         count = 0
-        async for tokens in engine.generate(request):
+        async for tokens in self.engine.generate(request):
             if first is None:
                 first = time.perf_counter() - started
             count += len(tokens)
-        runs.append(Run(first, time.perf_counter() - started, count))
-    return runs[1:]
+        return Run(first, time.perf_counter() - started, count)
+
+
+@dataclass
+class Config:
+    """One measured configuration. Configurations take turns, prompt by prompt and round by round,
+    so that drift in a noisy machine's speed falls on all of them alike."""
+
+    label: str
+    extra: dict
+    prompts: list[list[int]]
+    runner: object  # HfPeer | EngineUnderTest
+    threads: int  # this process's torch threads while it runs (it plays the frontend for stage processes)
+    counter: SpecCounter | None = None
+    runs: list[Run] = field(default_factory=list)
+
+    def entry(self) -> dict:
+        extra = dict(self.extra)
+        c = self.counter
+        if c is not None:
+            extra["acceptance_rate"] = round(c.accepted / c.draft_tokens, 4) if c.draft_tokens else 0.0
+            extra["mean_accepted_per_window"] = round(c.accepted / c.drafts, 3) if c.drafts else 0.0
+        return summarise(self.label, self.runs, **extra)
+
+
+async def measure(configs: list[Config], repeats: int) -> None:
+    """A warm-up run of each configuration, then `repeats` rounds over every prompt of each."""
+    for round_index in range(repeats + 1):
+        for config in configs:
+            torch.set_num_threads(config.threads)
+            for ids in config.prompts[:1] if round_index == 0 else config.prompts:
+                run = await config.runner.run(ids)
+                if round_index > 0:
+                    config.runs.append(run)
+                if config.counter is not None and round_index == 0:
+                    config.counter.reset()
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -196,62 +241,61 @@ def run_bench(args: argparse.Namespace) -> int:
     if strategies != ["none"]:
         speculation = _speculation_setups(strategies, model_dir, tokenizer, dtype_name, max_context)
 
-    results: list[dict] = []
     spec_mode = strategies != ["none"]
+    from transformers import AutoModelForCausalLM
+
+    configs: list[Config] = []
+    threads = torch.get_num_threads()
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     for prompt_set, ids in prompts.items():
         common = {"prompts": prompt_set} if spec_mode or len(prompts) > 1 else {}
-        results.append(summarise("hf-generate", bench_hf(model_dir, dtype, ids, args.new_tokens, args.repeats),
-                                 stages=1, speculative="none", **common))
+        configs.append(Config("hf-generate", {"stages": 1, "speculative": "none", **common}, ids,
+                              HfPeer(target, args.new_tokens), threads))
         if "draft" in speculation and speculation["draft"].draft is not None:
-            draft_dir = Path(speculation["draft"].draft.source)
-            from transformers import AutoModelForCausalLM
-
-            assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
-            results.append(summarise("hf-assisted", bench_hf(model_dir, dtype, ids, args.new_tokens, args.repeats,
-                                                             assistant_model=assistant),
-                                     stages=1, speculative="draft", **common))
+            assistant = AutoModelForCausalLM.from_pretrained(speculation["draft"].draft.source, dtype=dtype).eval()
+            configs.append(Config("hf-assisted", {"stages": 1, "speculative": "draft", **common}, ids,
+                                  HfPeer(target, args.new_tokens, assistant_model=assistant), threads))
         if spec_mode and ("ngram" in strategies or "auto" in strategies):
-            results.append(summarise("hf-prompt-lookup", bench_hf(model_dir, dtype, ids, args.new_tokens,
-                                                                  args.repeats, prompt_lookup_num_tokens=4),
-                                     stages=1, speculative="ngram", **common))
+            configs.append(Config("hf-prompt-lookup", {"stages": 1, "speculative": "ngram", **common}, ids,
+                                  HfPeer(target, args.new_tokens, prompt_lookup_num_tokens=4), threads))
 
-    for count in stage_counts:
-        if count == 1:
-            pipeline_factory, stages = (lambda: LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers,
-                                                                             dtype=dtype_name,
-                                                                             max_context=max_context)])), None
-        else:
+    meshes: list[LocalStages] = []
+    try:
+        pipelines = {}
+        for count in stage_counts:
+            if count == 1:
+                pipelines[1] = LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
+                                                           max_context=max_context)])
+                continue
             plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
             stages = LocalStages(str(model_dir), plan, StageSettings(dtype=dtype_name, max_context=max_context))
+            meshes.append(stages)
             stages.start()
             stages.wait_ready(600)
-            pipeline_factory = lambda addresses=stages.addresses: GrpcPipeline(addresses)  # noqa: E731
-        try:
+            pipelines[count] = GrpcPipeline(stages.addresses)
+        for count, pipeline in pipelines.items():
             label = "in-process-1-stage" if count == 1 else f"grpc-{count}-stages"
+            # Across processes this one is the frontend, with the frontend's threads (cli.DRAFT_THREADS).
+            config_threads = threads if count == 1 else DRAFT_THREADS
             for prompt_set, ids in prompts.items():
                 for strategy in strategies:
-                    counter = SpecCounter()
-                    proposer_for = None
+                    counter, proposer_for = None, None
                     if strategy != "none":
-                        setup = speculation[strategy]
-                        setup.metrics = counter
-                        proposer_for = setup.proposer_for
-                    pipeline = pipeline_factory()
-                    runs = asyncio.run(bench_engine(pipeline, ids, args.new_tokens, args.repeats, max_context,
-                                                    proposer_for))
+                        counter = SpecCounter()
+                        proposer_for = dataclasses.replace(speculation[strategy], metrics=counter).proposer_for
                     extra = {"stages": count, "speculative": strategy}
                     if spec_mode or len(prompts) > 1:
                         extra["prompts"] = prompt_set
-                    if strategy != "none":
-                        extra["acceptance_rate"] = round(counter.accepted / counter.draft_tokens, 4) \
-                            if counter.draft_tokens else 0.0
-                        extra["mean_accepted_per_window"] = round(counter.accepted / counter.drafts, 3) \
-                            if counter.drafts else 0.0
                     name = label if strategy == "none" else f"{label}+{strategy}"
-                    results.append(summarise(name, runs, **extra))
-        finally:
-            if stages is not None:
-                stages.stop()
+                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
+                    configs.append(Config(name, extra, ids, runner, config_threads, counter))
+        print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds", flush=True)
+        asyncio.run(measure(configs, args.repeats))
+        torch.set_num_threads(threads)
+        results = [config.entry() for config in configs]
+    finally:
+        for stages in meshes:
+            stages.stop()
 
     report = {
         "model": str(model_dir), "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),

@@ -16,6 +16,11 @@ import sys
 DTYPES = ["auto", "float32", "float16", "bfloat16"]
 WIRE_DTYPES = ["float32", "float16", "bfloat16"]
 SPECULATIVE = ["auto", "draft", "ngram", "none"]
+# The frontend's torch threads (its only tensor work is the draft model). One: a small draft's
+# ops gain nothing from a second thread, and an OpenMP team's idle workers spin on a core that
+# a CPU stage next to the frontend needs (measured on 2 cores, bundled models, 2 stages: the
+# first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
+DRAFT_THREADS = 1
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -43,6 +48,8 @@ def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="ignore a draft declared by the model package")
     p.add_argument("--window", default=None,
                    help="speculation window: a number (fixed) or adaptive:INITIAL:MIN:MAX")
+    p.add_argument("--draft-threads", type=int, default=DRAFT_THREADS,
+                   help="CPU threads of the frontend process, which runs the draft model")
 
 
 def build_parser() -> argparse.ArgumentParser:

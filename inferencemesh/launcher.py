@@ -164,7 +164,7 @@ def frontend_argv(args: argparse.Namespace, model: str, addresses: list[str]) ->
     argv = CLI + [
         "frontend", "--model", model, "--dtype", args.dtype, "--stage-addresses", ",".join(addresses),
         "--host", args.host, "--port", str(args.port), "--max-context", str(args.max_context),
-        "--max-sessions", str(args.max_sessions), "--device", args.device,
+        "--max-sessions", str(args.max_sessions), "--device", args.device, "--draft-threads", str(args.draft_threads),
     ]
     for flag, value in (("--served-model-name", args.served_model_name), ("--speculative", args.speculative),
                         ("--draft", args.draft), ("--window", args.window), ("--revision", args.revision),

@@ -122,5 +122,5 @@ def test_ngram_lookup_and_auto_gating() -> None:
     proposals = [auto.propose(repeated[: i + 1]) for i in range(len(repeated))]
     assert auto.state == "active" and proposals[-1] is not None  # repetition switched it on
     for _ in range(AutoProposer.RECENT_ROUNDS):
-        auto.observe(4, 0, 0.01)  # nothing accepted
+        auto.observe(4, 0, 0.001, 0.01)  # nothing accepted
     assert auto.state == "cooldown" and auto.propose(repeated) is None

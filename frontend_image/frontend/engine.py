@@ -48,8 +48,8 @@ class Proposer:
     def propose(self, history: list[int]) -> Proposal | None:
         return None
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        pass
+    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
+        """What a step did: tokens proposed and accepted, seconds spent proposing and in the round trip."""
 
     def close(self) -> None:
         pass
@@ -235,8 +235,10 @@ class PipelineEngine:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
         session, frame = conn.session, conn.frame
         # Proposals are computed on the event loop's thread, draft models included: PyTorch's CPU
-        # kernels run slowest on a worker thread, and a draft step is short (milliseconds).
+        # kernels run slowest on a worker thread, and a draft step is short (about a millisecond).
+        started = time.perf_counter()
         proposal = proposer.propose(history) if proposer is not None else None
+        proposed = time.perf_counter()
         frame.pos_start = len(history) - 1
         frame.seq += 1
         if self.options.debug_telemetry:
@@ -246,10 +248,9 @@ class PipelineEngine:
             frame.token_count = 1
             frame.token_ids[:] = history[-1:]
             frame.draft_probs = b""
-            started = time.perf_counter()
             prediction = await session.send(frame)
             if proposer is not None:
-                proposer.observe(0, 0, time.perf_counter() - started)
+                proposer.observe(0, 0, proposed - started, time.perf_counter() - proposed)
             return list(prediction.tokens)
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]
@@ -257,11 +258,10 @@ class PipelineEngine:
         frame.token_count = 1 + len(drafts)
         frame.token_ids[:] = history[-1:] + drafts
         frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
-        started = time.perf_counter()
         prediction = await session.send(frame)
-        seconds = time.perf_counter() - started
-        proposer.observe(len(drafts), prediction.accepted, seconds)
+        round_trip = time.perf_counter() - proposed
+        proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
         if self.options.debug_telemetry:
-            log.debug("request %s window %d accepted %d in %.2f ms", conn.request_id, len(drafts),
-                      prediction.accepted, 1000 * seconds)
+            log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
+                      len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
         return list(prediction.tokens)

@@ -40,12 +40,14 @@ def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer, metrics):
 
 
 def run_frontend(args: argparse.Namespace) -> int:
+    import torch
     import uvicorn
     from inferencemesh.frontend.app import create_app
     from inferencemesh.frontend.metrics import FrontendMetrics
     from transformers import AutoTokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, args.draft_threads))  # the draft is this process's only tensor work
     source = resolve_model(args.model)
     model_dir = local_model_dir(source, revision=args.revision, cache_dir=args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

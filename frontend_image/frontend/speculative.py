@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from inferencemesh.frontend.draft import DraftModel
 from inferencemesh.frontend.engine import Proposal, Proposer
 from inferencemesh.frontend.engine_api import GenerationRequest
 
@@ -74,34 +75,46 @@ class WindowPolicy:
 
 class Window:
     """The live window of one request: grow on full acceptance, shrink on early rejection,
-    and keep a larger window only while it costs less per token than plain decoding."""
+    and keep a larger window only while it costs less per token than plain decoding.
+
+    A window's cost is what it really took: proposing (a draft model's forward passes) plus the
+    VERIFY round trip. Plain decoding's cost is a measured DECODE round trip where the strategy
+    decodes plainly now and then (n-gram, auto); a draft proposes every step, so there it is
+    estimated by the VERIFY round trip, which costs about as much as a DECODE one.
+    """
 
     def __init__(self, policy: WindowPolicy) -> None:
         self.policy = policy
         self.k = policy.initial
         self.plain_step_s: float | None = None  # EMA of a DECODE round trip
-        self.spec_token_s: float | None = None  # EMA of seconds per produced token when verifying
+        self.verify_s: float | None = None  # EMA of a VERIFY round trip
+        self.spec_token_s: float | None = None  # EMA of seconds per produced token when speculating
 
     def observe_plain(self, seconds: float) -> None:
-        self.plain_step_s = seconds if self.plain_step_s is None else 0.8 * self.plain_step_s + 0.2 * seconds
+        self.plain_step_s = _ema(self.plain_step_s, seconds, 0.2)
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        per_token = seconds / (accepted + 1)
-        self.spec_token_s = per_token if self.spec_token_s is None else 0.7 * self.spec_token_s + 0.3 * per_token
+    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
+        self.spec_token_s = _ema(self.spec_token_s, (propose_s + round_trip_s) / (accepted + 1), 0.3)
+        self.verify_s = _ema(self.verify_s, round_trip_s, 0.3)
         if not self.policy.adaptive:
             return
-        if accepted == proposed:
-            grow = self.plain_step_s is None or self.spec_token_s < self.plain_step_s
-            self.k = min(self.policy.maximum, self.k + (1 if grow else 0))
-        elif accepted < proposed // 2:
-            self.k = max(self.policy.minimum, self.k - 1)
-        if self.plain_step_s is not None and self.spec_token_s > self.plain_step_s:
-            self.k = max(self.policy.minimum, self.k - 1)  # speculation costs more than it saves
+        if self.spec_token_s > self.plain_cost_s or accepted < proposed // 2:
+            self.k = max(self.policy.minimum, self.k - 1)  # costs more than it saves, or rejected early
+        elif accepted == proposed:
+            self.k = min(self.policy.maximum, self.k + 1)
+
+    @property
+    def plain_cost_s(self) -> float:
+        return self.plain_step_s if self.plain_step_s is not None else self.verify_s
 
     @property
     def paying(self) -> bool:
         """False once speculation measurably costs more per token than plain decoding."""
-        return self.plain_step_s is None or self.spec_token_s is None or self.spec_token_s <= self.plain_step_s * 1.05
+        return self.spec_token_s is None or self.spec_token_s <= self.plain_cost_s * 1.05
+
+
+def _ema(current: float | None, sample: float, weight: float) -> float:
+    return sample if current is None else (1 - weight) * current + weight * sample
 
 
 # ---- n-gram (prompt lookup) ------------------------------------------------------------------
@@ -127,11 +140,11 @@ class WindowedProposer(Proposer):
         self.window = Window(policy)
         self.metrics = metrics
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
         if proposed == 0:
-            self.window.observe_plain(seconds)
+            self.window.observe_plain(round_trip_s)
             return
-        self.window.observe(proposed, accepted, seconds)
+        self.window.observe(proposed, accepted, propose_s, round_trip_s)
         if self.metrics is not None:
             self.metrics.record_verify_round(proposed, accepted)
             self.metrics.set_window_size(self.window.k)
@@ -212,8 +225,8 @@ class AutoProposer(NgramProposer):
             return None
         return super().propose(history)
 
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        super().observe(proposed, accepted, seconds)
+    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
+        super().observe(proposed, accepted, propose_s, round_trip_s)
         if proposed == 0 or self.state != "active":
             return
         self.recent = (self.recent + [(proposed, accepted)])[-self.RECENT_ROUNDS :]
@@ -226,19 +239,6 @@ class AutoProposer(NgramProposer):
 # ---- draft model -----------------------------------------------------------------------------
 
 
-class DraftModel:
-    """A whole small model (a one-stage StageRuntime) living in the frontend process."""
-
-    def __init__(self, source: str, *, dtype: str = "auto", device: str = "auto", max_context: int = 2048) -> None:
-        from inferencemesh.stage.runtime import StageRuntime
-
-        from inferencemesh.checkpoint import read_checkpoint
-
-        layers = read_checkpoint(source).num_layers
-        self.runtime = StageRuntime(source, 0, layers, dtype=dtype, device=device, max_context=max_context)
-        self.source = source
-
-
 class DraftProposer(WindowedProposer):
     """Propose k tokens with the draft model. Its cache rolls back like the stages': the next
     call truncates to the longest prefix the draft has seen that the history still agrees with.
@@ -248,12 +248,12 @@ class DraftProposer(WindowedProposer):
         super().__init__(policy, metrics)
         self.draft = draft
         self.params = params
-        self.kv = draft.runtime.new_session()
+        self.cache = draft.new_cache()
         self.fed: list[int] = []  # tokens whose KV the draft holds, by position
 
     def propose(self, history: list[int]) -> Proposal | None:
-        rt = self.draft.runtime
-        k = min(self.window.k, rt.max_context - len(history) - 1)
+        draft = self.draft
+        k = min(self.window.k, draft.max_context - len(history) - 1)
         if k < 1:
             return None
         agree = 0
@@ -262,28 +262,28 @@ class DraftProposer(WindowedProposer):
                 break
             agree += 1
         agree = min(agree, len(history) - 1)  # always feed at least the last token
-        logits = rt.forward(self.kv, agree, token_ids=torch.tensor(history[agree:]), logits="last")
+        logits = draft.forward(self.cache, agree, history[agree:])
         self.fed = history[:]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         position = len(history)
         for i in range(k):
             if self.params.greedy:
-                token = int(logits[-1].argmax())
+                token = int(logits.argmax())
             else:
-                q = probabilities(logits[-1:], self.params)[0]
+                q = probabilities(logits[None], self.params)[0]
                 gen = generator_for(self.params.seed ^ _SALT_DRAFT, position + i, _SALT_DRAFT)
                 token = int(torch.multinomial(q, 1, generator=gen))
                 rows.append(q)
             tokens.append(token)
             if i + 1 < k:
-                logits = rt.forward(self.kv, position + i, token_ids=torch.tensor([token]), logits="last")
+                logits = draft.forward(self.cache, position + i, [token])
                 self.fed.append(token)
         probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
         return Proposal(tokens, probs)
 
     def close(self) -> None:
-        self.kv.release()
+        self.cache.release()
 
 
 # ---- resolution ------------------------------------------------------------------------------

@@ -22,10 +22,7 @@ from .attention import kv_cache_dtype
 from .kv import SessionKV
 from .loader import load_stage
 from .packed import PackedLinear, pack_linears
-
-# Rotary types whose frequencies do not depend on the sequence length, so a table of cos/sin
-# per position can be computed once. Others (dynamic NTK, longrope) are computed per forward.
-_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+from .positions import attention_mask, rope_table, sliding_window
 
 
 class PositionError(ValueError):
@@ -87,10 +84,10 @@ class StageRuntime:
         self._kv_heads = stage.facts.num_kv_heads
         self._kv_dtype = kv_cache_dtype(self.dtype, self.device)
         self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
-        self._windows = [self._sliding_window(i) for i in range(layer_start, layer_end)]
+        self._windows = [sliding_window(self.config, i) for i in range(layer_start, layer_end)]
         self._smallest_window = min((w for w in self._windows if w is not None), default=None)
         self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
-        self._rope_table = self._build_rope_table()
+        self._rope_table = rope_table(self.config, self._rotary, max_context, self.dtype, self.device)
         if on_progress is not None:
             on_progress("ready", 1.0)
 
@@ -173,18 +170,6 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ positions
 
-    def _build_rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # transformers 5 names it rope_parameters, 4.x rope_scaling (None for the default rope).
-        rope = getattr(self.config, "rope_parameters", None) or getattr(self.config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in _STATIC_ROPE:
-            return None
-        positions = torch.arange(self.max_context, device=self.device)[None]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        with torch.inference_mode():
-            cos, sin = self._rotary(probe, positions)  # [1, max_context, head_dim], in self.dtype
-        return cos, sin
-
     def _rope(self, x: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rope_table is not None:
             cos, sin = self._rope_table
@@ -192,39 +177,10 @@ class StageRuntime:
         positions = torch.arange(start, start + count, device=self.device)[None]
         return self._rotary(x, positions)
 
-    def _sliding_window(self, layer: int) -> int | None:
-        """The layer's sliding window, as transformers applies it for this family."""
-        window = getattr(self.config, "sliding_window", None)
-        if not window:
-            return None
-        layer_types = getattr(self.config, "layer_types", None)
-        if layer_types is None:  # Mistral: every layer slides when a window is set
-            return int(window)
-        return int(window) if layer_types[layer] == "sliding_attention" else None
-
     def _masks(self, start: int, count: int) -> list[torch.Tensor | None]:
-        """Boolean attention masks (True = attend) per layer; None where sdpa needs none.
-
-        A single query attends to everything cached (no mask), and a prefill from position 0
-        uses sdpa's causal mode. Any other window needs an explicit mask: sdpa's is_causal is
-        aligned top-left, which is wrong once the cache holds earlier positions.
-        """
+        """Boolean attention masks per layer (see positions.attention_mask), one per distinct window."""
         stop = start + count
         if (count == 1 or start == 0) and (self._smallest_window is None or stop <= self._smallest_window):
             return self._no_masks  # the decode step: nothing to build
-        cache: dict[int | None, torch.Tensor | None] = {}
-        masks = []
-        for window in self._windows:
-            if window not in cache:
-                slides = window is not None and stop > window
-                if (count == 1 or start == 0) and not slides:
-                    cache[window] = None
-                else:
-                    q = torch.arange(start, stop, device=self.device)[:, None]
-                    k = torch.arange(stop, device=self.device)[None, :]
-                    allowed = k <= q
-                    if window is not None:
-                        allowed &= k > q - window
-                    cache[window] = allowed[None, None]
-            masks.append(cache[window])
-        return masks
+        by_window = {w: attention_mask(start, count, w, self.device) for w in set(self._windows)}
+        return [by_window[w] for w in self._windows]
