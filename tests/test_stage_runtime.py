@@ -286,3 +286,13 @@ def test_length_dependent_rope_is_computed_per_forward(tmp_path, prompt):
     assert chain.stages[0]._rope_table is None
     assert PROMPT_LEN + NEW_TOKENS > 32  # the decode crosses into the rescaled range
     assert chain.greedy(prompt, NEW_TOKENS) == expected
+
+
+def test_prompt_piece_without_a_prediction_skips_the_head(models, prompt, reference):
+    """logits='none' (a prompt chunk nobody wants a prediction for) returns nothing from the last
+    stage but fills the caches exactly: decoding afterwards gives the reference tokens."""
+    chain = Chain(models["llama"], SPLITS[2], dtype="float32")
+    head, tail = prompt[:-3], prompt[-3:]
+    assert chain.forward(0, head, logits="none") is None
+    logits = chain.forward(len(head), tail)
+    assert chain.decode(logits, PROMPT_LEN, NEW_TOKENS) == reference["llama"]

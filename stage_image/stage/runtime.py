@@ -119,10 +119,11 @@ class StageRuntime:
         """Run the stage on T new positions starting at pos_start.
 
         Returns hidden [T, H] (non-last stage), or float32 logits [1, V] (logits="last") or
-        [T, V] (logits="all") on the last stage.
+        [T, V] (logits="all") on the last stage; logits="none" skips the head (the last stage
+        reading a prompt piece whose prediction nobody wants) and returns None there.
         """
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
         x = self._input(token_ids, hidden)  # [1, T, H]
         count = x.shape[1]
         if pos_start < 0 or pos_start > kv.length:
@@ -147,6 +148,8 @@ class StageRuntime:
 
         if not self.is_last:
             return x[0]
+        if logits == "none":
+            return None
         if logits == "last":
             x = x[:, -1:]  # dead rows skipped: only the last row goes through norm and head
         return self._lm_head(self._norm(x))[0].float()

@@ -66,7 +66,7 @@ class StageWorker:
 
     def compute(self, session: StageSession, frame: pb.Frame, inputs: torch.Tensor):
         """Run the layers for one frame. Non-last stages return hidden states; the last stage
-        returns a Prediction (or None for a prompt chunk that wants none)."""
+        returns a Prediction (or None for a prompt chunk that wants none: its head is skipped)."""
         from inferencemesh.stage.runtime import PositionError
 
         rt = self.runtime
@@ -76,10 +76,11 @@ class StageWorker:
         if session.kv is None:
             session.kv = rt.new_session()
         started = time.perf_counter()
-        is_verify = frame.kind == pb.VERIFY
         feed = {"token_ids": inputs} if self.is_first else {"hidden": inputs}
+        wants = frame.kind != pb.PREFILL or frame.want_prediction
+        logits = "all" if frame.kind == pb.VERIFY else "last" if wants else "none"
         try:
-            out = rt.forward(session.kv, frame.pos_start, logits="all" if is_verify else "last", **feed)
+            out = rt.forward(session.kv, frame.pos_start, logits=logits, **feed)
         except PositionError as err:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from err
         if self.metrics is not None:
@@ -87,7 +88,7 @@ class StageWorker:
             self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)
             self.metrics.frames_by_kind[kind].inc()
             self.metrics.tokens.inc(frame.token_count)
-        if not self.is_last:
+        if not self.is_last or out is None:
             return out
         return self._decide(session, frame, out)
 
@@ -104,8 +105,6 @@ class StageWorker:
             accepted, tokens = verify(logits, drafts, session.sampling, frame.pos_start, probs)
             return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
                                  tokens=tokens, accepted=accepted)
-        if frame.kind == pb.PREFILL and not frame.want_prediction:
-            return None
         position = frame.pos_start + frame.token_count
         token = next_token(logits[-1], session.sampling, position)
         return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position, tokens=[token])
