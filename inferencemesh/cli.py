@@ -21,6 +21,8 @@ SPECULATIVE = ["auto", "draft", "ngram", "none"]
 # a CPU stage next to the frontend needs (measured on 2 cores, bundled models, 2 stages: the
 # first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
 DRAFT_THREADS = 1
+# Most tokens one stage forward pass takes from waiting DECODE/VERIFY frames of different sessions.
+MAX_BATCH_TOKENS = 256
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
     stage.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (absent on the last stage)")
     stage.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle session is dropped")
+    stage.add_argument("--max-batch-tokens", type=int, default=MAX_BATCH_TOKENS,
+                       help="most tokens of waiting DECODE/VERIFY frames (of different sessions) run in one pass")
     stage.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
     frontend = sub.add_parser("frontend", help="the OpenAI-compatible endpoint (the frontend pod's program)")

@@ -10,6 +10,8 @@ half-precision one; the query and the output are converted, a row at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -17,14 +19,27 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "inferencemesh_sdpa"
 
 
+@dataclass
+class PackedAttention:
+    """Keys, values and mask per segment of a batched pass (several sessions' tokens packed in
+    one sequence): what the runtime's packed cache hands attention in place of the keys."""
+
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    counts: list[int]
+
+
 def stage_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | PackedAttention,
+    value: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if isinstance(key, PackedAttention):  # each session's queries over its own cache
+        outs = [stage_attention(module, q, k, v, mask, **kwargs)[0]
+                for q, (k, v, mask) in zip(query.split(key.counts, dim=2), key.parts, strict=True)]
+        return torch.cat(outs, dim=1), None
     if key.dtype == query.dtype:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out, _ = sdpa_attention_forward(module, query.to(key.dtype), key, value, attention_mask, **kwargs)

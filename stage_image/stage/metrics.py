@@ -23,8 +23,13 @@ class StageMetrics:
         self.cached_tokens = gauge("cached_tokens", "token positions held in KV caches on this stage")
         self.kv_bytes = gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
         self.forward_seconds = Histogram(
-            "inferencemesh_stage_forward_seconds", "time in the stage's layers per frame",
+            "inferencemesh_stage_forward_seconds",
+            "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind)",
             names + ["kind"], buckets=_FORWARD_BUCKETS, registry=self.registry,
+        )
+        self.batch_frames_histogram = Histogram(
+            "inferencemesh_stage_batch_frames", "frames (sessions) computed together per forward pass",
+            names, buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry,
         )
         self.frames = Counter("inferencemesh_stage_frames_total", "frames processed", names + ["kind"],
                               registry=self.registry)
@@ -40,6 +45,7 @@ class StageMetrics:
         self.forward_by_kind = {}
         self.frames_by_kind = {}
         self.bytes_sent = self.activation_bytes_sent.labels(**labels)
+        self.batch_frames = self.batch_frames_histogram.labels(**labels)
         self.tokens = self.tokens_processed.labels(**labels)
         self.sessions_gauge = self.active_sessions.labels(**labels)
         self.cached_gauge = self.cached_tokens.labels(**labels)

@@ -14,11 +14,12 @@ logits, only for the last row unless asked for all (speculative verification).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .attention import kv_cache_dtype
+from .attention import PackedAttention, kv_cache_dtype
 from .kv import SessionKV
 from .loader import load_stage
 from .packed import PackedLinear, pack_linears
@@ -27,6 +28,16 @@ from .positions import attention_mask, rope_table, sliding_window
 
 class PositionError(ValueError):
     """pos_start beyond what the session's cache holds, or past max_context."""
+
+
+@dataclass
+class Segment:
+    """One session's frame within a batched forward pass."""
+
+    kv: SessionKV
+    pos_start: int
+    inputs: torch.Tensor  # token ids [T] on the first stage, hidden states [T, H] after it
+    logits: str = "last"  # on the last stage: "last", "all" or "none" (see StageRuntime.forward)
 
 
 class StageRuntime:
@@ -126,10 +137,7 @@ class StageRuntime:
             raise ValueError(f"logits must be 'last', 'all' or 'none', not {logits!r}")
         x = self._input(token_ids, hidden)  # [1, T, H]
         count = x.shape[1]
-        if pos_start < 0 or pos_start > kv.length:
-            raise PositionError(f"pos_start {pos_start} is beyond the {kv.length} positions this session holds")
-        if pos_start + count > self.max_context:
-            raise PositionError(f"positions up to {pos_start + count} exceed max_context {self.max_context}")
+        self.check_positions(kv, pos_start, count)
 
         kv.truncate(pos_start)
         kv.begin(pos_start, count)
@@ -153,6 +161,55 @@ class StageRuntime:
         if logits == "last":
             x = x[:, -1:]  # dead rows skipped: only the last row goes through norm and head
         return self._lm_head(self._norm(x))[0].float()
+
+    def check_positions(self, kv: SessionKV, pos_start: int, count: int) -> None:
+        """PositionError unless [pos_start, pos_start + count) continues what the cache holds."""
+        if pos_start < 0 or pos_start > kv.length:
+            raise PositionError(f"pos_start {pos_start} is beyond the {kv.length} positions this session holds")
+        if pos_start + count > self.max_context:
+            raise PositionError(f"positions up to {pos_start + count} exceed max_context {self.max_context}")
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """Several sessions' frames in one pass; per segment what forward() would return.
+
+        The segments' tokens are packed into one sequence for the projections and MLPs, so
+        each weight is read once for all of them (what makes decoding many sessions cheap);
+        attention runs per segment over that session's own cache (see attention.PackedAttention).
+        """
+        if len(segments) == 1:
+            seg = segments[0]
+            feed = {"token_ids": seg.inputs} if self.is_first else {"hidden": seg.inputs}
+            return [self.forward(seg.kv, seg.pos_start, logits=seg.logits, **feed)]
+        pieces = [self._input(seg.inputs, None) if self.is_first else self._input(None, seg.inputs)
+                  for seg in segments]
+        counts = [p.shape[1] for p in pieces]
+        for seg, count in zip(segments, counts, strict=True):
+            self.check_positions(seg.kv, seg.pos_start, count)
+            seg.kv.truncate(seg.pos_start)
+            seg.kv.begin(seg.pos_start, count)
+        x = torch.cat(pieces, dim=1)
+        ropes = [self._rope(p, seg.pos_start, count) for p, seg, count in zip(pieces, segments, counts, strict=True)]
+        position_embeddings = (torch.cat([c for c, _ in ropes], dim=1), torch.cat([s for _, s in ropes], dim=1))
+        packed = _PackedCache(self, segments, counts)
+        for layer in self._layers:
+            x = layer(x, attention_mask=None, position_ids=None, past_key_values=packed, use_cache=True,
+                      position_embeddings=position_embeddings)
+        for seg in segments:
+            seg.kv.end()
+        if not self.is_last:
+            return list(x[0].split(counts))
+        rows, spans, start = [], [], 0
+        for seg, count in zip(segments, counts, strict=True):
+            wanted = {"all": range(start, start + count), "last": range(start + count - 1, start + count)}
+            span = wanted.get(seg.logits, range(0))
+            spans.append(len(span))
+            rows.extend(span)
+            start += count
+        if not rows:
+            return [None] * len(segments)
+        logits = self._lm_head(self._norm(x[:, rows]))[0].float().split(spans)
+        return [out if seg.logits != "none" else None for seg, out in zip(segments, logits, strict=True)]
 
     def _input(self, token_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.is_first:
@@ -187,3 +244,25 @@ class StageRuntime:
             return self._no_masks  # the decode step: nothing to build
         by_window = {w: attention_mask(start, count, w, self.device) for w in set(self._windows)}
         return [by_window[w] for w in self._windows]
+
+
+class _PackedCache:
+    """The Cache a batched pass hands the decoder layers: each layer's new keys and values are
+    split by segment into the sessions' own caches, and attention gets them back per segment."""
+
+    def __init__(self, runtime: StageRuntime, segments: list[Segment], counts: list[int]) -> None:
+        self.runtime, self.segments, self.counts = runtime, segments, counts
+        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[PackedAttention, None]:
+        rt = self.runtime
+        window = rt._windows[layer_idx - rt.layer_start]
+        parts = []
+        for i, (seg, k, v) in enumerate(zip(self.segments, key_states.split(self.counts, dim=2),
+                                            value_states.split(self.counts, dim=2), strict=True)):
+            keys, values = seg.kv.update(k, v, layer_idx)
+            if (i, window) not in self._masks:
+                self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
+            parts.append((keys, values, self._masks[i, window]))
+        return PackedAttention(parts, self.counts), None

@@ -3,7 +3,8 @@
 Per session it keeps one inbound stream (from the frontend or the previous stage) and opens
 one outbound stream to the next stage. The last stage samples or verifies and posts its
 predictions on the session's Results stream, straight to the frontend. Device work runs on
-one compute thread; the event loop only moves frames.
+one compute thread, frames of sessions that wait together batched into one pass (batcher.py);
+the event loop only moves frames.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from inferencemesh.stage.batcher import DEFAULT_MAX_TOKENS, Batcher
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
 from inferencemesh.stage.worker import KIND_NAMES, Fault, StageWorker
@@ -64,6 +66,7 @@ class StageOptions:
     session_ttl: float = 300.0
     debug_telemetry: bool = False
     tls_dir: str | None = None
+    max_batch_tokens: int = DEFAULT_MAX_TOKENS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StageOptions:
@@ -74,7 +77,7 @@ class StageOptions:
             downstream=args.downstream, revision=args.revision, dtype=args.dtype, wire_dtype=args.wire_dtype,
             device=args.device, cache_dir=args.cache_dir, max_context=args.max_context,
             max_sessions=args.max_sessions, session_ttl=args.session_ttl, debug_telemetry=args.debug_telemetry,
-            tls_dir=args.tls_dir,
+            tls_dir=args.tls_dir, max_batch_tokens=args.max_batch_tokens,
         )
 
 
@@ -156,8 +159,10 @@ class StageService(pb_grpc.StageServicer):
         self.runtime = runtime
         self.state, self.reason, self.progress = ("ready", "", 1.0) if runtime else ("downloading", "", 0.0)
         self.sessions = SessionTable(options.max_sessions, options.session_ttl)
-        # One compute thread: device work is serialised; the event loop only moves frames.
+        # One compute thread: device work is serialised, frames of several sessions batched
+        # into one pass when they wait together; the event loop only moves frames.
         self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.batcher = Batcher(lambda jobs: self.worker.compute_batch(jobs), self.compute, options.max_batch_tokens)
         self.health = health.aio.HealthServicer()
         self.is_last = options.stage_index == options.num_stages - 1
         self.debug = options.debug_telemetry
@@ -269,7 +274,6 @@ class StageService(pb_grpc.StageServicer):
         pump = asyncio.create_task(_pump(request_iterator, inbox))
         session: StageSession | None = None
         hop: DownstreamHop | None = None
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 item = await inbox.get()
@@ -290,7 +294,7 @@ class StageService(pb_grpc.StageServicer):
                     continue
                 inputs = self.worker.inputs(frame)
                 session.last_used = time.monotonic()
-                out = await loop.run_in_executor(self.compute, self.worker.compute, session, frame, inputs)
+                out = await self.batcher.submit(session, frame, inputs)
                 if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
                     self._trace(frame)
                 if self.is_last:

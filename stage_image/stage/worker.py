@@ -67,30 +67,50 @@ class StageWorker:
     def compute(self, session: StageSession, frame: pb.Frame, inputs: torch.Tensor):
         """Run the layers for one frame. Non-last stages return hidden states; the last stage
         returns a Prediction (or None for a prompt chunk that wants none: its head is skipped)."""
-        from inferencemesh.stage.runtime import PositionError
+        result = self.compute_batch([(session, frame, inputs)])[0]
+        if isinstance(result, Fault):
+            raise result
+        return result
+
+    def compute_batch(self, jobs: list[tuple[StageSession, pb.Frame, torch.Tensor]]) -> list:
+        """Several sessions' frames in one forward pass. Per job, what compute() returns, or the
+        Fault that job alone gets (a frame at a position its session cannot take)."""
+        from inferencemesh.stage.runtime import PositionError, Segment
 
         rt = self.runtime
-        if frame.HasField("sampling"):
-            s = frame.sampling
-            session.sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
-        if session.kv is None:
-            session.kv = rt.new_session()
+        results: list = [None] * len(jobs)
+        runnable, segments = [], []
+        for index, (session, frame, inputs) in enumerate(jobs):
+            if frame.HasField("sampling"):
+                s = frame.sampling
+                session.sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
+            if session.kv is None:
+                session.kv = rt.new_session()
+            try:
+                rt.check_positions(session.kv, frame.pos_start, frame.token_count)
+            except PositionError as err:
+                results[index] = Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+                continue
+            wants = frame.kind != pb.PREFILL or frame.want_prediction
+            logits = "all" if frame.kind == pb.VERIFY else "last" if wants else "none"
+            runnable.append(index)
+            segments.append(Segment(session.kv, frame.pos_start, inputs, logits))
+        if not segments:
+            return results
         started = time.perf_counter()
-        feed = {"token_ids": inputs} if self.is_first else {"hidden": inputs}
-        wants = frame.kind != pb.PREFILL or frame.want_prediction
-        logits = "all" if frame.kind == pb.VERIFY else "last" if wants else "none"
-        try:
-            out = rt.forward(session.kv, frame.pos_start, logits=logits, **feed)
-        except PositionError as err:
-            raise Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from err
+        outs = rt.forward_batch(segments)
         if self.metrics is not None:
-            kind = KIND_NAMES[frame.kind]
-            self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)
-            self.metrics.frames_by_kind[kind].inc()
-            self.metrics.tokens.inc(frame.token_count)
-        if not self.is_last or out is None:
-            return out
-        return self._decide(session, frame, out)
+            first = jobs[runnable[0]][1]
+            self.metrics.forward_by_kind[KIND_NAMES[first.kind]].observe(time.perf_counter() - started)
+            self.metrics.batch_frames.observe(len(segments))
+            for index in runnable:
+                frame = jobs[index][1]
+                self.metrics.frames_by_kind[KIND_NAMES[frame.kind]].inc()
+                self.metrics.tokens.inc(frame.token_count)
+        for index, out in zip(runnable, outs, strict=True):
+            session, frame, _ = jobs[index]
+            results[index] = self._decide(session, frame, out) if self.is_last and out is not None else out
+        return results
 
     def _decide(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> pb.Prediction | None:
         """Last stage: sample the next token, or verify a speculative window."""

@@ -1,0 +1,126 @@
+"""Continuous batching: several sessions' frames in one forward pass compute what each would alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+from inferencemesh.stage.batcher import Batcher
+from inferencemesh.stage.runtime import Segment, StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
+from inferencemesh.stage.sessions import StageSession
+from inferencemesh.stage.worker import Fault
+from mesh_helpers import collect, generate
+from tiny_models import FAMILIES, write_tiny_model
+
+from inferencemesh.protocol import stage_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("batching")
+    return {f: write_tiny_model(root / f, f, num_layers=3, shards=2) for f in FAMILIES}
+
+
+def feed(runtime: StageRuntime, values: torch.Tensor) -> dict:
+    return {"token_ids": values} if runtime.is_first else {"hidden": values}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layers", [(0, 2), (2, 3), (0, 3)])
+def test_batched_pass_equals_separate_passes(models, family, layers) -> None:
+    """Sessions at different lengths: a decode, a verify window and a rolled-back multi-token
+    frame in one pass give each what its own pass gives, and leave the same caches behind."""
+    runtime = StageRuntime(models[family], *layers, dtype="float32", max_context=128)
+    gen = torch.Generator().manual_seed(11)
+
+    def inputs(count: int) -> torch.Tensor:
+        if runtime.is_first:
+            return torch.randint(0, 300, (count,), generator=gen)
+        return torch.randn(count, runtime.hidden_size, generator=gen)
+
+    lengths = [5, 30, 12]  # Mistral's window (24) is crossed by the second
+    prompts = [inputs(n) for n in lengths]
+    alone, together = [runtime.new_session() for _ in lengths], [runtime.new_session() for _ in lengths]
+    for kvs in (alone, together):
+        for kv, prompt in zip(kvs, prompts, strict=True):
+            runtime.forward(kv, 0, **feed(runtime, prompt))
+    head = "none" if runtime.is_last else "last"
+    steps = [(5, inputs(1), "last"), (30, inputs(4), "all"), (8, inputs(3), head)]  # the last one rolls back
+    for round_index in range(2):
+        expected = [runtime.forward(kv, pos, logits=lg, **feed(runtime, x)) for kv, (pos, x, lg) in zip(alone, steps)]
+        got = runtime.forward_batch([Segment(kv, pos, x, lg) for kv, (pos, x, lg) in zip(together, steps)])
+        for want, have in zip(expected, got, strict=True):
+            assert (want is None) == (have is None)
+            if want is not None:
+                torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-3)
+        assert [kv.length for kv in together] == [kv.length for kv in alone]
+        steps = [(pos + len(x), inputs(1), "last") for pos, x, _ in steps]  # then everyone decodes
+
+
+def test_batcher_groups_only_frames_that_may_share_a_pass() -> None:
+    """PREFILL runs alone, a session never twice in a pass, max_tokens holds, and one frame's
+    fault is that frame's alone."""
+    passes: list[list[str]] = []
+
+    def compute_batch(jobs):
+        passes.append([f"{s.session_id}:{pb.FrameKind.Name(f.kind)}" for s, f, _ in jobs])
+        return [Fault(grpc.StatusCode.FAILED_PRECONDITION, "bad position") if s.session_id == "bad" else s.session_id
+                for s, _, _ in jobs]
+
+    async def go():
+        from concurrent.futures import ThreadPoolExecutor
+
+        batcher = Batcher(compute_batch, ThreadPoolExecutor(1), max_tokens=6)
+        a, b, c, bad = (StageSession(name) for name in ("a", "b", "c", "bad"))
+
+        def frame(kind, count):
+            return pb.Frame(kind=kind, token_count=count)
+
+        # All five are waiting when the device first becomes free.
+        jobs = [batcher.submit(a, frame(pb.DECODE, 1), None),
+                batcher.submit(b, frame(pb.PREFILL, 9), None),  # alone, in its turn
+                batcher.submit(c, frame(pb.VERIFY, 5), None),
+                batcher.submit(bad, frame(pb.DECODE, 1), None),  # 1 + 5 + 1 tokens > max_tokens
+                batcher.submit(a, frame(pb.DECODE, 1), None)]  # a is in the first pass already
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert results[:3] == ["a", "b", "c"] and results[4] == "a"
+    assert isinstance(results[3], Fault) and results[3].code == grpc.StatusCode.FAILED_PRECONDITION
+    assert passes == [["a:DECODE", "c:VERIFY"], ["b:PREFILL"], ["bad:DECODE", "a:DECODE"]]
+
+
+def test_concurrent_sessions_are_batched_and_exact(models) -> None:
+    """Six requests at once through a stage server: they share forward passes, and each gets
+    exactly the tokens it gets alone."""
+    model = models["llama"]
+    prompts = [[(13 * i + 7 * j) % 250 for j in range(5 + 3 * i)] for i in range(6)]
+    alone = [generate(LocalPipeline([StageRuntime(model, 0, 3, max_context=128)]), p, 20, max_context=128,
+                      temperature=0.0) for p in prompts]
+
+    async def go():
+        options = StageOptions(model=str(model), layer_start=0, layer_end=3, stage_index=0, num_stages=1,
+                               host="127.0.0.1", port=0, max_context=128)
+        server, service, port = await start_stage_server(options, runtime=StageRuntime(model, 0, 3, max_context=128))
+        engine = PipelineEngine(GrpcPipeline([f"127.0.0.1:{port}"]), EngineOptions("test", max_context=128))
+        try:
+            outputs = await asyncio.gather(*(collect(engine, p, 20, temperature=0.0) for p in prompts))
+            sample = service.metrics.registry.get_sample_value
+            labels = {"model": str(model), "stage": "0"}
+            passes = sample("inferencemesh_stage_batch_frames_count", labels)
+            frames = sample("inferencemesh_stage_batch_frames_sum", labels)
+            return outputs, passes, frames
+        finally:
+            await engine.close()
+            await server.stop(0)
+            await service.close()
+
+    outputs, passes, frames = asyncio.run(go())
+    assert outputs == alone
+    assert frames > passes  # some passes carried several sessions' frames
