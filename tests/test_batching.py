@@ -52,9 +52,10 @@ def test_batched_pass_equals_separate_passes(models, family, layers) -> None:
             runtime.forward(kv, 0, **feed(runtime, prompt))
     head = "none" if runtime.is_last else "last"
     steps = [(5, inputs(1), "last"), (30, inputs(4), "all"), (8, inputs(3), head)]  # the last one rolls back
-    for round_index in range(2):
-        expected = [runtime.forward(kv, pos, logits=lg, **feed(runtime, x)) for kv, (pos, x, lg) in zip(alone, steps)]
-        got = runtime.forward_batch([Segment(kv, pos, x, lg) for kv, (pos, x, lg) in zip(together, steps)])
+    for _ in range(2):
+        expected = [runtime.forward(kv, pos, logits=lg, **feed(runtime, x))
+                    for kv, (pos, x, lg) in zip(alone, steps, strict=True)]
+        got = runtime.forward_batch([Segment(kv, pos, x, lg) for kv, (pos, x, lg) in zip(together, steps, strict=True)])
         for want, have in zip(expected, got, strict=True):
             assert (want is None) == (have is None)
             if want is not None:

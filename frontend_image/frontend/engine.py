@@ -234,8 +234,8 @@ class PipelineEngine:
     async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> list[int]:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
         session, frame = conn.session, conn.frame
-        # Proposals are computed on the event loop's thread, draft models included: PyTorch's CPU
-        # kernels run slowest on a worker thread, and a draft step is short (about a millisecond).
+        # Proposals are computed on the event loop's thread, draft models included: a second
+        # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
         proposal = proposer.propose(history) if proposer is not None else None
         proposed = time.perf_counter()

@@ -198,8 +198,8 @@ class LocalPipeline:
     """All stages in this process: frames pass from worker to worker as tensors.
 
     It computes on the calling (event-loop) thread, blocking it: in one process there is
-    nothing else to serve meanwhile, and PyTorch's CPU kernels run faster on the thread that
-    owns the OpenMP team than on a worker thread (see stage.server.MainThreadExecutor).
+    nothing else to serve meanwhile, and one computing thread means one OpenMP team (see
+    stage.server.MainThreadExecutor).
     """
 
     computes_inline = True

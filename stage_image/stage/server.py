@@ -402,9 +402,10 @@ async def start_stage_server(options: StageOptions, *, runtime=None,
 class MainThreadExecutor(Executor):
     """Runs submitted work on the thread that calls run(): the process's main thread.
 
-    PyTorch's CPU kernels measured 20-30% slower per decode step when driven from a worker
-    thread than from the main thread (OpenMP team hand-off), so a stage process computes on
-    its main thread and runs its event loop on a second one.
+    Every thread that runs PyTorch CPU kernels gets an OpenMP team of its own, and an idle
+    team's workers spin against the busy one: a decode step measured 20-30% slower once a
+    second thread had computed. So all of a stage process's device work runs on one thread,
+    its main thread, and the event loop on a second one that never computes.
     """
 
     def __init__(self) -> None:
