@@ -231,7 +231,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
             "--stage-index", str(index), "--num-stages", str(n),
             "--port", str(STAGE_GRPC_PORT),
             "--metrics-port", str(STAGE_METRICS_PORT if spec.metrics else 0),
-            "--device", spec.stages.device,
+            "--device", spec.stages.device, "--max-batch-tokens", str(spec.stages.max_batch_tokens),
             *_runtime_args(spec)]
     if index + 1 < n:
         args += ["--downstream", stage_address(base, ns, index + 1)]

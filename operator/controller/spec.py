@@ -53,6 +53,7 @@ class StagesSpec:
     ranges: tuple[tuple[int, int], ...] | None = None  # None: absent (an empty list is present, and wrong)
     gpus: int = 1
     device: str = "auto"
+    max_batch_tokens: int = 256
     resources: dict = field(default_factory=dict)
     node_selector: dict = field(default_factory=dict)
     tolerations: tuple[dict, ...] = ()
@@ -159,6 +160,7 @@ def parse_spec(spec: dict) -> MeshSpec:
                 (int(r.get("start", 0)), int(r.get("end", 0))) for r in stages["ranges"]),
             gpus=int(stages.get("gpus", 1)),
             device=stages.get("device", "auto"),
+            max_batch_tokens=int(stages.get("maxBatchTokens", 256)),
             resources=_obj(stages.get("resources")),
             node_selector=_obj(stages.get("nodeSelector")),
             tolerations=tuple(stages.get("tolerations") or ()),

@@ -66,6 +66,7 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         assert parsed.model == "bundled://imesh-code-target"
         want_downstream = None if i == 2 else f"code-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
         assert parsed.downstream == want_downstream
+        assert parsed.max_batch_tokens == 256  # the CRD's default
         assert c["readinessProbe"]["grpc"] == {"port": R.STAGE_GRPC_PORT}
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert objs[("Deployment", f"code-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
@@ -140,7 +141,7 @@ def test_pvc_api_key_placement_and_image_options() -> None:
         "model": {"name": "Llama-70B", "pvc": {"claimName": "models", "subPath": "llama/70b"},
                   "layout": {"numLayers": 8, "layerBytes": 10}},
         "stages": {"gpus": 2, "resources": {"limits": {"memory": "64Gi"}}, "nodeSelector": {"gpu": "a100"},
-                   "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+                   "tolerations": [{"key": "gpu", "operator": "Exists"}], "maxBatchTokens": 2048},
         "frontend": {"apiKeySecret": {"name": "keys"}, "replicas": 3, "service": {"type": "LoadBalancer", "port": 443}},
         "images": {"stage": "reg/stage:1", "frontend": "reg/front:1", "pullPolicy": "Never",
                    "pullSecrets": ["regcred"]},
@@ -149,6 +150,7 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     stage = objs[("Deployment", "code-stage-0")]["spec"]["template"]["spec"]
     c = stage["containers"][0]
     assert arg(c["args"], "--model") == "/models/llama/70b"
+    assert arg(c["args"], "--max-batch-tokens") == "2048"
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in stage["volumes"]
     assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
     assert c["image"] == "reg/stage:1" and c["imagePullPolicy"] == "Never"
