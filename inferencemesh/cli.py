@@ -43,6 +43,11 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
                    help="mutual TLS between frontend and stages: a directory with tls.crt, tls.key, ca.crt")
 
 
+def _add_batching_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-batch-tokens", type=int, default=MAX_BATCH_TOKENS,
+                   help="most tokens of waiting DECODE/VERIFY frames (of different sessions) a stage runs in one pass")
+
+
 def _add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=SPECULATIVE, default=None,
                    help="speculation strategy (default: the model package's, else auto)")
@@ -62,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve, required=False)
     _add_runtime_args(serve)
     _add_speculative_args(serve)
+    _add_batching_args(serve)
     serve.add_argument("--stages", type=int, default=2, help="number of stage processes")
     serve.add_argument("--stage-memory", default=None, help="per-stage memory budgets, e.g. 16GiB,24GiB")
     serve.add_argument("--host", default="127.0.0.1")
@@ -73,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage = sub.add_parser("stage", help="serve one layer range over gRPC (the stage pod's program)")
     _add_model_args(stage, required=True)
     _add_runtime_args(stage)
+    _add_batching_args(stage)
     stage.add_argument("--layers", required=True, help="START:END, end exclusive (e.g. 0:16)")
     stage.add_argument("--stage-index", type=int, required=True)
     stage.add_argument("--num-stages", type=int, required=True)
@@ -81,8 +88,6 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
     stage.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (absent on the last stage)")
     stage.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle session is dropped")
-    stage.add_argument("--max-batch-tokens", type=int, default=MAX_BATCH_TOKENS,
-                       help="most tokens of waiting DECODE/VERIFY frames (of different sessions) run in one pass")
     stage.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
 
     frontend = sub.add_parser("frontend", help="the OpenAI-compatible endpoint (the frontend pod's program)")

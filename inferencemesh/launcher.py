@@ -74,6 +74,7 @@ class StageSettings:
     revision: str | None = None
     debug_telemetry: bool = False
     tls_dir: str | None = None
+    max_batch_tokens: int | None = None  # None: the stage's default
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -113,6 +114,8 @@ class LocalStages:
             argv.append("--debug-telemetry")
         if s.tls_dir:
             argv += ["--tls-dir", s.tls_dir]
+        if s.max_batch_tokens:
+            argv += ["--max-batch-tokens", str(s.max_batch_tokens)]
         return argv
 
     def start(self) -> None:
@@ -184,7 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
     settings = StageSettings(dtype=args.dtype, wire_dtype=args.wire_dtype, max_context=args.max_context,
                              max_sessions=args.max_sessions, device=args.device, revision=args.revision,
-                             debug_telemetry=args.debug_telemetry, tls_dir=args.tls_dir)
+                             debug_telemetry=args.debug_telemetry, tls_dir=args.tls_dir,
+                             max_batch_tokens=args.max_batch_tokens)
     stages = LocalStages(model, plan, settings, args.base_stage_port)
     frontend = ManagedProcess("frontend", frontend_argv(args, model, stages.addresses))
     stopping = False
