@@ -74,3 +74,37 @@ def test_window_counts_proposing_in_the_cost() -> None:
     plain.observe_plain(0.004)  # a measured DECODE round trip is the baseline when there is one
     plain.observe(4, 1, propose_s=0.001, round_trip_s=0.010)
     assert plain.k == 3 and not plain.paying
+
+
+def test_concurrent_proposals_share_forward_passes(models) -> None:
+    """Requests that ask in the same turn of the event loop are drafted together, one forward
+    pass per step for all of them, and each gets the proposal it would get alone."""
+    import asyncio
+
+    from inferencemesh.frontend.speculative import DraftBatcher, DraftProposer
+
+    from inferencemesh.sampling import SamplingParams
+
+    draft = DraftModel(str(models["qwen3"]), device="cpu", max_context=128)
+    histories = [[(5 * i + 3 * j) % 300 for j in range(6 + 4 * i)] for i in range(3)]
+    policy = WindowPolicy(adaptive=False, initial=4, minimum=4, maximum=4)
+    greedy = SamplingParams(0.0, 1.0, 0, 0)
+    alone = [DraftProposer(draft, policy, greedy).propose(h).tokens for h in histories]
+
+    passes: list[int] = []
+    packed = draft.forward_packed
+
+    def counting(feeds):
+        passes.append(len(feeds))
+        return packed(feeds)
+
+    draft.forward_packed = counting
+    batcher = DraftBatcher()
+    proposers = [DraftProposer(draft, policy, greedy, batcher=batcher) for _ in histories]
+
+    async def go():
+        return await asyncio.gather(*(p.propose_async(h) for p, h in zip(proposers, histories, strict=True)))
+
+    together = [p.tokens for p in asyncio.run(go())]
+    assert together == alone
+    assert passes == [3, 3, 3, 3]  # catch-up, then three more draft steps, all three requests each time

@@ -148,37 +148,51 @@ class DraftModel:
     def new_cache(self) -> DraftCache:
         return DraftCache(self)
 
-    @torch.inference_mode()
     def forward(self, cache: DraftCache, pos_start: int, token_ids: list[int]) -> torch.Tensor:
         """Feed token_ids at positions [pos_start, ...) (the cache is truncated to pos_start
         first, as on the stages); returns float32 logits [vocab] of the last position only."""
-        count = len(token_ids)
-        stop = pos_start + count
-        if count == 0 or not 0 <= pos_start <= cache.length or stop > self.max_context:
-            raise ValueError(f"draft positions [{pos_start}, {stop}) with {cache.length} cached "
-                             f"and max_context {self.max_context}")
-        cache.reserve(stop)
-        ids = torch.tensor(token_ids, device=self.device)
+        return self.forward_packed([(cache, pos_start, token_ids)])[0]
+
+    @torch.inference_mode()
+    def forward_packed(self, feeds: list[tuple[DraftCache, int, list[int]]]) -> list[torch.Tensor]:
+        """forward() for several requests in one pass: their tokens share the matmuls, each
+        attends over its own cache. Per feed, float32 logits [vocab] of its last position."""
+        counts = [len(token_ids) for _, _, token_ids in feeds]
+        for (cache, pos_start, _), count in zip(feeds, counts, strict=True):
+            stop = pos_start + count
+            if count == 0 or not 0 <= pos_start <= cache.length or stop > self.max_context:
+                raise ValueError(f"draft positions [{pos_start}, {stop}) with {cache.length} cached "
+                                 f"and max_context {self.max_context}")
+            cache.reserve(stop)
+        ids = torch.tensor([t for _, _, token_ids in feeds for t in token_ids], device=self.device)
         x = self.embedding[ids] if self.embedding is not None else self.head.index_select(1, ids).t()
-        cos, sin = self._rope(pos_start, count)
+        ropes = [self._rope(pos_start, count) for (_, pos_start, _), count in zip(feeds, counts, strict=True)]
+        cos, sin = ropes[0] if len(ropes) == 1 else (torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes]))
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * dim
         hidden_shape, head_shape = (self.hidden_size,), (dim,)
+        total = len(ids)
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden_shape, layer.in_norm, layer.eps)
             qkv = torch.mm(h, layer.qkv) if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, h, layer.qkv)
-            qk = qkv[:, :qk_width].view(count, heads + kv_heads, dim)
+            qk = qkv[:, :qk_width].view(total, heads + kv_heads, dim)
             if layer.q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[:, :heads], head_shape, layer.q_norm, layer.eps),
                                 F.rms_norm(qk[:, heads:], head_shape, layer.k_norm, layer.eps)], dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
-            cache.k[i, :, pos_start:stop] = qk[:, heads:].transpose(0, 1)
-            cache.v[i, :, pos_start:stop] = qkv[:, qk_width:].view(count, kv_heads, dim).transpose(0, 1)
-            mask = attention_mask(pos_start, count, layer.window, self.device)
-            out = F.scaled_dot_product_attention(
-                qk[:, :heads].transpose(0, 1)[None], cache.k[i, :, :stop][None], cache.v[i, :, :stop][None],
-                attn_mask=mask, is_causal=mask is None and count > 1, enable_gqa=heads != kv_heads)
-            out = out[0].transpose(0, 1).reshape(count, heads * dim)
+            values = qkv[:, qk_width:].view(total, kv_heads, dim)
+            outs, row = [], 0
+            for (cache, pos_start, _), count in zip(feeds, counts, strict=True):
+                stop, rows = pos_start + count, slice(row, row + count)
+                cache.k[i, :, pos_start:stop] = qk[rows, heads:].transpose(0, 1)
+                cache.v[i, :, pos_start:stop] = values[rows].transpose(0, 1)
+                mask = attention_mask(pos_start, count, layer.window, self.device)
+                out = F.scaled_dot_product_attention(
+                    qk[rows, :heads].transpose(0, 1)[None], cache.k[i, :, :stop][None], cache.v[i, :, :stop][None],
+                    attn_mask=mask, is_causal=mask is None and count > 1, enable_gqa=heads != kv_heads)
+                outs.append(out[0].transpose(0, 1).reshape(count, heads * dim))
+                row += count
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = torch.addmm(x, out, layer.o) if layer.o_bias is None else torch.addmm(x + layer.o_bias, out, layer.o)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, layer.eps)
             gate_up = torch.mm(h, layer.gate_up) if layer.gate_up_bias is None else \
@@ -187,9 +201,13 @@ class DraftModel:
             act = F.silu(gate_up[:, :half]) * gate_up[:, half:]
             x = torch.addmm(x, act, layer.down) if layer.down_bias is None else \
                 torch.addmm(x + layer.down_bias, act, layer.down)
-        cache.length = stop
-        last = F.rms_norm(x[-1:], hidden_shape, self.norm, self.norm_eps)
-        return torch.mm(last, self.head)[0].float()
+        lasts, end = [], 0
+        for (cache, pos_start, _), count in zip(feeds, counts, strict=True):
+            cache.length = pos_start + count
+            end += count
+            lasts.append(end - 1)
+        last = F.rms_norm(x[lasts], hidden_shape, self.norm, self.norm_eps)
+        return list(torch.mm(last, self.head).float())
 
     def _rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos is not None:

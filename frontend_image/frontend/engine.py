@@ -48,6 +48,10 @@ class Proposer:
     def propose(self, history: list[int]) -> Proposal | None:
         return None
 
+    async def propose_async(self, history: list[int]) -> Proposal | None:
+        """What the engine calls: a strategy may compute together with other requests' (a draft model)."""
+        return self.propose(history)
+
     def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
         """What a step did: tokens proposed and accepted, seconds spent proposing and in the round trip."""
 
@@ -237,7 +241,7 @@ class PipelineEngine:
         # Proposals are computed on the event loop's thread, draft models included: a second
         # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
-        proposal = proposer.propose(history) if proposer is not None else None
+        proposal = await proposer.propose_async(history) if proposer is not None else None
         proposed = time.perf_counter()
         frame.pos_start = len(history) - 1
         frame.seq += 1

@@ -15,6 +15,7 @@ serving without speculation and saying why, never failing start-up.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import re
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from inferencemesh.frontend.draft import DraftModel
+from inferencemesh.frontend.draft import DraftCache, DraftModel
 from inferencemesh.frontend.engine import Proposal, Proposer
 from inferencemesh.frontend.engine_api import GenerationRequest
 
@@ -242,19 +243,36 @@ class AutoProposer(NgramProposer):
 class DraftProposer(WindowedProposer):
     """Propose k tokens with the draft model. Its cache rolls back like the stages': the next
     call truncates to the longest prefix the draft has seen that the history still agrees with.
-    Catching up on accepted tokens computes logits for the last row only (dead rows skipped)."""
+    Catching up on accepted tokens computes logits for the last row only (dead rows skipped).
+    With a DraftBatcher, proposals of concurrent requests share the draft's forward passes."""
 
-    def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams, metrics=None) -> None:
+    def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams, metrics=None,
+                 batcher: DraftBatcher | None = None) -> None:
         super().__init__(policy, metrics)
         self.draft = draft
         self.params = params
+        self.batcher = batcher
         self.cache = draft.new_cache()
         self.fed: list[int] = []  # tokens whose KV the draft holds, by position
+        self._k = 0
+        self._first_position = 0
+        self._tokens: list[int] = []
+        self._rows: list[torch.Tensor] = []
 
     def propose(self, history: list[int]) -> Proposal | None:
-        draft = self.draft
-        k = min(self.window.k, draft.max_context - len(history) - 1)
-        if k < 1:
+        return draft_together([(self, history)])[0]
+
+    async def propose_async(self, history: list[int]) -> Proposal | None:
+        if self.batcher is None:
+            return self.propose(history)
+        return await self.batcher.propose(self, history)
+
+    # The steps draft_together() drives, for one request among several.
+
+    def _begin(self, history: list[int]) -> tuple[DraftCache, int, list[int]] | None:
+        """The catch-up feed (what the draft has not seen of the history), or None: no room."""
+        self._k = min(self.window.k, self.draft.max_context - len(history) - 1)
+        if self._k < 1:
             return None
         agree = 0
         for a, b in zip(self.fed, history, strict=False):
@@ -262,28 +280,88 @@ class DraftProposer(WindowedProposer):
                 break
             agree += 1
         agree = min(agree, len(history) - 1)  # always feed at least the last token
-        logits = draft.forward(self.cache, agree, history[agree:])
         self.fed = history[:]
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        position = len(history)
-        for i in range(k):
-            if self.params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = probabilities(logits[None], self.params)[0]
-                gen = generator_for(self.params.seed ^ _SALT_DRAFT, position + i, _SALT_DRAFT)
-                token = int(torch.multinomial(q, 1, generator=gen))
-                rows.append(q)
-            tokens.append(token)
-            if i + 1 < k:
-                logits = draft.forward(self.cache, position + i, [token])
-                self.fed.append(token)
+        self._first_position, self._tokens, self._rows = len(history), [], []
+        return self.cache, agree, history[agree:]
+
+    def _next(self, logits: torch.Tensor) -> tuple[DraftCache, int, list[int]] | None:
+        """Draw the next draft token from `logits`; the feed for the one after, or None when done."""
+        position = self._first_position + len(self._tokens)
+        if self.params.greedy:
+            token = int(logits.argmax())
+        else:
+            q = probabilities(logits[None], self.params)[0]
+            gen = generator_for(self.params.seed ^ _SALT_DRAFT, position, _SALT_DRAFT)
+            token = int(torch.multinomial(q, 1, generator=gen))
+            self._rows.append(q)
+        self._tokens.append(token)
+        if len(self._tokens) == self._k:
+            return None
+        self.fed.append(token)
+        return self.cache, position, [token]
+
+    def _proposal(self) -> Proposal:
+        rows = self._rows
         probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
-        return Proposal(tokens, probs)
+        return Proposal(self._tokens, probs)
 
     def close(self) -> None:
         self.cache.release()
+
+
+def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal | None]:
+    """Proposals for several requests, step by step, each step one forward pass for all of them."""
+    draft = jobs[0][0].draft
+    feeds, active = [], []
+    for proposer, history in jobs:
+        feed = proposer._begin(history)
+        if feed is not None:
+            feeds.append(feed)
+            active.append(proposer)
+    started = list(active)
+    while feeds:
+        logits = draft.forward_packed(feeds)
+        feeds, still = [], []
+        for proposer, row in zip(active, logits, strict=True):
+            feed = proposer._next(row)
+            if feed is not None:
+                feeds.append(feed)
+                still.append(proposer)
+        active = still
+    return [proposer._proposal() if proposer in started else None for proposer, _ in jobs]
+
+
+class DraftBatcher:
+    """Drafts together the proposals that requests ask for in the same turn of the event loop.
+
+    The draft's matmuls cost about the same for one row as for a few, so concurrent requests
+    (whose predictions a batching last stage returns together) propose for the price of one.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[DraftProposer, list[int], asyncio.Future]] = []
+
+    async def propose(self, proposer: DraftProposer, history: list[int]) -> Proposal | None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((proposer, history, future))
+        if len(self._pending) == 1:
+            loop.call_soon(self._run)
+        return await future
+
+    def _run(self) -> None:
+        jobs = [job for job in self._pending if not job[2].done()]  # a cancelled request drops out
+        self._pending = []
+        if not jobs:
+            return
+        try:
+            proposals = draft_together([(proposer, history) for proposer, history, _ in jobs])
+        except Exception as err:  # delivered to every waiting request
+            for _, _, future in jobs:
+                future.set_exception(err)
+            return
+        for (_, _, future), proposal in zip(jobs, proposals, strict=True):
+            future.set_result(proposal)
 
 
 # ---- resolution ------------------------------------------------------------------------------
@@ -347,6 +425,7 @@ class Speculation:
     draft: DraftModel | None = None
     metrics: object = None
     tokenizer: object = None
+    batcher: DraftBatcher = field(default_factory=DraftBatcher)  # shared by the requests of this strategy
 
     def describe(self) -> dict:
         out = {"strategy": self.strategy, "reason": self.reason, "window": {
@@ -365,7 +444,7 @@ class Speculation:
             text = self.tokenizer.decode(request.prompt_ids[-512:]) if self.tokenizer is not None else ""
             return AutoProposer(self.window, favourable_prompt(text), self.metrics)
         params = SamplingParams(request.temperature, request.top_p, request.top_k, request.seed or 0)
-        return DraftProposer(self.draft, self.window, params, self.metrics)
+        return DraftProposer(self.draft, self.window, params, self.metrics, self.batcher)
 
 
 def resolve_speculation(args: argparse.Namespace, model_dir: Path, tokenizer, metrics=None) -> Speculation:
