@@ -199,13 +199,12 @@ class StageRuntime:
             seg.kv.end()
         if not self.is_last:
             return list(x[0].split(counts))
-        rows, spans, start = [], [], 0
+        rows, spans, end = [], [], 0
         for seg, count in zip(segments, counts, strict=True):
-            wanted = {"all": range(start, start + count), "last": range(start + count - 1, start + count)}
-            span = wanted.get(seg.logits, range(0))
-            spans.append(len(span))
-            rows.extend(span)
-            start += count
+            end += count
+            span = {"all": count, "last": 1}.get(seg.logits, 0)  # the rows whose logits this segment wants
+            rows.extend(range(end - span, end))
+            spans.append(span)
         if not rows:
             return [None] * len(segments)
         logits = self._lm_head(self._norm(x[:, rows]))[0].float().split(spans)
