@@ -28,13 +28,6 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from inferencemesh.frontend.engine_api import (
-    ContextLengthExceeded,
-    EngineError,
-    EngineNotReady,
-    EngineOverloaded,
-    GenerationRequest,
-)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -46,6 +39,13 @@ from transformers import (
 )
 
 from inferencemesh.bundled import bundled_path
+from inferencemesh.frontend.engine_api import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineNotReady,
+    EngineOverloaded,
+    GenerationRequest,
+)
 
 # the bundled models' training script, whose tokenizer recipe the tiny fallback reuses
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -6,10 +6,10 @@ import asyncio
 from pathlib import Path
 
 import torch
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
 
 from inferencemesh.checkpoint import read_local
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.launcher import LocalStages, StageSettings
 from inferencemesh.planner import PlanInputs, plan_stages
 

@@ -8,17 +8,18 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
-from inferencemesh.stage.batcher import Batcher
-from inferencemesh.stage.runtime import Segment, StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
-from inferencemesh.stage.sessions import StageSession
-from inferencemesh.stage.worker import Fault
 from mesh_helpers import collect, generate
 from tiny_models import FAMILIES, write_tiny_model
 
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import Fault
+from inferencemesh.stage.batcher import Batcher
+from inferencemesh.stage.inprocess import LocalPipeline
+from inferencemesh.stage.runtime import Segment, StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
+from inferencemesh.stage.sessions import StageSession
 
 
 @pytest.fixture(scope="module")

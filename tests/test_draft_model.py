@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from inferencemesh.frontend.draft import DraftModel
-from inferencemesh.frontend.speculative import Window, WindowPolicy
 from tiny_models import FAMILIES, write_tiny_model
 from transformers import AutoModelForCausalLM
+
+from inferencemesh.frontend.draft import DraftModel
+from inferencemesh.frontend.speculative import Window, WindowPolicy
 
 SEQUENCE = 70  # crosses Mistral's sliding window (24) and a cache growth step when max_context is small
 
@@ -82,7 +83,6 @@ def test_concurrent_proposals_share_forward_passes(models) -> None:
     import asyncio
 
     from inferencemesh.frontend.speculative import DraftBatcher, DraftProposer
-
     from inferencemesh.sampling import SamplingParams
 
     draft = DraftModel(str(models["qwen3"]), device="cpu", max_context=128)

@@ -15,9 +15,10 @@ import httpx
 import openai
 import pytest
 from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
+from openai_spec import COMPLETION_STREAM_CHUNK, errors
+
 from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
-from openai_spec import COMPLETION_STREAM_CHUNK, errors
 
 PROMPT = "def fibonacci(n):\n    "
 

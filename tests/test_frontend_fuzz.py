@@ -18,8 +18,9 @@ import pytest
 from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inferencemesh.frontend.app import create_app
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
+
+from inferencemesh.frontend.app import create_app
 
 pytestmark = pytest.mark.slow
 

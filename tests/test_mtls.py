@@ -12,11 +12,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.operator import healthprobe
 from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
+from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.operator import healthprobe
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.tls import TlsMaterial

@@ -7,15 +7,16 @@ import asyncio
 import grpc
 import pytest
 import torch
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
-from inferencemesh.stage.runtime import StageRuntime
 from mesh_helpers import collect, generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage.inprocess import LocalPipeline
+from inferencemesh.stage.runtime import StageRuntime
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

@@ -19,7 +19,7 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
     subprocess.run(["bash", str(REPO / "tools/gen_proto.sh"), str(tmp_path)], check=True, cwd=REPO)
     for name in ("stage_pb2.py", "stage_pb2.pyi", "stage_pb2_grpc.py"):
         fresh = (tmp_path / "inferencemesh/protocol" / name).read_text()
-        committed = (REPO / "inferencemesh/protocol" / name).read_text()
+        committed = (REPO / "src/inferencemesh/protocol" / name).read_text()
         assert fresh == committed, f"{name} is stale: run tools/gen_proto.sh"
 
 

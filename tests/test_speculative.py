@@ -8,7 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+from mesh_helpers import generate, start_mesh
+from transformers import AutoTokenizer
+
+from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
+from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.frontend.speculative import (
     AutoProposer,
     WindowPolicy,
@@ -16,11 +20,8 @@ from inferencemesh.frontend.speculative import (
     ngram_lookup,
     resolve_speculation,
 )
+from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
-from mesh_helpers import generate, start_mesh
-from transformers import AutoTokenizer
-
-from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
 
 TARGET = bundled_path(DEFAULT_MODEL)
 CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \

@@ -11,14 +11,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
-from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
 from mesh_helpers import generate
 from tiny_models import write_tiny_model
 
+from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage.inprocess import LocalPipeline
+from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
 
 pytestmark = pytest.mark.slow
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,

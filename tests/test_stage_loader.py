@@ -21,13 +21,13 @@ import huggingface_hub.constants
 import pytest
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
-from inferencemesh.stage.loader import load_stage
-from inferencemesh.stage.runtime import StageRuntime
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import write_tiny_model
 
 from inferencemesh.checkpoint import CONFIG_FILES, SAFETENSORS_INDEX, CheckpointError
+from inferencemesh.modeling.loader import load_stage
+from inferencemesh.stage.runtime import StageRuntime
 
 REPO = "inferencemesh-tests/tiny-llama"
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from inferencemesh.stage.runtime import PositionError, StageRuntime
 from tiny_models import EOS_ID, FAMILIES, write_tiny_model
 from transformers import AutoModelForCausalLM
+
+from inferencemesh.stage.runtime import PositionError, StageRuntime
 
 NUM_LAYERS = 4
 PROMPT_LEN = 21
@@ -263,8 +264,9 @@ def test_bfloat16_split_equals_unsplit_and_tracks_float32(models, prompt, refere
 
 
 def test_packed_linear_matches_nn_linear():
-    from inferencemesh.stage.packed import PackedLinear
     from torch import nn
+
+    from inferencemesh.stage.packed import PackedLinear
 
     torch.manual_seed(0)
     for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):

@@ -12,13 +12,13 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
 from tiny_models import write_tiny_model
 
 from inferencemesh.launcher import free_port
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.stage.server import StageOptions, start_stage_server
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
-from .detokenize import OutputText
-from .engine_api import Engine, EngineError, GenerationRequest
-from .metrics import FrontendMetrics, RequestTracker
-from .openai_models import ChatCompletionRequest, CompletionRequest
+from inferencemesh.frontend.detokenize import OutputText
+from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationRequest
+from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
+from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("inferencemesh.frontend")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from inferencemesh.stage.loader import load_stage
-from inferencemesh.stage.positions import attention_mask, rope_table, sliding_window
 
 from inferencemesh.checkpoint import read_checkpoint
+from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 
 _GROWTH = 256  # cache positions added at a time
 

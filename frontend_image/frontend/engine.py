@@ -21,9 +21,8 @@ from inferencemesh.frontend.engine_api import (
     EngineOverloaded,
     GenerationRequest,
 )
-from inferencemesh.frontend.pipeline import PipelineError
-
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import PipelineError
 
 log = logging.getLogger("inferencemesh.engine")
 READY_TRUST_S = 5.0

@@ -42,9 +42,10 @@ def build_engine(args: argparse.Namespace, model_dir: Path, tokenizer, metrics):
 def run_frontend(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
+    from transformers import AutoTokenizer
+
     from inferencemesh.frontend.app import create_app
     from inferencemesh.frontend.metrics import FrontendMetrics
-    from transformers import AutoTokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(max(1, args.draft_threads))  # the draft is this process's only tensor work

@@ -1,9 +1,9 @@
 """The frontend's view of the stages: open a session, send frames, await predictions.
 
 GrpcPipeline talks to stage servers: frames go into stage 0's Session stream, predictions
-come from the last stage's Results stream. LocalPipeline runs the same StageWorkers in this
-process with no network (benchmarks, tests, single-process serving); the engine cannot
-tell them apart.
+come from the last stage's Results stream. inferencemesh.stage.inprocess.LocalPipeline runs
+the stages' own workers in one process with the same interface (benchmarks, tests); the
+engine cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -16,27 +16,12 @@ from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from inferencemesh.stage.server import GRPC_OPTIONS
-from inferencemesh.stage.sessions import StageSession
-from inferencemesh.stage.worker import Fault, StageWorker
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.protocol.errors import PipelineError
+from inferencemesh.protocol.transport import GRPC_OPTIONS, expects_prediction
 from inferencemesh.tls import TlsMaterial, aio_channel
-
-
-class PipelineError(Exception):
-    """A stage refused a frame or went away; `code` is the gRPC status, `retryable` whether
-    re-prefilling the session may succeed (a restarted or briefly unreachable stage)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-    @property
-    def retryable(self) -> bool:
-        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
-                             grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class PipelineSession(Protocol):
@@ -45,10 +30,6 @@ class PipelineSession(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def expects_prediction(frame: pb.Frame) -> bool:
-    return frame.kind in (pb.DECODE, pb.VERIFY) or (frame.kind == pb.PREFILL and frame.want_prediction)
 
 
 class GrpcSession:
@@ -166,53 +147,3 @@ class GrpcPipeline:
         for channel in self._channels:
             await channel.close()
         self._channels = []
-
-
-class LocalSession:
-    def __init__(self, pipeline: LocalPipeline, session_id: str) -> None:
-        self.pipeline = pipeline
-        self.session_id = session_id
-        self.states = [StageSession(session_id) for _ in pipeline.workers]
-
-    def _run(self, frame: pb.Frame) -> pb.Prediction | None:
-        workers = self.pipeline.workers
-        try:
-            x = workers[0].inputs(frame)
-            for worker, state in zip(workers, self.states, strict=True):
-                x = worker.compute(state, frame, x)
-        except Fault as fault:
-            raise PipelineError(fault.code, fault.message) from fault
-        return x
-
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        return self._run(frame)  # on the event loop's own thread: see LocalPipeline
-
-    async def close(self) -> None:
-        for state in self.states:
-            if state.kv is not None:
-                state.kv.release()
-                state.kv = None
-
-
-class LocalPipeline:
-    """All stages in this process: frames pass from worker to worker as tensors.
-
-    It computes on the calling (event-loop) thread, blocking it: in one process there is
-    nothing else to serve meanwhile, and one computing thread means one OpenMP team (see
-    stage.server.MainThreadExecutor).
-    """
-
-    computes_inline = True
-
-    def __init__(self, runtimes: list) -> None:
-        last = len(runtimes) - 1
-        self.workers = [StageWorker(rt, is_first=i == 0, is_last=i == last) for i, rt in enumerate(runtimes)]
-
-    def open(self) -> LocalSession:
-        return LocalSession(self, uuid.uuid4().hex)
-
-    async def is_ready(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        pass

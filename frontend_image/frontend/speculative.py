@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from inferencemesh.frontend.draft import DraftCache, DraftModel
 from inferencemesh.frontend.engine import Proposal, Proposer
 from inferencemesh.frontend.engine_api import GenerationRequest
-
 from inferencemesh.sampling import SamplingParams, generator_for, probabilities
 
 log = logging.getLogger("inferencemesh.speculative")

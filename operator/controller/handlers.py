@@ -15,10 +15,10 @@ import time
 
 import kopf
 
-from . import metrics
-from .kube import Kube, load_api_client
-from .reconcile import Reconciler
-from .render import (
+from inferencemesh.operator import metrics
+from inferencemesh.operator.kube import Kube, load_api_client
+from inferencemesh.operator.reconcile import Reconciler
+from inferencemesh.operator.render import (
     DEFAULT_FRONTEND_IMAGE,
     DEFAULT_STAGE_IMAGE,
     LABEL_MANAGED_BY,

@@ -18,7 +18,7 @@ def run_operator(args: argparse.Namespace) -> int:
     logging.getLogger("kopf.activities.probe").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    from . import handlers  # noqa: F401 - importing registers the kopf handlers
+    from inferencemesh.operator import handlers  # noqa: F401 - importing registers the kopf handlers
 
     namespaces = args.namespace or []
     kopf.run(

@@ -21,9 +21,8 @@ from pathlib import Path
 
 from inferencemesh.bundled import bundled_path
 from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_hub, read_local
+from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
-
-from .spec import MeshSpec
 
 BUNDLED_PREFIX = "bundled://"
 # Bundled models kept outside the package (a custom operator image, the tests) are looked up here first.

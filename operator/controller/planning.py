@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
+from inferencemesh.operator.modelfacts import ModelInfo, PackageDraft
+from inferencemesh.operator.spec import MAX_STAGES, MeshSpec
 from inferencemesh.planner import (
     PlanError,
     PlanInputs,
@@ -21,9 +23,6 @@ from inferencemesh.planner import (
     plan_explicit,
     plan_stages,
 )
-
-from .modelfacts import ModelInfo, PackageDraft
-from .spec import MAX_STAGES, MeshSpec
 
 # The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
 MAX_PLAN_LAYERS = 256

@@ -18,21 +18,20 @@ from dataclasses import dataclass, field
 from kubernetes.client.rest import ApiException
 
 from inferencemesh.checkpoint import CheckpointError
-from inferencemesh.planner import PlanError
-
-from . import metrics
-from .kube import Kube, Write
-from .modelfacts import ModelFacts, ModelUnavailable
-from .planning import make_plan
-from .render import (
+from inferencemesh.operator import metrics
+from inferencemesh.operator.kube import Kube, Write
+from inferencemesh.operator.modelfacts import ModelFacts, ModelUnavailable
+from inferencemesh.operator.planning import make_plan
+from inferencemesh.operator.render import (
     HASH_ANNOTATION,
     LABEL_MESH,
     RenderOptions,
     base_name,
     render_children,
 )
-from .spec import parse_spec, validate
-from .status import CONDITION_TYPES, PlanOutcome, compute_status
+from inferencemesh.operator.spec import parse_spec, validate
+from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status
+from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy")

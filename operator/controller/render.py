@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import kopf
 
+from inferencemesh.operator.modelfacts import BUNDLED_PREFIX
+from inferencemesh.operator.planning import Plan
+from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
-
-from .modelfacts import BUNDLED_PREFIX
-from .planning import Plan
-from .spec import MeshSpec
 
 API_GROUP = "inferencemesh.io"
 API_VERSION = "v1alpha1"
@@ -207,7 +206,7 @@ def _grpc_probe(spec: MeshSpec, opts: RenderOptions, server_name: str, **timing:
         return {"grpc": {"port": STAGE_GRPC_PORT}, **timing}
     # Older clusters, or mutual TLS (the kubelet's gRPC probe presents no client certificate):
     # the same grpc.health.v1 check from inside the container.
-    command = ["python", "-m", "inferencemesh.operator.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
+    command = ["python", "-m", "inferencemesh.stage.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
     if spec.mtls_secret:  # the certificate names the stage's Service, not 127.0.0.1
         command += ["--tls-dir", TLS_MOUNT, "--server-name", server_name]
     return {"exec": {"command": command}, **timing}

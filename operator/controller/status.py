@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .planning import Plan
-from .render import (
+from inferencemesh.operator.planning import Plan
+from inferencemesh.operator.render import (
     LABEL_COMPONENT,
     LABEL_STAGE,
     base_name,
@@ -27,7 +27,7 @@ from .render import (
     stage_address,
     stage_name,
 )
-from .spec import MeshSpec
+from inferencemesh.operator.spec import MeshSpec
 
 CONDITION_TYPES = ("Planned", "StagesReady", "FrontendReady", "Ready", "Degraded")
 FAILING_WAIT_REASONS = {

@@ -17,10 +17,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import torch
-from inferencemesh.stage.sessions import StageSession
 
 from inferencemesh.cli import MAX_BATCH_TOKENS as DEFAULT_MAX_TOKENS
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.stage.sessions import StageSession
 
 
 @dataclass

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .attention import PackedAttention, kv_cache_dtype
-from .kv import SessionKV
-from .loader import load_stage
-from .packed import PackedLinear, pack_linears
-from .positions import attention_mask, rope_table, sliding_window
+from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
+from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
+from inferencemesh.stage.kv import SessionKV
+from inferencemesh.stage.packed import PackedLinear, pack_linears
 
 
 class PositionError(ValueError):

@@ -24,25 +24,20 @@ from dataclasses import dataclass
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from inferencemesh.stage.batcher import DEFAULT_MAX_TOKENS, Batcher
-from inferencemesh.stage.metrics import StageMetrics
-from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
-from inferencemesh.stage.worker import KIND_NAMES, Fault, StageWorker
 
 from inferencemesh import tls
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.protocol.errors import Fault
+from inferencemesh.protocol.transport import GRPC_OPTIONS, KIND_NAMES, SERVICE_NAME
+from inferencemesh.stage.batcher import DEFAULT_MAX_TOKENS, Batcher
+from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
+from inferencemesh.stage.worker import StageWorker
 
 log = logging.getLogger("inferencemesh.stage")
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-]
-SERVICE_NAME = "inferencemesh.v1.Stage"
 
 
 @dataclass(frozen=True)
@@ -184,9 +179,8 @@ class StageService(pb_grpc.StageServicer):
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the layer range on a background thread; flip health to SERVING when done."""
-        from inferencemesh.stage.runtime import StageRuntime
-
         from inferencemesh.bundled import resolve_model
+        from inferencemesh.stage.runtime import StageRuntime
 
         o = self.options
         try:

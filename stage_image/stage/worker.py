@@ -11,22 +11,14 @@ import time
 
 import grpc
 import torch
-from inferencemesh.stage.metrics import StageMetrics
-from inferencemesh.stage.sessions import StageSession
 
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import Fault
+from inferencemesh.protocol.transport import KIND_NAMES
 from inferencemesh.sampling import SamplingParams, next_token, verify
-
-KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
-
-
-class Fault(Exception):
-    """A frame the stage refuses, with the gRPC status the sender gets."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import StageSession
 
 
 class StageWorker:

@@ -187,10 +187,11 @@ def _versions(cluster: ControlPlane, ns: str, base: str) -> dict[tuple[str, str]
 
 def test_a_second_reconcile_writes_nothing(cluster: ControlPlane, ns: str, operator: OperatorProcess,
                                            bundled_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubernetes import config
+
     from inferencemesh.operator.kube import Kube
     from inferencemesh.operator.reconcile import Reconciler
     from inferencemesh.operator.render import RenderOptions
-    from kubernetes import config
 
     wait_condition(cluster, "code", "Ready", "True")
     time.sleep(2)  # let the last events settle

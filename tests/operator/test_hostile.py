@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from imesh_k8s import ControlPlane, OperatorProcess, wait_for
+
 from inferencemesh.operator.render import base_name
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

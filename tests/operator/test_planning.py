@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from inferencemesh.checkpoint import CheckpointError, read_local
 from inferencemesh.operator import modelfacts
 from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable, PackageDraft
 from inferencemesh.operator.planning import make_plan, plan_layers, resolve_speculative
 from inferencemesh.operator.spec import parse_spec
-
-from inferencemesh.checkpoint import CheckpointError, read_local
 from inferencemesh.planner import PlanError, PlanInputs, plan_stages
 
 

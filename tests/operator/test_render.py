@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+
+from inferencemesh.cli import build_parser
 from inferencemesh.operator import render as R
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
-
-from inferencemesh.cli import build_parser
 from inferencemesh.planner import StagePlan
 
 MESH = {
@@ -167,7 +167,7 @@ def test_pvc_api_key_placement_and_image_options() -> None:
 
 def test_old_clusters_get_an_exec_health_probe() -> None:
     c = container(children(opts=R.RenderOptions(grpc_probes=False))[("Deployment", "code-stage-0")])
-    assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.operator.healthprobe"]
+    assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.stage.healthprobe"]
 
 
 def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate() -> None:

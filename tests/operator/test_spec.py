@@ -10,6 +10,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from inferencemesh.operator import spec as S
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferencemesh.io_inferencemeshes.yaml"

@@ -6,7 +6,6 @@ from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.reconcile import transition_events
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.operator.status import PlanOutcome, compute_status, deployment_ready, pod_problem
-
 from inferencemesh.planner import StagePlan
 
 SPEC = parse_spec({"model": {"name": "org/m"}})

@@ -12,7 +12,7 @@ set -euo pipefail
 CACHE="${IMESH_K8S_CACHE:-/var/cache/inferencemesh/k8s}"
 BIN="$CACHE/bin"
 WORK="$CACHE/build"
-WANT=(kube-apiserver kube-controller-manager)
+WANT=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
 export DEBIAN_FRONTEND=noninteractive
 
 say() { echo "[ensure_binaries] $*"; }
@@ -76,13 +76,13 @@ rsync -a --delete --exclude '*_test.go' "$R2/" "$SRC/vendor/github.com/modern-go
 mkdir -p "$SRC/.go/src/k8s.io"
 ln -sfn "$SRC" "$SRC/.go/src/k8s.io/kubernetes"
 say "go version: $(go version)"
-say "make WHAT=\"cmd/kube-apiserver cmd/kube-controller-manager\" (several minutes)"
+say "make WHAT=\"${WANT[*]/#/cmd/}\" (several minutes)"
 (
   cd "$SRC/.go/src/k8s.io/kubernetes"
   export GOPATH="$SRC/.go" CGO_ENABLED=0 GO111MODULE=off GOFLAGS=-mod=vendor GOCACHE="$WORK/gocache"
   # KUBE_GIT_VERSION keeps hack/lib/version.sh from asking git (the source package has no .git).
   export KUBE_GIT_VERSION="v1.20.2" KUBE_GIT_TREE_STATE=clean
-  make WHAT="cmd/kube-apiserver cmd/kube-controller-manager"
+  make WHAT="${WANT[*]/#/cmd/}"
 )
 for b in "${WANT[@]}"; do
   found=$(find "$SRC/_output" -type f -name "$b" -perm -u+x | head -n1)

@@ -217,9 +217,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.frontend.pipeline import GrpcPipeline, LocalPipeline
+    from inferencemesh.frontend.pipeline import GrpcPipeline
     from inferencemesh.launcher import LocalStages, StageSettings
     from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
 
     torch.set_grad_enabled(False)

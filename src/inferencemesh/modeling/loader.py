@@ -29,8 +29,7 @@ from inferencemesh.checkpoint import (
     CheckpointFacts,
     TensorInfo,
 )
-
-from . import attention
+from inferencemesh.modeling import attention
 
 log = logging.getLogger(__name__)
 

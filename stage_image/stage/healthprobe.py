@@ -1,4 +1,4 @@
-"""`python -m inferencemesh.operator.healthprobe HOST:PORT [--tls-dir DIR --server-name NAME]`.
+"""`python -m inferencemesh.stage.healthprobe HOST:PORT [--tls-dir DIR --server-name NAME]`.
 
 Exits 0 when grpc.health.v1 says SERVING. The stage readiness probe on clusters older than
 Kubernetes 1.24 (no native gRPC probes) and on meshes with mutual TLS (the kubelet's gRPC
@@ -31,7 +31,7 @@ def check(address: str, timeout: float = 3.0, tls: TlsMaterial | None = None, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inferencemesh.operator.healthprobe")
+    parser = argparse.ArgumentParser(prog="python -m inferencemesh.stage.healthprobe")
     parser.add_argument("address", help="HOST:PORT")
     parser.add_argument("--tls-dir", default=None, help="tls.crt, tls.key, ca.crt for mutual TLS")
     parser.add_argument("--server-name", default=None, help="the name the server certificate carries")

@@ -1,0 +1,20 @@
+"""Facts both ends of a stage connection must agree on: service name, channel options, and
+which frames are answered with a Prediction."""
+
+from __future__ import annotations
+
+from inferencemesh.protocol import stage_pb2 as pb
+
+SERVICE_NAME = "inferencemesh.v1.Stage"
+# A prefill chunk of a large model's activations exceeds gRPC's default 4 MiB on both ends.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
+
+
+def expects_prediction(frame: pb.Frame) -> bool:
+    return frame.kind in (pb.DECODE, pb.VERIFY) or (frame.kind == pb.PREFILL and frame.want_prediction)
