@@ -10,7 +10,7 @@ import torch
 from inferencemesh.checkpoint import read_local
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.launcher import LocalStages, StageSettings
+from inferencemesh.launcher import LocalStages, stage_template
 from inferencemesh.planner import PlanInputs, plan_stages
 
 # One compute thread per stage process: several processes share two cores in CI.
@@ -19,7 +19,7 @@ QUIET_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 def start_mesh(model_dir: Path, stages: int, *, max_context: int = 256, **settings) -> LocalStages:
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir)), stages)
-    mesh = LocalStages(str(model_dir), plan, StageSettings(max_context=max_context, env=QUIET_THREADS, **settings))
+    mesh = LocalStages(stage_template(str(model_dir), max_context=max_context, **settings), plan, env=QUIET_THREADS)
     mesh.start()
     try:
         mesh.wait_ready(120)

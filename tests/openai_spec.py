@@ -1,4 +1,4 @@
-"""Validate our response bodies against OpenAI's official OpenAPI spec (../shared/openai/openapi.yaml).
+"""Validate our response bodies against OpenAI's official OpenAPI spec (tests/openai/openapi.yaml).
 
 The spec is OpenAPI 3.1 (JSON Schema 2020-12) but still carries some 3.0-style `nullable: true`,
 which 2020-12 ignores; it is rewritten to an explicit `anyOf [..., null]` so a legitimately null
@@ -25,13 +25,12 @@ SPEC_BASE = "urn:openai-openapi"
 COMPLETION_STREAM_CHUNK = "CreateCompletionResponse.stream_chunk"
 
 
+SPEC_PATH = Path(__file__).resolve().parent / "openai" / "openapi.yaml"  # MIT, see tests/openai/LICENSE
+
+
 def spec_path() -> Path:
-    """<repo>/../shared/openai/openapi.yaml (in CI the repo is a fresh clone with shared/ beside it)."""
-    for candidate in (REPO_ROOT.parent / "shared" / "openai" / "openapi.yaml",
-                      REPO_ROOT / "shared" / "openai" / "openapi.yaml"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"OpenAI spec not found beside the repository ({REPO_ROOT.parent}/shared/openai)")
+    """The copy of the spec inside the repository: a clone needs nothing beside it."""
+    return SPEC_PATH
 
 
 def _nullable_to_anyof(node: Any) -> Any:

@@ -11,6 +11,7 @@ import torch
 from mesh_helpers import collect, generate
 from tiny_models import FAMILIES, write_tiny_model
 
+from inferencemesh.config import StageConfig
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
@@ -18,7 +19,7 @@ from inferencemesh.protocol.errors import Fault
 from inferencemesh.stage.batcher import Batcher
 from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import Segment, StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
+from inferencemesh.stage.server import start_stage_server
 from inferencemesh.stage.sessions import StageSession
 
 
@@ -107,7 +108,7 @@ def test_concurrent_sessions_are_batched_and_exact(models) -> None:
                       temperature=0.0) for p in prompts]
 
     async def go():
-        options = StageOptions(model=str(model), layer_start=0, layer_end=3, stage_index=0, num_stages=1,
+        options = StageConfig(model=str(model), layers=(0, 3), stage_index=0, num_stages=1,
                                host="127.0.0.1", port=0, max_context=128)
         server, service, port = await start_stage_server(options, runtime=StageRuntime(model, 0, 3, max_context=128))
         engine = PipelineEngine(GrpcPipeline([f"127.0.0.1:{port}"]), EngineOptions("test", max_context=128))

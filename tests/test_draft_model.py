@@ -10,7 +10,8 @@ from tiny_models import FAMILIES, write_tiny_model
 from transformers import AutoModelForCausalLM
 
 from inferencemesh.frontend.draft import DraftModel
-from inferencemesh.frontend.speculative import Window, WindowPolicy
+from inferencemesh.frontend.speculative import Window
+from inferencemesh.speculation import WindowPolicy
 
 SEQUENCE = 70  # crosses Mistral's sliding window (24) and a cache growth step when max_context is small
 

@@ -16,9 +16,9 @@ from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.operator import healthprobe
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.stage import healthprobe
 from inferencemesh.tls import TlsMaterial
 
 pytestmark = pytest.mark.slow

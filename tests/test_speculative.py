@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -12,14 +11,10 @@ from mesh_helpers import generate, start_mesh
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
+from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.speculative import (
-    AutoProposer,
-    WindowPolicy,
-    favourable_prompt,
-    ngram_lookup,
-    resolve_speculation,
-)
+from inferencemesh.frontend.speculative import AutoProposer, favourable_prompt, ngram_lookup, resolve_speculation
+from inferencemesh.speculation import WindowPolicy
 from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
 
@@ -29,10 +24,9 @@ CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.r
 PROSE = "The weather in the valley was mild that spring, and the farmers"
 
 
-def args(**overrides) -> argparse.Namespace:
-    base = dict(speculative=None, draft=None, no_draft=False, window=None, dtype="float32", device="cpu",
-                max_context=512)
-    return argparse.Namespace(**{**base, **overrides})
+def resolve(model_dir: Path, tokenizer, **options):
+    return resolve_speculation(SpeculativeOptions(**options), model_dir, tokenizer, dtype="float32", device="cpu",
+                               max_context=512)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def setups(tokenizer) -> dict:
-    return {name: resolve_speculation(args(speculative=name), TARGET, tokenizer) for name in
+    return {name: resolve(TARGET, tokenizer, speculative=name) for name in
             ("none", "ngram", "draft", "auto")}
 
 
@@ -74,13 +68,13 @@ def test_every_strategy_is_exact_across_stages(tokenizer, setups, stages: int) -
 
 
 def test_package_default_is_the_declared_draft(tokenizer) -> None:
-    chosen = resolve_speculation(args(), TARGET, tokenizer)
+    chosen = resolve(TARGET, tokenizer)
     assert chosen.strategy == "draft" and "model package" in chosen.reason
     assert Path(chosen.draft.source).resolve() == bundled_path(DRAFT_MODEL).resolve()
     assert chosen.window == WindowPolicy(adaptive=True, initial=4, minimum=1, maximum=8)
-    off = resolve_speculation(args(no_draft=True), TARGET, tokenizer)
-    assert off.strategy == "auto" and "no-draft" in off.reason
-    explicit = resolve_speculation(args(speculative="ngram"), TARGET, tokenizer)
+    off = resolve(TARGET, tokenizer, no_draft=True)
+    assert off.strategy == "auto" and "noDraft" in off.reason
+    explicit = resolve(TARGET, tokenizer, speculative="ngram")
     assert explicit.strategy == "ngram" and "explicitly" in explicit.reason
 
 
@@ -90,16 +84,16 @@ def test_missing_declared_draft_serves_without_speculation(tmp_path, tokenizer) 
     spec = json.loads((package / "model-package.json").read_text())
     spec["generation"]["speculative_decoding"]["strategies"]["bundled-draft"]["draft_model"] = "../no-such-draft"
     (package / "model-package.json").write_text(json.dumps(spec))
-    chosen = resolve_speculation(args(), package, tokenizer)
+    chosen = resolve(package, tokenizer)
     assert chosen.strategy == "none" and "could not be loaded" in chosen.reason
-    assert chosen.describe()["reason"] == chosen.reason
+    assert chosen.describe()["message"] == chosen.reason and chosen.describe()["reason"] == "DraftUnavailable"
 
 
 def test_malformed_package_is_reported_not_fatal(tmp_path, tokenizer) -> None:
     package = tmp_path / "target"
     shutil.copytree(TARGET, package)
     (package / "model-package.json").write_text('{"generation": {"speculative_decoding": {"default": "x"}}}')
-    chosen = resolve_speculation(args(), package, tokenizer)
+    chosen = resolve(package, tokenizer)
     assert chosen.strategy == "auto" and "model package ignored" in chosen.reason
 
 
@@ -107,7 +101,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, tokenizer) -> None:
     from tiny_models import write_tiny_model
 
     other = write_tiny_model(tmp_path / "other", "llama", num_layers=2)
-    chosen = resolve_speculation(args(draft=str(other)), TARGET, tokenizer)
+    chosen = resolve(TARGET, tokenizer, draft=str(other))
     assert chosen.strategy == "none" and "vocabulary" in chosen.reason
 
 

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from mesh_helpers import generate
 from tiny_models import write_tiny_model
 
+from inferencemesh.config import StageConfig
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
+from inferencemesh.stage.server import start_stage_server
 
 pytestmark = pytest.mark.slow
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
@@ -37,7 +38,7 @@ class TwoStageServers:
         self.servers, self.ports = [], []
         for index in (1, 0):
             downstream = f"127.0.0.1:{self.ports[0]}" if index == 0 else None
-            options = StageOptions(model=str(model), layer_start=index, layer_end=index + 1, stage_index=index,
+            options = StageConfig(model=str(model), layers=(index, index + 1), stage_index=index,
                                    num_stages=2, host="127.0.0.1", port=0, downstream=downstream, max_sessions=64,
                                    max_context=128)
             server, service, port = asyncio.run_coroutine_threadsafe(

@@ -14,11 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_models import write_tiny_model
 
+from inferencemesh.config import StageConfig
 from inferencemesh.launcher import free_port
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import StageOptions, start_stage_server
+from inferencemesh.stage.server import start_stage_server
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def tiny(tmp_path_factory):
 
 def test_full_stage_answers_resource_exhausted_and_keeps_serving(tiny) -> None:
     async def go() -> None:
-        options = StageOptions(model=str(tiny), layer_start=0, layer_end=2, stage_index=0, num_stages=1,
+        options = StageConfig(model=str(tiny), layers=(0, 2), stage_index=0, num_stages=1,
                                host="127.0.0.1", port=0, max_sessions=2, max_context=64)
         server, service, port = await start_stage_server(options, runtime=StageRuntime(tiny, 0, 2, max_context=64))
         try:

@@ -27,7 +27,8 @@ import httpx
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
-from inferencemesh.launcher import CLI, LocalStages, ManagedProcess, StageSettings, free_port
+from inferencemesh.config import FrontendConfig, to_argv
+from inferencemesh.launcher import CLI, LocalStages, ManagedProcess, free_port, stage_template
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -110,13 +111,12 @@ def main() -> int:
 
     model = resolve_model(None)
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model), max_sessions=64), 2)
-    stages = LocalStages(model, plan, StageSettings(max_sessions=64, max_context=1024))
+    stages = LocalStages(stage_template(model, max_sessions=64, max_context=1024), plan)
     ports = [free_port(), free_port()]
     frontends = [
-        ManagedProcess(f"frontend-{name}", CLI + ["frontend", "--model", model, "--stage-addresses",
-                                                   ",".join(stages.addresses), "--host", "127.0.0.1", "--port",
-                                                   str(port), "--max-sessions", "32", "--max-context", "1024",
-                                                   "--speculative", name])
+        ManagedProcess(f"frontend-{name}", CLI + ["frontend", *to_argv(FrontendConfig(
+            model=model, stage_addresses=tuple(stages.addresses), host="127.0.0.1", port=port, max_sessions=32,
+            max_context=1024, speculative=name))])
         for name, port in zip(("draft", "auto"), ports, strict=True)
     ]
     processes = [*stages.processes, *frontends]

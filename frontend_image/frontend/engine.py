@@ -21,6 +21,7 @@ from inferencemesh.frontend.engine_api import (
     EngineOverloaded,
     GenerationRequest,
 )
+from inferencemesh.frontend.speculative import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 
@@ -32,30 +33,6 @@ class PipelineFailed(EngineError):
     status_code = 502
     error_type = "server_error"
     code = "pipeline_error"
-
-
-@dataclass
-class Proposal:
-    tokens: list[int]
-    probs: bytes = b""  # f32 [k, vocab] draft distributions (sampling with a draft model), else empty
-
-
-class Proposer:
-    """Speculation strategy for one request: propose tokens, learn from what was accepted."""
-
-
-    def propose(self, history: list[int]) -> Proposal | None:
-        return None
-
-    async def propose_async(self, history: list[int]) -> Proposal | None:
-        """What the engine calls: a strategy may compute together with other requests' (a draft model)."""
-        return self.propose(history)
-
-    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
-        """What a step did: tokens proposed and accepted, seconds spent proposing and in the round trip."""
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)

@@ -7,71 +7,59 @@
   seen during a cold observation phase; off with a cooldown after poor acceptance.
 - none.
 
-Which one runs: explicit configuration (CLI flag / InferenceMesh spec) > the model package's
-declared default (model-package.json) > auto. A declared draft that cannot be loaded means
-serving without speculation and saying why, never failing start-up.
+Which one runs is decided by inferencemesh.speculation (shared with the operator); this module
+builds what that decision names: the proposers, and the draft model a draft strategy loads.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from inferencemesh.checkpoint import fetch_config_dir
+from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.draft import DraftCache, DraftModel
-from inferencemesh.frontend.engine import Proposal, Proposer
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.sampling import SamplingParams, generator_for, probabilities
+from inferencemesh.speculation import SpeculativeChoice, WindowPolicy, choose_for_model
 
 log = logging.getLogger("inferencemesh.speculative")
 
-PACKAGE_FILE = "model-package.json"
-STRATEGIES = ("auto", "draft", "ngram", "none")
 _SALT_DRAFT = 0xD4AF7
 
 
+# ---- the interface the engine drives ------------------------------------------------------------
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: bytes = b""  # f32 [k, vocab] draft distributions (sampling with a draft model), else empty
+
+
+class Proposer:
+    """Speculation strategy for one request: propose tokens, learn from what was accepted."""
+
+    def propose(self, history: list[int]) -> Proposal | None:
+        return None
+
+    async def propose_async(self, history: list[int]) -> Proposal | None:
+        """What the engine calls: a strategy may compute together with other requests' (a draft model)."""
+        return self.propose(history)
+
+    def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
+        """What a step did: tokens proposed and accepted, seconds spent proposing and in the round trip."""
+
+    def close(self) -> None:
+        pass
+
+
 # ---- window policy ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WindowPolicy:
-    adaptive: bool = True
-    initial: int = 4
-    minimum: int = 1
-    maximum: int = 8
-
-    @classmethod
-    def parse(cls, text: str | None, default: WindowPolicy | None = None) -> WindowPolicy:
-        """'6' (fixed) or 'adaptive:INITIAL:MIN:MAX'."""
-        if not text:
-            return default or cls()
-        if text.isdigit():
-            k = int(text)
-            return cls(adaptive=False, initial=k, minimum=k, maximum=k).checked()
-        parts = text.split(":")
-        if parts[0] != "adaptive" or len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
-            raise ValueError(f"window {text!r}: use a number (fixed) or adaptive:INITIAL:MIN:MAX")
-        return cls(True, int(parts[1]), int(parts[2]), int(parts[3])).checked()
-
-    @classmethod
-    def from_package(cls, spec: dict) -> WindowPolicy:
-        return cls(
-            adaptive=spec.get("default", "adaptive") == "adaptive",
-            initial=int(spec.get("initial_window", 4)),
-            minimum=int(spec.get("min_window", 1)),
-            maximum=int(spec.get("max_window", 8)),
-        ).checked()
-
-    def checked(self) -> WindowPolicy:
-        if not 1 <= self.minimum <= self.initial <= self.maximum <= 64:
-            raise ValueError(f"window sizes need 1 <= min <= initial <= max <= 64, got {self}")
-        return self
 
 
 class Window:
@@ -364,47 +352,7 @@ class DraftBatcher:
             future.set_result(proposal)
 
 
-# ---- resolution ------------------------------------------------------------------------------
-
-
-class PackageError(ValueError):
-    """model-package.json is malformed."""
-
-
-@dataclass
-class DeclaredStrategy:
-    name: str
-    type: str  # "draft-model" | "ngram"
-    draft_model: str | None = None
-    window: WindowPolicy = field(default_factory=WindowPolicy)
-
-
-def read_package_default(model_dir: Path) -> DeclaredStrategy | None:
-    """The default strategy a model package declares, or None. Unknown fields are ignored."""
-    path = model_dir / PACKAGE_FILE
-    if not path.exists():
-        return None
-    try:
-        spec = json.loads(path.read_text())["generation"]["speculative_decoding"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise PackageError(f"{path}: no readable generation.speculative_decoding ({err})") from err
-    if not isinstance(spec, dict) or "default" not in spec:
-        raise PackageError(f"{path}: generation.speculative_decoding needs a 'default'")
-    name = spec["default"]
-    strategy = (spec.get("strategies") or {}).get(name)
-    if not isinstance(strategy, dict):
-        raise PackageError(f"{path}: default strategy {name!r} is not in 'strategies'")
-    kind = strategy.get("type")
-    if kind not in ("draft-model", "ngram"):
-        raise PackageError(f"{path}: strategy {name!r} has unknown type {kind!r} (draft-model or ngram)")
-    window = WindowPolicy.from_package(strategy.get("window_policy") or {})
-    draft = strategy.get("draft_model")
-    if kind == "draft-model":
-        if not isinstance(draft, str) or not draft:
-            raise PackageError(f"{path}: draft-model strategy {name!r} needs 'draft_model'")
-        relative = (model_dir / draft).resolve()
-        draft = str(relative) if relative.exists() or draft.startswith(".") else draft
-    return DeclaredStrategy(name, kind, draft, window)
+# ---- building what the decision names -----------------------------------------------------------
 
 
 def same_vocabulary(target_tokenizer, draft_dir: Path) -> str | None:
@@ -417,20 +365,34 @@ def same_vocabulary(target_tokenizer, draft_dir: Path) -> str | None:
     return None
 
 
-@dataclass
 class Speculation:
-    strategy: str
-    reason: str
-    window: WindowPolicy = field(default_factory=WindowPolicy)
-    draft: DraftModel | None = None
-    metrics: object = None
-    tokenizer: object = None
-    batcher: DraftBatcher = field(default_factory=DraftBatcher)  # shared by the requests of this strategy
+    """The strategy this frontend runs (a SpeculativeChoice) and what it needs: the draft model,
+    the metrics, the tokenizer (auto looks at the prompt's text)."""
+
+    def __init__(self, choice: SpeculativeChoice, draft: DraftModel | None = None, metrics=None,
+                 tokenizer=None) -> None:
+        self.choice, self.draft, self.metrics, self.tokenizer = choice, draft, metrics, tokenizer
+        self.batcher = DraftBatcher()  # shared by the requests of this strategy
+        if metrics is not None:
+            metrics.set_speculative_strategy(choice.strategy, choice.message)
+            metrics.set_window_size(choice.window.initial if choice.strategy != "none" else 0)
+
+    @property
+    def strategy(self) -> str:
+        return self.choice.strategy
+
+    @property
+    def reason(self) -> str:
+        return self.choice.message
+
+    @property
+    def window(self) -> WindowPolicy:
+        return self.choice.window
 
     def describe(self) -> dict:
-        out = {"strategy": self.strategy, "reason": self.reason, "window": {
-            "adaptive": self.window.adaptive, "initial": self.window.initial,
-            "min": self.window.minimum, "max": self.window.maximum}}
+        w = self.window
+        out = {"strategy": self.strategy, "reason": self.choice.reason, "message": self.choice.message,
+               "window": {"adaptive": w.adaptive, "initial": w.initial, "min": w.minimum, "max": w.maximum}}
         if self.draft is not None:
             out["draft_model"] = self.draft.source
         return out
@@ -447,58 +409,27 @@ class Speculation:
         return DraftProposer(self.draft, self.window, params, self.metrics, self.batcher)
 
 
-def resolve_speculation(args: argparse.Namespace, model_dir: Path, tokenizer, metrics=None) -> Speculation:
-    """Pick the strategy: explicit > package default > auto; never fail start-up over a draft."""
-    explicit = args.speculative or ("draft" if args.draft else None)
-    window_override = getattr(args, "window", None)
-    try:
-        declared = read_package_default(model_dir)
-        package_note = ""
-    except PackageError as err:
-        declared, package_note = None, f"; model package ignored: {err}"
-        log.warning("%s", err)
-
-    def finish(spec: Speculation) -> Speculation:
-        spec.window = WindowPolicy.parse(window_override, spec.window)
-        spec.metrics, spec.tokenizer = metrics, tokenizer
-        if metrics is not None:
-            metrics.set_speculative_strategy(spec.strategy, spec.reason)
-            metrics.set_window_size(spec.window.initial if spec.strategy != "none" else 0)
-        return spec
-
-    if explicit in ("none", "ngram", "auto"):
-        return finish(Speculation(explicit, f"configured explicitly{package_note}"))
-    if explicit == "draft":
-        source = args.draft or (declared.draft_model if declared and declared.type == "draft-model" else None)
-        if source is None:
-            return finish(Speculation("none", "draft requested but no draft model given or declared by the package"))
-        window = declared.window if declared and not args.draft else WindowPolicy()
-        return finish(_load_draft(source, window, args, tokenizer, "configured explicitly"))
-    if declared is not None:
-        if declared.type == "ngram":
-            return finish(Speculation("ngram", f"declared by the model package ({declared.name})",
-                                      window=declared.window))
-        if args.no_draft:
-            return finish(Speculation("auto", f"package draft {declared.name!r} disabled by --no-draft / noDraft"))
-        return finish(_load_draft(declared.draft_model, declared.window, args, tokenizer,
-                                  f"declared by the model package ({declared.name})"))
-    return finish(Speculation("auto", f"built-in default (no draft declared){package_note}"))
+def resolve_speculation(options: SpeculativeOptions, model_dir: Path, tokenizer, metrics=None, *,
+                        dtype: str = "auto", device: str = "auto", max_context: int = 2048) -> Speculation:
+    """Decide (inferencemesh.speculation) and load what the decision names; a draft that cannot be
+    loaded turns into serving without speculation, never into a failed start-up."""
+    choice = choose_for_model(model_dir, strategy=options.speculative, draft=options.draft,
+                              no_draft=options.no_draft, window=options.window)
+    draft = None
+    if choice.strategy == "draft":
+        try:
+            draft = _load_draft(choice.draft, tokenizer, dtype=dtype, device=device, max_context=max_context)
+        except Exception as err:  # serve without speculation, and say why
+            log.warning("draft model %s unusable, serving without speculation: %s", choice.draft, err)
+            choice = choice.without_draft(f"{type(err).__name__}: {err}")
+    return Speculation(choice, draft, metrics, tokenizer)
 
 
-def _load_draft(source: str, window: WindowPolicy, args: argparse.Namespace, tokenizer, why: str) -> Speculation:
-    try:
-        draft_dir = Path(source)
-        if not draft_dir.exists():
-            from inferencemesh.frontend.main import local_model_dir
-
-            draft_dir = local_model_dir(source)
-        mismatch = same_vocabulary(tokenizer, draft_dir)
-        if mismatch:
-            raise ValueError(mismatch)
-        draft = DraftModel(str(draft_dir), dtype=getattr(args, "dtype", "auto"),
-                           device=getattr(args, "device", "auto"), max_context=args.max_context)
-    except Exception as err:  # serve without speculation, and say why
-        log.warning("draft model %s unusable, serving without speculation: %s", source, err)
-        return Speculation("none", f"draft model {source} could not be loaded ({type(err).__name__}: {err}); "
-                                   "serving without speculation")
-    return Speculation("draft", why, window=window, draft=draft)
+def _load_draft(source: str, tokenizer, *, dtype: str, device: str, max_context: int) -> DraftModel:
+    draft_dir = Path(source)
+    if not draft_dir.exists():
+        draft_dir = fetch_config_dir(source)
+    mismatch = same_vocabulary(tokenizer, draft_dir)
+    if mismatch:
+        raise ValueError(mismatch)
+    return DraftModel(str(draft_dir), dtype=dtype, device=device, max_context=max_context)

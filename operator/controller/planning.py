@@ -2,7 +2,7 @@
 
 The ranges come from the data plane's planner (inferencemesh.planner), the same one
 `inferencemesh serve` uses. This module only bounds its work (hostile specs must not stall the
-operator) and resolves what the frontend will do about speculation, for the status.
+operator) and asks the shared speculation rule what the frontend will run, for the status.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from inferencemesh.operator.modelfacts import ModelInfo, PackageDraft
+from inferencemesh.operator.modelfacts import ModelInfo
 from inferencemesh.operator.spec import MAX_STAGES, MeshSpec
 from inferencemesh.planner import (
     PlanError,
@@ -23,16 +23,10 @@ from inferencemesh.planner import (
     plan_explicit,
     plan_stages,
 )
+from inferencemesh.speculation import DeclaredStrategy, SpeculativeChoice, choose_speculation
 
 # The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
 MAX_PLAN_LAYERS = 256
-
-
-@dataclass(frozen=True)
-class SpeculativeChoice:
-    strategy: str  # what the frontend will run: draft | ngram | auto | none
-    reason: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -78,34 +72,13 @@ def _cached_plan(inputs: PlanInputs, count: int | str, ranges: tuple, memory: tu
 
 
 def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
-    """What the frontend will do, from the spec and (when readable) the model package's declaration."""
+    """What the frontend will run: the same decision the frontend makes (inferencemesh.speculation),
+    from the spec and the model package's declaration where the operator can read it."""
     sp = spec.speculative
-    window = sp.window.flag()
-    if sp.strategy == "none":
-        return SpeculativeChoice("none", "Disabled", "speculative.strategy is none")
-    if sp.strategy == "ngram":
-        return SpeculativeChoice("ngram", "Requested", f"n-gram (prompt lookup) speculation, window {window}")
-    if sp.draft:
-        return SpeculativeChoice("draft", "SpecDraft", f"draft model {sp.draft}, window {window}")
-    pkg: PackageDraft | None = info.package_draft
-    if pkg and not sp.no_draft:
-        return SpeculativeChoice(
-            "draft", "PackageDefault",
-            f"the model package declares draft strategy {pkg.name!r} ({pkg.draft_model}), window {window}",
-        )
-    if sp.strategy == "draft":
-        return SpeculativeChoice(
-            "none", "DraftUnresolved",
-            "strategy draft, but no draft model is named and the model package declares none: "
-            "serving without speculation",
-        )
-    if info.source in ("layout", "hub") and not sp.no_draft:
-        return SpeculativeChoice(
-            "auto", "Auto",
-            "the frontend uses a draft the model package declares, else n-gram speculation gated on prompt shape",
-        )
-    why = "noDraft is set" if sp.no_draft and pkg else "the model package declares no draft"
-    return SpeculativeChoice("ngram", "AutoNgram", f"{why}: n-gram speculation gated on prompt shape, window {window}")
+    pkg = info.package_draft
+    declared = DeclaredStrategy(pkg.name, "draft-model", pkg.draft_model) if pkg else None
+    return choose_speculation(strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag(),
+                              declared=declared)
 
 
 def make_plan(spec: MeshSpec, info: ModelInfo) -> Plan:

@@ -19,6 +19,15 @@ from dataclasses import dataclass
 
 import kopf
 
+from inferencemesh.config import (
+    API_KEY_ENV,
+    FRONTEND_PORT,
+    STAGE_GRPC_PORT,
+    STAGE_METRICS_PORT,
+    FrontendConfig,
+    StageConfig,
+    to_argv,
+)
 from inferencemesh.operator.modelfacts import BUNDLED_PREFIX
 from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
@@ -26,10 +35,6 @@ from inferencemesh.planner import render_plan
 
 API_GROUP = "inferencemesh.io"
 API_VERSION = "v1alpha1"
-STAGE_GRPC_PORT = 50051
-STAGE_METRICS_PORT = 9090
-FRONTEND_PORT = 8000
-API_KEY_ENV = "INFERENCEMESH_API_KEY"
 MODELS_MOUNT = "/models"
 TLS_MOUNT = "/etc/inferencemesh/tls"  # the mTLS Secret: tls.crt, tls.key, ca.crt
 CACHE_MOUNT = "/cache"
@@ -121,28 +126,20 @@ def content_hash(obj: dict) -> str:
 
 # ---- pieces shared by both pod templates ---------------------------------------------------
 
-def _model_args(spec: MeshSpec) -> list[str]:
+def _shared_options(spec: MeshSpec) -> dict:
+    """The model and runtime settings every pod of the mesh gets (config.ModelOptions and
+    config.RuntimeOptions fields)."""
     model = spec.model
     if model.pvc_claim:
-        path = f"{MODELS_MOUNT}/{model.pvc_sub_path.strip('/')}".rstrip("/")
-        args = ["--model", path]
+        source, revision = f"{MODELS_MOUNT}/{model.pvc_sub_path.strip('/')}".rstrip("/"), None
     else:
-        args = ["--model", model.name]
-        if model.revision:
-            args += ["--revision", model.revision]
-    args += ["--dtype", model.dtype, "--cache-dir", f"{CACHE_MOUNT}/hub"]
-    return args
-
-
-def _runtime_args(spec: MeshSpec) -> list[str]:
-    args = ["--max-context", str(spec.context_length), "--max-sessions", str(spec.max_sessions)]
-    if spec.wire_dtype:
-        args += ["--wire-dtype", spec.wire_dtype]
-    if spec.debug_tracing:
-        args.append("--debug-telemetry")
-    if spec.mtls_secret:
-        args += ["--tls-dir", TLS_MOUNT]
-    return args
+        source, revision = model.name, model.revision or None
+    options = {
+        "model": source, "revision": revision, "dtype": model.dtype, "cache_dir": f"{CACHE_MOUNT}/hub",
+        "max_context": spec.context_length, "max_sessions": spec.max_sessions, "wire_dtype": spec.wire_dtype or None,
+        "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.mtls_secret else None,
+    }
+    return options
 
 
 def _volumes(spec: MeshSpec) -> tuple[list[dict], list[dict]]:
@@ -225,15 +222,13 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     stage = plan.stages[index]
     n = len(plan.stages)
-    args = ["stage", *_model_args(spec),
-            "--layers", f"{stage.layer_start}:{stage.layer_end}",
-            "--stage-index", str(index), "--num-stages", str(n),
-            "--port", str(STAGE_GRPC_PORT),
-            "--metrics-port", str(STAGE_METRICS_PORT if spec.metrics else 0),
-            "--device", spec.stages.device, "--max-batch-tokens", str(spec.stages.max_batch_tokens),
-            *_runtime_args(spec)]
-    if index + 1 < n:
-        args += ["--downstream", stage_address(base, ns, index + 1)]
+    config = StageConfig(
+        **_shared_options(spec), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
+        port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
+        downstream=stage_address(base, ns, index + 1) if index + 1 < n else None,
+        device=spec.stages.device, max_batch_tokens=spec.stages.max_batch_tokens,
+    ).check()
+    args = ["stage", *to_argv(config)]
     resources = copy.deepcopy(spec.stages.resources)
     if spec.stages.gpus:
         resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.stages.gpus
@@ -315,21 +310,14 @@ def render_stage_network_policy(mesh: dict, spec: MeshSpec, index: int) -> dict:
 
 def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
-    addresses = ",".join(stage_address(base, ns, i) for i in range(len(plan.stages)))
     sp = spec.speculative
-    args = ["frontend", *_model_args(spec),
-            "--stage-addresses", addresses,
-            "--port", str(FRONTEND_PORT),
-            "--served-model-name", served_model_name(spec),
-            "--api-key-env", API_KEY_ENV,
-            "--speculative", sp.strategy,
-            "--window", sp.window.flag(),
-            *_runtime_args(spec)]
-    if sp.draft:
-        args += ["--draft", sp.draft]
-    if sp.no_draft:
-        args.append("--no-draft")
-    return args
+    config = FrontendConfig(
+        **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in range(len(plan.stages))),
+        port=FRONTEND_PORT, served_model_name=served_model_name(spec), api_key_env=API_KEY_ENV,
+        # Unset strategy stays unset: the frontend then runs the model package's declared default.
+        speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag(),
+    ).check()
+    return ["frontend", *to_argv(config)]
 
 
 def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> dict:

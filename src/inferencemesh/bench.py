@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.cli import DRAFT_THREADS
+from inferencemesh.config import DEFAULT_DRAFT_THREADS, SpeculativeOptions
 
 SHAPES = {
     # ~155M parameters: Llama architecture at GPT-2-small width.
@@ -218,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from inferencemesh.checkpoint import read_local
     from inferencemesh.frontend.pipeline import GrpcPipeline
-    from inferencemesh.launcher import LocalStages, StageSettings
+    from inferencemesh.launcher import LocalStages, stage_template
     from inferencemesh.planner import PlanInputs, plan_stages
     from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
@@ -269,15 +269,15 @@ def run_bench(args: argparse.Namespace) -> int:
                                                            max_context=max_context)])
                 continue
             plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
-            stages = LocalStages(str(model_dir), plan, StageSettings(dtype=dtype_name, max_context=max_context))
+            stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context), plan)
             meshes.append(stages)
             stages.start()
             stages.wait_ready(600)
             pipelines[count] = GrpcPipeline(stages.addresses)
         for count, pipeline in pipelines.items():
             label = "in-process-1-stage" if count == 1 else f"grpc-{count}-stages"
-            # Across processes this one is the frontend, with the frontend's threads (cli.DRAFT_THREADS).
-            config_threads = threads if count == 1 else DRAFT_THREADS
+            # Across processes this one is the frontend, with the frontend's threads (config.DEFAULT_DRAFT_THREADS).
+            config_threads = threads if count == 1 else DEFAULT_DRAFT_THREADS
             for prompt_set, ids in prompts.items():
                 for strategy in strategies:
                     counter, proposer_for = None, None
@@ -319,9 +319,8 @@ def _speculation_setups(strategies: list[str], model_dir: Path, tokenizer, dtype
     for strategy in strategies:
         if strategy == "none":
             continue
-        ns = argparse.Namespace(speculative=strategy, draft=None, no_draft=False, window=None, dtype=dtype,
-                                device="auto", max_context=max_context)
-        setups[strategy] = resolve_speculation(ns, model_dir, tokenizer)
+        setups[strategy] = resolve_speculation(SpeculativeOptions(speculative=strategy), model_dir, tokenizer,
+                                               dtype=dtype, max_context=max_context)
         print(f"  speculative {strategy}: {setups[strategy].strategy} ({setups[strategy].reason})", flush=True)
     return setups
 

@@ -7,6 +7,7 @@ checkpoint's weights are never materialised to describe it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import struct
@@ -241,5 +242,50 @@ def is_local(source: str | Path) -> bool:
     return Path(source).exists()
 
 
+def check_source(source: str | Path) -> None:
+    """Refuse a model argument that is meant as a path but names nothing (a hub id is
+    `name` or `namespace/name`; anything else is taken for a path)."""
+    text = str(source)
+    if is_local(text):
+        return
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text:
+        raise CheckpointError(f"model path {text} does not exist (give a model directory with config.json "
+                              "and safetensors weights, or a hub id such as namespace/name)")
+
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str):
+    """Turn huggingface_hub's failures into one CheckpointError a person can act on."""
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        yield
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        raise CheckpointError(
+            f"cannot fetch {repo_id} from the model hub (it is unreachable or HF_HUB_OFFLINE is set, and the "
+            "local cache lacks it): pass a local model directory, or populate the cache and set HF_HUB_OFFLINE=1"
+        ) from err
+    except HFValidationError as err:
+        raise CheckpointError(f"{repo_id} is neither an existing directory nor a valid hub id ({err})") from err
+    except OSError as err:  # requests' connection errors are OSErrors
+        raise CheckpointError(f"cannot reach the model hub for {repo_id} ({type(err).__name__}): pass a local "
+                              "model directory, or populate the cache and set HF_HUB_OFFLINE=1") from err
+
+
+def fetch_config_dir(source: str, *, revision: str | None = None, cache_dir: str | None = None) -> Path:
+    """A directory with the model's config and tokenizer files; a hub id fetches only those."""
+    check_source(source)
+    if is_local(source):
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    with hub_errors(source):
+        return Path(snapshot_download(source, revision=revision, cache_dir=cache_dir, allow_patterns=CONFIG_FILES))
+
+
 def read_checkpoint(source: str | Path, *, revision: str | None = None) -> CheckpointFacts:
-    return read_local(source) if is_local(source) else read_hub(str(source), revision=revision)
+    check_source(source)
+    if is_local(source):
+        return read_local(source)
+    with hub_errors(str(source)):
+        return read_hub(str(source), revision=revision)

@@ -6,6 +6,9 @@
     inferencemesh plan       print the memory-planned layer ranges
     inferencemesh bench      throughput / latency benchmarks, JSON out
     inferencemesh operator   the Kubernetes operator (kopf)
+
+The flags of serve, stage and frontend come from their config types (config.py), which also
+render them for child processes and pods.
 """
 
 from __future__ import annotations
@@ -13,107 +16,43 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPES = ["auto", "float32", "float16", "bfloat16"]
-WIRE_DTYPES = ["float32", "float16", "bfloat16"]
-SPECULATIVE = ["auto", "draft", "ngram", "none"]
-# The frontend's torch threads (its only tensor work is the draft model). One: a small draft's
-# ops gain nothing from a second thread, and an OpenMP team's idle workers spin on a core that
-# a CPU stage next to the frontend needs (measured on 2 cores, bundled models, 2 stages: the
-# first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
-DRAFT_THREADS = 1
-# Most tokens one stage forward pass takes from waiting DECODE/VERIFY frames of different sessions.
-MAX_BATCH_TOKENS = 256
+from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.config import (
+    ConfigError,
+    FrontendConfig,
+    ModelOptions,
+    RuntimeOptions,
+    ServeConfig,
+    StageConfig,
+    add_arguments,
+    from_args,
+)
 
-
-def _add_model_args(p: argparse.ArgumentParser, *, required: bool) -> None:
-    p.add_argument("--model", required=required, default=None,
-                   help="local model directory or hub id (default: the bundled code model)")
-    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (auto: the checkpoint's)")
-    p.add_argument("--cache-dir", default=None, help="where hub downloads go (HF_HUB_CACHE by default)")
-
-
-def _add_runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-context", type=int, default=2048, help="longest session (prompt + output) in tokens")
-    p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions a stage holds")
-    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
-                   help="dtype of activations between stages (default: the compute dtype)")
-    p.add_argument("--debug-telemetry", action="store_true", help="per-token timings and debug attributes")
-    p.add_argument("--tls-dir", default=None,
-                   help="mutual TLS between frontend and stages: a directory with tls.crt, tls.key, ca.crt")
-
-
-def _add_batching_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-batch-tokens", type=int, default=MAX_BATCH_TOKENS,
-                   help="most tokens of waiting DECODE/VERIFY frames (of different sessions) a stage runs in one pass")
-
-
-def _add_speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=SPECULATIVE, default=None,
-                   help="speculation strategy (default: the model package's, else auto)")
-    p.add_argument("--draft", default=None, help="draft model directory or hub id (implies --speculative draft)")
-    p.add_argument("--no-draft", action="store_true", help="ignore a draft declared by the model package")
-    p.add_argument("--window", default=None,
-                   help="speculation window: a number (fixed) or adaptive:INITIAL:MIN:MAX")
-    p.add_argument("--draft-threads", type=int, default=DRAFT_THREADS,
-                   help="CPU threads of the frontend process, which runs the draft model")
+PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferencemesh", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run a whole mesh locally: stages + frontend on loopback")
-    _add_model_args(serve, required=False)
-    _add_runtime_args(serve)
-    _add_speculative_args(serve)
-    _add_batching_args(serve)
-    serve.add_argument("--stages", type=int, default=2, help="number of stage processes")
-    serve.add_argument("--stage-memory", default=None, help="per-stage memory budgets, e.g. 16GiB,24GiB")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="the OpenAI endpoint's port")
-    serve.add_argument("--base-stage-port", type=int, default=0, help="first stage gRPC port (0: pick free ports)")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-
-    stage = sub.add_parser("stage", help="serve one layer range over gRPC (the stage pod's program)")
-    _add_model_args(stage, required=True)
-    _add_runtime_args(stage)
-    _add_batching_args(stage)
-    stage.add_argument("--layers", required=True, help="START:END, end exclusive (e.g. 0:16)")
-    stage.add_argument("--stage-index", type=int, required=True)
-    stage.add_argument("--num-stages", type=int, required=True)
-    stage.add_argument("--host", default="0.0.0.0")
-    stage.add_argument("--port", type=int, default=50051, help="gRPC port (stage service + grpc.health.v1)")
-    stage.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
-    stage.add_argument("--downstream", default=None, help="HOST:PORT of the next stage (absent on the last stage)")
-    stage.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle session is dropped")
-    stage.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-
-    frontend = sub.add_parser("frontend", help="the OpenAI-compatible endpoint (the frontend pod's program)")
-    _add_model_args(frontend, required=True)
-    _add_runtime_args(frontend)
-    _add_speculative_args(frontend)
-    frontend.add_argument("--stage-addresses", required=True,
-                          help="comma-separated HOST:PORT of every stage, in pipeline order")
-    frontend.add_argument("--host", default="0.0.0.0")
-    frontend.add_argument("--port", type=int, default=8000)
-    frontend.add_argument("--served-model-name", default=None)
-    frontend.add_argument("--api-key-env", default="INFERENCEMESH_API_KEY",
-                          help="environment variable holding the API key (unset or empty: no auth)")
-    frontend.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
-    frontend.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                          help="where the draft model runs")
+    add_arguments(ServeConfig, sub.add_parser(
+        "serve", help="run a whole mesh locally: stages + frontend on loopback"))
+    add_arguments(StageConfig, sub.add_parser(
+        "stage", help="serve one layer range over gRPC (the stage pod's program)"))
+    add_arguments(FrontendConfig, sub.add_parser(
+        "frontend", help="the OpenAI-compatible endpoint (the frontend pod's program)"))
 
     plan = sub.add_parser("plan", help="print the memory-planned layer ranges")
-    _add_model_args(plan, required=False)
-    _add_runtime_args(plan)
+    add_arguments(ModelOptions, plan)
+    add_arguments(RuntimeOptions, plan)
     plan.add_argument("--stages", default="2", help="a number, or auto (needs --stage-memory)")
     plan.add_argument("--stage-memory", default=None, help="per-stage memory, e.g. 16GiB,24GiB (one for all)")
+    plan.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                      help="where the stages run (a CPU stage keeps its KV cache in float32)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     bench = sub.add_parser("bench", help="benchmarks: tokens/s, TPOT, TTFT, per-hop overhead; JSON out")
-    _add_model_args(bench, required=False)
+    add_arguments(ModelOptions, bench)
     bench.add_argument("--shape", default=None, help="random-weight model of a preset shape (e.g. llama-150m)")
     bench.add_argument("--stages", default="1,2,4")
     bench.add_argument("--speculative", default="none", help="comma-separated: none,ngram,draft,auto")
@@ -131,20 +70,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, CheckpointError) as err:  # a user's mistake: one line, not a traceback
+        parser.exit(2, f"inferencemesh {args.command}: error: {err}\n")
+
+
+def _run(args: argparse.Namespace) -> int:
     # Imports are per command: `inferencemesh plan` must not pay for torch's start-up.
-    if args.command == "serve":
-        from inferencemesh.launcher import run_serve
+    if args.command in PROGRAMS:
+        config = from_args(PROGRAMS[args.command], args)
+        if args.command == "serve":
+            from inferencemesh.launcher import run_serve
 
-        return run_serve(args)
-    if args.command == "stage":
-        from inferencemesh.stage.server import run_stage
+            return run_serve(config)
+        if args.command == "stage":
+            from inferencemesh.stage.server import run_stage
 
-        return run_stage(args)
-    if args.command == "frontend":
+            return run_stage(config)
         from inferencemesh.frontend.main import run_frontend
 
-        return run_frontend(args)
+        return run_frontend(config)
     if args.command == "plan":
         from inferencemesh.plan_command import run_plan
 

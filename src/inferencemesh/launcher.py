@@ -8,9 +8,9 @@ be); Ctrl-C stops everything. LocalStages is also what the benchmarks and tests 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -18,9 +18,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from inferencemesh.plan_command import plan_from_args
+from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
+from inferencemesh.plan_command import plan_from_settings
 from inferencemesh.planner import StagePlan, render_plan
 
 RESTART_BACKOFF_S = 2.0
@@ -61,62 +63,40 @@ class ManagedProcess:
             self.process.wait()
 
 
-@dataclass(frozen=True)
-class StageSettings:
-    """What every stage process of a local mesh shares."""
-
-    dtype: str = "auto"
-    wire_dtype: str | None = None
-    max_context: int = 2048
-    max_sessions: int = 16
-    session_ttl: float = 300.0
-    device: str = "auto"
-    revision: str | None = None
-    debug_telemetry: bool = False
-    tls_dir: str | None = None
-    max_batch_tokens: int | None = None  # None: the stage's default
-    env: dict[str, str] = field(default_factory=dict)
-
-
 class LocalStages:
-    """The stage processes of one plan, on loopback ports."""
+    """The stage processes of one plan, on loopback ports.
 
-    def __init__(self, model: str, plan: list[StagePlan], settings: StageSettings, base_port: int = 0) -> None:
-        self.model, self.plan, self.settings = model, plan, settings
+    `template` holds what every stage shares (model, dtype, runtime settings); each stage's
+    own fields (layers, index, ports, downstream) are filled in from the plan.
+    """
+
+    def __init__(self, template: StageConfig, plan: list[StagePlan], env: dict[str, str] | None = None,
+                 base_port: int = 0) -> None:
+        self.plan = plan
         self.ports = [base_port + i if base_port else free_port() for i in range(len(plan))]
         self.metrics_ports = [free_port() for _ in plan]
+        self.configs = [
+            dataclasses.replace(
+                template, layers=(stage.layer_start, stage.layer_end), stage_index=i, num_stages=len(plan),
+                host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
+                downstream=self.addresses[i + 1] if i + 1 < len(plan) else None,
+            ).check()
+            for i, stage in enumerate(plan)
+        ]
         # Idle stages on a shared CPU must not spin long in OpenMP barriers (the default spin
         # steals cores from the stage that is computing): measured on 2 cores, llama-150m, 2 stages,
         # 10k spins gave 0.92x the 1-stage tokens/s where the default gave 0.83x.
-        env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **settings.env}
-        self.processes = [ManagedProcess(f"stage-{i}", self._argv(i), env) for i in range(len(plan))]
+        env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **(env or {})}
+        self.processes = [ManagedProcess(f"stage-{i}", CLI + ["stage", *to_argv(c)], env)
+                          for i, c in enumerate(self.configs)]
+
+    @property
+    def tls_dir(self) -> str | None:
+        return self.configs[0].tls_dir
 
     @property
     def addresses(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]
-
-    def _argv(self, index: int) -> list[str]:
-        stage, s = self.plan[index], self.settings
-        argv = CLI + [
-            "stage", "--model", self.model, "--dtype", s.dtype,
-            "--layers", f"{stage.layer_start}:{stage.layer_end}", "--stage-index", str(index),
-            "--num-stages", str(len(self.plan)), "--host", "127.0.0.1", "--port", str(self.ports[index]),
-            "--metrics-port", str(self.metrics_ports[index]), "--max-context", str(s.max_context),
-            "--max-sessions", str(s.max_sessions), "--session-ttl", str(s.session_ttl), "--device", s.device,
-        ]
-        if index + 1 < len(self.plan):
-            argv += ["--downstream", f"127.0.0.1:{self.ports[index + 1]}"]
-        if s.wire_dtype:
-            argv += ["--wire-dtype", s.wire_dtype]
-        if s.revision:
-            argv += ["--revision", s.revision]
-        if s.debug_telemetry:
-            argv.append("--debug-telemetry")
-        if s.tls_dir:
-            argv += ["--tls-dir", s.tls_dir]
-        if s.max_batch_tokens:
-            argv += ["--max-batch-tokens", str(s.max_batch_tokens)]
-        return argv
 
     def start(self) -> None:
         for proc in reversed(self.processes):  # downstream first
@@ -127,7 +107,7 @@ class LocalStages:
         """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
         deadline = time.monotonic() + timeout
         for index in reversed(range(len(self.processes))):
-            while not asyncio.run(_serving(self.addresses[index], 1.0, self.settings.tls_dir)):
+            while not asyncio.run(_serving(self.addresses[index], 1.0, self.tls_dir)):
                 proc = self.processes[index]
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
@@ -163,34 +143,26 @@ async def _serving(address: str, deadline: float, tls_dir: str | None = None) ->
         await pipeline.close()
 
 
-def frontend_argv(args: argparse.Namespace, model: str, addresses: list[str]) -> list[str]:
-    argv = CLI + [
-        "frontend", "--model", model, "--dtype", args.dtype, "--stage-addresses", ",".join(addresses),
-        "--host", args.host, "--port", str(args.port), "--max-context", str(args.max_context),
-        "--max-sessions", str(args.max_sessions), "--device", args.device, "--draft-threads", str(args.draft_threads),
-    ]
-    for flag, value in (("--served-model-name", args.served_model_name), ("--speculative", args.speculative),
-                        ("--draft", args.draft), ("--window", args.window), ("--revision", args.revision),
-                        ("--tls-dir", args.tls_dir)):
-        if value:
-            argv += [flag, value]
-    if args.no_draft:
-        argv.append("--no-draft")
-    return argv
+def stage_template(model: str, source: ServeConfig | None = None, **fields: Any) -> StageConfig:
+    """What every stage of a local mesh shares (from `serve`'s config, or fields); LocalStages
+    fills in each stage's own layers, index, ports and downstream."""
+    placeholders = {"model": model, "layers": (0, 1), "stage_index": 0, "num_stages": 1, **fields}
+    return derive(StageConfig, source, **placeholders) if source else StageConfig(**placeholders)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    planned = plan_from_args(args)
+def frontend_config(config: ServeConfig, model: str, addresses: list[str]) -> FrontendConfig:
+    return derive(FrontendConfig, config, model=model, stage_addresses=tuple(addresses)).check()
+
+
+def run_serve(config: ServeConfig) -> int:
+    planned = plan_from_settings(config)
     if planned is None:
         return 2
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
-    settings = StageSettings(dtype=args.dtype, wire_dtype=args.wire_dtype, max_context=args.max_context,
-                             max_sessions=args.max_sessions, device=args.device, revision=args.revision,
-                             debug_telemetry=args.debug_telemetry, tls_dir=args.tls_dir,
-                             max_batch_tokens=args.max_batch_tokens)
-    stages = LocalStages(model, plan, settings, args.base_stage_port)
-    frontend = ManagedProcess("frontend", frontend_argv(args, model, stages.addresses))
+    stages = LocalStages(stage_template(model, config), plan, base_port=config.base_stage_port)
+    frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_config(config, model,
+                                                                                    stages.addresses))])
     stopping = False
 
     def request_stop(signum, _frame) -> None:
@@ -209,7 +181,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
         frontend.start()
-        print(f"inferencemesh: OpenAI endpoint http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
+        print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)
         while not stopping:
             time.sleep(0.5)
             if stopping:

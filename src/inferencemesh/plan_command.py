@@ -8,6 +8,7 @@ import sys
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointError, read_checkpoint
+from inferencemesh.config import ServeConfig
 from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes, plan_auto, plan_stages, render_plan
 
 
@@ -38,20 +39,23 @@ def _kv_dtype(device: str | None) -> str | None:
     return "float32" if device == "cpu" else None
 
 
-def plan_from_args(args: argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
-    """The model (resolved) and its plan from `plan` / `serve` arguments; None after printing why not."""
-    model = resolve_model(args.model)
+def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
+    """The model (resolved) and its plan for `serve`'s config or `plan`'s arguments (the same
+    fields: model, revision, dtype, max_context, max_sessions, stages, stage_memory, device);
+    None after printing why not."""
+    model = resolve_model(settings.model)
     try:
-        return model, plan_for(model, stages=args.stages, stage_memory=args.stage_memory, dtype=args.dtype,
-                               context_length=args.max_context, max_sessions=args.max_sessions,
-                               revision=args.revision, kv_dtype=_kv_dtype(getattr(args, "device", None)))
+        return model, plan_for(model, stages=settings.stages, stage_memory=settings.stage_memory,
+                               dtype=settings.dtype, context_length=settings.max_context,
+                               max_sessions=settings.max_sessions, revision=settings.revision,
+                               kv_dtype=_kv_dtype(settings.device))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    planned = plan_from_args(args)
+    planned = plan_from_settings(args)
     if planned is None:
         return 2
     model, plan = planned

@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointFacts
+from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
 
 GIB = 1024**3
 DEFAULT_OVERHEAD_BYTES = 256 * 1024**2  # allocator slack, activations, runtime
@@ -69,8 +70,8 @@ class PlanInputs:
         facts: CheckpointFacts,
         *,
         dtype: str | None = None,
-        context_length: int = 2048,
-        max_sessions: int = 8,
+        context_length: int = DEFAULT_MAX_CONTEXT,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
         kv_dtype: str | None = None,
     ) -> PlanInputs:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferencemesh.cli import MAX_BATCH_TOKENS as DEFAULT_MAX_TOKENS
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.stage.sessions import StageSession
 
@@ -35,7 +35,7 @@ class Batcher:
     """Queues frames and runs them on the executor, as many per pass as may go together."""
 
     def __init__(self, compute_batch: Callable[[list], list], executor: Executor,
-                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 max_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         self.compute_batch = compute_batch
         self.executor = executor
         self.max_tokens = max_tokens

@@ -9,7 +9,6 @@ the event loop only moves frames.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import inspect
@@ -19,61 +18,26 @@ import signal
 import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferencemesh import tls
+from inferencemesh.checkpoint import CheckpointError, check_source
+from inferencemesh.config import StageConfig
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import Fault
 from inferencemesh.protocol.transport import GRPC_OPTIONS, KIND_NAMES, SERVICE_NAME
-from inferencemesh.stage.batcher import DEFAULT_MAX_TOKENS, Batcher
+from inferencemesh.stage.batcher import Batcher
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
 from inferencemesh.stage.worker import StageWorker
 
 log = logging.getLogger("inferencemesh.stage")
 
-
-
-@dataclass(frozen=True)
-class StageOptions:
-    model: str
-    layer_start: int
-    layer_end: int
-    stage_index: int
-    num_stages: int
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 0
-    downstream: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    wire_dtype: str | None = None
-    device: str = "auto"
-    cache_dir: str | None = None
-    max_context: int = 2048
-    max_sessions: int = 16
-    session_ttl: float = 300.0
-    debug_telemetry: bool = False
-    tls_dir: str | None = None
-    max_batch_tokens: int = DEFAULT_MAX_TOKENS
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> StageOptions:
-        start, _, end = args.layers.partition(":")
-        return cls(
-            model=args.model, layer_start=int(start), layer_end=int(end), stage_index=args.stage_index,
-            num_stages=args.num_stages, host=args.host, port=args.port, metrics_port=args.metrics_port,
-            downstream=args.downstream, revision=args.revision, dtype=args.dtype, wire_dtype=args.wire_dtype,
-            device=args.device, cache_dir=args.cache_dir, max_context=args.max_context,
-            max_sessions=args.max_sessions, session_ttl=args.session_ttl, debug_telemetry=args.debug_telemetry,
-            tls_dir=args.tls_dir, max_batch_tokens=args.max_batch_tokens,
-        )
 
 
 _END = object()  # the inbound stream closed
@@ -147,7 +111,7 @@ class DownstreamHop:
 
 
 class StageService(pb_grpc.StageServicer):
-    def __init__(self, options: StageOptions, metrics: StageMetrics | None = None, runtime=None,
+    def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime=None,
                  compute: Executor | None = None) -> None:
         self.options = options
         self.metrics = metrics or StageMetrics(options.model, options.stage_index)
@@ -188,6 +152,10 @@ class StageService(pb_grpc.StageServicer):
                 resolve_model(o.model), o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
                 cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
             )
+        except CheckpointError as err:  # the model cannot be had: say so in one line, stay up, no crash loop
+            log.error("stage %d cannot load its layers: %s", o.stage_index, err)
+            self._set_state("failed", 0.0, str(err))
+            return
         except Exception as err:  # a stage that cannot load reports why and stays up: no crash loop
             log.exception("stage %d failed to load", o.stage_index)
             self._set_state("failed", 0.0, f"{type(err).__name__}: {err}")
@@ -370,7 +338,7 @@ async def _maybe_await(value) -> None:
         await value
 
 
-async def start_stage_server(options: StageOptions, *, runtime=None,
+async def start_stage_server(options: StageConfig, *, runtime=None,
                              compute: Executor | None = None) -> tuple[grpc.aio.Server, StageService, int]:
     """Start the gRPC server (stage service + health) and begin loading; returns the bound port."""
     service = StageService(options, runtime=runtime, compute=compute)
@@ -430,7 +398,7 @@ class MainThreadExecutor(Executor):
         self._jobs.put(None)
 
 
-async def serve_stage(options: StageOptions, compute: Executor, stop: asyncio.Event) -> None:
+async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Event) -> None:
     server, service, port = await start_stage_server(options, compute=compute)
     if options.metrics_port:
         service.metrics.serve(options.metrics_port)
@@ -443,9 +411,12 @@ async def serve_stage(options: StageOptions, compute: Executor, stop: asyncio.Ev
     await service.close()
 
 
-def run_stage(args: argparse.Namespace) -> int:
+def run_stage(config: StageConfig) -> int:
+    from inferencemesh.bundled import resolve_model
+
+    check_source(resolve_model(config.model))  # a path that names nothing: refuse before serving
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.debug_telemetry:
+    if config.debug_telemetry:
         logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
     torch.set_grad_enabled(False)
     compute = MainThreadExecutor()
@@ -455,7 +426,7 @@ def run_stage(args: argparse.Namespace) -> int:
     def serve() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(serve_stage(StageOptions.from_args(args), compute, stop))
+            loop.run_until_complete(serve_stage(config, compute, stop))
         finally:
             compute.shutdown()
 

@@ -98,10 +98,12 @@ def locate(
     only the headers of the stage's own shards are read, so facts.tensors covers those shards
     (shards holding none of the stage's tensors need not even be present).
     """
+    checkpoint.check_source(source)
     if not checkpoint.is_local(source):
-        return _download(
-            str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
-        )
+        with checkpoint.hub_errors(str(source)):
+            return _download(
+                str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
+            )
     model_dir = Path(source)
     config = _read_config(model_dir / "config.json", model_dir)
     files = [p.name for p in model_dir.iterdir()]

@@ -1,0 +1,258 @@
+"""The configuration of the programs the project runs: one frozen type per program.
+
+Each field is declared once, with its command-line flag, default, choices and help, and three
+generic functions derive everything else from those declarations:
+
+    add_arguments(Config, parser)   the CLI's flags
+    from_args(Config, namespace)    parsed flags -> a Config
+    to_argv(config)                 a Config -> the flags that reproduce it
+
+So the CLI parser, `serve`'s child processes (launcher.py) and the operator's pod arguments
+(operator render.py) agree by construction, and tests/test_config.py round-trips every field.
+Library code takes these types, never an argparse.Namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
+
+DEFAULT_MAX_CONTEXT = 2048
+DEFAULT_MAX_SESSIONS = 16
+# Most tokens one stage forward pass takes from waiting DECODE/VERIFY frames of different sessions.
+DEFAULT_MAX_BATCH_TOKENS = 256
+# The frontend's torch threads (its only tensor work is the draft model). One: a small draft's
+# ops gain nothing from a second thread, and an OpenMP team's idle workers spin on a core that
+# a CPU stage next to the frontend needs (measured on 2 cores, bundled models, 2 stages: the
+# first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
+DEFAULT_DRAFT_THREADS = 1
+STAGE_GRPC_PORT = 50051
+STAGE_METRICS_PORT = 9090
+FRONTEND_PORT = 8000
+API_KEY_ENV = "INFERENCEMESH_API_KEY"
+
+
+class ConfigError(ValueError):
+    """A configuration no program could run with; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one config field appears on the command line."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] = str  # text -> value (argparse `type`)
+    render: Callable[[Any], str] = str  # value -> text; parse(render(v)) == v
+    required: bool = False
+    switch: bool = False  # a boolean flag present or absent (store_true)
+
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, help: str = "", **flag: Any) -> Any:  # noqa: A002 - argparse's word
+    """A config field with its flag; no default means the flag is required."""
+    meta = {"flag": Flag(help=help, required=default is _MISSING, **flag)}
+    return field(metadata=meta) if default is _MISSING else field(default=default, metadata=meta)
+
+
+def _switch(help: str) -> Any:  # noqa: A002
+    return option(False, help, switch=True)
+
+
+def _layers(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:16)")
+    return int(start), int(end)
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+# ---- field groups shared by several programs ----------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOptions:
+    model: str | None = option(None, "local model directory, hub id or bundled://NAME "
+                                     "(default: the bundled code model)")
+    revision: str | None = option(None, "hub revision (branch, tag or commit)")
+    dtype: str = option("auto", "compute dtype (auto: the checkpoint's)", choices=DTYPES)
+    cache_dir: str | None = option(None, "where hub downloads go (HF_HUB_CACHE by default)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    max_context: int = option(DEFAULT_MAX_CONTEXT, "longest session (prompt + output) in tokens", parse=int)
+    max_sessions: int = option(DEFAULT_MAX_SESSIONS, "concurrent sessions a stage holds", parse=int)
+    wire_dtype: str | None = option(None, "dtype of activations between stages (default: the compute dtype)",
+                                    choices=WIRE_DTYPES)
+    debug_telemetry: bool = _switch("per-token timings and debug attributes")
+    tls_dir: str | None = option(None, "mutual TLS between frontend and stages: a directory with tls.crt, "
+                                       "tls.key, ca.crt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeOptions:
+    speculative: str | None = option(None, "speculation strategy (default: the model package's, else auto)",
+                                     choices=SPECULATIVE_STRATEGIES)
+    draft: str | None = option(None, "draft model directory or hub id (implies --speculative draft)")
+    no_draft: bool = _switch("ignore a draft declared by the model package")
+    window: str | None = option(None, "speculation window: a number (fixed) or adaptive:INITIAL:MIN:MAX")
+    draft_threads: int = option(DEFAULT_DRAFT_THREADS, "CPU threads of the frontend process, which runs the draft",
+                                parse=int)
+
+
+# ---- the programs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig(ModelOptions, RuntimeOptions):
+    """`inferencemesh stage`: one layer range behind gRPC (what a stage pod runs)."""
+
+    model: str = option(help="local model directory, hub id or bundled://NAME")
+    layers: tuple[int, int] = option(help="START:END, end exclusive (e.g. 0:16)", parse=_layers,
+                                     render=lambda r: f"{r[0]}:{r[1]}")
+    stage_index: int = option(help="this stage's position in the pipeline, from 0", parse=int)
+    num_stages: int = option(help="how many stages the pipeline has", parse=int)
+    host: str = option("0.0.0.0", "address to listen on")  # noqa: S104 - a pod serves its Service
+    port: int = option(STAGE_GRPC_PORT, "gRPC port (stage service + grpc.health.v1)", parse=int)
+    metrics_port: int = option(STAGE_METRICS_PORT, "Prometheus /metrics port (0: off)", parse=int)
+    downstream: str | None = option(None, "HOST:PORT of the next stage (absent on the last stage)")
+    session_ttl: float = option(300.0, "seconds before an idle session is dropped", parse=float)
+    device: str = option("auto", "where the layers run", choices=DEVICES)
+    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
+                                   "(of different sessions) a stage runs in one pass", parse=int)
+
+    @property
+    def layer_start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def layer_end(self) -> int:
+        return self.layers[1]
+
+    def check(self) -> StageConfig:
+        start, end = self.layers
+        if not 0 <= start < end:
+            raise ConfigError(f"--layers {start}:{end}: need 0 <= START < END")
+        if not 0 <= self.stage_index < self.num_stages:
+            raise ConfigError(f"--stage-index {self.stage_index} is outside 0..{self.num_stages - 1} "
+                              f"(--num-stages {self.num_stages})")
+        if self.downstream is None and self.stage_index + 1 < self.num_stages:
+            raise ConfigError(f"stage {self.stage_index} of {self.num_stages} needs --downstream HOST:PORT")
+        _check_positive(self)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+    """`inferencemesh frontend`: the OpenAI endpoint in front of the stages (the frontend pod)."""
+
+    model: str = option(help="local model directory, hub id or bundled://NAME")
+    stage_addresses: tuple[str, ...] = option(help="comma-separated HOST:PORT of every stage, in pipeline order",
+                                              parse=_addresses, render=",".join)
+    host: str = option("0.0.0.0", "address to listen on")  # noqa: S104
+    port: int = option(FRONTEND_PORT, "HTTP port of the OpenAI endpoint", parse=int)
+    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
+    api_key_env: str = option(API_KEY_ENV, "environment variable holding the API key (unset or empty: no auth)")
+    max_body_bytes: int = option(1024 * 1024, "largest request body", parse=int)
+    device: str = option("auto", "where the draft model runs", choices=DEVICES)
+
+    def check(self) -> FrontendConfig:
+        if not self.stage_addresses:
+            raise ConfigError("--stage-addresses names no stage")
+        _check_positive(self)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+    """`inferencemesh serve`: stages and frontend as local processes on loopback."""
+
+    stages: int = option(2, "number of stage processes", parse=int)
+    stage_memory: str | None = option(None, "per-stage memory budgets, e.g. 16GiB,24GiB")
+    host: str = option("127.0.0.1", "address of the OpenAI endpoint")
+    port: int = option(FRONTEND_PORT, "the OpenAI endpoint's port", parse=int)
+    base_stage_port: int = option(0, "first stage gRPC port (0: pick free ports)", parse=int)
+    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
+    device: str = option("auto", "where stages and draft run", choices=DEVICES)
+    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
+                                   "(of different sessions) a stage runs in one pass", parse=int)
+
+    def check(self) -> ServeConfig:
+        _check_positive(self)
+        return self
+
+
+def _check_positive(config: Any) -> None:
+    for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages"):
+        value = getattr(config, name, 1)
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+
+
+# ---- the generic part ---------------------------------------------------------------------------
+
+C = TypeVar("C")
+
+
+def _flag_of(f: dataclasses.Field) -> Flag:
+    return f.metadata["flag"]
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
+    """Add the flags of every field of `cls` (a config type or a field group) to `parser`."""
+    for f in fields(cls):
+        flag = _flag_of(f)
+        if flag.switch:
+            parser.add_argument(flag_name(f.name), action="store_true", help=flag.help)
+            continue
+        kwargs: dict[str, Any] = {"help": flag.help, "type": flag.parse, "required": flag.required}
+        if not flag.required:
+            kwargs["default"] = f.default
+        if flag.choices:
+            kwargs["choices"] = flag.choices
+        parser.add_argument(flag_name(f.name), **kwargs)
+
+
+def from_args(cls: type[C], args: argparse.Namespace) -> C:
+    """The config `cls` from parsed arguments (a namespace holding at least its fields)."""
+    config = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+    check = getattr(config, "check", None)
+    return check() if check is not None else config
+
+
+def to_argv(config: Any) -> list[str]:
+    """The flags that make `from_args` rebuild `config`: every field that is set, in field order."""
+    argv: list[str] = []
+    for f in fields(config):
+        flag, value = _flag_of(f), getattr(config, f.name)
+        if flag.switch:
+            if value:
+                argv.append(flag_name(f.name))
+        elif value is not None:
+            argv += [flag_name(f.name), flag.render(value)]
+    return argv
+
+
+def derive(cls: type[C], source: Any, **overrides: Any) -> C:
+    """A `cls` taking every field it shares with `source` (another config), then `overrides`."""
+    names = {f.name for f in fields(cls)}
+    shared = {f.name: getattr(source, f.name) for f in fields(source) if f.name in names}
+    return cls(**{**shared, **overrides})

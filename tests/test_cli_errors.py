@@ -1,0 +1,45 @@
+"""A user's mistakes on the command line: one clear line naming the problem and the way out,
+a non-zero exit, and no traceback, for every command that takes a model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = {
+    "plan": [],
+    "serve": ["--port", "0"],
+    "stage": ["--layers", "0:1", "--stage-index", "0", "--num-stages", "1"],
+    "frontend": ["--stage-addresses", "127.0.0.1:9"],
+}
+
+
+def run(command: str, model: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    # Offline with an empty cache: the hub is never contacted, whatever the machine's network.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    return subprocess.run([sys.executable, "-m", "inferencemesh.cli", command, "--model", model, *COMMANDS[command]],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_missing_model_directory(command: str, tmp_path: Path) -> None:
+    done = run(command, str(tmp_path / "no" / "such" / "dir"), tmp_path)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "does not exist" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "serve", "frontend"])
+def test_an_unreachable_hub_model(command: str, tmp_path: Path) -> None:
+    done = run(command, "Qwen/Qwen2.5-0.5B-Instruct", tmp_path)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1, done.stderr
+    assert "local model directory" in lines[0] and "HF_HUB_OFFLINE" in lines[0], lines[0]

@@ -1,0 +1,124 @@
+"""The config types: every field survives config -> argv -> the real CLI parser -> config, and
+the operator's pod arguments and `serve`'s child processes parse back to what they meant."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from inferencemesh import config as cfg
+from inferencemesh.cli import build_parser
+from inferencemesh.config import ConfigError, FrontendConfig, ServeConfig, StageConfig, from_args, to_argv
+from inferencemesh.launcher import frontend_config, stage_template
+
+PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig}
+
+
+def parse(command: str, argv: list[str]):
+    return from_args(PROGRAMS[command], build_parser().parse_args([command, *argv]))
+
+
+def off_default(f: dataclasses.Field, cls: type):
+    """A valid value for field `f` that differs from its default, derived from its declaration."""
+    flag = f.metadata["flag"]
+    hint = typing.get_type_hints(cls)[f.name]
+    if flag.switch:
+        return True
+    if flag.choices:
+        return next(c for c in reversed(flag.choices) if c != f.default)
+    if f.name == "layers":
+        return (3, 7)
+    if f.name == "stage_addresses":
+        return ("a.ns.svc:50051", "b.ns.svc:50051")
+    if hint in (int, int | None):
+        return (f.default if isinstance(f.default, int) else 0) + 3
+    if hint is float:
+        return f.default + 1.5
+    return f"value-of-{f.name}"
+
+
+def non_default_config(cls: type):
+    values = {f.name: off_default(f, cls) for f in dataclasses.fields(cls)}
+    if cls is StageConfig:
+        values.update(stage_index=1, num_stages=values["num_stages"] + 2)
+    return cls(**values)
+
+
+@pytest.mark.parametrize("command", sorted(PROGRAMS))
+def test_every_field_round_trips_through_the_cli(command: str) -> None:
+    config = non_default_config(PROGRAMS[command])
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    changed = [name for name, value in dataclasses.asdict(config).items() if value != defaults[name]]
+    assert len(changed) == len(defaults), "every field must differ from its default, or the test proves nothing"
+    assert parse(command, to_argv(config)) == config
+
+
+@pytest.mark.parametrize("command", sorted(PROGRAMS))
+def test_defaults_round_trip_and_agree_with_the_parser(command: str) -> None:
+    cls = PROGRAMS[command]
+    required = {"model": "m", "layers": (0, 2), "stage_index": 0, "num_stages": 1, "stage_addresses": ("h:1",)}
+    config = cls(**{k: v for k, v in required.items() if k in cls.__dataclass_fields__})
+    assert parse(command, to_argv(config)) == config
+
+
+def test_one_default_per_setting() -> None:
+    """The values that drifted apart once (max_sessions, the batch-token budget) live in config.py."""
+    import inspect
+
+    from inferencemesh import planner
+    from inferencemesh.stage import batcher
+
+    assert StageConfig.__dataclass_fields__["max_sessions"].default == cfg.DEFAULT_MAX_SESSIONS
+    assert ServeConfig.__dataclass_fields__["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
+    assert inspect.signature(batcher.Batcher).parameters["max_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
+    planner_default = inspect.signature(planner.PlanInputs.from_checkpoint).parameters["max_sessions"].default
+    assert planner_default == cfg.DEFAULT_MAX_SESSIONS
+
+
+def test_serve_derives_its_children_from_its_own_config() -> None:
+    from inferencemesh.launcher import LocalStages
+    from inferencemesh.planner import StagePlan
+
+    serve = parse("serve", ["--max-context", "900", "--max-sessions", "5", "--dtype", "float32",
+                            "--speculative", "ngram", "--window", "3", "--max-batch-tokens", "64", "--port", "8123"])
+    plan = [StagePlan(0, 0, 3, 0, 0, 0, None), StagePlan(1, 3, 8, 0, 0, 0, None)]
+    stages = LocalStages(stage_template("/m", serve), plan)
+    for i, process in enumerate(stages.processes):
+        child = parse("stage", process.argv[process.argv.index("stage") + 1:])
+        assert child == stages.configs[i]
+        assert (child.max_context, child.max_sessions, child.dtype, child.max_batch_tokens) == (900, 5, "float32", 64)
+        assert child.layers == (plan[i].layer_start, plan[i].layer_end) and child.stage_index == i
+    assert stages.configs[0].downstream == stages.addresses[1] and stages.configs[1].downstream is None
+    frontend = frontend_config(serve, "/m", stages.addresses)
+    assert parse("frontend", to_argv(frontend)) == frontend
+    assert (frontend.speculative, frontend.window, frontend.port) == ("ngram", "3", 8123)
+
+
+def test_mistakes_are_one_line_errors(capsys) -> None:
+    from inferencemesh.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stage", "--model", "m", "--layers", "4:2", "--stage-index", "0", "--num-stages", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "inferencemesh stage: error: --layers 4:2: need 0 <= START < END"
+    with pytest.raises(ConfigError, match="needs --downstream"):
+        StageConfig(model="m", layers=(0, 1), stage_index=0, num_stages=2).check()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["stage", "--model", "m", "--layers", "x", "--stage-index", "0",
+                                   "--num-stages", "1"])
+
+
+def test_the_crd_defaults_are_the_programs_defaults() -> None:
+    """The CRD is the operator's source of truth; where it defaults a program setting, it agrees."""
+    from pathlib import Path
+
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).parents[1] / "crds/inferencemesh.io_inferencemeshes.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["contextLength"]["default"] == cfg.DEFAULT_MAX_CONTEXT
+    assert spec["maxSessions"]["default"] == cfg.DEFAULT_MAX_SESSIONS
+    assert spec["stages"]["properties"]["maxBatchTokens"]["default"] == cfg.DEFAULT_MAX_BATCH_TOKENS
+    assert spec["frontend"]["properties"]["service"]["properties"]["port"]["default"] == cfg.FRONTEND_PORT

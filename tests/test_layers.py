@@ -1,0 +1,77 @@
+"""The import direction: shared foundations at the bottom, the three programs on top of them and
+blind to each other's internals, the command-line layer over everything.
+
+    cli, launcher, bench, plan_command           (top: may import anything below)
+    stage | frontend | operator                  (none imports another, nor the top)
+    protocol, modeling, planner, checkpoint, sampling, config, speculation, tls, bundled
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "stage": REPO / "stage_image/stage",
+    "frontend": REPO / "frontend_image/frontend",
+    "operator": REPO / "operator/controller",
+}
+TOP = {"cli", "launcher", "bench", "plan_command"}
+PROGRAMS = set(PACKAGES)
+
+
+def layer_of(module: str) -> str:
+    """'inferencemesh.stage.server' -> 'stage'; bottom modules -> 'bottom'."""
+    parts = module.split(".")
+    if parts[0] != "inferencemesh" or len(parts) == 1:
+        return "external" if parts[0] != "inferencemesh" else "bottom"
+    return parts[1] if parts[1] in PROGRAMS | TOP else "bottom"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (the project uses absolute imports only)"
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def sources() -> list[tuple[str, Path]]:
+    files = [(name, path) for name, root in PACKAGES.items() for path in root.rglob("*.py")]
+    for path in (REPO / "src/inferencemesh").rglob("*.py"):
+        module = path.relative_to(REPO / "src").with_suffix("").parts
+        files.append((module[1] if module[1] in TOP else "bottom", path))
+    return files
+
+
+ALLOWED = {
+    "bottom": {"bottom", "external"},
+    "stage": {"bottom", "external", "stage"},
+    "frontend": {"bottom", "external", "frontend"},
+    "operator": {"bottom", "external", "operator"},
+}
+
+
+@pytest.mark.parametrize(("layer", "path"), sources(), ids=lambda v: str(v.relative_to(REPO)) if isinstance(
+    v, Path) else v)
+def test_imports_point_down(layer: str, path: Path) -> None:
+    targets = {layer_of(m) for m in imports_of(path) if m.startswith("inferencemesh")} | {"external"}
+    if layer in TOP:
+        assert "cli" not in targets or layer == "cli", f"{path.name} imports the cli module (the cli imports it)"
+        return
+    wrong = targets - ALLOWED[layer]
+    assert not wrong, f"{path.relative_to(REPO)} ({layer}) imports {sorted(wrong)}"
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from inferencemesh.frontend.engine import PipelineEngine\n")
+    assert layer_of(next(m for m in imports_of(bad) if m.count(".") == 2)) == "frontend"
