@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Python: the project and its test extras. torch is pinned to the CPU build available on
-# these machines (a looser requirement would download CUDA packages).
-python3 -m pip install -q "torch==2.13.0" -e ".[test]"
+# Python: the project and its test extras, as a regular (not editable) install, the way users
+# get it: the tests import the installed package (src/ keeps the clone's root from shadowing it).
+# torch is pinned to the CPU build available on these machines (a looser requirement would
+# download CUDA packages).
+python3 -m pip install -q "torch==2.13.0" ".[test]"
 
 # promtool (Prometheus' own metrics linter) for the /metrics tests.
 if ! command -v promtool >/dev/null 2>&1; then
