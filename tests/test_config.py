@@ -10,10 +10,18 @@ import pytest
 
 from inferencemesh import config as cfg
 from inferencemesh.cli import build_parser
-from inferencemesh.config import ConfigError, FrontendConfig, ServeConfig, StageConfig, from_args, to_argv
+from inferencemesh.config import (
+    ConfigError,
+    FrontendConfig,
+    OperatorConfig,
+    ServeConfig,
+    StageConfig,
+    from_args,
+    to_argv,
+)
 from inferencemesh.launcher import frontend_config, stage_template
 
-PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig}
+PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig}
 
 
 def parse(command: str, argv: list[str]):
@@ -30,6 +38,8 @@ def off_default(f: dataclasses.Field, cls: type):
         return next(c for c in reversed(flag.choices) if c != f.default)
     if f.name == "layers":
         return (3, 7)
+    if f.name == "namespace":
+        return ("team-a", "team-b")
     if f.name == "stage_addresses":
         return ("a.ns.svc:50051", "b.ns.svc:50051")
     if hint in (int, int | None):

@@ -21,6 +21,7 @@ from inferencemesh.config import (
     ConfigError,
     FrontendConfig,
     ModelOptions,
+    OperatorConfig,
     RuntimeOptions,
     ServeConfig,
     StageConfig,
@@ -28,7 +29,7 @@ from inferencemesh.config import (
     from_args,
 )
 
-PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig}
+PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,11 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
-    op = sub.add_parser("operator", help="run the Kubernetes operator")
-    op.add_argument("--namespace", action="append", default=None, help="watch only these namespaces")
-    op.add_argument("--standalone", action="store_true", help="no peering (single replica)")
-    op.add_argument("--liveness", default="http://0.0.0.0:8080/healthz")
-    op.add_argument("--metrics-port", type=int, default=9090)
+    add_arguments(OperatorConfig, sub.add_parser("operator", help="run the Kubernetes operator"))
     return parser
 
 
@@ -90,6 +87,10 @@ def _run(args: argparse.Namespace) -> int:
             from inferencemesh.stage.server import run_stage
 
             return run_stage(config)
+        if args.command == "operator":
+            from inferencemesh.operator.main import run_operator
+
+            return run_operator(config)
         from inferencemesh.frontend.main import run_frontend
 
         return run_frontend(config)
@@ -101,10 +102,6 @@ def _run(args: argparse.Namespace) -> int:
         from inferencemesh.bench import run_bench
 
         return run_bench(args)
-    if args.command == "operator":
-        from inferencemesh.operator.main import run_operator
-
-        return run_operator(args)
     raise AssertionError(args.command)
 
 

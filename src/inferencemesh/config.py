@@ -54,6 +54,7 @@ class Flag:
     render: Callable[[Any], str] = str  # value -> text; parse(render(v)) == v
     required: bool = False
     switch: bool = False  # a boolean flag present or absent (store_true)
+    repeat: bool = False  # a flag given once per item of a tuple (action="append")
 
 
 _MISSING = dataclasses.MISSING
@@ -196,6 +197,17 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
         return self
 
 
+@dataclass(frozen=True, kw_only=True)
+class OperatorConfig:
+    """`inferencemesh operator`: the kopf operator (what the chart's Deployment runs)."""
+
+    namespace: tuple[str, ...] = option((), "watch only this namespace (repeat for several; none: all)",
+                                        repeat=True)
+    standalone: bool = _switch("no peering (a single replica)")
+    liveness: str = option("http://0.0.0.0:8080/healthz", "kopf's liveness endpoint (empty: off)")
+    metrics_port: int = option(9090, "Prometheus /metrics port (0: off)", parse=int)
+
+
 def _check_positive(config: Any) -> None:
     for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages"):
         value = getattr(config, name, 1)
@@ -223,6 +235,9 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
         if flag.switch:
             parser.add_argument(flag_name(f.name), action="store_true", help=flag.help)
             continue
+        if flag.repeat:
+            parser.add_argument(flag_name(f.name), action="append", type=flag.parse, help=flag.help)
+            continue
         kwargs: dict[str, Any] = {"help": flag.help, "type": flag.parse, "required": flag.required}
         if not flag.required:
             kwargs["default"] = f.default
@@ -233,7 +248,11 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
 
 def from_args(cls: type[C], args: argparse.Namespace) -> C:
     """The config `cls` from parsed arguments (a namespace holding at least its fields)."""
-    config = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    for f in fields(cls):
+        if _flag_of(f).repeat:  # argparse gives None when the flag never came
+            values[f.name] = tuple(values[f.name] or f.default)
+    config = cls(**values)
     check = getattr(config, "check", None)
     return check() if check is not None else config
 
@@ -246,6 +265,9 @@ def to_argv(config: Any) -> list[str]:
         if flag.switch:
             if value:
                 argv.append(flag_name(f.name))
+        elif flag.repeat:
+            for item in value:
+                argv += [flag_name(f.name), flag.render(item)]
         elif value is not None:
             argv += [flag_name(f.name), flag.render(value)]
     return argv
