@@ -25,6 +25,7 @@ from inferencemesh.checkpoint import fetch_config_dir
 from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.draft import DraftCache, DraftModel
 from inferencemesh.frontend.engine_api import GenerationRequest
+from inferencemesh.frontend.ngram import ngram_lookup
 from inferencemesh.sampling import SamplingParams, generator_for, probabilities
 from inferencemesh.speculation import SpeculativeChoice, WindowPolicy, choose_for_model
 
@@ -107,19 +108,6 @@ def _ema(current: float | None, sample: float, weight: float) -> float:
 
 
 # ---- n-gram (prompt lookup) ------------------------------------------------------------------
-
-
-def ngram_lookup(history: list[int], k: int, min_ngram: int = 2, max_ngram: int = 4) -> list[int]:
-    """Continue the longest suffix (min..max tokens) by what followed its latest earlier match."""
-    n = len(history)
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        suffix = history[n - size :]
-        for start in range(n - size - 1, -1, -1):
-            if history[start : start + size] == suffix:
-                follow = history[start + size : start + size + k]
-                if follow:
-                    return follow
-    return []
 
 
 class WindowedProposer(Proposer):

@@ -1,17 +1,24 @@
-"""kopf wiring: which watch events lead to which reconcile. The work itself is in reconcile.py.
+"""kopf wiring: which watch events wake which mesh's reconcile loop. The work itself is in reconcile.py.
 
-Only event handlers are registered (no create/update/resume handlers, no timers, no daemons), so
-kopf stores nothing on the objects: no last-handled annotation, no progress status, no finalizer
-(a finalizer would block deletion while the operator is down). What kopf would otherwise give us
-- retries and a periodic resync - is a small in-process schedule here instead.
+Each mesh has one worker, an asyncio task kept in the mesh's kopf memo: it reconciles (in a thread,
+the API calls block), then sleeps until an event wakes it, its backoff after a failure runs out,
+or the periodic resync is due. One worker per mesh means one reconcile of a mesh at a time, with
+no locks. The mesh's own events wake it; its Deployments' and Pods' events find it through a kopf
+index from (namespace, base name) to the mesh's memo.
+
+Why not @kopf.daemon or @kopf.timer for that loop: kopf puts a finalizer on every object that has
+either (both are declared with requires_finalizer=True, and nothing turns that off), and a finalizer
+blocks deleting a mesh while the operator is down. With only event and index handlers kopf stores
+nothing on the objects (no finalizer, no last-handled annotation, no progress status) and the
+children go away through their owner references.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
-import threading
-import time
 
 import kopf
 
@@ -29,90 +36,53 @@ from inferencemesh.operator.render import (
 )
 
 log = logging.getLogger("inferencemesh.operator")
+MESHES = ("inferencemesh.io", "v1alpha1", "inferencemeshes")
 RESYNC_SECONDS = float(os.environ.get("INFERENCEMESH_RESYNC_SECONDS", "300"))
 MAX_BACKOFF_SECONDS = 300.0
+PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
 
 
-class Scheduler:
-    """Known meshes, when each is next due for a reconcile, and the failure backoff."""
-
-    def __init__(self, reconciler: Reconciler) -> None:
-        self.reconciler = reconciler
-        self.due: dict[tuple[str, str], float] = {}
-        self.failures: dict[tuple[str, str], int] = {}
-        self.phases: dict[tuple[str, str], str] = {}
-        self.by_base: dict[tuple[str, str], set[str]] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-
-    def forget(self, namespace: str, name: str) -> None:
-        with self.lock:
-            key = (namespace, name)
-            self.due.pop(key, None)
-            self.failures.pop(key, None)
-            self.phases.pop(key, None)
-            self.by_base.get((namespace, base_name(name)), set()).discard(name)
-        self._export_phases()
-
-    def meshes_for(self, namespace: str, base: str) -> list[str]:
-        with self.lock:
-            return sorted(self.by_base.get((namespace, base), ()))
-
-    def run(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        with self.lock:
-            self.by_base.setdefault((namespace, base_name(name)), set()).add(name)
-        try:
-            result = self.reconciler.reconcile(namespace, name)
-        except Exception as exc:  # noqa: BLE001 - any failure is retried with backoff, never raised into kopf
-            with self.lock:
-                n = self.failures[key] = self.failures.get(key, 0) + 1
-                delay = min(MAX_BACKOFF_SECONDS, 2.0 * 2 ** min(n, 8))
-                self.due[key] = time.monotonic() + delay
-            log.warning("reconcile of %s/%s failed (%s: %s); retrying in %.0fs",
-                        namespace, name, type(exc).__name__, exc, delay)
-            return
-        with self.lock:
-            self.failures.pop(key, None)
-            self.due[key] = time.monotonic() + (result.retry_after or RESYNC_SECONDS)
-            if result.phase:
-                self.phases[key] = result.phase
-        if result.writes:
-            log.info("%s/%s: %s -> %s", namespace, name,
-                     ", ".join(f"{w.verb} {w.kind}/{w.name}" for w in result.writes), result.phase)
-        self._export_phases()
-
-    def _export_phases(self) -> None:
-        with self.lock:
-            counts: dict[str, int] = {}
-            for phase in self.phases.values():
-                counts[phase] = counts.get(phase, 0) + 1
-        for phase in ("Pending", "Progressing", "Ready", "Degraded", "Failed"):
-            metrics.MESHES.labels(phase).set(counts.get(phase, 0))
-
-    def loop(self) -> None:
-        """Retries and periodic resync: reconcile every mesh whose time has come."""
-        while not self.stop.wait(2.0):
-            now = time.monotonic()
-            with self.lock:
-                ready = [key for key, when in self.due.items() if when <= now]
-            for namespace, name in ready:
-                if self.stop.is_set():
-                    return
-                self.run(namespace, name)
+def backoff_seconds(failures: int) -> float:
+    """The wait after the n-th failure in a row: 4 s, doubling, at most MAX_BACKOFF_SECONDS."""
+    return min(MAX_BACKOFF_SECONDS, 2.0 * 2 ** min(failures, 8))
 
 
-_scheduler: Scheduler | None = None
+class MeshWorker:
+    """One mesh's reconcile loop (see the module docstring)."""
 
+    def __init__(self, reconciler: Reconciler, namespace: str, name: str) -> None:
+        self.wakeup = asyncio.Event()
+        self.task = asyncio.create_task(self._loop(reconciler, namespace, name), name=f"mesh {namespace}/{name}")
 
-def _sched() -> Scheduler:
-    assert _scheduler is not None, "the startup handler has not run"
-    return _scheduler
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+    async def _loop(self, reconciler: Reconciler, namespace: str, name: str) -> None:
+        failures = 0
+        while True:
+            self.wakeup.clear()  # an event from now on asks for one more pass
+            try:
+                result = await asyncio.to_thread(reconciler.reconcile, namespace, name)
+            except Exception as exc:  # noqa: BLE001 - any failure is retried with backoff, never raised into kopf
+                failures += 1
+                delay = backoff_seconds(failures)
+                log.warning("reconcile of %s/%s failed (%s: %s); retrying in %.0fs",
+                            namespace, name, type(exc).__name__, exc, delay)
+            else:
+                failures = 0
+                delay = result.retry_after or RESYNC_SECONDS
+                if result.writes:
+                    log.info("%s/%s: %s -> %s", namespace, name,
+                             ", ".join(f"{w.verb} {w.kind}/{w.name}" for w in result.writes), result.phase)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), delay)
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: object) -> None:
-    global _scheduler
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: object) -> None:
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's only errors
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
@@ -127,35 +97,47 @@ def startup(settings: kopf.OperatorSettings, **_: object) -> None:
         grpc_probes=kube.server_minor_version() >= 24,
     )
     log.info("render options: %s", options)
-    _scheduler = Scheduler(Reconciler(kube, options=options))
-    threading.Thread(target=_scheduler.loop, name="resync", daemon=True).start()
+    memo.reconciler = Reconciler(kube, options=options)  # each mesh's memo starts as a copy of this one
 
 
-@kopf.on.cleanup()
-def cleanup(**_: object) -> None:
-    if _scheduler is not None:
-        _scheduler.stop.set()
+@kopf.index(*MESHES)
+def mesh_memos(namespace: str, name: str, memo: kopf.Memo, **_: object) -> dict:
+    """(namespace, base name) -> the memo of each mesh whose children carry that name (usually one)."""
+    return {(namespace, base_name(name)): memo}
+
+
+@kopf.index(*MESHES)
+def mesh_phases(status: kopf.Status, **_: object) -> dict:
+    """phase -> the meshes whose status is in it."""
+    phase = status.get("phase")
+    return {phase: None} if phase else {}
 
 
 @kopf.on.probe(id="meshes")
-def probe_meshes(**_: object) -> int:
-    return len(_sched().phases)
+def probe_meshes(mesh_memos: kopf.Index, **_: object) -> int:
+    return sum(len(memos) for memos in mesh_memos.values())
 
 
-@kopf.on.event("inferencemesh.io", "v1alpha1", "inferencemeshes")
-def mesh_event(type: str | None, name: str, namespace: str, **_: object) -> None:
+@kopf.on.event(*MESHES)
+async def mesh_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, mesh_phases: kopf.Index,
+                     **_: object) -> None:
+    worker: MeshWorker | None = memo.get("worker")
     if type == "DELETED":
-        _sched().forget(namespace, name)
-        return
-    _sched().run(namespace, name)
+        if worker is not None:
+            worker.stop()  # owner references let the garbage collector remove the children
+    elif worker is None or worker.task.done():
+        memo.worker = MeshWorker(memo.reconciler, namespace, name)
+    else:
+        worker.wake()
+    for phase in PHASES:
+        metrics.MESHES.labels(phase).set(len(mesh_phases.get(phase, ())))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
 @kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGED_BY})
-def child_event(namespace: str, labels: dict, **_: object) -> None:
-    """A stage or frontend Deployment/Pod changed: refresh its mesh's status."""
-    base = labels.get(LABEL_MESH)
-    if not base:
-        return
-    for name in _sched().meshes_for(namespace, base):
-        _sched().run(namespace, name)
+async def child_event(namespace: str, labels: dict, mesh_memos: kopf.Index, **_: object) -> None:
+    """A stage or frontend Deployment/Pod changed: its mesh's status may have too."""
+    for memo in mesh_memos.get((namespace, labels.get(LABEL_MESH)), ()):
+        worker: MeshWorker | None = memo.get("worker")
+        if worker is not None:
+            worker.wake()

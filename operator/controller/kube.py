@@ -1,27 +1,31 @@
-"""A thin, dict-in/dict-out layer over the Kubernetes REST API (the official client's ApiClient).
+"""Dict-in, dict-out access to the Kubernetes API through the official client's DynamicClient.
 
 Objects stay plain JSON dicts end to end, exactly as render.py produces and the API returns them,
-with no model-class round trips that could drop or rename fields.
+with no model-class round trips that could drop or rename fields. The DynamicClient finds each
+kind's REST path by discovery; errors are its ApiException subclasses (with .status and .body).
 """
 
 from __future__ import annotations
 
-import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.resource import Resource
 
-# kind -> (API prefix, plural)
-RESOURCES: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Service": ("/api/v1", "services"),
-    "Pod": ("/api/v1", "pods"),
-    "Event": ("/api/v1", "events"),
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
-    "InferenceMesh": ("/apis/inferencemesh.io/v1alpha1", "inferencemeshes"),
+# The kinds the operator touches, by apiVersion (discovery needs both to pick one resource).
+API_VERSIONS = {
+    "ConfigMap": "v1",
+    "Service": "v1",
+    "Pod": "v1",
+    "Event": "v1",
+    "Deployment": "apps/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "InferenceMesh": "inferencemesh.io/v1alpha1",
 }
 
 
@@ -41,69 +45,63 @@ def load_api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
+def _as_dict(_client: DynamicClient, data: dict) -> dict:
+    """The DynamicClient's response serializer: keep the decoded JSON as it is."""
+    return data
+
+
 class Kube:
+    """Safe to share between threads (reconciles of different meshes run in parallel)."""
+
     def __init__(self, api: client.ApiClient, timeout: float = 30.0) -> None:
-        self.api = api
+        self.dynamic = DynamicClient(api)  # discovers the server's API groups now (network)
         self.timeout = timeout
+        self._discovery = threading.Lock()  # the client's lazy discovery cache is not thread-safe
 
-    def _path(self, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
-        prefix, plural = RESOURCES[kind]
-        path = f"{prefix}/namespaces/{namespace}/{plural}"
-        if name is not None:
-            path += f"/{name}"
-        if sub:
-            path += f"/{sub}"
-        return path
+    def _resource(self, kind: str) -> Resource:
+        with self._discovery:
+            return self.dynamic.resources.get(api_version=API_VERSIONS[kind], kind=kind)
 
-    def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
-              content_type: str = "application/json") -> dict:
-        request = self.api.param_serialize(
-            method=method, resource_path=path, query_params=query or [], body=body,
-            header_params={"Accept": "application/json", "Content-Type": content_type},
-            auth_settings=["BearerToken"],
-        )
-        response = self.api.call_api(*request, _request_timeout=self.timeout)
-        data = response.read()
-        if not 200 <= response.status < 300:
-            raise ApiException(http_resp=response)
-        return json.loads(data) if data else {}
+    def _call(self, verb: str, resource: Resource, **kwargs: Any) -> dict:
+        method = getattr(self.dynamic, verb)
+        return method(resource, serializer=_as_dict, _request_timeout=self.timeout, **kwargs)
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            return self._call("GET", self._path(kind, namespace, name))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+            return self._call("get", self._resource(kind), name=name, namespace=namespace)
+        except NotFoundError:
+            return None
 
     def list(self, kind: str, namespace: str, selector: str | None = None) -> list[dict]:
-        query = [("labelSelector", selector)] if selector else []
-        return self._call("GET", self._path(kind, namespace), query=query).get("items", [])
+        """List items carry no kind of their own."""
+        found = self._call("get", self._resource(kind), namespace=namespace, label_selector=selector)
+        return found.get("items") or []
 
     def create(self, obj: dict) -> dict:
-        meta = obj["metadata"]
-        return self._call("POST", self._path(obj["kind"], meta["namespace"]), body=obj)
+        return self._call("create", self._resource(obj["kind"]), body=obj, namespace=obj["metadata"]["namespace"])
 
     def replace(self, obj: dict) -> dict:
-        meta = obj["metadata"]
-        return self._call("PUT", self._path(obj["kind"], meta["namespace"], meta["name"]), body=obj)
+        """PUT: the whole object, guarded by the metadata.resourceVersion it carries."""
+        return self._call("replace", self._resource(obj["kind"]), body=obj, namespace=obj["metadata"]["namespace"])
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
-            self._call("DELETE", self._path(kind, namespace, name),
-                       body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"})
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+            self._call("delete", self._resource(kind), name=name, namespace=namespace,
+                       propagation_policy="Background")
+        except NotFoundError:
+            pass
 
     def patch_status(self, kind: str, namespace: str, name: str, patch: dict) -> dict:
-        return self._call("PATCH", self._path(kind, namespace, name, "status"), body=patch,
+        """A JSON merge patch of the status subresource."""
+        status = self._resource(kind).subresources["status"]
+        return self._call("patch", status, body=patch, name=name, namespace=namespace,
                           content_type="application/merge-patch+json")
 
     def server_minor_version(self) -> int:
-        """The API server's minor version (e.g. 20 for v1.20.2); 0 when unreadable."""
+        """The API server's minor version (e.g. 20 for v1.20.2); 0 when unreadable. Asked afresh:
+        the client's discovery cache (a file in the temp dir) may predate an upgrade of the server."""
         try:
-            info = self._call("GET", "/version")
-            return int("".join(ch for ch in str(info.get("minor", "0")) if ch.isdigit()) or 0)
+            info = self.dynamic.request("get", "/version", serializer=_as_dict, _request_timeout=self.timeout)
+            return int("".join(ch for ch in str(info.get("minor", "")) if ch.isdigit()) or 0)
         except (ApiException, ValueError, OSError):
             return 0

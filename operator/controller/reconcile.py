@@ -4,6 +4,7 @@ Level-triggered and idempotent: each call recomputes the desired children (rende
 status (status.py) from scratch and writes only what differs, so a second call on an unchanged
 world writes nothing. Children carry a hash of their rendered content; a child is replaced only
 when that hash changes (server-side defaults never cause churn). Every call returns its writes.
+The caller (handlers.py) runs one reconcile of a mesh at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +29,7 @@ from inferencemesh.operator.render import (
     base_name,
     render_children,
 )
-from inferencemesh.operator.spec import parse_spec, validate
+from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
 from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status
 from inferencemesh.planner import PlanError
 
@@ -73,25 +73,18 @@ class Reconciler:
         self.kube = kube
         self.facts = facts or ModelFacts()
         self.options = options or RenderOptions()
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-
-    def _lock(self, namespace: str, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
 
     def reconcile(self, namespace: str, name: str) -> Result:
-        """Converge one mesh; safe to call from any thread, any number of times."""
+        """Converge one mesh; safe to call any number of times (blocking: API calls)."""
         start = time.monotonic()
-        with self._lock(namespace, name):
-            try:
-                result = self._reconcile(namespace, name)
-            except Exception as exc:
-                metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
-                metrics.RECONCILES.labels("error").inc()
-                raise
-            finally:
-                metrics.RECONCILE_SECONDS.observe(time.monotonic() - start)
+        try:
+            result = self._reconcile(namespace, name)
+        except Exception as exc:
+            metrics.RECONCILE_ERRORS.labels(type(exc).__name__).inc()
+            metrics.RECONCILES.labels("error").inc()
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - start)
         metrics.RECONCILES.labels("changed" if result.writes else "unchanged").inc()
         for w in result.writes:
             metrics.WRITES.labels(w.verb, w.kind).inc()
@@ -104,12 +97,16 @@ class Reconciler:
         result = Result()
         if mesh is None or mesh["metadata"].get("deletionTimestamp"):
             return result  # owner references let the garbage collector remove the children
-        spec = parse_spec(mesh.get("spec") or {})
-        outcome = self._plan(spec, mesh, result)
+        try:
+            spec: MeshSpec | None = parse_spec(mesh.get("spec") or {})
+        except SpecError as exc:
+            spec, outcome = None, PlanOutcome(None, "False", "InvalidSpec", str(exc))
+        else:
+            outcome = self._plan(spec, result)
         base = base_name(name)
         selector = f"{LABEL_MESH}={base}"
         live = {kind: self.kube.list(kind, namespace, selector) for kind in CHILD_KINDS}
-        if outcome.plan is not None:
+        if spec is not None and outcome.plan is not None:
             try:
                 self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options), live, result)
             except ChildConflict as exc:
@@ -125,7 +122,7 @@ class Reconciler:
         result.phase = status["phase"]
         return result
 
-    def _plan(self, spec, mesh: dict, result: Result) -> PlanOutcome:
+    def _plan(self, spec: MeshSpec, result: Result) -> PlanOutcome:
         errors = validate(spec)
         if errors:
             return PlanOutcome(None, "False", "InvalidSpec", "; ".join(errors))

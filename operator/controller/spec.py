@@ -1,14 +1,21 @@
-"""The InferenceMesh spec as typed values, with the CRD's defaults and its cross-field rules.
+"""The InferenceMesh spec as a typed, frozen pydantic model, with the CRD's cross-field rules.
+
+The CRD (crds/inferencemesh.io_inferencemeshes.yaml) is the one source of truth, and this model
+mirrors its `spec` schema: one field per CRD property (attribute in snake_case, alias the CRD's
+camelCase name), the CRD's defaults as field defaults, its enums as Literals. test_spec.py walks
+the schema and fails on any drift. A few read-only properties (model.pvc_claim,
+frontend.service_port, metrics, ...) give the renderer short names for nested fields.
 
 The API server applies the CRD's defaults and (from Kubernetes 1.25) its CEL rules; older servers
-drop CEL silently, so `validate` repeats every rule here with the very same messages. Tests keep
-the defaults (test_spec.py walks the CRD schema) and the rules (evaluated with cel-python) in step.
+drop CEL silently, so `validate` repeats every rule here with the very same messages.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
 
 MAX_STAGES = 64
 MAX_LAYERS = 256
@@ -26,8 +33,18 @@ MSG_DRAFT_STRATEGY = "speculative.draft is only used with strategy draft or auto
 MSG_WINDOW = "speculative.window needs min <= initial <= max"
 
 
-@dataclass(frozen=True)
-class Layout:
+class SpecError(ValueError):
+    """The spec does not fit the model: only possible for an object the API server did not check
+    against the current CRD (e.g. one stored before the CRD changed)."""
+
+
+class _Spec(BaseModel):
+    """Shared config: CRD names in, snake_case attributes out, immutable."""
+
+    model_config = ConfigDict(alias_generator=to_camel, validate_by_alias=True, validate_by_name=True, frozen=True)
+
+
+class Layout(_Spec):
     num_layers: int
     layer_bytes: int
     embed_bytes: int = 0
@@ -35,46 +52,85 @@ class Layout:
     kv_bytes_per_token: int = 0
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class PvcSource(_Spec):
+    claim_name: str
+    sub_path: str = ""  # the claim's root
+
+
+class ModelSpec(_Spec):
     name: str
     revision: str | None = None
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     served_model_name: str | None = None
-    pvc_claim: str | None = None
-    pvc_sub_path: str = ""
+    pvc: PvcSource | None = None
     layout: Layout | None = None
 
+    @property
+    def pvc_claim(self) -> str | None:
+        return self.pvc.claim_name if self.pvc else None
 
-@dataclass(frozen=True)
-class StagesSpec:
+    @property
+    def pvc_sub_path(self) -> str:
+        return self.pvc.sub_path if self.pvc else ""
+
+
+class LayerRange(NamedTuple):
+    """[start, end): a tuple, so the planner takes it as it is."""
+
+    start: int
+    end: int
+
+
+class StagesSpec(_Spec):
     count: int | str = 2  # a number or "auto"
     memory: tuple[str, ...] = ()
-    ranges: tuple[tuple[int, int], ...] | None = None  # None: absent (an empty list is present, and wrong)
+    ranges: tuple[LayerRange, ...] | None = None  # None: absent (an empty list is present, and wrong)
     gpus: int = 1
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     max_batch_tokens: int = 256
-    resources: dict = field(default_factory=dict)
-    node_selector: dict = field(default_factory=dict)
-    tolerations: tuple[dict, ...] = ()
-    affinity: dict = field(default_factory=dict)
+    resources: dict[str, Any] = {}
+    node_selector: dict[str, str] = {}
+    tolerations: tuple[dict[str, Any], ...] = ()
+    affinity: dict[str, Any] = {}
 
 
-@dataclass(frozen=True)
-class FrontendSpec:
+class ServiceSpec(_Spec):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = 8000
+
+
+class SecretKeyRef(_Spec):
+    name: str
+    key: str = "api-key"
+
+
+class FrontendSpec(_Spec):
     replicas: int = 1
-    service_type: str = "ClusterIP"
-    service_port: int = 8000
-    api_key_secret: str | None = None
-    api_key_key: str = "api-key"
-    resources: dict = field(default_factory=dict)
-    node_selector: dict = field(default_factory=dict)
-    tolerations: tuple[dict, ...] = ()
+    service: ServiceSpec = ServiceSpec()
+    api_key: SecretKeyRef | None = Field(default=None, alias="apiKeySecret")
+    resources: dict[str, Any] = {}
+    node_selector: dict[str, str] = {}
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def service_type(self) -> str:
+        return self.service.type
+
+    @property
+    def service_port(self) -> int:
+        return self.service.port
+
+    @property
+    def api_key_secret(self) -> str | None:
+        return self.api_key.name if self.api_key else None
+
+    @property
+    def api_key_key(self) -> str | None:
+        return self.api_key.key if self.api_key else None
 
 
-@dataclass(frozen=True)
-class WindowSpec:
-    policy: str = "adaptive"
+class WindowSpec(_Spec):
+    policy: Literal["fixed", "adaptive"] = "adaptive"
     size: int = 4
     initial: int = 4
     min: int = 1
@@ -87,125 +143,68 @@ class WindowSpec:
         return f"adaptive:{self.initial}:{self.min}:{self.max}"
 
 
-@dataclass(frozen=True)
-class SpeculativeSpec:
-    strategy: str = "auto"
+class SpeculativeSpec(_Spec):
+    # None (unset): the model package's declared strategy, else auto. Only an explicit value is passed on.
+    strategy: Literal["auto", "draft", "ngram", "none"] | None = None
     draft: str | None = None
     no_draft: bool = False
-    window: WindowSpec = field(default_factory=WindowSpec)
+    window: WindowSpec = WindowSpec()
 
 
-@dataclass(frozen=True)
-class ImagesSpec:
+class TelemetrySpec(_Spec):
+    metrics: bool = True
+    debug_tracing: bool = False
+
+
+class SecuritySpec(_Spec):
+    mtls_secret_name: str | None = None  # Secret with tls.crt, tls.key, ca.crt: mutual TLS on every gRPC hop
+
+
+class ImagesSpec(_Spec):
     stage: str | None = None
     frontend: str | None = None
-    pull_policy: str = "IfNotPresent"
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     pull_secrets: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class MeshSpec:
+class MeshSpec(_Spec):
     model: ModelSpec
-    stages: StagesSpec = field(default_factory=StagesSpec)
-    frontend: FrontendSpec = field(default_factory=FrontendSpec)
-    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
-    wire_dtype: str | None = None
+    stages: StagesSpec = StagesSpec()
+    frontend: FrontendSpec = FrontendSpec()
+    speculative: SpeculativeSpec = SpeculativeSpec()
+    wire_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     context_length: int = 2048
     max_sessions: int = 16
-    metrics: bool = True
-    debug_tracing: bool = False
-    images: ImagesSpec = field(default_factory=ImagesSpec)
-    mtls_secret: str | None = None  # Secret with tls.crt, tls.key, ca.crt: mutual TLS on every gRPC hop
+    telemetry: TelemetrySpec = TelemetrySpec()
+    security: SecuritySpec = SecuritySpec()
+    images: ImagesSpec = ImagesSpec()
 
+    @property
+    def metrics(self) -> bool:
+        return self.telemetry.metrics
 
-def _obj(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
+    @property
+    def debug_tracing(self) -> bool:
+        return self.telemetry.debug_tracing
+
+    @property
+    def mtls_secret(self) -> str | None:
+        return self.security.mtls_secret_name
 
 
 def parse_spec(spec: dict) -> MeshSpec:
-    """Typed view of a (possibly un-defaulted) spec. Shapes the schema guarantees are trusted."""
-    model = _obj(spec.get("model"))
-    layout = _obj(model.get("layout"))
-    pvc = _obj(model.get("pvc"))
-    stages = _obj(spec.get("stages"))
-    frontend = _obj(spec.get("frontend"))
-    service = _obj(frontend.get("service"))
-    api_key = _obj(frontend.get("apiKeySecret"))
-    spec_ = _obj(spec.get("speculative"))
-    window = _obj(spec_.get("window"))
-    telemetry = _obj(spec.get("telemetry"))
-    images = _obj(spec.get("images"))
-    security = _obj(spec.get("security"))
-    return MeshSpec(
-        mtls_secret=security.get("mtlsSecretName"),
-        model=ModelSpec(
-            name=str(model.get("name", "")),
-            revision=model.get("revision"),
-            dtype=model.get("dtype", "auto"),
-            served_model_name=model.get("servedModelName"),
-            pvc_claim=pvc.get("claimName"),
-            pvc_sub_path=pvc.get("subPath", ""),
-            layout=Layout(
-                num_layers=int(layout["numLayers"]),
-                layer_bytes=int(layout["layerBytes"]),
-                embed_bytes=int(layout.get("embedBytes", 0)),
-                head_bytes=int(layout.get("headBytes", 0)),
-                kv_bytes_per_token=int(layout.get("kvBytesPerToken", 0)),
-            ) if layout else None,
-        ),
-        stages=StagesSpec(
-            count=stages.get("count", 2),
-            memory=tuple(stages.get("memory") or ()),
-            ranges=None if stages.get("ranges") is None else tuple(
-                (int(r.get("start", 0)), int(r.get("end", 0))) for r in stages["ranges"]),
-            gpus=int(stages.get("gpus", 1)),
-            device=stages.get("device", "auto"),
-            max_batch_tokens=int(stages.get("maxBatchTokens", 256)),
-            resources=_obj(stages.get("resources")),
-            node_selector=_obj(stages.get("nodeSelector")),
-            tolerations=tuple(stages.get("tolerations") or ()),
-            affinity=_obj(stages.get("affinity")),
-        ),
-        frontend=FrontendSpec(
-            replicas=int(frontend.get("replicas", 1)),
-            service_type=service.get("type", "ClusterIP"),
-            service_port=int(service.get("port", 8000)),
-            api_key_secret=api_key.get("name"),
-            api_key_key=api_key.get("key", "api-key"),
-            resources=_obj(frontend.get("resources")),
-            node_selector=_obj(frontend.get("nodeSelector")),
-            tolerations=tuple(frontend.get("tolerations") or ()),
-        ),
-        speculative=SpeculativeSpec(
-            strategy=spec_.get("strategy", "auto"),
-            draft=spec_.get("draft"),
-            no_draft=bool(spec_.get("noDraft", False)),
-            window=WindowSpec(
-                policy=window.get("policy", "adaptive"),
-                size=int(window.get("size", 4)),
-                initial=int(window.get("initial", 4)),
-                min=int(window.get("min", 1)),
-                max=int(window.get("max", 8)),
-            ),
-        ),
-        wire_dtype=spec.get("wireDtype"),
-        context_length=int(spec.get("contextLength", 2048)),
-        max_sessions=int(spec.get("maxSessions", 16)),
-        metrics=bool(telemetry.get("metrics", True)),
-        debug_tracing=bool(telemetry.get("debugTracing", False)),
-        images=ImagesSpec(
-            stage=images.get("stage"),
-            frontend=images.get("frontend"),
-            pull_policy=images.get("pullPolicy", "IfNotPresent"),
-            pull_secrets=tuple(images.get("pullSecrets") or ()),
-        ),
-    )
+    """Typed view of a (possibly un-defaulted) spec. Raises SpecError naming each bad field by its CRD path."""
+    try:
+        return MeshSpec.model_validate(spec)
+    except ValidationError as exc:
+        problems = (f"spec.{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise SpecError("; ".join(dict.fromkeys(problems))) from None
 
 
 def validate(spec: MeshSpec) -> list[str]:
     """The CRD's CEL rules, evaluated in Python: the messages of every rule the spec breaks."""
     errors: list[str] = []
-    if spec.model.pvc_claim and spec.model.layout is None:
+    if spec.model.pvc is not None and spec.model.layout is None:
         errors.append(MSG_PVC_LAYOUT)
     st = spec.stages
     count_is_int = isinstance(st.count, int) and not isinstance(st.count, bool)
@@ -217,16 +216,16 @@ def validate(spec: MeshSpec) -> list[str]:
         errors.append(MSG_MEMORY_COUNT)
     if st.ranges is not None and not (count_is_int and len(st.ranges) == st.count):
         errors.append(MSG_RANGES_COUNT)
-    if any(start >= end for start, end in st.ranges or ()):
+    if any(r.start >= r.end for r in st.ranges or ()):
         errors.append(MSG_RANGE_ORDER)
     if st.ranges and not all(
-        sum(1 for b in st.ranges if b[0] < a[1] and a[0] < b[1]) == 1 for a in st.ranges
+        sum(1 for b in st.ranges if b.start < a.end and a.start < b.end) == 1 for a in st.ranges
     ):
         errors.append(MSG_RANGES_OVERLAP)
     sp = spec.speculative
     if sp.no_draft and sp.draft is not None:
         errors.append(MSG_DRAFT_NODRAFT)
-    if sp.draft is not None and sp.strategy not in ("draft", "auto"):
+    if sp.draft is not None and sp.strategy not in (None, "draft", "auto"):
         errors.append(MSG_DRAFT_STRATEGY)
     w = sp.window
     if w.policy == "adaptive" and not (w.min <= w.initial <= w.max):

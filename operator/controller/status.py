@@ -107,9 +107,10 @@ def _condition(ctype: str, status: str, reason: str, message: str, generation: i
     }
 
 
-def compute_status(mesh: dict, spec: MeshSpec, outcome: PlanOutcome, deployments: dict[str, dict],
+def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
                    pods: list[dict], now: str) -> dict:
-    """The whole status object. deployments: by name; pods: every pod carrying the mesh label."""
+    """The whole status object. deployments: by name; pods: every pod carrying the mesh label;
+    spec: None when it does not parse (then outcome says why and there is no plan)."""
     meta = mesh["metadata"]
     base, ns = base_name(meta["name"]), meta["namespace"]
     generation = int(meta.get("generation", 0))
@@ -172,7 +173,7 @@ def compute_status(mesh: dict, spec: MeshSpec, outcome: PlanOutcome, deployments
         conditions.append(cond("FrontendReady", "True", "FrontendReady", "the frontend answers /ready"))
     elif front is None:
         conditions.append(cond("FrontendReady", "False", "NoFrontend", "the frontend Deployment does not exist yet"))
-    elif spec.frontend.replicas == 0:
+    elif spec is not None and spec.frontend.replicas == 0:
         conditions.append(cond("FrontendReady", "False", "ScaledToZero", "frontend.replicas is 0"))
     else:
         conditions.append(cond("FrontendReady", "False", "FrontendNotReady",
@@ -208,7 +209,7 @@ def compute_status(mesh: dict, spec: MeshSpec, outcome: PlanOutcome, deployments
     else:
         status["phase"] = "Ready" if ready else "Progressing"
 
-    if plan is not None:
+    if plan is not None and spec is not None:
         status["planHash"] = plan.hash
         status["speculative"] = {"strategy": plan.speculative.strategy, "reason": plan.speculative.reason,
                                  "message": plan.speculative.message}

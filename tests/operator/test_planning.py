@@ -144,11 +144,15 @@ def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: ob
         c = resolve_speculative(spec(speculative=speculative), info)
         return c.strategy, c.reason
 
+    # strategy unset (the CRD has no default): the package's declared draft is used
     assert choose(info) == ("draft", "PackageDefault")
-    assert choose(info, noDraft=True) == ("ngram", "AutoNgram")
+    assert choose(info, strategy="auto") == ("auto", "Requested")  # an explicit auto is not "unset"
+    assert choose(info, noDraft=True) == ("auto", "NoDraft")
     assert choose(info, strategy="none") == ("none", "Disabled")
     assert choose(info, strategy="ngram") == ("ngram", "Requested")
-    assert choose(plain, strategy="draft", draft="org/d") == ("draft", "SpecDraft")
+    assert choose(info, strategy="draft") == ("draft", "Requested")
+    assert choose(plain, strategy="draft", draft="org/d") == ("draft", "Requested")
+    assert choose(plain, draft="org/d") == ("draft", "Requested")
     assert choose(plain, strategy="draft") == ("none", "DraftUnresolved")
-    assert choose(plain) == ("ngram", "AutoNgram")
+    assert choose(plain) == ("auto", "Auto")
     assert choose(ModelInfo(info.inputs, "hub", None)) == ("auto", "Auto")

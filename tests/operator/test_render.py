@@ -61,7 +61,7 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         c = container(objs[("Deployment", f"code-stage-{i}")])
         args = c["args"]
         parsed = parser.parse_args(args)  # the stage program's own argparse contract
-        assert parsed.command == "stage" and parsed.layers == f"{start}:{end}"
+        assert parsed.command == "stage" and parsed.layers == (start, end)
         assert parsed.stage_index == i and parsed.num_stages == 3 and parsed.port == R.STAGE_GRPC_PORT
         assert parsed.model == "bundled://imesh-code-target"
         want_downstream = None if i == 2 else f"code-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
@@ -79,7 +79,7 @@ def test_frontend_arguments_list_every_stage_in_order_and_parse() -> None:
     c = container(children(spec)[("Deployment", "code-frontend")])
     parsed = build_parser().parse_args(c["args"])
     assert parsed.command == "frontend" and parsed.model == "org/m" and parsed.revision == "v2"
-    assert parsed.stage_addresses.split(",") == [f"code-stage-{i}.ml.svc:50051" for i in range(3)]
+    assert parsed.stage_addresses == tuple(f"code-stage-{i}.ml.svc:50051" for i in range(3))
     assert (parsed.speculative, parsed.draft, parsed.window) == ("draft", "org/d", "6")
     assert (parsed.max_context, parsed.max_sessions, parsed.wire_dtype) == (4096, 4, "bfloat16")
     assert parsed.debug_telemetry and parsed.served_model_name == "org/m"
@@ -91,6 +91,16 @@ def test_bundled_model_name_is_served_without_the_scheme_and_no_draft_flag() -> 
                             "speculative": {"noDraft": True}})[("Deployment", "code-frontend")])
     parsed = build_parser().parse_args(c["args"])
     assert parsed.served_model_name == "imesh-code-target" and parsed.no_draft and parsed.window == "adaptive:4:1:8"
+
+
+@pytest.mark.parametrize("strategy", [None, "auto", "ngram", "none"])
+def test_the_frontend_gets_speculative_only_when_the_spec_sets_it(strategy: str | None) -> None:
+    """Unset (the CRD has no default) leaves the choice to the model package's declaration, else auto."""
+    speculative = {"strategy": strategy} if strategy else {}
+    args = container(children({"model": {"name": "org/m"}, "speculative": speculative})[
+        ("Deployment", "code-frontend")])["args"]
+    assert arg(args, "--speculative") == strategy
+    assert build_parser().parse_args(args).speculative == strategy
 
 
 def test_network_policy_admits_only_the_frontend_and_the_previous_stage() -> None:

@@ -1,8 +1,9 @@
-"""The spec's defaults and cross-field rules agree between the CRD (one source of truth) and Python."""
+"""The spec model's fields, defaults and cross-field rules agree with the CRD (one source of truth)."""
 
 from __future__ import annotations
 
 import copy
+import typing
 from pathlib import Path
 
 import celpy
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel, TypeAdapter
 
 from inferencemesh.operator import spec as S
 
@@ -61,7 +63,127 @@ def test_python_defaults_equal_the_crd_defaults() -> None:
     minimal = {"model": {"name": "org/model"}}
     defaulted = apply_defaults(SPEC_SCHEMA, minimal)
     assert defaulted["stages"]["count"] == 2 and defaulted["speculative"]["window"]["policy"] == "adaptive"
+    assert "strategy" not in defaulted["speculative"]  # unset stays unset: the package's strategy, else auto
     assert S.parse_spec(minimal) == S.parse_spec(defaulted)
+    assert S.parse_spec(minimal).speculative.strategy is None
+
+
+# ---- the model mirrors the CRD's spec schema ---------------------------------------------------
+
+class Field(typing.NamedTuple):
+    annotation: object
+    required: bool
+    default: object
+
+
+def model_fields(cls: type) -> dict[str, Field]:
+    """A pydantic model's or a NamedTuple's fields, by the name they have in the CRD."""
+    if issubclass(cls, BaseModel):
+        return {f.alias or name: Field(f.annotation, f.is_required(), f.get_default(call_default_factory=True))
+                for name, f in cls.model_fields.items()}
+    hints = typing.get_type_hints(cls)
+    return {name: Field(hints[name], name not in cls._field_defaults, cls._field_defaults.get(name))
+            for name in cls._fields}
+
+
+def type_args(annotation: object) -> list[object]:
+    """Every type inside an annotation: X | None -> [X, None]; tuple[X, ...] -> [X, ...]; and so on."""
+    found = [annotation]
+    for arg in typing.get_args(annotation):
+        found += type_args(arg)
+    return found
+
+
+def nested_model(annotation: object) -> type | None:
+    return next((a for a in type_args(annotation) if isinstance(a, type) and a is not tuple
+                 and (issubclass(a, BaseModel) or hasattr(a, "_fields"))), None)
+
+
+def literal_values(annotation: object) -> set | None:
+    literals = [a for a in type_args(annotation) if typing.get_origin(a) is typing.Literal]
+    return {v for lit in literals for v in typing.get_args(lit)} if literals else None
+
+
+ABSENT = (None, "", (), {})  # what a field the CRD gives no default holds when unset
+
+
+def schema_drift(cls: type, schema: dict, path: str) -> list[str]:
+    """How the model class and the CRD (sub)schema disagree: fields, required, defaults, enums."""
+    properties, fields = schema.get("properties") or {}, model_fields(cls)
+    problems = [f"{path}.{key}: in the CRD but not in {cls.__name__}" for key in properties.keys() - fields.keys()]
+    problems += [f"{path}.{key}: in {cls.__name__} but not in the CRD" for key in fields.keys() - properties.keys()]
+    required = set(schema.get("required") or ())
+    for key in sorted(properties.keys() & fields.keys()):
+        prop, field, where = properties[key], fields[key], f"{path}.{key}"
+        if field.required != (key in required):
+            problems.append(f"{where}: required in the CRD: {key in required}, in the model: {field.required}")
+        if "default" in prop:
+            want = TypeAdapter(field.annotation).validate_python(prop["default"])
+            if field.required or field.default != want:
+                problems.append(f"{where}: CRD default {prop['default']!r}, model default {field.default!r}")
+        elif not field.required and not any(field.default == a and type(field.default) is type(a) for a in ABSENT):
+            problems.append(f"{where}: no CRD default, but the model defaults to {field.default!r}")
+        if literal_values(field.annotation) != (set(prop["enum"]) if "enum" in prop else None):
+            problems.append(f"{where}: CRD enum {prop.get('enum')}, model {literal_values(field.annotation)}")
+        sub_schema = prop if "properties" in prop else (prop.get("items") or {})
+        sub_model = nested_model(field.annotation)
+        if "properties" in sub_schema or sub_model is not None:
+            if sub_model is None or "properties" not in sub_schema:
+                problems.append(f"{where}: an object in one of CRD and model, not in the other")
+            else:
+                problems += schema_drift(sub_model, sub_schema, where)
+    return problems
+
+
+def test_the_spec_model_mirrors_the_crd_schema() -> None:
+    """Every CRD spec property is a model field and vice versa, with the same default, requiredness and enum."""
+    assert schema_drift(S.MeshSpec, SPEC_SCHEMA, "spec") == []
+
+
+def test_the_drift_check_catches_drift() -> None:
+    drifted = copy.deepcopy(SPEC_SCHEMA)
+    stages = drifted["properties"]["stages"]["properties"]
+    stages["maxBatchTokens"]["default"] = 512
+    stages["newKnob"] = {"type": "string"}
+    del drifted["properties"]["telemetry"]["properties"]["debugTracing"]
+    drifted["properties"]["speculative"]["properties"]["strategy"]["default"] = "auto"
+    drifted["properties"]["model"]["properties"]["dtype"]["enum"].append("float8")
+    drifted["properties"]["frontend"]["properties"]["apiKeySecret"]["required"] = []
+    found = "\n".join(schema_drift(S.MeshSpec, drifted, "spec"))
+    for path in ("spec.stages.maxBatchTokens: CRD default 512", "spec.stages.newKnob: in the CRD",
+                 "spec.telemetry.debugTracing: in TelemetrySpec but not", "spec.speculative.strategy: CRD default",
+                 "spec.model.dtype: CRD enum", "spec.frontend.apiKeySecret.name: required"):
+        assert path in found, found
+
+
+def test_a_spec_the_model_refuses_names_the_fields() -> None:
+    """Only an object the API server did not check against this CRD gets here (e.g. stored before a CRD
+    change); the reconciler reports the message as Planned=False/InvalidSpec."""
+    with pytest.raises(S.SpecError) as err:
+        S.parse_spec({"model": {"name": "m", "dtype": "float8"}, "stages": {"gpus": "many"}, "frontend": []})
+    message = str(err.value)
+    assert "spec.model.dtype: Input should be 'auto', 'float32', 'float16' or 'bfloat16'" in message
+    assert "spec.stages.gpus: Input should be a valid integer" in message
+    assert "spec.frontend: Input should be a valid dictionary" in message
+    with pytest.raises(S.SpecError, match=r"spec\.model: Field required"):
+        S.parse_spec({})
+
+
+def test_nested_fields_keep_their_flat_names() -> None:
+    spec = S.parse_spec({"model": {"name": "m", "pvc": {"claimName": "c"}, "layout": {"numLayers": 2, "layerBytes": 1}},
+                         "frontend": {"service": {"type": "NodePort", "port": 443},
+                                      "apiKeySecret": {"name": "keys"}},
+                         "telemetry": {"metrics": False, "debugTracing": True},
+                         "security": {"mtlsSecretName": "tls"},
+                         "stages": {"count": 2, "ranges": [{"start": 0, "end": 1}, {"start": 1, "end": 2}]}})
+    assert (spec.model.pvc_claim, spec.model.pvc_sub_path) == ("c", "")
+    assert (spec.frontend.service_type, spec.frontend.service_port) == ("NodePort", 443)
+    assert (spec.frontend.api_key_secret, spec.frontend.api_key_key) == ("keys", "api-key")
+    assert (spec.metrics, spec.debug_tracing, spec.mtls_secret) == (False, True, "tls")
+    assert spec.stages.ranges == ((0, 1), (1, 2)) and spec.stages.ranges[1].start == 1
+    bare = S.parse_spec({"model": {"name": "m"}})
+    assert (bare.model.pvc_claim, bare.frontend.api_key_secret, bare.mtls_secret, bare.stages.ranges) == (
+        None, None, None, None)
 
 
 def test_every_cel_rule_has_its_message_in_python() -> None:
@@ -94,6 +216,8 @@ CASES = [
     ({"model": {"name": "m", "pvc": {"claimName": "c"}}}, {S.MSG_PVC_LAYOUT}),
     ({"speculative": {"draft": "d", "noDraft": True}}, {S.MSG_DRAFT_NODRAFT}),
     ({"speculative": {"draft": "d", "strategy": "ngram"}}, {S.MSG_DRAFT_STRATEGY}),
+    ({"speculative": {"draft": "d"}}, set()),  # unset strategy: a named draft means draft
+    ({"speculative": {"draft": "d", "strategy": "auto"}}, set()),
     ({"speculative": {"window": {"policy": "adaptive", "min": 5, "initial": 4, "max": 8}}}, {S.MSG_WINDOW}),
     ({"speculative": {"window": {"policy": "fixed", "min": 5, "initial": 4, "max": 2}}}, set()),
 ]
