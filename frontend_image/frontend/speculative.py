@@ -362,7 +362,7 @@ class Speculation:
         self.choice, self.draft, self.metrics, self.tokenizer = choice, draft, metrics, tokenizer
         self.batcher = DraftBatcher()  # shared by the requests of this strategy
         if metrics is not None:
-            metrics.set_speculative_strategy(choice.strategy, choice.message)
+            metrics.set_speculative_strategy(choice.strategy, choice.reason)
             metrics.set_window_size(choice.window.initial if choice.strategy != "none" else 0)
 
     @property

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import kopf
 from prometheus_client import start_http_server
 
+from inferencemesh.config import OperatorConfig
 
-def run_operator(args: argparse.Namespace) -> int:
+
+def run_operator(args: OperatorConfig) -> int:
     kopf.configure(verbose=False, log_prefix=True)
     logging.getLogger("inferencemesh").setLevel(logging.INFO)
     # One line per watch event ("Handler ... succeeded") and per probe drowns what matters; errors still show.
@@ -20,7 +21,7 @@ def run_operator(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port)
     from inferencemesh.operator import handlers  # noqa: F401 - importing registers the kopf handlers
 
-    namespaces = args.namespace or []
+    namespaces = list(args.namespace)
     kopf.run(
         standalone=bool(args.standalone),
         clusterwide=not namespaces,

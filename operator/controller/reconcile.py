@@ -13,12 +13,14 @@ import datetime
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.operator import metrics
+from inferencemesh.operator.frontend_probe import observed_strategy
 from inferencemesh.operator.kube import Kube, Write
 from inferencemesh.operator.modelfacts import ModelFacts, ModelUnavailable
 from inferencemesh.operator.planning import make_plan
@@ -27,10 +29,12 @@ from inferencemesh.operator.render import (
     LABEL_MESH,
     RenderOptions,
     base_name,
+    frontend_metrics_url,
+    frontend_name,
     render_children,
 )
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
-from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status
+from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status, deployment_ready
 from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
@@ -69,10 +73,12 @@ def _owned_by(obj: dict, uid: str) -> bool:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, facts: ModelFacts | None = None, options: RenderOptions | None = None) -> None:
+    def __init__(self, kube: Kube, facts: ModelFacts | None = None, options: RenderOptions | None = None,
+                 observe: Callable[[str], tuple[str, str] | None] = observed_strategy) -> None:
         self.kube = kube
         self.facts = facts or ModelFacts()
         self.options = options or RenderOptions()
+        self.observe = observe  # metrics URL -> the frontend's (strategy, reason)
 
     def reconcile(self, namespace: str, name: str) -> Result:
         """Converge one mesh; safe to call any number of times (blocking: API calls)."""
@@ -117,7 +123,10 @@ class Reconciler:
                 live["Deployment"] = self.kube.list("Deployment", namespace, selector)
         deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
         pods = self.kube.list("Pod", namespace, selector)
-        status = compute_status(mesh, spec, outcome, deployments, pods, _now())
+        observed = None
+        if spec is not None and outcome.plan is not None and deployment_ready(deployments.get(frontend_name(base))):
+            observed = self.observe(frontend_metrics_url(base, namespace, spec))
+        status = compute_status(mesh, spec, outcome, deployments, pods, _now(), observed_speculative=observed)
         self._write_status(mesh, status, result)
         result.phase = status["phase"]
         return result

@@ -113,6 +113,10 @@ def endpoint_url(base: str, namespace: str, spec: MeshSpec) -> str:
     return f"http://{frontend_name(base)}.{namespace}.svc:{spec.frontend.service_port}/v1"
 
 
+def frontend_metrics_url(base: str, namespace: str, spec: MeshSpec) -> str:
+    return f"http://{frontend_name(base)}.{namespace}.svc:{spec.frontend.service_port}/metrics"
+
+
 def served_model_name(spec: MeshSpec) -> str:
     if spec.model.served_model_name:
         return spec.model.served_model_name

@@ -28,6 +28,7 @@ from inferencemesh.operator.render import (
     stage_name,
 )
 from inferencemesh.operator.spec import MeshSpec
+from inferencemesh.speculation import SpeculativeChoice
 
 CONDITION_TYPES = ("Planned", "StagesReady", "FrontendReady", "Ready", "Degraded")
 FAILING_WAIT_REASONS = {
@@ -107,10 +108,22 @@ def _condition(ctype: str, status: str, reason: str, message: str, generation: i
     }
 
 
+def speculative_status(planned: SpeculativeChoice, observed: tuple[str, str] | None) -> dict:
+    """What the frontend runs: its own report when there is one, else the plan's prediction."""
+    if observed is None:
+        return {"strategy": planned.strategy, "reason": planned.reason, "message": planned.message}
+    strategy, reason = observed
+    if (strategy, reason) == (planned.strategy, planned.reason):
+        return {"strategy": strategy, "reason": reason, "message": planned.message + " (the frontend runs it)"}
+    return {"strategy": strategy, "reason": reason,
+            "message": f"the frontend runs {strategy} ({reason}); planned was {planned.strategy}: {planned.message}"}
+
+
 def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
-                   pods: list[dict], now: str) -> dict:
+                   pods: list[dict], now: str, observed_speculative: tuple[str, str] | None = None) -> dict:
     """The whole status object. deployments: by name; pods: every pod carrying the mesh label;
-    spec: None when it does not parse (then outcome says why and there is no plan)."""
+    spec: None when it does not parse (then outcome says why and there is no plan);
+    observed_speculative: the (strategy, reason) the running frontend reports, if it could be read."""
     meta = mesh["metadata"]
     base, ns = base_name(meta["name"]), meta["namespace"]
     generation = int(meta.get("generation", 0))
@@ -211,8 +224,7 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
 
     if plan is not None and spec is not None:
         status["planHash"] = plan.hash
-        status["speculative"] = {"strategy": plan.speculative.strategy, "reason": plan.speculative.reason,
-                                 "message": plan.speculative.message}
+        status["speculative"] = speculative_status(plan.speculative, observed_speculative)
         status["endpoint"] = endpoint_url(base, ns, spec)
     else:
         for key in ("planHash", "speculative", "endpoint", "stagesSummary"):
