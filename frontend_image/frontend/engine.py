@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine_api import (
     ContextLengthExceeded,
     EngineError,
@@ -43,7 +44,7 @@ class EngineOptions:
     max_waiting: int = 256  # queued beyond that: 429
     prefill_chunk: int = 256  # prompt tokens per frame (bounded message size, interleaving)
     queue_timeout_s: float = 60.0
-    recovery_timeout_s: float = 60.0  # how long an in-flight request waits for a lost stage to return
+    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT  # how long an in-flight request waits for a lost stage
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
 
 

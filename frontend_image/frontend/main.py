@@ -23,7 +23,8 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
                                       device=config.device, max_context=config.max_context)
     pipeline = GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir))
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
-                            max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry)
+                            max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
+                            recovery_timeout_s=config.recovery_timeout)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}), speculation
 

@@ -34,6 +34,7 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 # a CPU stage next to the frontend needs (measured on 2 cores, bundled models, 2 stages: the
 # first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
 DEFAULT_DRAFT_THREADS = 1
+DEFAULT_RECOVERY_TIMEOUT = 180.0
 STAGE_GRPC_PORT = 50051
 STAGE_METRICS_PORT = 9090
 FRONTEND_PORT = 8000
@@ -170,6 +171,10 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     api_key_env: str = option(API_KEY_ENV, "environment variable holding the API key (unset or empty: no auth)")
     max_body_bytes: int = option(1024 * 1024, "largest request body", parse=int)
     device: str = option("auto", "where the draft model runs", choices=DEVICES)
+    # A lost stage comes back when its process (serve) or pod (a Deployment) restarts and reloads
+    # its layers: seconds on a warm machine, over a minute for a rescheduled pod on a busy node.
+    recovery_timeout: float = option(DEFAULT_RECOVERY_TIMEOUT, "seconds an in-flight request waits for a "
+                                     "lost stage to return before it fails", parse=float)
 
     def check(self) -> FrontendConfig:
         if not self.stage_addresses:
