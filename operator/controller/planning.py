@@ -52,11 +52,26 @@ def plan_layers(spec: MeshSpec, inputs: PlanInputs) -> list[StagePlan]:
     num_layers = len(inputs.layer_bytes)
     if num_layers > MAX_PLAN_LAYERS:
         raise PlanError(f"the model has {num_layers} layers; the operator plans models of up to {MAX_PLAN_LAYERS}")
-    memory = [parse_bytes(m) for m in spec.stages.memory] or None
+    memory, source = stage_memory_budgets(spec)
     if memory and any(m <= 0 for m in memory):
-        raise PlanError("stage memory sizes must be positive")
-    return list(_cached_plan(inputs, spec.stages.count, tuple(spec.stages.ranges or ()),
-                             tuple(memory or ())))
+        raise PlanError(f"{source}: stage memory sizes must be positive")
+    try:
+        return list(_cached_plan(inputs, spec.stages.count, tuple(spec.stages.ranges or ()),
+                                 tuple(memory or ())))
+    except PlanError as err:
+        raise PlanError(f"{err} (memory budget from {source})" if memory else str(err)) from err
+
+
+def stage_memory_budgets(spec: MeshSpec) -> tuple[list[int] | None, str]:
+    """The per-stage memory the plan must fit, and where it came from: stages.memory when given;
+    else, for CPU stages, the container's memory limit, since the layers, their KV reserve and the
+    runtime all live in the pod's own memory (a plan beyond it would be OOM-killed while loading)."""
+    if spec.stages.memory:
+        return [parse_bytes(m) for m in spec.stages.memory], "stages.memory"
+    limit = ((spec.stages.resources or {}).get("limits") or {}).get("memory")
+    if limit and (spec.stages.device == "cpu" or not spec.stages.gpus):
+        return [parse_bytes(str(limit))], f"stages.resources.limits.memory ({limit})"
+    return None, "none"
 
 
 @lru_cache(maxsize=256)

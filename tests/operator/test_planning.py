@@ -156,3 +156,27 @@ def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: ob
     assert choose(plain, strategy="draft") == ("none", "DraftUnresolved")
     assert choose(plain) == ("auto", "Auto")
     assert choose(ModelInfo(info.inputs, "hub", None)) == ("auto", "Auto")
+
+
+def test_a_cpu_stages_memory_limit_is_its_budget() -> None:
+    """A CPU stage holds its layers in the pod's own memory: a limit below them is refused at
+    planning time, with where the budget came from, instead of a pod OOM-killed while loading."""
+    from inferencemesh.operator.planning import stage_memory_budgets
+    from inferencemesh.operator.spec import parse_spec
+
+    def cpu_spec(limit: str) -> object:
+        return parse_spec({"model": {"name": "bundled://imesh-code-target"},
+                           "stages": {"count": 2, "gpus": 0, "device": "cpu",
+                                      "resources": {"limits": {"memory": limit}}}})
+
+    assert stage_memory_budgets(cpu_spec("2Gi")) == ([2 * 1024**3], "stages.resources.limits.memory (2Gi)")
+    gpu = parse_spec({"model": {"name": "m"}, "stages": {"resources": {"limits": {"memory": "1Gi"}}}})
+    assert stage_memory_budgets(gpu) == (None, "none")  # a GPU stage's layers live in GPU memory
+    explicit = parse_spec({"model": {"name": "m"}, "stages": {"memory": ["8Gi"], "resources": {
+        "limits": {"memory": "1Gi"}}}})
+    assert stage_memory_budgets(explicit) == ([8 * 1024**3], "stages.memory")
+    inputs = PlanInputs(layer_bytes=(100 * 1024**2,) * 4, embed_bytes=0, tail_bytes=0, kv_bytes_per_layer=0,
+                        overhead_bytes=0)
+    with pytest.raises(PlanError, match="limits.memory"):
+        plan_layers(cpu_spec("64Mi"), inputs)
+    assert len(plan_layers(cpu_spec("1Gi"), inputs)) == 2
