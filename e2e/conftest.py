@@ -10,6 +10,13 @@ endpoint through the frontend Service and clean up. Settings (environment):
   IMESH_E2E_NAMESPACE        namespace of the mesh (default imesh-e2e); the operator goes to <ns>-system
   IMESH_E2E_TIMEOUT          seconds to wait for Ready (default 900)
   IMESH_E2E_SERVER_SIDE      "false" to install with client-side apply (Kubernetes < 1.25)
+  IMESH_E2E_CONTAINERD_ADDRESS  the node's containerd socket, where the tests run on the node
+                             (tools/cluster/up.sh): enables the SIGKILL-a-container case
+tools/cluster/up.sh prints all of these for its local cluster:
+  eval "$(tools/cluster/up.sh | grep ^export)" && python -m pytest e2e -v
+
+Most tests share one mesh (the `shared_mesh` fixture) to keep the run short; a test that changes
+it puts it back. Tests marked `e2e_last` (deleting the mesh, uninstalling the chart) run last.
 """
 
 from __future__ import annotations
@@ -20,16 +27,36 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from imesh_e2e import REPO, get_json, kubectl, wait_for
+from imesh_e2e import (
+    PROMPTS,
+    REPO,
+    apply,
+    delete_mesh,
+    get_json,
+    greedy,
+    kubectl,
+    local_serve,
+    mesh_doc,
+    wait_for,
+    wait_ready,
+)
+
+SHARED_MESH = "e2e"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e_last: an e2e test that tears shared things down; runs last")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    ours = [item for item in items if here in Path(item.fspath).parents]  # only e2e's own tests
     if not os.environ.get("KUBECONFIG"):
         skip = pytest.mark.skip(reason="e2e tests need a cluster: set KUBECONFIG")
-        here = Path(__file__).parent
-        for item in items:
-            if here in Path(item.fspath).parents:  # only e2e's own tests
-                item.add_marker(skip)
+        for item in ours:
+            item.add_marker(skip)
+    last = [item for item in ours if item.get_closest_marker("e2e_last")]
+    items[:] = [item for item in items if item not in last] + last
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +71,7 @@ def settings() -> dict:
         "frontend_image": os.environ.get("IMESH_E2E_FRONTEND_IMAGE", ""),
         "pull_policy": os.environ.get("IMESH_E2E_PULL_POLICY", ""),
         "server_side": os.environ.get("IMESH_E2E_SERVER_SIDE", "true").lower() != "false",
+        "containerd_address": os.environ.get("IMESH_E2E_CONTAINERD_ADDRESS", ""),
     }
 
 
@@ -85,3 +113,25 @@ def mesh_namespace(settings: dict, release: str) -> Iterator[str]:
     kubectl("create", "namespace", ns, check=False)
     yield ns
     kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def shared_mesh(settings: dict, mesh_namespace: str) -> Iterator[dict]:
+    """The example mesh (small CPU requests), Ready; deleted at the end of the session."""
+    doc = mesh_doc(settings, SHARED_MESH, small=True)
+    apply(mesh_namespace, doc)
+    try:
+        wait_ready(mesh_namespace, SHARED_MESH, settings["timeout"])
+        yield {"namespace": mesh_namespace, "name": SHARED_MESH, "doc": doc}
+    finally:
+        delete_mesh(mesh_namespace, SHARED_MESH)
+
+
+@pytest.fixture(scope="session")
+def reference(settings: dict) -> dict[str, str]:
+    """Greedy completions of PROMPTS from `inferencemesh serve` run here (same model and dtype)."""
+    from openai import OpenAI
+
+    with local_serve(mesh_doc(settings)["spec"]["model"]["dtype"]) as url:
+        client = OpenAI(base_url=url, api_key="unused", timeout=120)
+        return {prompt: greedy(client, prompt) for prompt in PROMPTS}

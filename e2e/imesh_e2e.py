@@ -1,15 +1,31 @@
-"""Small helpers for the e2e tests (kubectl, polling, ports)."""
+"""Small helpers for the e2e tests: kubectl, polling, ports, port-forwards, mesh manifests, a local
+`inferencemesh serve` to compare with, and an OpenAI client pod inside the cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "inferencemesh.yaml"
+MODEL = "imesh-code-target"
+LABEL_MESH = "inferencemesh.io/mesh"
+# Greedy prompts for the exactness checks: code, prose-ish, a repetitive one (n-gram friendly).
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "for i in range(10):\n    print(i)\n"]
 
 
 def kubectl(*args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> str:
@@ -42,3 +58,239 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float, what: str) -> None:
+    def accepting() -> bool:
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+    wait_for(accepting, timeout, what, 0.5)
+
+
+# ---- the mesh resource ---------------------------------------------------------------------
+
+def mesh_doc(settings: dict, name: str | None = None, *, small: bool = False) -> dict:
+    """examples/inferencemesh.yaml with the images (and pull policy) e2e was given.
+
+    small: CPU requests of 100m instead of the example's 500m, so a 2-core test node also fits the
+    mesh at 3 stages and beside another mesh (the example's requests fill such a node)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    if name:
+        doc["metadata"]["name"] = name
+    images = doc["spec"].setdefault("images", {})
+    if settings["stage_image"]:
+        images["stage"] = settings["stage_image"]
+    if settings["frontend_image"]:
+        images["frontend"] = settings["frontend_image"]
+    if settings["pull_policy"]:
+        images["pullPolicy"] = settings["pull_policy"]
+    if small:
+        for part in ("stages", "frontend"):
+            doc["spec"][part].setdefault("resources", {}).setdefault("requests", {})["cpu"] = "100m"
+    return doc
+
+
+def apply(ns: str, doc: dict) -> None:
+    kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def mesh(ns: str, name: str) -> dict:
+    return get_json("inferencemesh", name, "-n", ns)
+
+
+def conditions(ns: str, name: str) -> dict[str, dict]:
+    status = mesh(ns, name).get("status") or {}
+    return {c["type"]: c for c in status.get("conditions", [])}
+
+
+def is_ready(ns: str, name: str) -> bool:
+    obj = mesh(ns, name)
+    status = obj.get("status") or {}
+    conds = {c["type"]: c for c in status.get("conditions", [])}
+    return (conds.get("Ready", {}).get("status") == "True"
+            and status.get("observedGeneration") == obj["metadata"]["generation"])
+
+
+def wait_ready(ns: str, name: str, timeout: float) -> dict:
+    wait_for(lambda: is_ready(ns, name), timeout, f"InferenceMesh {ns}/{name} to be Ready", 3)
+    return mesh(ns, name)
+
+
+def pods(ns: str, selector: str) -> list[dict]:
+    return get_json("pods", "-n", ns, "-l", selector)["items"]
+
+
+def running_pods(ns: str, selector: str) -> list[dict]:
+    return [p for p in pods(ns, selector) if not p["metadata"].get("deletionTimestamp")]
+
+
+def stage_pod(ns: str, base: str, index: int) -> dict:
+    (pod,) = running_pods(ns, f"{LABEL_MESH}={base},app.kubernetes.io/component=stage,inferencemesh.io/stage={index}")
+    return pod
+
+
+def frontend_pod(ns: str, base: str) -> dict:
+    return running_pods(ns, f"{LABEL_MESH}={base},app.kubernetes.io/component=frontend")[0]
+
+
+def delete_mesh(ns: str, name: str) -> None:
+    kubectl("delete", "inferencemesh", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=120s",
+            check=False)
+
+
+# ---- reaching services ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def port_forward(ns: str, target: str, remote_port: int) -> Iterator[str]:
+    """`kubectl port-forward` to TARGET (svc/NAME or pod/NAME); yields http://127.0.0.1:PORT."""
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(["kubectl", "port-forward", "-n", ns, target, f"{port}:{remote_port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        try:
+            wait_port(port, 30, f"kubectl port-forward {target}")
+        except AssertionError as err:
+            log.seek(0)
+            raise AssertionError(f"port-forward {target} did not open: {log.read().decode(errors='replace')}") from err
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def pod_http(ns: str, pod: str, port: int, path: str) -> str:
+    """GET http://POD:PORT/PATH through the API server's pod proxy."""
+    return kubectl("get", "--raw", f"/api/v1/namespaces/{ns}/pods/{pod}:{port}/proxy/{path.lstrip('/')}")
+
+
+def exec_python(ns: str, pod: str, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["kubectl", "exec", "-n", ns, pod, "--", "python", "-c", code, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# A client inside the cluster, standard library only (the images carry no `openai` package):
+# /v1/models, a completion, a chat completion and a streamed chat completion against the
+# frontend's Service DNS name. Prints one JSON document.
+CLIENT_SCRIPT = r"""
+import json, sys, urllib.request
+base, model = sys.argv[1], sys.argv[2]
+def post(path, body):
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=180)
+out = {"models": json.load(urllib.request.urlopen(base + "/models", timeout=60))}
+out["completion"] = json.load(post("/completions", {"model": model, "prompt": "def add(a, b):",
+                                                     "max_tokens": 16, "temperature": 0}))
+chat = {"model": model, "max_tokens": 16, "temperature": 0,
+        "messages": [{"role": "user", "content": "Write a Python loop."}]}
+out["chat"] = json.load(post("/chat/completions", chat))
+chunks = []
+with post("/chat/completions", dict(chat, stream=True)) as reply:
+    for raw in reply:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks.append(json.loads(line[len("data: "):]))
+        elif line == "data: [DONE]":
+            out["done"] = True
+out["stream"] = chunks
+print(json.dumps(out))
+"""
+
+
+def run_client_pod(ns: str, name: str, image: str, pull_policy: str, url: str, timeout: float = 300) -> dict:
+    """Run CLIENT_SCRIPT in a pod of its own (not part of the mesh); return its JSON output."""
+    container = {"name": "client", "image": image, "command": ["python", "-c", CLIENT_SCRIPT, url, MODEL],
+                 "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "imesh-e2e-client"}},
+           "spec": {"restartPolicy": "Never", "containers": [container],
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001}}}
+    kubectl("delete", "pod", name, "-n", ns, "--ignore-not-found", "--wait=true")
+    apply(ns, pod)
+    try:
+        phase = wait_for(lambda: get_json("pod", name, "-n", ns)["status"].get("phase") in ("Succeeded", "Failed")
+                         and get_json("pod", name, "-n", ns)["status"]["phase"], timeout, f"client pod {name}")
+        logs = kubectl("logs", "-n", ns, name)
+        assert phase == "Succeeded", f"client pod {phase}:\n{logs}"
+        return json.loads(logs.strip().splitlines()[-1])
+    finally:
+        kubectl("delete", "pod", name, "-n", ns, "--ignore-not-found", "--wait=false", check=False)
+
+
+# ---- the local reference -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def local_serve(dtype: str, stages: int = 2, timeout: float = 300) -> Iterator[str]:
+    """`inferencemesh serve` of the bundled model on loopback; yields its /v1 base URL."""
+    port, stage_port = free_port(), free_port()
+    log = tempfile.NamedTemporaryFile(prefix="imesh-e2e-serve-", suffix=".log", delete=False)
+    exe = shutil.which("inferencemesh")
+    cmd = [exe] if exe else [sys.executable, "-m", "inferencemesh.cli"]
+    cmd += ["serve", "--stages", str(stages), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+            "--base-stage-port", str(stage_port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"inferencemesh serve exited {proc.returncode}: {Path(log.name).read_text()[-3000:]}")
+        try:
+            return urllib.request.urlopen(base + "/ready", timeout=5).status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(ready, timeout, "local inferencemesh serve to be ready", 1)
+        yield base + "/v1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the launcher and its stages
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+        os.unlink(log.name)
+
+
+def greedy(client, prompt: str, max_tokens: int = 48) -> str:  # noqa: ANN001 - an openai.OpenAI
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].text
+
+
+# ---- watching a mesh while something happens -----------------------------------------------
+
+class ConditionWatcher:
+    """Polls a mesh's conditions in a thread and remembers every (type, status) seen."""
+
+    def __init__(self, ns: str, name: str, interval: float = 1.0) -> None:
+        self.ns, self.name, self.interval = ns, name, interval
+        self.seen: set[tuple[str, str]] = set()
+        self.history: list[tuple[float, dict[str, str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                conds = {t: c["status"] for t, c in conditions(self.ns, self.name).items()}
+                self.seen |= set(conds.items())
+                self.history.append((time.monotonic(), conds))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> ConditionWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)

@@ -54,6 +54,6 @@ def test_example_serves_openai_through_its_service(settings: dict, mesh_namespac
             forward.wait(10)
     finally:
         kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=true", "--timeout=120s", check=False)
-    wait_for(lambda: not get_json("deployments,services,configmaps,networkpolicies", "-n", ns, "-l",
-                                  f"inferencemesh.io/mesh={name}")["items"], 180, "the children to be collected")
+    wait_for(lambda: not get_json("deployments,replicasets,pods,services,configmaps,networkpolicies", "-n", ns,
+                                  "-l", f"inferencemesh.io/mesh={name}")["items"], 180, "the children to be collected")
 

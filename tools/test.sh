@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# The test command (README): installs what the tests need, then runs the whole suite.
-# Idempotent and cached: a second run installs nothing and reuses the Kubernetes binaries.
+# The test command (README): installs what the tests need, then runs the unit and integration
+# tests (tests/) and, when asked, the end-to-end tests (e2e/) on a real cluster.
+#
+#   bash tools/test.sh                   tests/
+#   IMESH_E2E=1 bash tools/test.sh       tests/, then e2e/ on a local single-node cluster that this
+#                                        script brings up (tools/cluster/up.sh) and tears down after
+#   KUBECONFIG=... bash tools/test.sh    tests/, then e2e/ on that cluster (set IMESH_E2E_* images)
+#   bash tools/test.sh tests/test_x.py   only what you name (no cluster)
+#
+# Idempotent and cached: a second run installs nothing and reuses the Kubernetes binaries, the
+# base image and unchanged images.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -16,7 +25,28 @@ if ! command -v promtool >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
 fi
 
-# etcd + kube-apiserver + kube-controller-manager for the operator tests (built once, cached).
+# etcd + the Kubernetes binaries for the operator tests and the local cluster (built once, cached).
 bash tools/k8s/ensure_binaries.sh
 
-exec python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=15)
+if [ "$#" -gt 0 ]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+
+# Two runs, not one: the operator tests point KUBECONFIG at control planes of their own for the
+# whole session, and the unit tests should not share the two cores with a running cluster.
+unit=0
+"${PYTEST[@]}" tests || unit=$?
+if [ -z "${KUBECONFIG:-}" ] && [ "${IMESH_E2E:-0}" != 1 ]; then
+  exit "$unit"
+fi
+if [ -z "${KUBECONFIG:-}" ]; then
+  started=$(date +%s)
+  trap 'bash tools/cluster/down.sh >&2 || true' EXIT
+  eval "$(bash tools/cluster/up.sh | grep '^export ')"
+  echo "[test.sh] local cluster ready in $(( $(date +%s) - started ))s" >&2
+fi
+e2e=0
+"${PYTEST[@]}" e2e || e2e=$?
+echo "[test.sh] tests/ exit $unit, e2e/ exit $e2e" >&2
+[ "$unit" = 0 ] && [ "$e2e" = 0 ]

@@ -52,9 +52,10 @@ mkdir -p "$BIN" "$WORK"
 
 SRCLIST=/etc/apt/sources.list.d/inferencemesh-bookworm-src.sources
 if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ && ! grep -qs '^deb-src .*bookworm' /etc/apt/sources.list; then
+  # The mirror is the one this machine's apt configuration already uses for bookworm main
+  # (a user behind a mirror has another): never a hard-coded URL.
   say "adding deb-src for bookworm main: $SRCLIST"
-  printf 'Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-    | $SUDO tee "$SRCLIST" >/dev/null
+  python3 "$(dirname "$0")/../cluster/apt_sources.py" --deb-src bookworm | $SUDO tee "$SRCLIST" >/dev/null
   apt_updated=0
 fi
 apt_install golang-go rsync make dpkg-dev golang-github-modern-go-reflect2-dev

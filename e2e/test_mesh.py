@@ -1,0 +1,302 @@
+"""One mesh on a real cluster, looked at from every side: status, in-cluster names, the OpenAI API
+from outside and inside, exactness against a local `inferencemesh serve`, metrics, a stage lost
+mid-stream, and a re-plan to more stages. The mesh is the `shared_mesh` fixture (conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from imesh_e2e import (
+    MODEL,
+    PROMPTS,
+    ConditionWatcher,
+    conditions,
+    exec_python,
+    frontend_pod,
+    get_json,
+    greedy,
+    is_ready,
+    kubectl,
+    mesh,
+    pod_http,
+    port_forward,
+    run_client_pod,
+    running_pods,
+    stage_pod,
+    wait_for,
+    wait_ready,
+)
+
+openai = pytest.importorskip("openai")
+FRONTEND_PORT = 8000
+
+
+def openai_client(base: str):  # noqa: ANN201
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def frontend_service(m: dict) -> tuple[str, int]:
+    return f"svc/{m['name']}-frontend", m["doc"]["spec"]["frontend"]["service"]["port"]
+
+
+def pod_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+# ---- (1) + (2): installed, planned, Ready, wired by Service names ------------------------------
+
+def test_the_operator_runs_ready(settings: dict, release: str) -> None:
+    ns = settings["operator_namespace"]
+    dep = get_json("deployment", f"{release}-inferencemesh-operator", "-n", ns)
+    assert dep["status"].get("readyReplicas") == 1
+    (pod,) = running_pods(ns, ",".join(f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items()))
+    assert pod_ready(pod)
+    if settings["operator_image"]:
+        assert pod["spec"]["containers"][0]["image"] == settings["operator_image"]
+
+
+def test_the_mesh_is_ready_with_its_columns_filled(shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    obj = mesh(ns, name)
+    status = obj["status"]
+    assert status["phase"] == "Ready"
+    conds = conditions(ns, name)
+    for kind in ("Planned", "StagesReady", "FrontendReady", "Ready"):
+        assert conds[kind]["status"] == "True", conds[kind]
+    assert conds["Degraded"]["status"] == "False"
+    assert [(s["layerStart"], s["layerEnd"]) for s in status["stages"]] == [(0, 4), (4, 8)]
+    assert all(s["ready"] for s in status["stages"])
+    assert status["endpoint"] == f"http://{name}-frontend.{ns}.svc:{FRONTEND_PORT}/v1"
+    # What `kubectl get imesh` prints: every column filled.
+    header, row = kubectl("get", "inferencemesh", name, "-n", ns, "-o", "wide").splitlines()
+    cells = dict(zip(header.split(), row.split(), strict=True))
+    assert cells["MODEL"] == obj["spec"]["model"]["name"]
+    assert cells["STAGES"] == "2/2" and cells["READY"] == "True" and cells["ENDPOINT"] == status["endpoint"]
+    assert "<none>" not in row, row
+
+
+HEALTH = "from inferencemesh.stage.healthprobe import check; import socket, sys; " \
+         "host = sys.argv[1].rsplit(':', 1)[0]; print(socket.gethostbyname(host)); " \
+         "sys.exit(0 if check(sys.argv[1]) else 3)"
+
+
+def test_stage_and_frontend_reach_the_next_stage_by_service_name(shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    hops = [(stage_pod(ns, name, 0), f"{name}-stage-1"), (frontend_pod(ns, name), f"{name}-stage-0")]
+    for pod, service in hops:
+        cluster_ip = get_json("service", service, "-n", ns)["spec"]["clusterIP"]
+        for address in (f"{service}.{ns}.svc:50051", f"{service}.{ns}.svc.cluster.local:50051"):
+            proc = exec_python(ns, pod["metadata"]["name"], HEALTH, address)
+            assert proc.returncode == 0, f"{pod['metadata']['name']} -> {address}: {proc.stdout}{proc.stderr}"
+            assert proc.stdout.split()[0] == cluster_ip
+
+
+# ---- (3): the OpenAI API, from outside and from inside ---------------------------------------
+
+def test_openai_client_through_port_forward(shared_mesh: dict) -> None:
+    ns = shared_mesh["namespace"]
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        client = openai_client(base)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        reply = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=0)
+        assert reply.choices[0].text and reply.usage.completion_tokens > 0
+        messages = [{"role": "user", "content": "Write a Python loop."}]
+        chat = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=messages)
+        assert chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+        stream = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=messages,
+                                                stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == chat.choices[0].message.content
+
+
+def test_openai_api_from_a_pod_by_service_dns_name(settings: dict, shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    image = settings["frontend_image"] or frontend_pod(ns, name)["spec"]["containers"][0]["image"]
+    url = mesh(ns, name)["status"]["endpoint"]  # http://<name>-frontend.<ns>.svc:8000/v1
+    out = run_client_pod(ns, "imesh-e2e-client", image, settings["pull_policy"], url)
+    assert [m["id"] for m in out["models"]["data"]] == [MODEL]
+    assert out["completion"]["choices"][0]["text"] and out["completion"]["usage"]["completion_tokens"] > 0
+    content = out["chat"]["choices"][0]["message"]["content"]
+    assert content
+    assert out.get("done") and out["stream"], out
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in out["stream"] if c["choices"])
+    assert streamed == content
+
+
+def strategy_metric(text: str) -> set[str]:
+    """Strategies with value 1 in inferencemesh_speculative_strategy_info."""
+    found = set()
+    for line in text.splitlines():
+        m = re.match(r'inferencemesh_speculative_strategy_info\{(.*)\} (\S+)$', line)
+        if m and float(m.group(2)) == 1.0:
+            found.add(re.search(r'strategy="([^"]*)"', m.group(1)).group(1))
+    return found
+
+
+def test_models_and_status_name_the_strategy_the_frontend_runs(shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        import httpx
+
+        (model,) = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
+        metrics = httpx.get(f"{base}/metrics", timeout=60).text
+    served = model["inferencemesh"]["speculative"]
+    running = strategy_metric(metrics)
+    assert running == {served["strategy"]}, f"/v1/models says {served}, the metric says {running}"
+    status = mesh(ns, name)["status"]["speculative"]
+    assert status["strategy"] == served["strategy"], f"status {status} but the frontend runs {served}"
+
+
+# ---- (4): exactly what `inferencemesh serve` answers ------------------------------------------
+
+def test_greedy_output_equals_local_serve(shared_mesh: dict, reference: dict[str, str]) -> None:
+    with port_forward(shared_mesh["namespace"], *frontend_service(shared_mesh)) as base:
+        client = openai_client(base)
+        got = {prompt: greedy(client, prompt) for prompt in PROMPTS}
+    assert got == reference
+
+
+# ---- (8): metrics ------------------------------------------------------------------------------
+
+def promtool_check(text: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+
+
+def test_every_pod_serves_metrics_promtool_accepts(shared_mesh: dict) -> None:
+    if not shutil.which("promtool"):
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    targets = [stage_pod(ns, name, i) for i in range(2)] + [frontend_pod(ns, name)]
+    for pod in targets:
+        advertised = pod["metadata"]["annotations"]
+        assert advertised.get("prometheus.io/scrape") == "true"
+        port = int(advertised["prometheus.io/port"])
+        declared = {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert port in declared, f"{pod['metadata']['name']}: metrics port {port} not among {declared}"
+        text = pod_http(ns, pod["metadata"]["name"], port, advertised.get("prometheus.io/path", "/metrics"))
+        assert "inferencemesh_" in text
+        proc = promtool_check(text)
+        assert proc.returncode == 0, f"{pod['metadata']['name']}:{port}: {proc.stdout}{proc.stderr}"
+
+
+# ---- (5): a stage lost in the middle of a greedy stream ---------------------------------------
+
+LONG_PROMPT, LONG_TOKENS = PROMPTS[0], 400
+
+
+def stream_completion(client, on_token=None) -> str:  # noqa: ANN001
+    pieces = []
+    for chunk in client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=LONG_TOKENS,
+                                           temperature=0, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            if on_token:
+                on_token(len(pieces))
+    return "".join(pieces)
+
+
+def container_id(pod: dict) -> str:
+    (status,) = pod["status"]["containerStatuses"]
+    return status["containerID"].split("://", 1)[1]
+
+
+@pytest.mark.parametrize("how", ["delete-pod", "sigkill-container"])
+def test_a_stage_lost_mid_stream_changes_nothing_in_the_answer(how: str, settings: dict, shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    if how == "sigkill-container" and not settings["containerd_address"]:
+        pytest.skip("needs IMESH_E2E_CONTAINERD_ADDRESS (the tests run on the node, e.g. tools/cluster/up.sh)")
+    wait_ready(ns, name, settings["timeout"])
+    index = 1 if how == "delete-pod" else 0
+    victim = stage_pod(ns, name, index)
+    started = time.time()
+
+    def disrupt() -> None:
+        if how == "delete-pod":
+            kubectl("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=false")
+        else:
+            subprocess.run(["ctr", "--address", settings["containerd_address"], "-n", "k8s.io", "tasks", "kill",
+                            "-s", "SIGKILL", container_id(victim)], check=True, capture_output=True, timeout=30)
+
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        client = openai_client(base)
+        undisturbed = stream_completion(client)
+        done = []
+
+        def on_token(n: int) -> None:
+            if n == 4 and not done:
+                disrupt()
+                done.append(time.monotonic())
+
+        with ConditionWatcher(ns, name) as watch:
+            try:
+                disturbed = stream_completion(client, on_token)
+            except openai.APIError as err:
+                failed = err
+            else:
+                failed = None
+            wait_for(lambda: is_ready(ns, name) and conditions(ns, name)["Degraded"]["status"] == "False",
+                     settings["timeout"], "the mesh to be Ready and not Degraded again", 2)
+        assert done, "the stream ended before the stage could be disrupted"
+        if failed:  # say how long the stage was away, against the frontend's recovery window
+            back = min((t for t, c in watch.history if t > done[0] and c.get("StagesReady") == "True"), default=None)
+            away = f"{back - done[0]:.0f}s" if back else "longer than the test waited"
+            raise AssertionError(f"the stream failed ({failed}); stage {index} was back after {away}") from failed
+        assert disturbed == undisturbed
+        # The frontend really carried the request over a lost stage (not a stream that finished first).
+        logs = kubectl("logs", "-n", ns, frontend_pod(ns, name)["metadata"]["name"],
+                       f"--since={int(time.time() - started) + 5}s")
+        assert "recovered in" in logs, logs[-2000:]
+        assert ("Degraded", "True") in watch.seen, f"Degraded never showed: {watch.seen}"
+        # And the next request is served normally.
+        assert undisturbed.startswith(greedy(client, LONG_PROMPT, max_tokens=8))
+    if how == "delete-pod":
+        assert stage_pod(ns, name, index)["metadata"]["name"] != victim["metadata"]["name"]
+    else:
+        assert stage_pod(ns, name, index)["status"]["containerStatuses"][0]["restartCount"] >= 1
+
+
+# ---- (6): more stages -----------------------------------------------------------------------------
+
+def scale(ns: str, name: str, count: int) -> None:
+    patch = json.dumps({"spec": {"stages": {"count": count}}})
+    kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", patch)
+
+
+def stage_pods(ns: str, name: str) -> list[dict]:
+    return running_pods(ns, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=stage")
+
+
+def test_three_stages_replan_and_answer_the_same(settings: dict, shared_mesh: dict, reference: dict[str, str]) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    wait_ready(ns, name, settings["timeout"])
+    before = {p["metadata"]["name"] for p in stage_pods(ns, name)}
+    scale(ns, name, 3)
+    try:
+        status = wait_ready(ns, name, settings["timeout"])["status"]
+        ranges = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]
+        assert len(ranges) == 3 and ranges[0][0] == 0 and ranges[-1][1] == 8
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
+        assert status["stagesSummary"] == "3/3"
+        wait_for(lambda: not before & {p["metadata"]["name"] for p in pods_all(ns, name)}, 180,
+                 "the old stage pods to go")
+        now = stage_pods(ns, name)
+        assert len(now) == 3 and all(pod_ready(p) for p in now)
+        assert sorted(p["metadata"]["labels"]["inferencemesh.io/stage"] for p in now) == ["0", "1", "2"]
+        with port_forward(ns, *frontend_service(shared_mesh)) as base:
+            client = openai_client(base)
+            assert {prompt: greedy(client, prompt) for prompt in PROMPTS} == reference
+    finally:
+        scale(ns, name, 2)  # put the shared mesh back
+        wait_ready(ns, name, settings["timeout"])
+    assert len(mesh(ns, name)["status"]["stages"]) == 2
+
+
+def pods_all(ns: str, name: str) -> list[dict]:
+    return get_json("pods", "-n", ns, "-l", f"inferencemesh.io/mesh={name},app.kubernetes.io/component=stage")["items"]
