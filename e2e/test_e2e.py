@@ -6,9 +6,7 @@ import subprocess
 import time
 
 import yaml
-from imesh_e2e import REPO, free_port, get_json, kubectl, wait_for
-
-EXAMPLE = REPO / "examples" / "inferencemesh.yaml"
+from imesh_e2e import free_port, get_json, kubectl, mesh_doc, wait_for
 
 
 def ready(ns: str, name: str) -> bool:
@@ -20,14 +18,7 @@ def test_example_serves_openai_through_its_service(settings: dict, mesh_namespac
     from openai import OpenAI
 
     ns = mesh_namespace
-    doc = yaml.safe_load(EXAMPLE.read_text())
-    images = doc["spec"].setdefault("images", {})
-    if settings["stage_image"]:
-        images["stage"] = settings["stage_image"]
-    if settings["frontend_image"]:
-        images["frontend"] = settings["frontend_image"]
-    if settings["pull_policy"]:
-        images["pullPolicy"] = settings["pull_policy"]
+    doc = mesh_doc(settings)
     kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     name = doc["metadata"]["name"]
     try:
