@@ -137,7 +137,8 @@ class _Session:
         probs = torch.softmax(logits, dim=-1)
         if r.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
-            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= r.top_p  # keeps at least one
+            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= r.top_p
+            outside[0] = False  # the most likely token always stays, however small top_p is
             sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

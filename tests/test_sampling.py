@@ -86,3 +86,11 @@ def test_point_mass_proposals_keep_the_distribution() -> None:
     firsts = [verify(logits, [2], SamplingParams(temperature=1.0, seed=s), 0)[1][0] for s in range(6000)]
     stat, dof = chi_square(firsts, p[0])
     assert stat < CHI2_CRITICAL_P001[dof]
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token() -> None:
+    """Found by the frontend fuzzer: top_p=2.2e-313 rounds to 0.0 in float32, and every token
+    was dropped (a NaN distribution, a 500)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=2.2250738585e-313, top_k=0, seed=1))
+    assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))

@@ -49,6 +49,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         # drop a token once the mass before it already reaches top_p (the first always stays)
         drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= params.top_p
+        drop_sorted[..., 0] = False  # explicitly: a top_p below float32's range compares as 0 >= 0
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)
