@@ -150,6 +150,8 @@ def test_models_and_status_name_the_strategy_the_frontend_runs(shared_mesh: dict
     served = model["inferencemesh"]["speculative"]
     running = strategy_metric(metrics)
     assert running == {served["strategy"]}, f"/v1/models says {served}, the metric says {running}"
+    # The example leaves the strategy unset: the bundled package declares its draft model.
+    assert served["strategy"] == "draft", f"the example should run the package's draft, runs {served}"
     status = mesh(ns, name)["status"]["speculative"]
     assert status["strategy"] == served["strategy"], f"status {status} but the frontend runs {served}"
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The test command (README): installs what the tests need, then runs the unit and integration
-# tests (tests/) and, when asked, the end-to-end tests (e2e/) on a real cluster.
+# tests (tests/) and the end-to-end tests (e2e/) on a real Kubernetes cluster.
 #
-#   bash tools/test.sh                   tests/
-#   IMESH_E2E=1 bash tools/test.sh       tests/, then e2e/ on a local single-node cluster that this
+#   bash tools/test.sh                   tests/, then e2e/ on a local single-node cluster that this
 #                                        script brings up (tools/cluster/up.sh) and tears down after
 #   KUBECONFIG=... bash tools/test.sh    tests/, then e2e/ on that cluster (set IMESH_E2E_* images)
+#   IMESH_E2E=0 bash tools/test.sh       tests/ only
 #   bash tools/test.sh tests/test_x.py   only what you name (no cluster)
 #
 # Idempotent and cached: a second run installs nothing and reuses the Kubernetes binaries, the
@@ -35,9 +35,11 @@ fi
 
 # Two runs, not one: the operator tests point KUBECONFIG at control planes of their own for the
 # whole session, and the unit tests should not share the two cores with a running cluster.
+t0=$(date +%s)
 unit=0
 "${PYTEST[@]}" tests || unit=$?
-if [ -z "${KUBECONFIG:-}" ] && [ "${IMESH_E2E:-0}" != 1 ]; then
+echo "[test.sh] tests/ took $(( $(date +%s) - t0 ))s" >&2
+if [ "${IMESH_E2E:-1}" = 0 ]; then
   exit "$unit"
 fi
 if [ -z "${KUBECONFIG:-}" ]; then
@@ -46,7 +48,9 @@ if [ -z "${KUBECONFIG:-}" ]; then
   eval "$(bash tools/cluster/up.sh | grep '^export ')"
   echo "[test.sh] local cluster ready in $(( $(date +%s) - started ))s" >&2
 fi
+t0=$(date +%s)
 e2e=0
 "${PYTEST[@]}" e2e || e2e=$?
+echo "[test.sh] e2e/ took $(( $(date +%s) - t0 ))s" >&2
 echo "[test.sh] tests/ exit $unit, e2e/ exit $e2e" >&2
 [ "$unit" = 0 ] && [ "$e2e" = 0 ]

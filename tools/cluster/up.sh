@@ -10,7 +10,7 @@
 #
 # The pieces (BRIEF §5 is the recipe this follows):
 #   etcd (Debian etcd-server) -> kube-apiserver -> kube-controller-manager, kube-scheduler
-#   containerd 1.6 (CRI, native snapshotter by default, our pause image) + runc behind runc-oom-clamp
+#   containerd 1.6 (CRI, overlayfs snapshotter where it mounts, our pause image) + runc behind runc-oom-clamp
 #   + CNI bridge/host-local -> kubelet (node IP on bridge imesh0) -> kube-proxy (iptables)
 #   dnsmasq fed from the API: the stand-in for CoreDNS (dns_standin.sh)
 # Kubernetes binaries come from tools/k8s/ensure_binaries.sh (built once from Debian's source).
@@ -247,8 +247,7 @@ EOF
 
 start_kubelet() {
   daemon_alive kubelet && return
-  remove_all_containers   # left by a teardown that did not finish: a new kubelet starts clean
-  remove_netns
+  clear_stale_containers
   mkdir -p "$STATE/kubelet"
   : > "$STATE/kubelet/resolv.conf"   # pods get only the cluster DNS, none of the host's resolvers
   # kubelet 1.20 keeps container logs in /var/log/pods (+ links in /var/log/containers), whatever
@@ -284,6 +283,20 @@ EOF
     --container-runtime=remote --container-runtime-endpoint="unix://$CONTAINERD_SOCK" \
     --node-ip="$NODE_IP" --hostname-override="$NODE_NAME" --oom-score-adj=0
   wait_until 180 "node $NODE_NAME to be Ready" node_ready
+}
+
+# Containers left in containerd by a teardown that did not finish (kubelet 1.20 refuses to start
+# when one's sandbox is gone: "no PodsandBox found with Id"). Removing them through ctr does not
+# reach the CRI plugin's in-memory view, so containerd restarts afterwards.
+clear_stale_containers() {
+  [ -n "$(ctrk containers ls -q 2>/dev/null)" ] || return 0
+  say "removing containers left by an unfinished teardown, then restarting containerd"
+  remove_all_containers
+  remove_netns
+  kill -TERM "$(cat "$RUN/pids/containerd.pid")"
+  wait_until 30 "containerd to stop" sh -c "! kill -0 $(cat "$RUN/pids/containerd.pid") 2>/dev/null"
+  start_daemon containerd containerd --config "$STATE/containerd.toml"
+  wait_until 60 "containerd" ctr --address "$CONTAINERD_SOCK" version
 }
 
 node_ready() {
