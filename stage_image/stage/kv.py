@@ -117,3 +117,19 @@ class SessionKV:
         keys[:, :, start:stop].copy_(key_states)
         values[:, :, start:stop].copy_(value_states)
         return keys[:, :, :stop], values[:, :, :stop]
+
+
+def gather_padded(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sessions' keys and values of one layer, each [1, kv_heads, length_i, head_dim] (what
+    update() returns), as [N, kv_heads, longest, head_dim] tensors with zeros past each length:
+    the form attention.PaddedAttention takes. Zeros, not garbage: a masked key still meets its
+    value in the weighted sum (0 * NaN would poison the row)."""
+    first = views[0][0]
+    longest = max(k.shape[2] for k, _ in views)
+    shape = (len(views), first.shape[1], longest, first.shape[3])
+    keys = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    values = torch.zeros(shape, dtype=first.dtype, device=first.device)
+    for i, (k, v) in enumerate(views):
+        keys[i, :, : k.shape[2]].copy_(k[0])
+        values[i, :, : v.shape[2]].copy_(v[0])
+    return keys, values

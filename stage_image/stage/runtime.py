@@ -19,10 +19,16 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
+from inferencemesh.modeling.attention import (
+    PackedAttention,
+    PaddedAttention,
+    kv_cache_dtype,
+    padded_mask,
+    padded_pays,
+)
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
-from inferencemesh.stage.kv import SessionKV
+from inferencemesh.stage.kv import SessionKV, gather_padded
 from inferencemesh.stage.packed import PackedLinear, pack_linears
 
 
@@ -42,6 +48,10 @@ class Segment:
 
 class StageRuntime:
     """Layers [layer_start, layer_end) of a model, plus embeddings (first stage) or norm + head (last)."""
+
+    # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
+    # "padded" / "per-session" forced (the attention benchmark and the exactness tests).
+    batched_attention = "auto"
 
     def __init__(
         self,
@@ -175,7 +185,8 @@ class StageRuntime:
 
         The segments' tokens are packed into one sequence for the projections and MLPs, so
         each weight is read once for all of them (what makes decoding many sessions cheap);
-        attention runs per segment over that session's own cache (see attention.PackedAttention).
+        attention runs over each session's own cache, per segment or gathered into one padded
+        call, whichever is faster for the pass (see attention.PaddedAttention).
         """
         if len(segments) == 1:
             seg = segments[0]
@@ -247,20 +258,32 @@ class StageRuntime:
 
 class _PackedCache:
     """The Cache a batched pass hands the decoder layers: each layer's new keys and values are
-    split by segment into the sessions' own caches, and attention gets them back per segment."""
+    split by segment into the sessions' own caches, and attention gets them back per segment
+    (PackedAttention) or gathered into one padded batch (PaddedAttention), as decided once per pass."""
 
     def __init__(self, runtime: StageRuntime, segments: list[Segment], counts: list[int]) -> None:
         self.runtime, self.segments, self.counts = runtime, segments, counts
-        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}  # per (segment, window)
+        self._padded_masks: dict[int | None, torch.Tensor] = {}  # per window
+        form = runtime.batched_attention
+        longest = max(seg.pos_start + count for seg, count in zip(segments, counts, strict=True))
+        uniform = len(set(counts)) == 1
+        self.padded = uniform and (form == "padded" or (form == "auto" and padded_pays(counts, longest)))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
-               **kwargs: object) -> tuple[PackedAttention, None]:
+               **kwargs: object) -> tuple[PackedAttention | PaddedAttention, None]:
         rt = self.runtime
         window = rt._windows[layer_idx - rt.layer_start]
+        views = [seg.kv.update(k, v, layer_idx) for seg, k, v in zip(
+            self.segments, key_states.split(self.counts, dim=2), value_states.split(self.counts, dim=2), strict=True)]
+        if self.padded:
+            if window not in self._padded_masks:
+                starts = [seg.pos_start for seg in self.segments]
+                self._padded_masks[window] = padded_mask(starts, self.counts[0], window, rt.device)
+            keys, values = gather_padded(views)
+            return PaddedAttention(keys, values, self._padded_masks[window], self.counts[0]), None
         parts = []
-        for i, (seg, k, v) in enumerate(zip(self.segments, key_states.split(self.counts, dim=2),
-                                            value_states.split(self.counts, dim=2), strict=True)):
-            keys, values = seg.kv.update(k, v, layer_idx)
+        for i, (seg, (keys, values)) in enumerate(zip(self.segments, views, strict=True)):
             if (i, window) not in self._masks:
                 self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
             parts.append((keys, values, self._masks[i, window]))

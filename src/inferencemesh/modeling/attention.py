@@ -6,6 +6,14 @@ are several times slower in half precision than in float32 (140 us against 18 us
 for one query over 64 positions; 3 ms against 0.5 ms over 2000), which would make attention,
 not the weights, the cost of a long decode. The cache costs twice the bytes of a
 half-precision one; the query and the output are converted, a row at a time.
+
+A batched pass (several sessions' frames packed in one sequence, see the stage runtime)
+reaches attention in one of two forms. PackedAttention: each session's queries over its own
+cache, one sdpa call per session. PaddedAttention: the sessions' keys and values gathered into
+one zero-padded [N, kv_heads, longest, head_dim] tensor with a causal mask per session, one sdpa
+call for all. The gather copies every cached position once per layer, about what attention
+itself reads, so it pays only where the per-call overhead outweighs that copy: many sessions
+over short caches (padded_pays holds the crossover measured with tools/attention_bench.py).
 """
 
 from __future__ import annotations
@@ -28,14 +36,55 @@ class PackedAttention:
     counts: list[int]
 
 
+@dataclass
+class PaddedAttention:
+    """N sessions' frames of `count` tokens each, attended in one call: keys and values
+    [N, kv_heads, longest, head_dim] (zeros past each session's length) and a boolean mask
+    [N, 1, count, longest] that leaves each query its own session's causal (and sliding) window."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    count: int
+
+
+# The crossover (tools/attention_bench.py): padded wins with at least this many sessions in the
+# pass, while the longest cache holds at most PADDED_MAX_LENGTH positions.
+PADDED_MIN_SESSIONS = 32
+PADDED_MAX_LENGTH = 16
+
+
+def padded_pays(counts: list[int], longest: int) -> bool:
+    """Whether a pass of frames of `counts` tokens over caches of up to `longest` positions
+    attends faster in PaddedAttention form than per session. Padded needs equal frame sizes."""
+    return len(counts) >= PADDED_MIN_SESSIONS and longest <= PADDED_MAX_LENGTH and len(set(counts)) == 1
+
+
+def padded_mask(starts: list[int], count: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """The PaddedAttention mask [N, 1, count, max(starts) + count]: query r of session i sits at
+    position starts[i] + r and sees keys k <= it (and k > it - window), the rule of
+    positions.attention_mask per session; keys past a session's own length lie beyond its
+    queries, so the padding is masked by the same comparison."""
+    queries = torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)[None, :]
+    keys = torch.arange(max(starts) + count, device=device)
+    allowed = keys <= queries[..., None]
+    if window is not None:
+        allowed &= keys > queries[..., None] - window
+    return allowed[:, None]
+
+
 def stage_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor | PackedAttention,
+    key: torch.Tensor | PackedAttention | PaddedAttention,
     value: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if isinstance(key, PaddedAttention):  # [1, H, N * T, d] -> [N, H, T, d], one call -> [1, N * T, H, d]
+        batched = query[0].unflatten(1, (-1, key.count)).transpose(0, 1)
+        out, _ = stage_attention(module, batched, key.keys, key.values, key.mask, **kwargs)
+        return out.reshape(1, -1, *out.shape[2:]), None
     if isinstance(key, PackedAttention):  # each session's queries over its own cache
         outs = [stage_attention(module, q, k, v, mask, **kwargs)[0]
                 for q, (k, v, mask) in zip(query.split(key.counts, dim=2), key.parts, strict=True)]

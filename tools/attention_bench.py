@@ -1,0 +1,145 @@
+"""Attention of a batched decode pass: per session (PackedAttention) against one padded call
+(PaddedAttention), on a stage runtime of a preset shape. Where the crossover lies sets
+attention.PADDED_MIN_SESSIONS / PADDED_MAX_LENGTH.
+
+    python tools/attention_bench.py --shape llama-150m --sessions 1,4,8,32 --lengths 16,64,256,1024
+
+Two measures per (sessions N, context length L), forms interleaved rep by rep so a noisy
+machine's drift falls on both alike:
+- layer: one decoder layer's attention step as the runtime runs it (each session's new key and
+  value written into its cache, then attention for the N queries), in microseconds;
+- pass: a whole forward_batch of N decode frames through every layer of the stage, in ms.
+Sessions' lengths spread over [L/2, L] (a batch's sessions are rarely equally long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inferencemesh.bench import make_shape_model
+from inferencemesh.checkpoint import read_local
+from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.stage.runtime import Segment, StageRuntime, _PackedCache
+
+FORMS = ("per-session", "padded")
+
+
+def lengths_for(sessions: int, longest: int) -> list[int]:
+    """Sessions' cache lengths spread evenly over [longest / 2, longest]."""
+    low = max(1, longest // 2)
+    return [longest - (i * (longest - low)) // max(1, sessions - 1) for i in range(sessions)]
+
+
+def filled_sessions(rt: StageRuntime, lengths: list[int]) -> list:
+    """Sessions whose caches hold `lengths` positions of random keys and values (no prefill pass)."""
+    kvs = []
+    for n in lengths:
+        kv = rt.new_session()
+        kv.begin(0, n)
+        shape = (1, rt._kv_heads, n, rt._head_dim)
+        for layer in range(rt.layer_start, rt.layer_end):
+            kv.update(torch.randn(shape), torch.randn(shape), layer)
+        kv.end()
+        kvs.append(kv)
+    return kvs
+
+
+def time_layer(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: int) -> float:
+    """Median microseconds of one layer's cache write + attention over N decode queries."""
+    layer = rt._layers[0].self_attn
+    n = len(kvs)
+    heads = rt.config.num_attention_heads
+    q = torch.randn(1, heads, n, rt._head_dim, dtype=rt.dtype)
+    k_new = torch.randn(1, rt._kv_heads, n, rt._head_dim, dtype=rt.dtype)
+    v_new = torch.randn_like(k_new)
+    segments = [Segment(kv, pos, torch.zeros(1, dtype=torch.long)) for kv, pos in zip(kvs, lengths, strict=True)]
+    rt.batched_attention = form
+    samples = []
+    for _ in range(reps):
+        started = time.perf_counter_ns()
+        for seg in segments:
+            seg.kv.begin(seg.pos_start, 1)
+        cache = _PackedCache(rt, segments, [1] * n)
+        key, value = cache.update(k_new, v_new, rt.layer_start)
+        stage_attention(layer, q, key, value, None, dropout=0.0, scaling=layer.scaling)
+        samples.append((time.perf_counter_ns() - started) / 1e3)
+    return statistics.median(samples)
+
+
+def time_pass(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: int) -> float:
+    """Median milliseconds of a whole forward_batch of N decode frames (each rolls back to its length)."""
+    rt.batched_attention = form
+    gen = torch.Generator().manual_seed(0)
+    feed = [torch.randint(0, rt.vocab_size, (1,), generator=gen) if rt.is_first
+            else torch.randn(1, rt.hidden_size, generator=gen) for _ in kvs]
+    samples = []
+    for _ in range(reps):
+        segments = [Segment(kv, pos, x) for kv, pos, x in zip(kvs, lengths, feed, strict=True)]
+        started = time.perf_counter_ns()
+        rt.forward_batch(segments)
+        samples.append((time.perf_counter_ns() - started) / 1e6)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama-150m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sessions", default="1,4,8,32")
+    parser.add_argument("--lengths", default="16,64,256,1024")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a stage process's own)")
+    parser.add_argument("--reps", type=int, default=30, help="samples per form and point (medians reported)")
+    parser.add_argument("--no-pass", action="store_true", help="skip the whole-pass measure")
+    parser.add_argument("--json", dest="json_out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model_dir = make_shape_model(args.shape, args.dtype)
+    sessions = [int(s) for s in args.sessions.split(",")]
+    lengths = [int(s) for s in args.lengths.split(",")]
+    rt = StageRuntime(model_dir, 0, read_local(model_dir).num_layers, dtype=args.dtype, max_context=max(lengths) + 8)
+    load = os.getloadavg()
+    print(f"attention bench: {args.shape} {args.dtype} ({len(rt._layers)} layers), {args.threads} thread(s), "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    print(f"{'N':>3} {'L':>5} | {'layer per-session':>17} {'layer padded':>12} {'ratio':>6} | "
+          f"{'pass per-session':>16} {'pass padded':>11} {'ratio':>6}")
+    rows = []
+    for n in sessions:
+        for longest in lengths:
+            spread = lengths_for(n, longest)
+            kvs = filled_sessions(rt, spread)
+            layer = {form: [] for form in FORMS}
+            whole = {form: [] for form in FORMS}
+            for _ in range(3):  # rounds of both forms, interleaved
+                for form in FORMS:
+                    layer[form].append(time_layer(rt, form, kvs, spread, args.reps))
+                    if not args.no_pass:
+                        whole[form].append(time_pass(rt, form, kvs, spread, max(3, args.reps // 5)))
+            row = {"sessions": n, "longest": longest,
+                   **{f"layer_us_{f}": round(statistics.median(layer[f]), 1) for f in FORMS}}
+            row["layer_ratio_padded"] = round(row["layer_us_padded"] / row["layer_us_per-session"], 3)
+            if not args.no_pass:
+                row.update({f"pass_ms_{f}": round(statistics.median(whole[f]), 2) for f in FORMS})
+                row["pass_ratio_padded"] = round(row["pass_ms_padded"] / row["pass_ms_per-session"], 3)
+            rows.append(row)
+            print(f"{n:>3} {longest:>5} | {row['layer_us_per-session']:>15.1f}us {row['layer_us_padded']:>10.1f}us "
+                  f"{row['layer_ratio_padded']:>6.2f} | " + (
+                      f"{row['pass_ms_per-session']:>14.2f}ms {row['pass_ms_padded']:>9.2f}ms "
+                      f"{row['pass_ratio_padded']:>6.2f}" if not args.no_pass else ""), flush=True)
+    report = {"shape": args.shape, "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
+              "load_average_before": [round(x, 2) for x in load],
+              "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()
