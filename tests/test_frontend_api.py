@@ -365,6 +365,7 @@ def test_overloaded_engine_is_429(fm: FixtureModel) -> None:
         with pytest.raises(openai.RateLimitError) as exc:
             c.completions.create(model=fm.name, prompt="x", max_tokens=2, stream=True)
         assert exc.value.status_code == 429 and exc.value.code == "overloaded"
+        assert int(exc.value.response.headers["retry-after"]) >= 1
         check(exc.value.response.json(), "ErrorResponse")
 
 

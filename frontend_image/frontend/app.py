@@ -38,6 +38,7 @@ from inferencemesh.frontend.openai_models import ChatCompletionRequest, Completi
 log = logging.getLogger("inferencemesh.frontend")
 
 READY_CACHE_S = 1.0
+RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's time
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -65,6 +66,13 @@ def _as_api_error(exc: Exception) -> APIError:
         return _from_engine_error(exc)
     log.error("generation failed", exc_info=exc)
     return APIError(500, "Generation failed inside the server.", type="server_error")
+
+
+def _log_server_error(err: APIError, request_id: str | None = None) -> None:
+    """Every 5xx leaves a line in the log: an operator must be able to see what failed."""
+    if err.status >= 500:
+        log.warning("answered %d %s%s: %s", err.status, err.code or err.type,
+                    f" to {request_id}" if request_id else "", err.message)
 
 
 # --- request guard: API key and body size, before any parsing ---------------------------------
@@ -248,7 +256,10 @@ class _Frontend:
 
     def error_response(self, err: APIError) -> JSONResponse:
         self.metrics.request_errors.labels(self.model, str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status)
+        _log_server_error(err)
+        # Overload is temporary: tell clients (the openai client honours it) when to come back.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     # --- validation and tokenization ---
 
@@ -422,6 +433,7 @@ class _Frontend:
                     yield self._chunk(job, self._delta_choice(job, delta, None))
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 err = _as_api_error(exc)
+                _log_server_error(err, job.id)
                 tracker.finish("error", status=err.status)
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"

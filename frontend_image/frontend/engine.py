@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import grpc
+
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine_api import (
     ContextLengthExceeded,
@@ -131,7 +133,7 @@ class PipelineEngine:
         sampling = pb.Sampling(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed)
         conn = _Connection(self.pipeline, request.request_id)
         try:
-            fresh = [await self._resilient(conn, sampling, [], lambda: self._prefill(conn, prompt, sampling))]
+            fresh = [await self._admitted_prefill(conn, prompt, sampling)]
             history = prompt + fresh
             emitted = 0
             while True:
@@ -155,6 +157,25 @@ class PipelineEngine:
             raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
         finally:
             await conn.close()
+
+    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling) -> int:
+        """The first prefill. A stage at its session limit (another frontend shares it, or a
+        release is still on its way) is capacity, not failure: the request waits for room, as
+        it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
+        deadline = time.monotonic() + self.options.queue_timeout_s
+        delay = 0.02
+        while True:
+            try:
+                return await self._resilient(conn, sampling, [], lambda: self._prefill(conn, prompt, sampling))
+            except PipelineError as err:
+                if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise EngineOverloaded(f"the stages have no free session: {err}") from err
+                await conn.close()
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.5)
+                conn.open()
 
     async def _resilient(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], operation):
         """Run one pipeline operation; if a stage was lost, wait for it to come back (up to

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import PipelineError
-from inferencemesh.protocol.transport import GRPC_OPTIONS, expects_prediction
+from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S, expects_prediction
 from inferencemesh.tls import TlsMaterial, aio_channel
 
 
@@ -41,6 +41,7 @@ class GrpcSession:
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._results = last.Results(pb.ResultsRequest(session_id=session_id))
         self._frames = first.Session()
+        self._released = asyncio.Event()  # stage 0 acknowledged RELEASE: every stage has let go
         self._tasks = [asyncio.create_task(self._read_results()), asyncio.create_task(self._watch_frames())]
         self._closed = False
 
@@ -55,9 +56,11 @@ class GrpcSession:
     async def _watch_frames(self) -> None:
         try:
             async for _ack in self._frames:
-                pass
+                self._released.set()  # stages acknowledge only RELEASE
         except grpc.aio.AioRpcError as err:
             self._inbox.put_nowait(PipelineError(err.code(), err.details() or str(err.code())))
+        finally:
+            self._released.set()
 
     async def send(self, frame: pb.Frame) -> pb.Prediction | None:
         try:
@@ -90,8 +93,11 @@ class GrpcSession:
         if self._closed:
             return
         self._closed = True
+        # Wait for the acknowledgement: it comes once every stage has freed the session, so the
+        # request's slot is really free when the engine hands it to the next request.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._frames.write(pb.Frame(session_id=self.session_id, kind=pb.RELEASE)), 1.0)
+            await asyncio.wait_for(self._released.wait(), RELEASE_ACK_TIMEOUT_S)
             await self._frames.done_writing()
         for task in self._tasks:
             task.cancel()

@@ -30,7 +30,7 @@ from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import GRPC_OPTIONS, KIND_NAMES, SERVICE_NAME
+from inferencemesh.protocol.transport import GRPC_OPTIONS, KIND_NAMES, RELEASE_ACK_TIMEOUT_S, SERVICE_NAME
 from inferencemesh.stage.batcher import Batcher
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
@@ -65,15 +65,25 @@ class DownstreamHop:
         self.wire_code = codec.WIRE_CODES[wire_dtype]
         self.call = stub.Session()
         self.envelope = pb.Frame(session_id=session_id, dtype=self.wire_code)
+        self.released = asyncio.Event()  # the downstream acknowledged RELEASE: it and all after it let go
         self.reader = asyncio.create_task(self._watch(inbox))
 
     async def _watch(self, inbox: asyncio.Queue) -> None:
         try:
             async for _ack in self.call:
-                pass
+                self.released.set()  # the only frames a stage acknowledges are RELEASEs
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 inbox.put_nowait(Fault(err.code(), f"downstream stage {self.address}: {err.details()}"))
+        finally:
+            self.released.set()  # a stream that ended holds nothing downstream (its handler released)
+
+    async def release(self, frame: pb.Frame) -> None:
+        """Forward RELEASE and wait until every stage downstream has freed the session, so that
+        the acknowledgement upstream means the whole pipeline has room for a new one."""
+        await self.forward(frame, None)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.released.wait(), RELEASE_ACK_TIMEOUT_S)
 
     async def forward(self, frame: pb.Frame, hidden: torch.Tensor | None) -> int:
         env = self.envelope
@@ -225,11 +235,15 @@ class StageService(pb_grpc.StageServicer):
             session = self.sessions.open(request.session_id)
         except SessionsFull as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        while True:
-            prediction = await session.results.get()
-            if prediction is None:
-                return
-            yield prediction
+        try:
+            while True:
+                prediction = await session.results.get()
+                if prediction is None:
+                    return
+                yield prediction
+        finally:
+            if not session.released:  # the subscriber left: nobody can read this session's predictions
+                self._release(session.session_id)
 
     async def Session(self, request_iterator, context) -> None:
         inbox: asyncio.Queue = asyncio.Queue()
@@ -249,7 +263,7 @@ class StageService(pb_grpc.StageServicer):
                     raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
                 if frame.kind == pb.RELEASE:
                     if hop is not None:
-                        await hop.forward(frame, None)
+                        await hop.release(frame)
                     self._release(session.session_id)
                     session = None
                     await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id))

@@ -13,6 +13,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 ]
+# A stage acknowledges RELEASE once every stage after it has (or this long has passed: a stage
+# that is gone frees its sessions itself when its stream breaks). The acknowledgement is what
+# lets the frontend hand a freed slot to the next request without the stages refusing it.
+RELEASE_ACK_TIMEOUT_S = 5.0
 KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
 
 
