@@ -227,16 +227,15 @@ def test_kv_cache_grows_in_place_and_truncates_in_o1(models):
     assert kv.capacity == 256
     # 2 layers x (K + V) x 2 KV heads x 256 positions x head_dim 32 x 4 bytes
     assert kv.nbytes() == 2 * 2 * 2 * 256 * 32 * 4
-    keys = kv._keys[0]
-    ptr = keys.data_ptr()
-    before = keys[:, :, :100].clone()
+    ptr = kv.positions(0, 100).data_ptr()
+    before = kv.positions(0, 100).clone()  # every layer's keys and values
     kv.truncate(40)  # O(1): nothing moves, nothing is freed
-    assert kv.length == 40 and kv._keys[0].data_ptr() == ptr
+    assert kv.length == 40 and kv.positions(0, 100).data_ptr() == ptr
     out_a = stage.forward(kv, 40, hidden=hidden[40:100])
-    torch.testing.assert_close(kv._keys[0][:, :, :100], before)  # recomputing the same rows rewrites them
+    torch.testing.assert_close(kv.positions(0, 100), before)  # recomputing the same rows rewrites them
     stage.forward(kv, 100, hidden=hidden[100:300])  # crosses 256: grows once, geometrically
     assert kv.capacity == 512 and kv.length == 300
-    torch.testing.assert_close(kv._keys[0][:, :, :100], before)  # contents survive growth
+    torch.testing.assert_close(kv.positions(0, 100), before)  # contents survive growth
     fresh = stage.new_session()
     stage.forward(fresh, 0, hidden=hidden[:40])
     torch.testing.assert_close(stage.forward(fresh, 40, hidden=hidden[40:100]), out_a, rtol=1e-4, atol=1e-4)
@@ -253,7 +252,7 @@ def test_bfloat16_split_equals_unsplit_and_tracks_float32(models, prompt, refere
     assert one.stages[0].dtype == torch.bfloat16
     tokens = one.greedy(prompt, 12)
     assert two.greedy(prompt, 12, chunk=5) == tokens
-    assert one.sessions[0]._keys[0].dtype == torch.float32
+    assert one.sessions[0].positions(0, 1).dtype == torch.float32
     assert tokens[0] == reference["llama"][0]
     # Close to the float32 model (bf16 weights round; with these large random weights, tokens
     # drift apart after a few steps, so compare the first logits).

@@ -6,8 +6,9 @@ attention.PADDED_MIN_SESSIONS / PADDED_MAX_LENGTH.
 
 Two measures per (sessions N, context length L), forms interleaved rep by rep so a noisy
 machine's drift falls on both alike:
-- layer: one decoder layer's attention step as the runtime runs it (each session's new key and
-  value written into its cache, then attention for the N queries), in microseconds;
+- layer: the attention steps of a pass as the runtime runs them (the padded form's gather and
+  write-back included; each layer's new keys and values written, then attention for the N
+  queries), per layer, in microseconds;
 - pass: a whole forward_batch of N decode frames through every layer of the stage, in ms.
 Sessions' lengths spread over [L/2, L] (a batch's sessions are rarely equally long).
 """
@@ -52,8 +53,8 @@ def filled_sessions(rt: StageRuntime, lengths: list[int]) -> list:
 
 
 def time_layer(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: int) -> float:
-    """Median microseconds of one layer's cache write + attention over N decode queries."""
-    layer = rt._layers[0].self_attn
+    """Median microseconds per layer of a pass's attention steps over N decode queries."""
+    modules = [layer.self_attn for layer in rt._layers]
     n = len(kvs)
     heads = rt.config.num_attention_heads
     q = torch.randn(1, heads, n, rt._head_dim, dtype=rt.dtype)
@@ -67,9 +68,11 @@ def time_layer(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps:
         for seg in segments:
             seg.kv.begin(seg.pos_start, 1)
         cache = _PackedCache(rt, segments, [1] * n)
-        key, value = cache.update(k_new, v_new, rt.layer_start)
-        stage_attention(layer, q, key, value, None, dropout=0.0, scaling=layer.scaling)
-        samples.append((time.perf_counter_ns() - started) / 1e3)
+        for index, module in enumerate(modules, start=rt.layer_start):
+            key, value = cache.update(k_new, v_new, index)
+            stage_attention(module, q, key, value, None, dropout=0.0, scaling=module.scaling)
+        cache.finish()
+        samples.append((time.perf_counter_ns() - started) / 1e3 / len(modules))
     return statistics.median(samples)
 
 

@@ -1,6 +1,7 @@
 """Per-session KV cache for one stage's layers.
 
-One preallocated key and value buffer per layer, [1, kv_heads, capacity, head_dim], grown
+One preallocated buffer for every layer's keys and values, [layers, 2, kv_heads, capacity,
+head_dim] (one tensor, so a batched pass moves a session's whole cache in one copy), grown
 geometrically (never re-concatenated per token) up to the stage's max_context. Truncation only
 moves the length: a frame whose pos_start is behind the cache rolls back in O(1), and the
 positions behind the new length are simply overwritten by the next write.
@@ -9,9 +10,14 @@ The object also speaks the part of the transformers Cache protocol that decoder 
 attention calls update(key, value, layer_idx) with the new rows and gets back the keys and
 values of every position so far. The runtime opens a write window with begin() before running
 its layers and commits it with end().
+
+PaddedBatch is the other way a batched pass attends: the sessions' caches gathered once per
+pass into one zero-padded tensor, so each layer attends for all of them in one call.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -38,8 +44,7 @@ class SessionKV:
         self._dtype = dtype
         self._device = device
         self._max_context = max_context
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
+        self._store: torch.Tensor | None = None  # [layers, 2 (keys, values), kv_heads, capacity, head_dim]
         self._capacity = 0
         self._length = 0
         # The write window [_start, _stop) of the forward in progress.
@@ -63,11 +68,11 @@ class SessionKV:
             self._length = length
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+        return 0 if self._store is None else self._store.numel() * self._store.element_size()
 
     def release(self) -> None:
         """Free the buffers. The session may be used again; it starts empty."""
-        self._keys, self._values = [], []
+        self._store = None
         self._capacity = self._length = 0
 
     # ------------------------------------------------------------------ used by the runtime
@@ -90,20 +95,17 @@ class SessionKV:
         capacity = min(capacity, self._max_context)
         if capacity < needed:
             raise ValueError(f"{needed} positions exceed max_context {self._max_context}")
-        b, heads, _, dim = self._shape
-        keep = self._length
-
-        def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = torch.empty((b, heads, capacity, dim), dtype=self._dtype, device=self._device)
-            if old is not None and keep:
-                new[:, :, :keep].copy_(old[:, :, :keep])
-            return new
-
-        old_k = self._keys or [None] * self._num_layers
-        old_v = self._values or [None] * self._num_layers
-        self._keys = [grown(t) for t in old_k]
-        self._values = [grown(t) for t in old_v]
+        _, heads, _, dim = self._shape
+        store = torch.empty((self._num_layers, 2, heads, capacity, dim), dtype=self._dtype, device=self._device)
+        if self._store is not None and self._length:
+            store[..., : self._length, :].copy_(self._store[..., : self._length, :])
+        self._store = store
         self._capacity = capacity
+
+    def positions(self, start: int, stop: int) -> torch.Tensor:
+        """Every layer's keys and values at positions [start, stop): a view
+        [layers, 2, kv_heads, stop - start, head_dim] (PaddedBatch reads and writes through it)."""
+        return self._store[..., start:stop, :]
 
     # ------------------------------------------------------------------ transformers Cache protocol
 
@@ -111,25 +113,71 @@ class SessionKV:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the window's new rows for this layer; return keys and values of all positions so far."""
-        i = layer_idx - self._layer_offset
-        keys, values = self._keys[i], self._values[i]
+        layer = self._store[layer_idx - self._layer_offset]
         start, stop = self._start, self._stop
-        keys[:, :, start:stop].copy_(key_states)
-        values[:, :, start:stop].copy_(value_states)
-        return keys[:, :, :stop], values[:, :, :stop]
+        layer[0:1, :, start:stop].copy_(key_states)
+        layer[1:2, :, start:stop].copy_(value_states)
+        return layer[0:1, :, :stop], layer[1:2, :, :stop]
 
 
-def gather_padded(views: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sessions' keys and values of one layer, each [1, kv_heads, length_i, head_dim] (what
-    update() returns), as [N, kv_heads, longest, head_dim] tensors with zeros past each length:
-    the form attention.PaddedAttention takes. Zeros, not garbage: a masked key still meets its
-    value in the weighted sum (0 * NaN would poison the row)."""
-    first = views[0][0]
-    longest = max(k.shape[2] for k, _ in views)
-    shape = (len(views), first.shape[1], longest, first.shape[3])
-    keys = torch.zeros(shape, dtype=first.dtype, device=first.device)
-    values = torch.zeros(shape, dtype=first.dtype, device=first.device)
-    for i, (k, v) in enumerate(views):
-        keys[i, :, : k.shape[2]].copy_(k[0])
-        values[i, :, : v.shape[2]].copy_(v[0])
-    return keys, values
+
+class Scratch:
+    """One flat buffer, reused pass after pass and grown to the largest asked for: a fresh
+    tensor of tens of megabytes per pass costs more in page faults than the attention it feeds."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of `shape`, valid until the next take()."""
+        numel = math.prod(shape)
+        flat = self._flat
+        if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
+            flat = self._flat = torch.empty(numel, dtype=dtype, device=device)
+        return flat[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
+
+
+class PaddedBatch:
+    """A batched pass's sessions, each with a frame of `count` tokens at its own start, attended
+    together: their caches are gathered once per pass into one tensor
+    [layers, 2, N, kv_heads, longest, head_dim] (zeros past each session's frame), each layer
+    writes its new rows there in one indexed copy and attends over it in one call, and the new
+    rows go back to the sessions' caches once, after the last layer (write_back).
+
+    Zeros, not garbage, past a session's end: a masked key still meets its value in attention's
+    weighted sum, where 0 * NaN would poison the row."""
+
+    def __init__(self, caches: list[SessionKV], starts: list[int], count: int, scratch: Scratch) -> None:
+        first = caches[0]
+        self._caches, self._starts, self._count = caches, starts, count
+        self._layer_offset = first._layer_offset
+        longest = max(starts) + count
+        _, heads, _, dim = first._shape
+        self._rows = scratch.take((first._num_layers, 2, len(caches), heads, longest, dim), first._dtype,
+                                  first._device)
+        for i, (kv, start) in enumerate(zip(caches, starts, strict=True)):
+            self._rows[:, :, i, :, :start].copy_(kv.positions(0, start))
+            self._rows[:, :, i, :, start + count :].zero_()
+        # Where each new row goes: session i's t-th token is row (i, starts[i] + t).
+        offsets = torch.arange(count, device=first._device)
+        self._session_index = torch.arange(len(caches), device=first._device).repeat_interleave(count)
+        self._position_index = (torch.tensor(starts, device=first._device)[:, None] + offsets).flatten()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new rows (packed [1, kv_heads, N * count, head_dim], session after
+        session); return its keys and values [N, kv_heads, longest, head_dim]."""
+        keys, values = self._rows[layer_idx - self._layer_offset]
+        # .to: a half-precision model's cache is float32 on CPU (attention.kv_cache_dtype).
+        keys[self._session_index, :, self._position_index] = key_states[0].transpose(0, 1).to(keys.dtype)
+        values[self._session_index, :, self._position_index] = value_states[0].transpose(0, 1).to(values.dtype)
+        return keys, values
+
+    def write_back(self) -> None:
+        """Copy the pass's new rows, every layer's, into the sessions' own caches."""
+        for i, (kv, start) in enumerate(zip(self._caches, self._starts, strict=True)):
+            stop = start + self._count
+            kv.positions(start, stop).copy_(self._rows[:, :, i, :, start:stop])

@@ -28,7 +28,7 @@ from inferencemesh.modeling.attention import (
 )
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
-from inferencemesh.stage.kv import SessionKV, gather_padded
+from inferencemesh.stage.kv import PaddedBatch, Scratch, SessionKV
 from inferencemesh.stage.packed import PackedLinear, pack_linears
 
 
@@ -109,6 +109,7 @@ class StageRuntime:
         self._smallest_window = min((w for w in self._windows if w is not None), default=None)
         self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
         self._rope_table = rope_table(self.config, self._rotary, max_context, self.dtype, self.device)
+        self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
         if on_progress is not None:
             on_progress("ready", 1.0)
 
@@ -206,6 +207,7 @@ class StageRuntime:
         for layer in self._layers:
             x = layer(x, attention_mask=None, position_ids=None, past_key_values=packed, use_cache=True,
                       position_embeddings=position_embeddings)
+        packed.finish()
         for seg in segments:
             seg.kv.end()
         if not self.is_last:
@@ -268,23 +270,31 @@ class _PackedCache:
         form = runtime.batched_attention
         longest = max(seg.pos_start + count for seg, count in zip(segments, counts, strict=True))
         uniform = len(set(counts)) == 1
-        self.padded = uniform and (form == "padded" or (form == "auto" and padded_pays(counts, longest)))
+        padded = uniform and (form == "padded" or (form == "auto" and padded_pays(counts, longest)))
+        starts = [seg.pos_start for seg in segments]
+        self._batch = PaddedBatch([seg.kv for seg in segments], starts, counts[0],
+                                  runtime._padded_scratch) if padded else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[PackedAttention | PaddedAttention, None]:
         rt = self.runtime
         window = rt._windows[layer_idx - rt.layer_start]
-        views = [seg.kv.update(k, v, layer_idx) for seg, k, v in zip(
-            self.segments, key_states.split(self.counts, dim=2), value_states.split(self.counts, dim=2), strict=True)]
-        if self.padded:
+        if self._batch is not None:
             if window not in self._padded_masks:
                 starts = [seg.pos_start for seg in self.segments]
                 self._padded_masks[window] = padded_mask(starts, self.counts[0], window, rt.device)
-            keys, values = gather_padded(views)
+            keys, values = self._batch.update(key_states, value_states, layer_idx)
             return PaddedAttention(keys, values, self._padded_masks[window], self.counts[0]), None
         parts = []
-        for i, (seg, (keys, values)) in enumerate(zip(self.segments, views, strict=True)):
+        for i, (seg, k, v) in enumerate(zip(self.segments, key_states.split(self.counts, dim=2),
+                                            value_states.split(self.counts, dim=2), strict=True)):
+            keys, values = seg.kv.update(k, v, layer_idx)
             if (i, window) not in self._masks:
                 self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
             parts.append((keys, values, self._masks[i, window]))
         return PackedAttention(parts, self.counts), None
+
+    def finish(self) -> None:
+        """After the last layer: a padded pass writes its new rows into the sessions' caches."""
+        if self._batch is not None:
+            self._batch.write_back()

@@ -50,8 +50,8 @@ class PaddedAttention:
 
 # The crossover (tools/attention_bench.py): padded wins with at least this many sessions in the
 # pass, while the longest cache holds at most PADDED_MAX_LENGTH positions.
-PADDED_MIN_SESSIONS = 32
-PADDED_MAX_LENGTH = 16
+PADDED_MIN_SESSIONS = 4
+PADDED_MAX_LENGTH = 32
 
 
 def padded_pays(counts: list[int], longest: int) -> bool:
@@ -86,9 +86,11 @@ def stage_attention(
         out, _ = stage_attention(module, batched, key.keys, key.values, key.mask, **kwargs)
         return out.reshape(1, -1, *out.shape[2:]), None
     if isinstance(key, PackedAttention):  # each session's queries over its own cache
-        outs = [stage_attention(module, q, k, v, mask, **kwargs)[0]
-                for q, (k, v, mask) in zip(query.split(key.counts, dim=2), key.parts, strict=True)]
-        return torch.cat(outs, dim=1), None
+        cache_dtype = key.parts[0][0].dtype  # converted once for the pass, not per session
+        queries = query.to(cache_dtype).split(key.counts, dim=2)
+        outs = [sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0]
+                for q, (k, v, mask) in zip(queries, key.parts, strict=True)]
+        return torch.cat(outs, dim=1).to(query.dtype), None
     if key.dtype == query.dtype:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     out, _ = sdpa_attention_forward(module, query.to(key.dtype), key, value, attention_mask, **kwargs)
