@@ -10,6 +10,13 @@ ratios within a run, not numbers across runs):
 per_hop_overhead_ms = (TPOT at N stages - TPOT in-process) / (N + 1 network hops).
 Configurations take turns (a warm-up each, then round after round over the prompts), so a
 noisy machine's drift falls on all of them alike.
+
+With --concurrency 1,8,32 it measures serving many streams instead: per stage count (stage
+processes on loopback gRPC, 1 stage included, as `inferencemesh serve` runs them) and per
+concurrency C, bursts of C streaming requests sent at once; per configuration the aggregate
+tokens/s (all tokens / wall time of the burst), TTFT p50/p99 (from the burst's start, so
+queueing counts) and ITL p50/p99 (gaps between a stream's successive token deliveries). The
+peer hf-generate-batch is `transformers` generate() over 8 prompts at once (left padding).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
+import os
 import platform
 import statistics
 import sys
@@ -31,6 +40,9 @@ from inferencemesh.bundled import resolve_model
 from inferencemesh.config import DEFAULT_DRAFT_THREADS, SpeculativeOptions
 
 SHAPES = {
+    # A few hundred thousand parameters: the bench's own tests.
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
     # ~155M parameters: Llama architecture at GPT-2-small width.
     "llama-150m": dict(hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False),
@@ -164,18 +176,17 @@ class EngineUnderTest:
         self.count = 0
 
     async def run(self, ids: list[int]) -> Run:
+        started = time.perf_counter()
+        arrivals = await self.stream(ids)
+        return Run(arrivals[0][0] - started, arrivals[-1][0] - started, sum(n for _, n in arrivals))
+
+    async def stream(self, ids: list[int]) -> list[tuple[float, int]]:
+        """One greedy request: (time, tokens) of each delivery, as a streaming client sees them."""
         from inferencemesh.frontend.engine_api import GenerationRequest
 
         self.count += 1
         request = GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0)
-        started = time.perf_counter()
-        first = None
-        count = 0
-        async for tokens in self.engine.generate(request):
-            if first is None:
-                first = time.perf_counter() - started
-            count += len(tokens)
-        return Run(first, time.perf_counter() - started, count)
+        return [(time.perf_counter(), len(tokens)) async for tokens in self.engine.generate(request)]
 
 
 @dataclass
@@ -217,9 +228,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.frontend.pipeline import GrpcPipeline
-    from inferencemesh.launcher import LocalStages, stage_template
-    from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.launcher import LocalStages
     from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
 
@@ -248,6 +257,12 @@ def run_bench(args: argparse.Namespace) -> int:
     configs: list[Config] = []
     threads = torch.get_num_threads()
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if args.concurrency:
+        levels = [int(c) for c in str(args.concurrency).split(",")]
+        all_prompts = [ids for ids_of_set in prompts.values() for ids in ids_of_set]
+        report = run_concurrency(args, model_dir, dtype, target, all_prompts, stage_counts, levels, strategies,
+                                 speculation, max_context)
+        return _write_report(args, report)
     for prompt_set, ids in prompts.items():
         common = {"prompts": prompt_set} if spec_mode or len(prompts) > 1 else {}
         configs.append(Config("hf-generate", {"stages": 1, "speculative": "none", **common}, ids,
@@ -268,12 +283,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 pipelines[1] = LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
                                                            max_context=max_context)])
                 continue
-            plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
-            stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context), plan)
+            stages, pipelines[count] = start_mesh(model_dir, dtype, count, max_context)
             meshes.append(stages)
-            stages.start()
-            stages.wait_ready(600)
-            pipelines[count] = GrpcPipeline(stages.addresses)
         for count, pipeline in pipelines.items():
             label = "in-process-1-stage" if count == 1 else f"grpc-{count}-stages"
             # Across processes this one is the frontend, with the frontend's threads (config.DEFAULT_DRAFT_THREADS).
@@ -305,11 +316,35 @@ def run_bench(args: argparse.Namespace) -> int:
         "results": results,
     }
     report.update(_ratios(results))
+    return _write_report(args, report)
+
+
+def _write_report(args: argparse.Namespace, report: dict) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json_out}")
     return 0
+
+
+def start_mesh(model_dir: Path, dtype: torch.dtype, count: int, max_context: int, env: dict | None = None):
+    """`count` stage processes on loopback gRPC, as `inferencemesh serve` plans and starts them:
+    (LocalStages, GrpcPipeline), ready."""
+    from inferencemesh.checkpoint import read_local
+    from inferencemesh.frontend.pipeline import GrpcPipeline
+    from inferencemesh.launcher import LocalStages, stage_template
+    from inferencemesh.planner import PlanInputs, plan_stages
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir), dtype=dtype_name), count)
+    stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context), plan, env=env)
+    stages.start()
+    try:
+        stages.wait_ready(600)
+    except BaseException:
+        stages.stop()
+        raise
+    return stages, GrpcPipeline(stages.addresses)
 
 
 def _speculation_setups(strategies: list[str], model_dir: Path, tokenizer, dtype: str, max_context: int) -> dict:
@@ -360,3 +395,204 @@ def _ratios(results: list[dict]) -> dict:
         if ours and peer:
             out[f"draft_1_stage_vs_hf_assisted_{prompt_set}"] = round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
     return out
+
+
+# ---- concurrency -------------------------------------------------------------------------------
+
+HF_BATCH = 8  # the batched peer's batch size
+
+
+@dataclass
+class Burst:
+    """One burst of concurrent streams: when it started and, per stream, (time, tokens) of each delivery."""
+
+    started: float
+    streams: list[list[tuple[float, int]]]
+    requested: int  # tokens asked for, over all streams
+
+
+class _Arrivals:
+    """A generate() streamer that notes when each step's tokens (for every row) come out."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate() hands the streamer the prompt first
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HfBatchPeer:
+    """`transformers` generate() over a batch of prompts at once, left-padded, greedy."""
+
+    def __init__(self, model, new_tokens: int) -> None:
+        self.model, self.new_tokens = model, new_tokens
+
+    async def burst(self, prompts: list[list[int]]) -> Burst:
+        longest = max(len(ids) for ids in prompts)
+        x = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts])
+        mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts])
+        arrivals = _Arrivals()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=mask, max_new_tokens=self.new_tokens,
+                                      min_new_tokens=self.new_tokens, do_sample=False, pad_token_id=0,
+                                      streamer=arrivals)
+        generated = out.shape[1] - longest
+        if generated != len(arrivals.times):
+            raise RuntimeError(f"generate() made {generated} steps but streamed {len(arrivals.times)}")
+        stream = [(t, 1) for t in arrivals.times]
+        return Burst(started, [list(stream) for _ in prompts], len(prompts) * self.new_tokens)
+
+
+class EngineBurst:
+    """C streaming requests through one engine, sent at once."""
+
+    def __init__(self, runner: EngineUnderTest) -> None:
+        self.runner = runner
+
+    async def burst(self, prompts: list[list[int]]) -> Burst:
+        started = time.perf_counter()
+        streams = await asyncio.gather(*(self.runner.stream(ids) for ids in prompts))
+        return Burst(started, list(streams), len(prompts) * self.runner.new_tokens)
+
+
+@dataclass
+class ConcurrencyConfig:
+    label: str
+    extra: dict
+    prompts: list[list[int]]  # one per stream of a burst
+    runner: object  # EngineBurst | HfBatchPeer
+    threads: int
+    bursts: list[Burst] = field(default_factory=list)
+
+    def entry(self) -> dict:
+        return summarise_bursts(self.label, self.bursts, **self.extra)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of values; None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summarise_bursts(label: str, bursts: list[Burst], **extra) -> dict:
+    ttfts, itls, tokens, wall, requested = [], [], 0, 0.0, 0
+    for burst in bursts:
+        requested += burst.requested
+        wall += max(stream[-1][0] for stream in burst.streams if stream) - burst.started
+        for stream in burst.streams:
+            if not stream:
+                continue
+            tokens += sum(n for _, n in stream)
+            ttfts.append(stream[0][0] - burst.started)
+            itls.extend(b[0] - a[0] for a, b in zip(stream, stream[1:], strict=False))
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(1000 * value, 3)
+
+    entry = {
+        "label": label, **extra,
+        "tokens_per_s": round(tokens / wall, 2),
+        "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
+        "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)),
+        "tokens": tokens, "tokens_requested": requested, "bursts": len(bursts), "wall_s": round(wall, 3),
+    }
+    print(f"  {label:<24} C={extra.get('concurrency', '?'):<3} {entry['tokens_per_s']:>8.1f} tok/s  "
+          f"TTFT p50 {entry['ttft_ms_p50']} p99 {entry['ttft_ms_p99']} ms  "
+          f"ITL p50 {entry['itl_ms_p50']} p99 {entry['itl_ms_p99']} ms", flush=True)
+    return entry
+
+
+async def measure_bursts(configs: list[ConcurrencyConfig], repeats: int) -> None:
+    """A warm-up burst of each configuration, then `repeats` rounds of one burst each, interleaved."""
+    for round_index in range(repeats + 1):
+        for config in configs:
+            torch.set_num_threads(config.threads)
+            burst = await config.runner.burst(config.prompts)
+            if round_index > 0:
+                config.bursts.append(burst)
+
+
+def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, target, prompts: list[list[int]],
+                    stage_counts: list[int], levels: list[int], strategies: list[str], speculation: dict,
+                    max_context: int) -> dict:
+    """The --concurrency bench (see the module docstring): stage processes for every stage count."""
+    threads = torch.get_num_threads()
+
+    def cycle(count: int) -> list[list[int]]:
+        return [prompts[i % len(prompts)] for i in range(count)]
+
+    configs = [ConcurrencyConfig("hf-generate-batch", {"stages": 1, "concurrency": HF_BATCH, "speculative": "none"},
+                                 cycle(HF_BATCH), HfBatchPeer(target, args.new_tokens), threads)]
+    meshes = []
+    try:
+        for count in stage_counts:
+            stages, pipeline = start_mesh(model_dir, dtype, count, max_context)
+            meshes.append(stages)
+            label = f"grpc-{count}-stage" + ("s" if count > 1 else "")
+            for strategy in strategies:
+                proposer_for = None
+                if strategy != "none":
+                    proposer_for = dataclasses.replace(speculation[strategy], metrics=SpecCounter()).proposer_for
+                for level in levels:
+                    # One engine per configuration, as the frontend would run it (its admission limit included).
+                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
+                    name = label if strategy == "none" else f"{label}+{strategy}"
+                    configs.append(ConcurrencyConfig(name, {"stages": count, "concurrency": level,
+                                                            "speculative": strategy},
+                                                     cycle(level), EngineBurst(runner), DEFAULT_DRAFT_THREADS))
+        load_before = os.getloadavg()
+        print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds, load average "
+              f"{load_before[0]:.2f}", flush=True)
+        asyncio.run(measure_bursts(configs, args.repeats))
+        torch.set_num_threads(threads)
+        results = [config.entry() for config in configs]
+    finally:
+        for stages in meshes:
+            stages.stop()
+    report = {
+        "model": str(model_dir), "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
+        "new_tokens": args.new_tokens, "repeats": args.repeats, "concurrency": levels, "torch": torch.__version__,
+        "threads": threads, "machine": platform.machine(), "python": sys.version.split()[0],
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()], "results": results,
+    }
+    report.update(_concurrency_ratios(results))
+    _print_table(results)
+    return report
+
+
+def _concurrency_ratios(results: list[dict]) -> dict:
+    """Aggregate tokens/s at C streams over one stream, per stage count and strategy, and the
+    C = 8 configurations over the batched peer."""
+    out: dict = {}
+    one = {(r["stages"], r["speculative"], r["label"]): r for r in results if r.get("concurrency") == 1}
+    peer = next((r for r in results if r["label"] == "hf-generate-batch"), None)
+    for r in results:
+        if r["label"] == "hf-generate-batch":
+            continue
+        base = one.get((r["stages"], r["speculative"], r["label"]))
+        suffix = f"stages_{r['stages']}" + ("" if r["speculative"] == "none" else f"_{r['speculative']}")
+        if base and r["concurrency"] != 1:
+            out[f"concurrency_{r['concurrency']}_vs_1_{suffix}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+        if peer and r["concurrency"] == HF_BATCH:
+            out[f"concurrency_{HF_BATCH}_vs_hf_generate_batch_{suffix}"] = round(
+                r["tokens_per_s"] / peer["tokens_per_s"], 3)
+    return out
+
+
+def _print_table(results: list[dict]) -> None:
+    head = f"{'configuration':<26} {'C':>3} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in results:
+        print(f"{r['label']:<26} {r['concurrency']:>3} {r['tokens_per_s']:>8.1f} {r['ttft_ms_p50']:>9.1f} "
+              f"{r['ttft_ms_p99']:>9.1f} {r['itl_ms_p50']:>8.1f} {r['itl_ms_p99']:>8.1f}")

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default="code", help="comma-separated prompt sets: code,prose")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--concurrency", default=None,
+                       help="comma-separated stream counts (e.g. 1,8,32): bursts of concurrent streams per stage "
+                            "count, aggregate tok/s, TTFT and ITL percentiles, and the hf-generate-batch peer")
     bench.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
     add_arguments(OperatorConfig, sub.add_parser("operator", help="run the Kubernetes operator"))
