@@ -1,8 +1,9 @@
 """A small but real Engine for the HTTP tests: a transformers causal LM, one token per step.
 
 It implements the frontend's Engine protocol (inferencemesh.frontend.engine_api) in-process:
-prefill, then decode with a per-request KV cache in a worker thread (asyncio.to_thread), with
-greedy or seeded temperature / top-k / top-p sampling, stop token ids and max_tokens. It also
+prefill, then decode with a per-request KV cache in a worker thread (asyncio.to_thread), sampling
+with the stages' own inferencemesh.sampling (so every sampling control means the same here),
+stop token ids, max_tokens and logprobs (prompt ones too). It also
 keeps count of open sessions so tests can prove that the HTTP layer releases them.
 
 The model is the bundled code target when it exists (inferencemesh/bundled/imesh-code-target,
@@ -45,7 +46,10 @@ from inferencemesh.frontend.engine_api import (
     EngineNotReady,
     EngineOverloaded,
     GenerationRequest,
+    Step,
+    TokenLogprob,
 )
+from inferencemesh.sampling import logprobs, next_token
 
 # the bundled models' training script, whose tokenizer recipe the tiny fallback reuses
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -80,7 +84,7 @@ class TransformersEngine:
     async def close(self) -> None:
         self.ready = False
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         if not self.ready:
             raise EngineNotReady("the engine is not ready")
         if self.open_sessions >= self.max_sessions:
@@ -90,58 +94,57 @@ class TransformersEngine:
         self.open_sessions += 1
         self.peak_sessions = max(self.peak_sessions, self.open_sessions)
         produced = 0
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
+        params = request.sampling_params(seed)
+        history = list(request.prompt_ids)
         try:
-            session = _Session(self.model, request)
-            logits = await asyncio.to_thread(session.forward, request.prompt_ids)
+            session = _Session(self.model)
+            rows = await asyncio.to_thread(session.forward, history)
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None:
+                prompt_logprobs = [None, *_entries(rows[:-1], history[1:], request.prompt_logprobs)]
+            logits = rows[-1]
             while True:
-                token = session.sample(logits)
-                if token in request.stop_token_ids:
+                token = next_token(logits, params, len(history), history) if produced < request.max_tokens else None
+                stop = token in request.stop_token_ids
+                if token is None or (stop and not request.emit_stop_token):
+                    if prompt_logprobs is not None:
+                        yield Step([], None, prompt_logprobs)
                     return
                 produced += 1
-                yield [token]
-                if produced >= request.max_tokens:
+                history.append(token)
+                lps = None if request.logprobs is None else _entries(logits[None], [token], request.logprobs)
+                yield Step([token], lps, prompt_logprobs)
+                prompt_logprobs = None
+                if stop or produced >= request.max_tokens:
                     return
                 if self.fail_after_tokens is not None and produced >= self.fail_after_tokens:
                     raise EngineError("stage 1 was lost mid-generation")
                 if self.step_delay_s:
                     await asyncio.sleep(self.step_delay_s)
-                logits = await asyncio.to_thread(session.forward, [token])
+                logits = (await asyncio.to_thread(session.forward, [token]))[-1]
         finally:
             self.open_sessions -= 1
             self.released[request.request_id] = produced
 
 
-class _Session:
-    """One request's KV cache and sampler."""
+def _entries(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    return [TokenLogprob(t, lp, tuple(zip(ids, lps, strict=True))) for t, lp, ids, lps in logprobs(rows, tokens, top)]
 
-    def __init__(self, model: PreTrainedModel, request: GenerationRequest) -> None:
-        self.model, self.request = model, request
+
+class _Session:
+    """One request's KV cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
         self.cache = None
-        seed = request.seed if request.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
 
     def forward(self, ids: list[int]) -> torch.Tensor:
+        """float32 logits of every row of `ids`."""
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
-        return out.logits[0, -1].float()
-
-    def sample(self, logits: torch.Tensor) -> int:
-        r = self.request
-        if r.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / r.temperature
-        if 0 < r.top_k < logits.numel():
-            kth = torch.topk(logits, r.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if r.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= r.top_p
-            outside[0] = False  # the most likely token always stays, however small top_p is
-            sorted_probs[outside] = 0.0
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return out.logits[0].float()
 
 
 # --- models ------------------------------------------------------------------------------------

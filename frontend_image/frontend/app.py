@@ -31,7 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from inferencemesh.frontend.detokenize import OutputText
-from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationRequest
+from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationRequest, Step, TokenLogprob
+from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
 
@@ -232,9 +233,20 @@ class _Job:
     include_usage: bool
     arrival: float  # time.perf_counter() when the request arrived
     echo_text: str = ""
-    # Set when generation ends:
+    top_logprobs: int = 0  # alternatives per token when job.request.logprobs is set
+    # Set as generation goes:
+    text_offset: int = 0  # completions logprobs: where the choice's text so far ends
     finish_reason: str = "length"
     completion_tokens: int = 0
+
+
+@dataclass
+class _Piece:
+    """One engine step as the client sees it: new text, and the logprobs of its tokens."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -252,6 +264,7 @@ class _Frontend:
         eos = tokenizer.eos_token_id
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stop_token_ids = frozenset(stop_ids)
+        self.logprobs = LogprobsFormatter(tokenizer)
         self._ready_until = 0.0  # a positive readiness answer is reused this long (monotonic time)
 
     def error_response(self, err: APIError) -> JSONResponse:
@@ -286,7 +299,8 @@ class _Frontend:
         limit, n = self.engine.max_context, len(prompt_ids)
         if max_tokens is None:
             max_tokens = limit - n  # not set: as many as fit
-        if max_tokens < 1 or n + max_tokens > limit:
+        scoring = max_tokens == 0 and body.max_tokens == 0  # asked for (echo + logprobs): the prompt only
+        if (max_tokens < 1 and not scoring) or n + max_tokens > limit:
             asked = f"{n} prompt tokens" + (f" + {max_tokens} max_tokens" if n < limit else "")
             raise APIError(400, f"This model's maximum context length is {limit} tokens; the request has {asked}.",
                            param=param, code="context_length_exceeded")
@@ -295,16 +309,44 @@ class _Frontend:
         temperature = 1.0 if body.temperature is None else body.temperature
         if temperature < GREEDY_BELOW_TEMPERATURE:
             temperature = 0.0  # logits / 1e-300 overflow to inf: this close to 0 means greedy
+        if body.min_tokens and max_tokens < body.min_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
+                           param="min_tokens")
         request_id = prefix + uuid.uuid4().hex
+        if isinstance(body, ChatCompletionRequest):
+            top, prompt_logprobs = body.top_logprobs, None
+            logprobs = (top or 0) if body.logprobs else None
+        else:
+            logprobs, top = body.logprobs, body.logprobs
+            prompt_logprobs = logprobs if body.echo else None
         gen = GenerationRequest(
             request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=self._stop_token_ids(body),
+            emit_stop_token=bool(body.include_stop_str_in_output),
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=self._logit_bias(body),
+            min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
-                    bool(body.stream), include_usage, arrival, echo_text)
+                    bool(body.stream), include_usage, arrival, echo_text, top_logprobs=top or 0)
+
+    def _stop_token_ids(self, body: ChatCompletionRequest | CompletionRequest) -> frozenset[int]:
+        """EOS and end-of-turn tokens (unless ignore_eos, as vLLM does), plus the request's own."""
+        own = body.stop_token_ids or []
+        bad = next((t for t in own if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary (size {self.vocab_size}).",
+                           param="stop_token_ids")
+        return (frozenset() if body.ignore_eos else self.stop_token_ids) | frozenset(own)
+
+    def _logit_bias(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[tuple[int, float], ...]:
+        try:
+            return body.logit_bias_pairs(self.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), param="logit_bias") from err
 
     async def _ready(self, cached: bool = False) -> bool:
         # Per request, a "ready" seen within READY_CACHE_S is trusted: asking every stage's health
@@ -327,14 +369,15 @@ class _Frontend:
             return await asyncio.to_thread(self._chat_ids, body), ""  # off the event loop: prompts can be long
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            return await asyncio.to_thread(self._text_ids, prompt), prompt if body.echo else ""
+            special = body.add_special_tokens is not False
+            return await asyncio.to_thread(self._text_ids, prompt, special), prompt if body.echo else ""
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"Token id {bad} is outside the vocabulary (size {self.vocab_size}).", param="prompt")
         return list(prompt), self.tokenizer.decode(prompt) if body.echo else ""
 
-    def _text_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def _text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -349,7 +392,7 @@ class _Frontend:
 
     # --- running the engine ---
 
-    async def start(self, job: _Job) -> tuple[AsyncIterator[list[int]], list[int] | None, RequestTracker]:
+    async def start(self, job: _Job) -> tuple[AsyncIterator[Step], Step | None, RequestTracker]:
         """Submit to the engine and wait for its first step, so that errors at admission
         (overloaded, not ready, context) still get their HTTP status. None: no tokens at all."""
         tracker = self.metrics.track_request(job.arrival, len(job.prompt_ids))
@@ -371,33 +414,51 @@ class _Frontend:
             raise
         return iterator, first, tracker
 
-    async def steps(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
-                    tracker: RequestTracker, text: OutputText) -> AsyncIterator[str]:
-        """Text deltas of one generation; sets job.finish_reason and job.completion_tokens at the end."""
+    async def steps(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
+                    tracker: RequestTracker, text: OutputText) -> AsyncIterator[_Piece]:
+        """The pieces of one generation; sets job.finish_reason and job.completion_tokens at the end."""
         budget = job.request.max_tokens
+        stops = job.request.stop_token_ids if job.request.emit_stop_token else frozenset()
         count = 0
-        ids = first
-        while ids is not None:
-            ids = ids[: budget - count]  # a speculative step may overshoot the budget
+        step = first
+        stopped_by_token = False
+        while step is not None:
+            ids = list(step[: budget - count])  # a speculative step may overshoot the budget
+            logprobs = step.logprobs[: len(ids)] if step.logprobs is not None else None
             if ids:
                 count += len(ids)
                 tracker.on_tokens(len(ids))
+                stopped_by_token = ids[-1] in stops  # an emitted stop token (include_stop_str_in_output)
                 delta = text.add_tokens(ids)
-                if delta:
-                    yield delta
+                if delta or logprobs:
+                    yield _Piece(delta, ids, logprobs)
             if text.stopped or count >= budget:
                 break
             try:
-                ids = await iterator.__anext__()
+                step = await iterator.__anext__()
             except StopAsyncIteration:
-                ids = None
+                step = None
         if not text.stopped:
             tail = text.finish()
             if tail:
-                yield tail
+                yield _Piece(tail, [], None)
         job.completion_tokens = count
         # The engine ends early only on a stop token; a stop string also ends it: both are "stop".
-        job.finish_reason = "stop" if text.stopped or count < budget else "length"
+        job.finish_reason = "stop" if text.stopped or stopped_by_token or count < budget else "length"
+
+    def _output_text(self, job: _Job) -> OutputText:
+        return OutputText(self.tokenizer, job.prompt_ids, job.stops, min_tokens=job.request.min_tokens,
+                          include_stop=job.request.emit_stop_token)
+
+    def _choice_logprobs(self, job: _Job, tokens: list[int], entries: list[TokenLogprob | None] | None,
+                         ) -> dict[str, Any] | None:
+        """The choice's `logprobs` for these tokens (None when the request asked for none)."""
+        if entries is None:
+            return None
+        if job.kind == "chat":
+            return {"content": self.logprobs.chat(entries, job.top_logprobs), "refusal": None}
+        out, job.text_offset = self.logprobs.completion(tokens, entries, job.top_logprobs, job.text_offset)
+        return out
 
     # --- responses ---
 
@@ -410,27 +471,37 @@ class _Frontend:
             obj["usage"] = usage
         return _sse(obj)
 
-    def _delta_choice(self, job: _Job, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _delta_choice(self, job: _Job, text: str | None, finish: str | None, role: bool = False,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if job.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    async def stream(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
+    def _echo(self, job: _Job, first: Step | None) -> tuple[str, dict[str, Any] | None]:
+        """Completions with echo: the prompt's text and, with logprobs, the prompt's logprobs."""
+        prompt_logprobs = first.prompt_logprobs if first is not None else None
+        if job.request.prompt_logprobs is None or prompt_logprobs is None:
+            return job.echo_text, None
+        return job.echo_text, self._choice_logprobs(job, job.prompt_ids, prompt_logprobs)
+
+    async def stream(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
                      tracker: RequestTracker) -> AsyncIterator[str]:
-        text = OutputText(self.tokenizer, job.prompt_ids, job.stops)
+        text = self._output_text(job)
         try:
             if job.kind == "chat":
                 yield self._chunk(job, self._delta_choice(job, "", None, role=True))
             elif job.echo_text:
-                yield self._chunk(job, self._delta_choice(job, job.echo_text, None))
+                echo, echo_logprobs = self._echo(job, first)
+                yield self._chunk(job, self._delta_choice(job, echo, None, logprobs=echo_logprobs))
             try:
-                async for delta in self.steps(job, iterator, first, tracker, text):
-                    yield self._chunk(job, self._delta_choice(job, delta, None))
+                async for piece in self.steps(job, iterator, first, tracker, text):
+                    logprobs = self._choice_logprobs(job, piece.tokens, piece.logprobs)
+                    yield self._chunk(job, self._delta_choice(job, piece.text, None, logprobs=logprobs))
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 err = _as_api_error(exc)
                 _log_server_error(err, job.id)
@@ -448,26 +519,32 @@ class _Frontend:
             await _close(iterator)
             tracker.finish("abort")  # no-op when already finished
 
-    async def complete(self, job: _Job, iterator: AsyncIterator[list[int]], first: list[int] | None,
+    async def complete(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
                        tracker: RequestTracker) -> dict[str, Any]:
-        text = OutputText(self.tokenizer, job.prompt_ids, job.stops)
+        text = self._output_text(job)
+        echo, echo_logprobs = self._echo(job, first) if job.kind == "completion" else ("", None)
         try:
-            parts = [delta async for delta in self.steps(job, iterator, first, tracker, text)]
+            pieces = [piece async for piece in self.steps(job, iterator, first, tracker, text)]
         except Exception as exc:
             err = _as_api_error(exc)
             tracker.finish("error", status=err.status)
             raise err from exc
         finally:
             await _close(iterator)
-        finish, out = job.finish_reason, "".join(parts)
+        finish, out = job.finish_reason, "".join(piece.text for piece in pieces)
         tracker.finish(finish)
         usage = _usage(len(job.prompt_ids), job.completion_tokens)
+        tokens = [t for piece in pieces for t in piece.tokens]
+        entries = None if job.request.logprobs is None else [e for piece in pieces for e in piece.logprobs or []]
         if job.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
+                      "logprobs": self._choice_logprobs(job, tokens, entries), "finish_reason": finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": job.echo_text + out, "logprobs": None, "finish_reason": finish}
+            logprobs = self._choice_logprobs(job, tokens, entries)
+            if echo_logprobs is not None:  # the prompt's entries first, then the generated tokens'
+                logprobs = {key: echo_logprobs[key] + (logprobs or {}).get(key, []) for key in echo_logprobs}
+            choice = {"index": 0, "text": echo + out, "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice],
                 "usage": usage}

@@ -115,8 +115,9 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._stops = [s for s in stops if s]
+        self._include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -124,10 +125,11 @@ class StopStringMatcher:
         if not self._stops:
             return text, False
         pending = self._pending + text
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, -len(s), s) for s, i in ((s, pending.find(s)) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return pending[:min(hits)], True
+            at, _, stop = min(hits)  # the earliest; of those starting there, the longest
+            return pending[:at + len(stop) if self._include else at], True
         hold = max((self._partial_suffix(pending, s) for s in self._stops), default=0)
         cut = len(pending) - hold
         self._pending = pending[cut:]
@@ -147,17 +149,25 @@ class StopStringMatcher:
 
 
 class OutputText:
-    """The text of one generation: detokenized, with stop strings cut out."""
+    """The text of one generation: detokenized, with stop strings cut out (or kept, with
+    include_stop), looked for only once more than min_tokens tokens were generated (vLLM's rule)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], stops: Sequence[str],
+                 *, min_tokens: int = 0, include_stop: bool = False) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self._stops = StopStringMatcher(stops)
+        self._stops = StopStringMatcher(stops, include_stop)
+        self._min_tokens = min_tokens
+        self._tokens = 0
         self.stopped = False  # a stop string was seen: the caller ends generation
 
     def add_tokens(self, ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        out, self.stopped = self._stops.push(self._detok.add(ids))
+        self._tokens += len(ids)
+        text = self._detok.add(ids)
+        if self._tokens <= self._min_tokens:
+            return text
+        out, self.stopped = self._stops.push(text)
         return out
 
     def finish(self) -> str:

@@ -23,8 +23,11 @@ from inferencemesh.frontend.engine_api import (
     EngineError,
     EngineOverloaded,
     GenerationRequest,
+    Step,
+    TokenLogprob,
 )
 from inferencemesh.frontend.speculative import Proposer
+from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 
@@ -98,7 +101,7 @@ class PipelineEngine:
     async def close(self) -> None:
         await self.pipeline.close()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         prompt = list(request.prompt_ids)
         if not prompt:
             raise EngineError("empty prompt")
@@ -128,37 +131,37 @@ class PipelineEngine:
                 proposer.close()
 
     async def _run(self, request: GenerationRequest, prompt: list[int], budget: int,
-                   proposer: Proposer | None) -> AsyncIterator[list[int]]:
+                   proposer: Proposer | None) -> AsyncIterator[Step]:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        sampling = pb.Sampling(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed)
+        sampling = params.to_wire(request.sampling_params(seed), request.logprobs)
         conn = _Connection(self.pipeline, request.request_id)
         try:
-            fresh = [await self._admitted_prefill(conn, prompt, sampling)]
-            history = prompt + fresh
+            prediction, prompt_logprobs = await self._admitted_prefill(conn, prompt, sampling,
+                                                                      request.prompt_logprobs is not None)
+            history = prompt + list(prediction.tokens)
             emitted = 0
             while True:
-                out: list[int] = []
-                for token in fresh:
-                    if token in request.stop_token_ids or emitted >= budget:
-                        break
-                    out.append(token)
-                    emitted += 1
-                if out:
-                    yield out
-                if len(out) < len(fresh) or emitted >= budget:
+                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
+                emitted += count
+                if count or prompt_logprobs is not None:
+                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
+                               prompt_logprobs)
+                    prompt_logprobs = None
+                if stopped or count < len(prediction.tokens) or emitted >= budget:
                     return
                 # Everything but the last token is in the stages' caches; a replacement stage
                 # gets exactly that prefix again.
-                fresh = await self._resilient(conn, sampling, history[:-1],
-                                              lambda: self._step(conn, history, proposer))
-                history.extend(fresh)
+                prediction = await self._resilient(conn, sampling, history[:-1],
+                                                   lambda: self._step(conn, history, proposer))
+                history.extend(prediction.tokens)
         except PipelineError as err:
             self._ready_at = 0.0
             raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
         finally:
             await conn.close()
 
-    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling) -> int:
+    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
+                                prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
         """The first prefill. A stage at its session limit (another frontend shares it, or a
         release is still on its way) is capacity, not failure: the request waits for room, as
         it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
@@ -166,7 +169,8 @@ class PipelineEngine:
         delay = 0.02
         while True:
             try:
-                return await self._resilient(conn, sampling, [], lambda: self._prefill(conn, prompt, sampling))
+                return await self._resilient(conn, sampling, [],
+                                             lambda: self._prefill(conn, prompt, sampling, True, prompt_logprobs))
             except PipelineError as err:
                 if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
@@ -213,27 +217,32 @@ class PipelineEngine:
         raise PipelineError(cause.code, f"the pipeline did not recover within {self.options.recovery_timeout_s:.0f}s "
                                         f"after: {cause}")
 
-    async def _prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
-                       want_prediction: bool = True) -> int | None:
-        """Feed the prompt in chunks; the last chunk's prediction is the first new token."""
+    async def _prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling, want_prediction: bool = True,
+                       prompt_logprobs: bool = False) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
+        """Feed the prompt in chunks; the last chunk's prediction holds the first new token.
+        With prompt_logprobs every chunk asks for its tokens' logprobs (a Prediction each)."""
         session, frame = conn.session, conn.frame
         chunk = self.options.prefill_chunk
         frame.kind = pb.PREFILL
         frame.sampling.CopyFrom(sampling)
+        frame.prompt_logprobs = prompt_logprobs
         prediction = None
+        scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
             frame.pos_start = start
             frame.token_count = len(piece)
             frame.token_ids[:] = piece
-            frame.want_prediction = want_prediction and start + chunk >= len(prompt)
+            frame.want_prediction = want_prediction and (prompt_logprobs or start + chunk >= len(prompt))
             frame.seq += 1
             prediction = await session.send(frame)
             frame.ClearField("sampling")  # stages keep the parameters they saw last
-        frame.want_prediction = False
-        return prediction.tokens[0] if prediction is not None else None
+            if scored is not None:
+                scored.extend(_converted(prediction.prompt_logprobs))
+        frame.want_prediction = frame.prompt_logprobs = False
+        return prediction, scored
 
-    async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> list[int]:
+    async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
         session, frame = conn.session, conn.frame
         # Proposals are computed on the event loop's thread, draft models included: a second
@@ -253,7 +262,7 @@ class PipelineEngine:
             prediction = await session.send(frame)
             if proposer is not None:
                 proposer.observe(0, 0, proposed - started, time.perf_counter() - proposed)
-            return list(prediction.tokens)
+            return prediction
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]
         frame.kind = pb.VERIFY
@@ -266,4 +275,21 @@ class PipelineEngine:
         if self.options.debug_telemetry:
             log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
                       len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
-        return list(prediction.tokens)
+        return prediction
+
+
+def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tuple[int, bool]:
+    """How many of a step's tokens go to the client, and whether a stop token ended generation
+    (it goes too when the request asks for it)."""
+    for index, token in enumerate(tokens[:room]):
+        if token in request.stop_token_ids:
+            return index + int(request.emit_stop_token), True
+    return min(len(tokens), room), False
+
+
+def _converted(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token, e.logprob, tuple(zip(e.top_tokens, e.top_logprobs, strict=True))) for e in entries]
+
+
+def _logprobs(entries, request: GenerationRequest) -> list[TokenLogprob] | None:
+    return _converted(entries) if request.logprobs is not None else None

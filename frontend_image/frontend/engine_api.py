@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inferencemesh.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -21,6 +23,46 @@ class GenerationRequest:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # end generation, not emitted
+    emit_stop_token: bool = False  # ... unless this is set: then the stop token is the last one yielded
+    # vLLM's extra sampling parameters (semantics in inferencemesh.sampling.adjust).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # stop_token_ids cannot end generation before this many tokens
+    # None: no logprobs; k: each generated token's logprob and its k most likely alternatives.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), on the first Step
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        """What the last stage (and a draft model) sample with."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, min_tokens=self.min_tokens,
+            stop_token_ids=tuple(sorted(self.stop_token_ids)), prompt_tokens=len(self.prompt_ids),
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw output, and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+class Step(list):
+    """What the engine yields: newly decided token ids (a list[int], as always) and, when the
+    request asked, their logprobs (one per token) and, on the first step, the prompt's (None
+    for its first token, which nothing predicts)."""
+
+    def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
 
 
 class EngineError(Exception):
@@ -53,8 +95,10 @@ class Engine(Protocol):
     model_name: str
     max_context: int
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[int]]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         """Yield newly decided token ids (one or more per step) until max_tokens or a stop token.
+        A request for prompt logprobs gets them on the first Step, which may hold no tokens
+        (max_tokens 0: prompt scoring only).
 
         Closing the iterator early (aclose) cancels the request and releases its session.
         """

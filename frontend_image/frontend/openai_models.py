@@ -1,22 +1,63 @@
 """Pydantic models of the OpenAI request bodies we accept.
 
-Strict types, as OpenAI's own API is ("temperature": "1" is a 400, not a coercion). Unknown
-fields are ignored so newer clients keep working; known fields whose meaning we cannot honour
-(n > 1, logprobs, tools, penalties, …) are refused by `unsupported()` rather than silently
-ignored, so a client never gets an answer to a question it did not ask.
+Strict types, as OpenAI's own API is ("temperature": "1" is a 400, not a coercion). Every
+field of OpenAI's request schemas and every vLLM extra we know is either honoured or refused by
+`unsupported()` with the parameter's name: a client never gets an answer to a question it did
+not ask. Fields nobody has defined yet are ignored, so newer clients keep working.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+
+# Known fields we do not implement (OpenAI's and vLLM's): refused whenever sent with a value.
+REFUSED: dict[str, str] = {
+    # OpenAI chat
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tools are not supported", "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason", "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported", "moderation": "moderation is not supported",
+    # vLLM: structured output (a later issue), beam search, other samplers and prompt options
+    "guided_json": "structured output is not supported yet", "guided_regex": "structured output is not supported yet",
+    "guided_choice": "structured output is not supported yet",
+    "guided_grammar": "structured output is not supported yet",
+    "guided_decoding_backend": "structured output is not supported yet",
+    "guided_whitespace_pattern": "structured output is not supported yet",
+    "structured_outputs": "structured output is not supported yet",
+    "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
+    "min_p": "min_p is not supported", "bad_words": "bad_words is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "logits_processors": "logits_processors are not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; use echo with logprobs (completions)",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "chat_template": "a request's own chat_template is not supported",
+    "chat_template_kwargs": "chat_template_kwargs is not supported", "documents": "documents are not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "mm_processor_kwargs": "multimodal input is not supported", "priority": "request priorities are not supported",
+    "kv_transfer_params": "KV transfer is not supported", "vllm_xargs": "vllm_xargs is not supported",
+    "cache_salt": "prefix caching is not supported", "return_token_ids": "return_token_ids is not supported",
+}
+# Known fields whose only behaviour here is one fixed value: accepted when they ask for it.
+FIXED: dict[str, object] = {
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "add_generation_prompt": True,
+    "store": False,
+}
+# Known fields that only label a request (they change nothing about the answer): accepted.
+LABELS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+          "prompt_cache_options", "service_tier", "request_id")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # extra="allow": known fields we refuse arrive in model_extra, where unsupported() sees them.
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class StreamOptions(_Body):
@@ -30,7 +71,7 @@ class _SamplingRequest(_Body):
     model: str
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # extension (vLLM's): 0 or -1 = off
@@ -39,8 +80,14 @@ class _SamplingRequest(_Body):
     n: Annotated[int, Field(ge=1, le=128)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
+    # vLLM's extra sampling parameters
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    include_stop_str_in_output: bool | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -52,12 +99,23 @@ class _SamplingRequest(_Body):
             return "n", "n > 1 is not supported; send separate requests"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return param, f"{param} is not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for name, value in (self.model_extra or {}).items():
+            if value is None:
+                continue
+            if name in REFUSED:
+                return name, REFUSED[name]
+            if name in FIXED and value != FIXED[name]:
+                return name, f"{name} must be {json.dumps(FIXED[name])} here"
         return None
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias); ValueError naming a key that is not a token id."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise ValueError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
+            pairs.append((int(key), float(bias)))
+        return tuple(sorted(pairs))
 
 
 class CompletionRequest(_SamplingRequest):
@@ -66,7 +124,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI: up to 5; vLLM: 20
+    add_special_tokens: bool | None = None  # vLLM: add BOS etc. to a text prompt (default true)
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
@@ -76,8 +135,8 @@ class CompletionRequest(_SamplingRequest):
             return "best_of", "best_of > 1 is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
+            return "max_tokens", "max_tokens 0 scores the prompt: it needs echo and logprobs"
         return super().unsupported()
 
     def single_prompt(self) -> str | list[int]:
@@ -112,14 +171,19 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None  # vLLM: only false
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.max_tokens == 0 or self.max_completion_tokens == 0:
+            return "max_tokens", "max_tokens must be at least 1"
+        if self.echo:
+            return "echo", "echo is not supported for chat"
         if self.tools:
             return "tools", "tools are not supported"
         if self.tool_choice not in (None, "none", "auto"):

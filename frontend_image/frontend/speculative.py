@@ -26,7 +26,7 @@ from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.draft import DraftCache, DraftModel
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.frontend.ngram import ngram_lookup
-from inferencemesh.sampling import SamplingParams, generator_for, probabilities
+from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities
 from inferencemesh.speculation import SpeculativeChoice, WindowPolicy, choose_for_model
 
 log = logging.getLogger("inferencemesh.speculative")
@@ -263,6 +263,9 @@ class DraftProposer(WindowedProposer):
     def _next(self, logits: torch.Tensor) -> tuple[DraftCache, int, list[int]] | None:
         """Draw the next draft token from `logits`; the feed for the one after, or None when done."""
         position = self._first_position + len(self._tokens)
+        # The target's transforms (penalties, bias, min_tokens) on the draft too: its proposals
+        # then follow what the target will accept; q stays the distribution actually drawn from.
+        logits = adjust(logits[None], self.params, self.fed)[0]
         if self.params.greedy:
             token = int(logits.argmax())
         else:
@@ -393,7 +396,7 @@ class Speculation:
         if self.strategy == "auto":
             text = self.tokenizer.decode(request.prompt_ids[-512:]) if self.tokenizer is not None else ""
             return AutoProposer(self.window, favourable_prompt(text), self.metrics)
-        params = SamplingParams(request.temperature, request.top_p, request.top_k, request.seed or 0)
+        params = request.sampling_params(request.seed or 0)
         return DraftProposer(self.draft, self.window, params, self.metrics, self.batcher)
 
 

@@ -1,13 +1,17 @@
 """Sampling and speculative verification: pure functions over logits.
 
 The last stage samples here and the frontend's draft model proposes here, so both sides
-warp logits identically. Randomness is a pure function of (seed, position, purpose): a
-token sampled at position p with seed s is the same whether the pipeline has one stage
-or four, and a replayed step after a stage restart draws the same numbers.
+warp logits identically. The logits transforms of vLLM's extra sampling parameters (logit
+bias, min_tokens, presence / frequency / repetition penalties) live in `adjust`, which plain
+decoding, both forms of verification and the draft all call. Randomness is a pure function
+of (seed, position, purpose): a token sampled at position p with seed s is the same whether
+the pipeline has one stage or four, and a replayed step after a stage restart draws the
+same numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +27,28 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # vLLM's semantics: presence / frequency count the generated tokens (positions from
+    # prompt_tokens on), repetition the prompt's too; bias and min_tokens come first.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off; > 1 discourages tokens already seen
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # stop_token_ids are masked until this many tokens were generated
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_tokens: int = 0  # where the generated tokens start
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty not in (0.0, 1.0)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether any logits transform is on (else `adjust` returns the logits as they are)."""
+        return self.penalised or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_token_ids))
 
 
 GREEDY = SamplingParams()
@@ -35,6 +57,62 @@ GREEDY = SamplingParams()
 def generator_for(seed: int, position: int, salt: int) -> torch.Generator:
     mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + salt * 0x94D049BB133111EB) & _MASK63
     return torch.Generator().manual_seed(mixed)
+
+
+def adjust(logits: torch.Tensor, params: SamplingParams, context: Sequence[int]) -> torch.Tensor:
+    """vLLM's logits transforms in vLLM's order: logit_bias, min_tokens, then the penalties.
+
+    logits [R, V]; context: the session's tokens by position, up to the one row R-1 follows.
+    Row r predicts position len(context) - R + 1 + r from the tokens before it: one row
+    follows the whole context; the rows of a VERIFY window follow each draft in turn (a
+    penalty depends on the drafts accepted before it, exactly as if they had been decoded).
+    """
+    if not params.adjusts:
+        return logits
+    rows, vocab = logits.shape
+    out = logits.float().clone()
+    device = out.device
+    first = len(context) - rows + 1  # the position row 0 predicts
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+    if params.min_tokens and params.stop_token_ids:
+        stops = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        for r in range(rows):
+            if first + r - params.prompt_tokens < params.min_tokens:
+                out[r, stops] = float("-inf")
+    if not params.penalised:
+        return out
+    tokens = torch.tensor(list(context[:first]), dtype=torch.long, device=device)
+    seen = torch.bincount(tokens, minlength=vocab)[:vocab] > 0  # prompt and output: repetition
+    generated = torch.bincount(tokens[params.prompt_tokens:], minlength=vocab)[:vocab].float()  # output only
+    for r in range(rows):
+        if r:  # the window's token before this row joins the history
+            token = context[first + r - 1]
+            seen[token] = True
+            if first + r - 1 >= params.prompt_tokens:
+                generated[token] += 1
+        row = out[r]
+        if params.repetition_penalty not in (0.0, 1.0):
+            penalty = torch.where(seen, params.repetition_penalty, 1.0)
+            row = torch.where(row > 0, row / penalty, row * penalty)
+        out[r] = row - params.frequency_penalty * generated - params.presence_penalty * (generated > 0).float()
+    return out
+
+
+def logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[tuple[int, float, list[int], list[float]]]:
+    """Per row of raw logits [R, V]: (token, its logprob, top-`top` tokens, their logprobs).
+
+    The log-softmax of the model's own output, before any transform (vLLM's default
+    "raw logprobs"): what the model thinks, whatever sampling then did with it."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(list(tokens), dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if top > 0:
+        best = lp.topk(min(top, lp.shape[-1]), dim=-1)
+        best_ids, best_lps = best.indices.tolist(), best.values.tolist()
+    else:
+        best_ids = best_lps = [[] for _ in tokens]
+    return list(zip(tokens, chosen, best_ids, best_lps, strict=True))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -60,8 +138,10 @@ def sample(probs: torch.Tensor, seed: int, position: int) -> int:
     return int(torch.multinomial(probs, 1, generator=generator_for(seed, position, _SALT_SAMPLE)))
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The token at `position` from its [V] logits: argmax when greedy, else a seeded sample."""
+def next_token(logits: torch.Tensor, params: SamplingParams, position: int, context: Sequence[int] = ()) -> int:
+    """The token at `position` from its [V] logits: argmax when greedy, else a seeded sample.
+    context: the tokens before `position` (what the transforms of `adjust` look at)."""
+    logits = adjust(logits[None], params, context)[0]
     if params.greedy:
         return int(logits.argmax())
     return sample(probabilities(logits.unsqueeze(0), params)[0], params.seed, position)
@@ -78,6 +158,7 @@ def verify(
     params: SamplingParams,
     pos_start: int,
     draft_probs: torch.Tensor | None = None,
+    context: Sequence[int] = (),
 ) -> tuple[int, list[int]]:
     """Verify a speculative window at the target.
 
@@ -89,7 +170,9 @@ def verify(
     sampling (Leviathan et al.): accept d_i with probability min(1, p(d_i)/q(d_i)); on
     rejection draw from normalize(max(p - q, 0)); when all pass, a bonus token from p.
     draft_probs [k, V] is q; None means every proposal had q = 1 (n-gram lookup).
+    context: the tokens by position through the window's last draft (see `adjust`).
     """
+    logits = adjust(logits, params, context)
     k = len(draft_tokens)
     if params.greedy:
         target = logits.argmax(-1).tolist()

@@ -92,6 +92,7 @@ class DownstreamHop:
         env.pos_start = frame.pos_start
         env.token_count = frame.token_count
         env.want_prediction = frame.want_prediction
+        env.prompt_logprobs = frame.prompt_logprobs
         env.seq = frame.seq
         env.sent_ns = frame.sent_ns
         env.draft_probs = frame.draft_probs

@@ -1,4 +1,5 @@
-"""Per-session state held by a stage: its KV cache, sampling parameters and (last stage) results.
+"""Per-session state held by a stage: its KV cache, sampling parameters and (last stage) results
+and the session's tokens, which the penalties look at.
 
 A session exists from its first frame (or, on the last stage, from the frontend's Results
 subscription, whichever comes first) until RELEASE, an idle TTL, or the stage's restart.
@@ -23,6 +24,12 @@ class StageSession:
     session_id: str
     kv: Any = None  # SessionKV of the runtime, created on the first frame
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None  # None: none; else the top alternatives each token's logprob comes with
+    # Last stage: the session's token ids by position (frames carry them), truncated with the
+    # cache when pos_start rolls back; and the last prompt row's logits, for the logprob of the
+    # next prompt chunk's first token.
+    tokens: list[int] = field(default_factory=list)
+    prompt_tail: Any = None
     results: asyncio.Queue = field(default_factory=asyncio.Queue)  # Predictions, None = closed
     last_used: float = field(default_factory=time.monotonic)
     released: bool = False

@@ -12,11 +12,11 @@ import time
 import grpc
 import torch
 
-from inferencemesh.protocol import codec
+from inferencemesh.protocol import codec, params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
 from inferencemesh.protocol.transport import KIND_NAMES
-from inferencemesh.sampling import SamplingParams, next_token, verify
+from inferencemesh.sampling import logprobs, next_token, verify
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import StageSession
 
@@ -74,8 +74,7 @@ class StageWorker:
         runnable, segments = [], []
         for index, (session, frame, inputs) in enumerate(jobs):
             if frame.HasField("sampling"):
-                s = frame.sampling
-                session.sampling = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed)
+                session.sampling, session.logprobs = params.from_wire(frame.sampling)
             if session.kv is None:
                 session.kv = rt.new_session()
             try:
@@ -83,8 +82,12 @@ class StageWorker:
             except PositionError as err:
                 results[index] = Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 continue
+            if self.is_last:  # pos_start is authoritative for the token history as for the cache
+                del session.tokens[frame.pos_start:]
+                session.tokens.extend(frame.token_ids)
             wants = frame.kind != pb.PREFILL or frame.want_prediction
-            logits = "all" if frame.kind == pb.VERIFY else "last" if wants else "none"
+            every_row = frame.kind == pb.VERIFY or (frame.kind == pb.PREFILL and frame.prompt_logprobs)
+            logits = "all" if every_row else "last" if wants else "none"
             runnable.append(index)
             segments.append(Segment(session.kv, frame.pos_start, inputs, logits))
         if not segments:
@@ -105,18 +108,53 @@ class StageWorker:
         return results
 
     def _decide(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> pb.Prediction | None:
-        """Last stage: sample the next token, or verify a speculative window."""
+        """Last stage: sample the next token, or verify a speculative window; with the raw
+        logprobs of what was decided (and of the prompt) when the session asks for them."""
+        sampling = session.sampling
+        context = session.tokens
+        if len(context) != frame.pos_start + frame.token_count and sampling.adjusts:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                        "penalties, logit_bias and min_tokens need every frame's token_ids at the last stage")
         if frame.kind == pb.VERIFY:
             drafts = list(frame.token_ids[1:])
             probs = None
-            if frame.draft_probs and not session.sampling.greedy:
+            if frame.draft_probs and not sampling.greedy:
                 try:
                     probs = codec.decode_probs(frame.draft_probs, len(drafts), self.runtime.vocab_size)
                 except codec.PayloadError as err:
                     raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-            accepted, tokens = verify(logits, drafts, session.sampling, frame.pos_start, probs)
-            return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
-                                 tokens=tokens, accepted=accepted)
-        position = frame.pos_start + frame.token_count
-        token = next_token(logits[-1], session.sampling, position)
-        return pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position, tokens=[token])
+            accepted, tokens = verify(logits, drafts, sampling, frame.pos_start, probs, context)
+            prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
+                                       tokens=tokens, accepted=accepted)
+            rows = logits[: len(tokens)]  # row i decided tokens[i]: the target's own logprobs, never the draft's
+        else:
+            position = frame.pos_start + frame.token_count
+            tokens = [next_token(logits[-1], sampling, position, context)]
+            prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position,
+                                       tokens=tokens)
+            rows = logits[-1:]
+        if session.logprobs is not None:
+            prediction.logprobs.extend(_entries(rows, tokens, session.logprobs))
+        if frame.kind == pb.PREFILL and frame.prompt_logprobs:
+            prediction.prompt_logprobs.extend(self._prompt_logprobs(session, frame, logits))
+        return prediction
+
+    def _prompt_logprobs(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> list[pb.TokenLogprobs]:
+        """Each prompt token of the frame under the logits of the position before it: this
+        frame's rows, and for its first token the previous chunk's last row (position 0 has none)."""
+        ids = list(frame.token_ids)
+        if len(ids) != frame.token_count:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs needs the frame's token_ids")
+        rows, scored = logits[:-1], ids[1:]
+        if frame.pos_start > 0:
+            if session.prompt_tail is None or session.prompt_tail[0] != frame.pos_start:
+                raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                            "prompt_logprobs of a chunk needs the previous chunk with prompt_logprobs")
+            rows, scored = torch.cat([session.prompt_tail[1], rows]), ids
+        session.prompt_tail = (frame.pos_start + frame.token_count, logits[-1:].clone())
+        return _entries(rows, scored, session.logprobs or 0)
+
+
+def _entries(rows: torch.Tensor, tokens: list[int], top: int) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token=token, logprob=lp, top_tokens=ids, top_logprobs=lps)
+            for token, lp, ids, lps in logprobs(rows, tokens, top)]

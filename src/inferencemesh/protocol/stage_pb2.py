@@ -24,31 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inferencemesh/protocol/stage.proto\x12\x10inferencemesh.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xdb\x02\n\x05\x46rame\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.inferencemesh.v1.FrameKind\x12\x11\n\tpos_start\x18\x04 \x01(\r\x12\x13\n\x0btoken_count\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12&\n\x05\x64type\x18\x07 \x01(\x0e\x32\x17.inferencemesh.v1.DType\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x13\n\x0b\x61\x63tivations\x18\t \x01(\x0c\x12\x17\n\x0fwant_prediction\x18\n \x01(\x08\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.inferencemesh.v1.Sampling\x12\x13\n\x0b\x64raft_probs\x18\x0c \x01(\x0c\x12\x0b\n\x03seq\x18\r \x01(\x04\x12\x0f\n\x07sent_ns\x18\x0e \x01(\x04\"&\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"$\n\x0eResultsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"b\n\nPrediction\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tpos_start\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\"\r\n\x0bInfoRequest\"\x83\x03\n\tStageInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x10\n\x08is_first\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\x12\r\n\x05state\x18\t \x01(\t\x12\x14\n\x0cstate_reason\x18\n \x01(\t\x12\x10\n\x08progress\x18\x0b \x01(\x02\x12\x13\n\x0bhidden_size\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12+\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x17.inferencemesh.v1.DType\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0f \x01(\r\x12\x14\n\x0cmax_sessions\x18\x10 \x01(\r\x12\x13\n\x0bmax_context\x18\x11 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t*Y\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x12\n\n\x06VERIFY\x10\x03\x12\x0b\n\x07RELEASE\x10\x04*:\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x32\xd7\x01\n\x05Stage\x12=\n\x07Session\x12\x17.inferencemesh.v1.Frame\x1a\x15.inferencemesh.v1.Ack(\x01\x30\x01\x12K\n\x07Results\x12 .inferencemesh.v1.ResultsRequest\x1a\x1c.inferencemesh.v1.Prediction0\x01\x12\x42\n\x04Info\x12\x1d.inferencemesh.v1.InfoRequest\x1a\x1b.inferencemesh.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"inferencemesh/protocol/stage.proto\x12\x10inferencemesh.v1\"\xf8\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).inferencemesh.v1.Sampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x15\n\rprompt_tokens\x18\x0b \x01(\r\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xf4\x02\n\x05\x46rame\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12)\n\x04kind\x18\x03 \x01(\x0e\x32\x1b.inferencemesh.v1.FrameKind\x12\x11\n\tpos_start\x18\x04 \x01(\r\x12\x13\n\x0btoken_count\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12&\n\x05\x64type\x18\x07 \x01(\x0e\x32\x17.inferencemesh.v1.DType\x12\r\n\x05shape\x18\x08 \x03(\r\x12\x13\n\x0b\x61\x63tivations\x18\t \x01(\x0c\x12\x17\n\x0fwant_prediction\x18\n \x01(\x08\x12,\n\x08sampling\x18\x0b \x01(\x0b\x32\x1a.inferencemesh.v1.Sampling\x12\x13\n\x0b\x64raft_probs\x18\x0c \x01(\x0c\x12\x0b\n\x03seq\x18\r \x01(\x04\x12\x0f\n\x07sent_ns\x18\x0e \x01(\x04\x12\x17\n\x0fprompt_logprobs\x18\x0f \x01(\x08\"&\n\x03\x41\x63k\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\"$\n\x0eResultsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xcf\x01\n\nPrediction\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tpos_start\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\x12\x31\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1f.inferencemesh.v1.TokenLogprobs\x12\x38\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1f.inferencemesh.v1.TokenLogprobs\"Y\n\rTokenLogprobs\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\r\n\x0bInfoRequest\"\x83\x03\n\tStageInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bstage_index\x18\x02 \x01(\r\x12\x12\n\nnum_stages\x18\x03 \x01(\r\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x10\n\x08is_first\x18\x07 \x01(\x08\x12\x0f\n\x07is_last\x18\x08 \x01(\x08\x12\r\n\x05state\x18\t \x01(\t\x12\x14\n\x0cstate_reason\x18\n \x01(\t\x12\x10\n\x08progress\x18\x0b \x01(\x02\x12\x13\n\x0bhidden_size\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12+\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x17.inferencemesh.v1.DType\x12\x17\n\x0f\x61\x63tive_sessions\x18\x0f \x01(\r\x12\x14\n\x0cmax_sessions\x18\x10 \x01(\r\x12\x13\n\x0bmax_context\x18\x11 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t*Y\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\x12\n\n\x06VERIFY\x10\x03\x12\x0b\n\x07RELEASE\x10\x04*:\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x08\n\x04\x42\x46\x31\x36\x10\x03\x32\xd7\x01\n\x05Stage\x12=\n\x07Session\x12\x17.inferencemesh.v1.Frame\x1a\x15.inferencemesh.v1.Ack(\x01\x30\x01\x12K\n\x07Results\x12 .inferencemesh.v1.ResultsRequest\x1a\x1c.inferencemesh.v1.Prediction0\x01\x12\x42\n\x04Info\x12\x1d.inferencemesh.v1.InfoRequest\x1a\x1b.inferencemesh.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inferencemesh.protocol.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FRAMEKIND']._serialized_start=1066
-  _globals['_FRAMEKIND']._serialized_end=1155
-  _globals['_DTYPE']._serialized_start=1157
-  _globals['_DTYPE']._serialized_end=1215
-  _globals['_SAMPLING']._serialized_start=56
-  _globals['_SAMPLING']._serialized_end=131
-  _globals['_FRAME']._serialized_start=134
-  _globals['_FRAME']._serialized_end=481
-  _globals['_ACK']._serialized_start=483
-  _globals['_ACK']._serialized_end=521
-  _globals['_RESULTSREQUEST']._serialized_start=523
-  _globals['_RESULTSREQUEST']._serialized_end=559
-  _globals['_PREDICTION']._serialized_start=561
-  _globals['_PREDICTION']._serialized_end=659
-  _globals['_INFOREQUEST']._serialized_start=661
-  _globals['_INFOREQUEST']._serialized_end=674
-  _globals['_STAGEINFO']._serialized_start=677
-  _globals['_STAGEINFO']._serialized_end=1064
-  _globals['_STAGE']._serialized_start=1218
-  _globals['_STAGE']._serialized_end=1433
+  _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FRAMEKIND']._serialized_start=1594
+  _globals['_FRAMEKIND']._serialized_end=1683
+  _globals['_DTYPE']._serialized_start=1685
+  _globals['_DTYPE']._serialized_end=1743
+  _globals['_SAMPLING']._serialized_start=57
+  _globals['_SAMPLING']._serialized_end=433
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=385
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=433
+  _globals['_FRAME']._serialized_start=436
+  _globals['_FRAME']._serialized_end=808
+  _globals['_ACK']._serialized_start=810
+  _globals['_ACK']._serialized_end=848
+  _globals['_RESULTSREQUEST']._serialized_start=850
+  _globals['_RESULTSREQUEST']._serialized_end=886
+  _globals['_PREDICTION']._serialized_start=889
+  _globals['_PREDICTION']._serialized_end=1096
+  _globals['_TOKENLOGPROBS']._serialized_start=1098
+  _globals['_TOKENLOGPROBS']._serialized_end=1187
+  _globals['_INFOREQUEST']._serialized_start=1189
+  _globals['_INFOREQUEST']._serialized_end=1202
+  _globals['_STAGEINFO']._serialized_start=1205
+  _globals['_STAGEINFO']._serialized_end=1592
+  _globals['_STAGE']._serialized_start=1746
+  _globals['_STAGE']._serialized_end=1961
 # @@protoc_insertion_point(module_scope)
