@@ -285,7 +285,7 @@ def test_stop_string_matcher() -> None:
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "M", "prompt": "x", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": ["a", "b"], "stream": True}, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**9]}, "prompt"),
     ("/v1/completions", {"model": "M"}, "prompt"),
     ("/v1/completions", {"prompt": "x"}, "model"),

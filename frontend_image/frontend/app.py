@@ -276,7 +276,9 @@ class _Frontend:
 
     # --- validation and tokenization ---
 
-    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, arrival: float) -> _Job:
+    async def prepare(self, body: ChatCompletionRequest | CompletionRequest, arrival: float,
+                      prompt: str | list[int] | None = None) -> _Job:
+        """The job of a request (of one of its prompts: a completions batch has a job each)."""
         if body.model != self.model:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model}`.",
                            param="model", code="model_not_found")
@@ -290,7 +292,7 @@ class _Frontend:
             kind, prefix, max_tokens, param = "chat", "chatcmpl-", body.requested_max_tokens(), "messages"
         else:
             kind, prefix, max_tokens, param = "completion", "cmpl-", body.max_tokens, "prompt"
-        prompt_ids, echo_text = await self._prompt(body)
+        prompt_ids, echo_text = await self._prompt(body, prompt)
         if not prompt_ids:
             if self.tokenizer.bos_token_id is None:
                 raise APIError(400, "The prompt is empty.", param=param)
@@ -363,11 +365,12 @@ class _Frontend:
         self._ready_until = now + READY_CACHE_S if ready else 0.0
         return ready
 
-    async def _prompt(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+    async def _prompt(self, body: ChatCompletionRequest | CompletionRequest,
+                      prompt: str | list[int] | None) -> tuple[list[int], str]:
         """The prompt's token ids, and the text to echo (completions with echo=true)."""
         if isinstance(body, ChatCompletionRequest):
             return await asyncio.to_thread(self._chat_ids, body), ""  # off the event loop: prompts can be long
-        prompt = body.single_prompt()
+        prompt = body.prompts()[0] if prompt is None else prompt
         if isinstance(prompt, str):
             special = body.add_special_tokens is not False
             return await asyncio.to_thread(self._text_ids, prompt, special), prompt if body.echo else ""
@@ -549,7 +552,36 @@ class _Frontend:
         return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice],
                 "usage": usage}
 
+    async def handle_batch(self, request: Request, body: CompletionRequest) -> Response:
+        """Several prompts: concurrent requests, one response with a choice per prompt, in order.
+        A failure of one fails the batch (the others are cancelled and their sessions released)."""
+        arrival = getattr(request.state, "arrival", time.perf_counter())
+        jobs = [await self.prepare(body, arrival, prompt) for prompt in body.prompts()]
+
+        async def one(job: _Job) -> dict[str, Any]:
+            iterator, first, tracker = await self.start(job)
+            return await self.complete(job, iterator, first, tracker)  # always closes the iterator
+
+        async def together() -> list[dict[str, Any]]:
+            tasks = [asyncio.ensure_future(one(job)) for job in jobs]
+            try:
+                return list(await asyncio.gather(*tasks))  # the first failure, with its HTTP status
+            finally:
+                for task in tasks:  # after a failure (or a disconnect) the rest stop and release
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        completed, results = await _until_disconnect(request, together)
+        if not completed:
+            return Response(status_code=499)
+        choices = [{**result["choices"][0], "index": index} for index, result in enumerate(results)]
+        usage = _usage(sum(r["usage"]["prompt_tokens"] for r in results),
+                       sum(r["usage"]["completion_tokens"] for r in results))
+        return JSONResponse({**results[0], "choices": choices, "usage": usage})
+
     async def handle(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        if isinstance(body, CompletionRequest) and len(body.prompts()) > 1:
+            return await self.handle_batch(request, body)
         job = await self.prepare(body, getattr(request.state, "arrival", time.perf_counter()))
         iterator, first, tracker = await self.start(job)
         if job.stream:

@@ -119,8 +119,9 @@ class _SamplingRequest(_Body):
 
 
 class CompletionRequest(_SamplingRequest):
-    # A string, token ids, or a batch of one of them (batches of more than one are refused).
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, token ids, or a batch of either (not streamed: one response with a choice each).
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=64)] | list[int] | \
+        Annotated[list[list[int]], Field(min_length=1, max_length=64)]
     echo: bool | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -128,9 +129,8 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = None  # vLLM: add BOS etc. to a text prompt (default true)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) > 1:
-                return "prompt", "batched prompts are not supported; send one prompt per request"
+        if len(self.prompts()) > 1 and self.stream:
+            return "prompt", "streaming several prompts is not supported; send one prompt per streamed request"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported"
         if self.suffix:
@@ -139,12 +139,12 @@ class CompletionRequest(_SamplingRequest):
             return "max_tokens", "max_tokens 0 scores the prompt: it needs echo and logprobs"
         return super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request (text or token ids)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (text or token ids): a batch runs them as concurrent requests."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class TextContentPart(_Body):
