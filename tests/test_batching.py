@@ -115,9 +115,14 @@ def test_concurrent_sessions_are_batched_and_exact(models) -> None:
         try:
             outputs = await asyncio.gather(*(collect(engine, p, 20, temperature=0.0) for p in prompts))
             sample = service.metrics.registry.get_sample_value
-            labels = {"model": str(model), "stage": "0"}
+            labels = {"model_name": str(model), "stage": "0"}
             passes = sample("inferencemesh_stage_batch_frames_count", labels)
             frames = sample("inferencemesh_stage_batch_frames_sum", labels)
+            # The time breakdown: every frame waited once, every pass was timed and counted as busy.
+            assert sample("inferencemesh_stage_queue_wait_seconds_count", labels) == frames
+            assert sample("inferencemesh_stage_compute_seconds_count", labels) == passes
+            busy = sample("inferencemesh_stage_busy_seconds_total", labels)
+            assert busy == sample("inferencemesh_stage_compute_seconds_sum", labels) > 0
             return outputs, passes, frames
         finally:
             await engine.close()

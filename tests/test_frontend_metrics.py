@@ -74,9 +74,9 @@ def test_request_metrics_count_what_was_served(served, fm: FixtureModel) -> None
             assert types.get(P + name) == kind, (name, types.get(P + name))
         for (name, labels), _ in before.items():
             if name.startswith(P):
-                assert ("model", fm.name) in labels, name
+                assert ("model_name", fm.name) in labels, name
         promtool_check(text)
-        assert value(before, "prompt_tokens_total", model=fm.name) == 0
+        assert value(before, "prompt_tokens_total", model_name=fm.name) == 0
 
         usages = [client.completions.create(model=fm.name, prompt="def f(x):", max_tokens=5, temperature=0).usage,
                   client.completions.create(model=fm.name, prompt="import os\n", max_tokens=3, temperature=0).usage]
@@ -90,20 +90,20 @@ def test_request_metrics_count_what_was_served(served, fm: FixtureModel) -> None
         text, after, _ = scrape(http)
         promtool_check(text)
     m = fm.name
-    assert value(after, "prompt_tokens_total", model=m) == sum(u.prompt_tokens for u in usages)
+    assert value(after, "prompt_tokens_total", model_name=m) == sum(u.prompt_tokens for u in usages)
     generated = sum(u.completion_tokens for u in usages)
-    assert value(after, "generation_tokens_total", model=m) == generated
-    finished = sum(value(after, "request_success_total", model=m, finished_reason=r) for r in ("stop", "length"))
+    assert value(after, "generation_tokens_total", model_name=m) == generated
+    finished = sum(value(after, "request_success_total", model_name=m, finished_reason=r) for r in ("stop", "length"))
     assert finished == 3
-    assert value(after, "request_errors_total", model=m, status="400") == 1
-    assert value(after, "time_to_first_token_seconds_count", model=m) == 3
-    assert value(after, "e2e_request_latency_seconds_count", model=m) == 3
+    assert value(after, "request_errors_total", model_name=m, status="400") == 1
+    assert value(after, "time_to_first_token_seconds_count", model_name=m) == 3
+    assert value(after, "e2e_request_latency_seconds_count", model_name=m) == 3
     # The fixture engine yields one token per step: one inter-token gap per token after the first.
-    assert value(after, "inter_token_latency_seconds_count", model=m) == generated - 3
-    assert value(after, "num_requests_running", model=m) == 0
-    assert value(after, "num_requests_waiting", model=m) == 0
-    ttft_sum = value(after, "time_to_first_token_seconds_sum", model=m)
-    e2e_sum = value(after, "e2e_request_latency_seconds_sum", model=m)
+    assert value(after, "inter_token_latency_seconds_count", model_name=m) == generated - 3
+    assert value(after, "num_requests_running", model_name=m) == 0
+    assert value(after, "num_requests_waiting", model_name=m) == 0
+    ttft_sum = value(after, "time_to_first_token_seconds_sum", model_name=m)
+    e2e_sum = value(after, "e2e_request_latency_seconds_sum", model_name=m)
     assert 0 < ttft_sum < e2e_sum
 
 
@@ -117,17 +117,17 @@ def test_gauges_follow_a_request_in_flight_and_an_abort(served, fm: FixtureModel
             lines = r.iter_lines()
             next(line for line in lines if line)
             _, during, _ = scrape(http)
-            assert value(during, "num_requests_running", model=m) == 1
-            assert value(during, "num_requests_waiting", model=m) == 0
+            assert value(during, "num_requests_running", model_name=m) == 1
+            assert value(during, "num_requests_waiting", model_name=m) == 0
         # Closed mid-stream: the request is counted as aborted and leaves the running gauge.
         for _ in range(200):
             _, after, _ = scrape(http)
-            if value(after, "num_requests_running", model=m) == 0:
+            if value(after, "num_requests_running", model_name=m) == 0:
                 break
             threading.Event().wait(0.05)
-    assert value(after, "num_requests_running", model=m) == 0
-    aborted = value(after, "request_success_total", model=m, finished_reason="abort")
-    assert aborted == value(before, "request_success_total", model=m, finished_reason="abort") + 1
+    assert value(after, "num_requests_running", model_name=m) == 0
+    aborted = value(after, "request_success_total", model_name=m, finished_reason="abort")
+    assert aborted == value(before, "request_success_total", model_name=m, finished_reason="abort") + 1
     assert engine.open_sessions == 0
 
 
@@ -145,17 +145,17 @@ def test_speculative_metrics_and_separate_registries() -> None:
     promtool_check(text)
     samples = {(s.name, frozenset(s.labels.items())): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
-    assert value(samples, "spec_decode_num_drafts_total", model="model-a") == 2
-    assert value(samples, "spec_decode_num_draft_tokens_total", model="model-a") == 8
-    assert value(samples, "spec_decode_num_accepted_tokens_total", model="model-a") == 6
-    per_pos = [value(samples, "spec_decode_num_accepted_tokens_per_pos_total", model="model-a", position=str(i))
+    assert value(samples, "spec_decode_num_drafts_total", model_name="model-a") == 2
+    assert value(samples, "spec_decode_num_draft_tokens_total", model_name="model-a") == 8
+    assert value(samples, "spec_decode_num_accepted_tokens_total", model_name="model-a") == 6
+    per_pos = [value(samples, "spec_decode_num_accepted_tokens_per_pos_total", model_name="model-a", position=str(i))
                for i in range(5)]
     assert per_pos == [2, 2, 1, 1, 0]
-    assert value(samples, "spec_decode_window_size", model="model-a") == 6
+    assert value(samples, "spec_decode_window_size", model_name="model-a") == 6
     states = {dict(labels)["state"]: v for (n, labels), v in samples.items() if n == P + "spec_decode_auto_state"}
     assert states == {"off": 0, "observing": 0, "active": 1, "cooldown": 0}
     info = [dict(labels) for (n, labels), v in samples.items() if n == P + "speculative_strategy_info" and v == 1]
-    assert info == [{"model": "model-a", "strategy": "ngram", "reason": "auto: code fence in prompt"}]
+    assert info == [{"model_name": "model-a", "strategy": "ngram", "reason": "auto: code fence in prompt"}]
     assert "model-a" not in b.render()[0].decode()
 
 

@@ -26,6 +26,7 @@ from inferencemesh.frontend.engine_api import (
     Step,
     TokenLogprob,
 )
+from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.speculative import Proposer
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
@@ -71,8 +72,9 @@ class _Connection:
 class PipelineEngine:
     def __init__(self, pipeline, options: EngineOptions, *,
                  proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
-                 describe: dict | None = None) -> None:
+                 describe: dict | None = None, metrics: FrontendMetrics | None = None) -> None:
         self.pipeline = pipeline
+        self.metrics = metrics  # where each step's time goes (proposal vs pipeline)
         self.options = options
         self.model_name = options.model_name
         self.max_context = options.max_context
@@ -260,8 +262,11 @@ class PipelineEngine:
             frame.token_ids[:] = history[-1:]
             frame.draft_probs = b""
             prediction = await session.send(frame)
+            round_trip = time.perf_counter() - proposed
             if proposer is not None:
-                proposer.observe(0, 0, proposed - started, time.perf_counter() - proposed)
+                proposer.observe(0, 0, proposed - started, round_trip)
+            if self.metrics is not None:
+                self.metrics.record_step("decode", None if proposer is None else proposed - started, round_trip)
             return prediction
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]
@@ -272,6 +277,8 @@ class PipelineEngine:
         prediction = await session.send(frame)
         round_trip = time.perf_counter() - proposed
         proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
+        if self.metrics is not None:
+            self.metrics.record_step("verify", proposed - started, round_trip)
         if self.options.debug_telemetry:
             log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
                       len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)

@@ -26,7 +26,7 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
-                          describe={"speculative": speculation.describe()}), speculation
+                          describe={"speculative": speculation.describe()}, metrics=metrics), speculation
 
 
 def run_frontend(config: FrontendConfig) -> int:

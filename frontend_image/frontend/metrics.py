@@ -1,7 +1,8 @@
 """Every Prometheus metric the frontend exports, in one place.
 
 Names follow vLLM's (`time_to_first_token_seconds`, `num_requests_running`, …) under an
-`inferencemesh_` prefix so existing vLLM dashboards need only a prefix change. Each
+`inferencemesh_` prefix, labelled `model_name` as vLLM's are, so an existing vLLM dashboard needs
+only the prefix changed (docs/metrics.md maps every name). Each
 FrontendMetrics owns its CollectorRegistry: several apps in one process (tests) never collide,
 and /metrics shows exactly one frontend's series.
 
@@ -22,20 +23,24 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# One engine step's parts: a proposal (n-gram lookup, draft forward passes) can take microseconds.
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, *ITL_BUCKETS)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+MODEL_LABEL = "model_name"  # vLLM's label name
 FINISHED_REASONS = ("stop", "length", "abort")  # abort: the client went away
 # States of automatic (n-gram) speculation, seed 003: watch the prompt and the first tokens,
 # speculate while it pays, back off after poor acceptance; "off" when auto is not in use.
 AUTO_STATES = ("off", "observing", "active", "cooldown")
+STEP_KINDS = ("decode", "verify")  # a plain step DECODEs the last token; a speculative one VERIFYs drafts
 
 
 class FrontendMetrics:
     def __init__(self, model: str, *, max_spec_positions: int = 16) -> None:
         self.model = model
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        m = ["model"]
+        m = [MODEL_LABEL]
 
         # Request flow (updated by the HTTP layer).
         self.time_to_first_token = Histogram(
@@ -88,12 +93,24 @@ class FrontendMetrics:
             "The speculative strategy in use (value 1) and why it was chosen.",
             m + ["strategy", "reason"], registry=registry)
 
+        # Where a step's time goes (updated by the engine): proposing here vs the pipeline's round trip.
+        self.step_proposal_seconds = Histogram(
+            PREFIX + "step_proposal_seconds", "Time proposing draft tokens per engine step (steps with a proposer).",
+            m, buckets=STEP_BUCKETS, registry=registry)
+        self.step_pipeline_seconds = Histogram(
+            PREFIX + "step_pipeline_seconds",
+            "Time from sending a step's frame into the stages until its prediction came back, by frame kind.",
+            m + ["kind"], buckets=STEP_BUCKETS, registry=registry)
+
         # Create the labelled children now so every series is exported (at 0) from the first scrape.
         for metric in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                        self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-                       self.spec_decode_num_accepted_tokens, self.spec_decode_window_size):
+                       self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
+                       self.step_proposal_seconds):
             metric.labels(model)
+        for kind in STEP_KINDS:
+            self.step_pipeline_seconds.labels(model, kind)
         for reason in FINISHED_REASONS:
             self.request_success.labels(model, reason)
         for pos in range(max_spec_positions):
@@ -123,6 +140,13 @@ class FrontendMetrics:
         self.spec_decode_num_accepted_tokens.labels(self.model).inc(accepted)
         for pos in range(accepted):
             self.spec_decode_num_accepted_tokens_per_pos.labels(self.model, str(pos)).inc()
+
+    def record_step(self, kind: str, proposal_s: float | None, pipeline_s: float) -> None:
+        """One engine step: `proposal_s` spent proposing (None: no proposer), then `pipeline_s` in
+        the stages. kind: one of STEP_KINDS."""
+        if proposal_s is not None:
+            self.step_proposal_seconds.labels(self.model).observe(proposal_s)
+        self.step_pipeline_seconds.labels(self.model, kind).observe(pipeline_s)
 
     def set_auto_state(self, state: str) -> None:
         """One-hot over AUTO_STATES, like a Prometheus StateSet."""

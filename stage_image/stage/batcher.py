@@ -12,6 +12,7 @@ frontend already cuts them into chunks); DECODE and VERIFY frames share a pass u
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import StageSession
 
 
@@ -29,14 +31,16 @@ class _Job:
     frame: pb.Frame
     inputs: torch.Tensor
     future: asyncio.Future
+    queued: float  # time.perf_counter() when submitted
 
 
 class Batcher:
     """Queues frames and runs them on the executor, as many per pass as may go together."""
 
     def __init__(self, compute_batch: Callable[[list], list], executor: Executor,
-                 max_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+                 max_tokens: int = DEFAULT_MAX_BATCH_TOKENS, metrics: StageMetrics | None = None) -> None:
         self.compute_batch = compute_batch
+        self.metrics = metrics
         self.executor = executor
         self.max_tokens = max_tokens
         self._pending: list[_Job] = []
@@ -44,7 +48,7 @@ class Batcher:
 
     async def submit(self, session: StageSession, frame: pb.Frame, inputs: torch.Tensor):
         """The frame's result once its pass has run (a Fault for this frame alone is raised)."""
-        job = _Job(session, frame, inputs, asyncio.get_running_loop().create_future())
+        job = _Job(session, frame, inputs, asyncio.get_running_loop().create_future(), time.perf_counter())
         self._pending.append(job)
         if not self._draining:
             self._draining = True
@@ -68,6 +72,17 @@ class Batcher:
         self._pending = rest
         return batch
 
+    def _run(self, batch: list[_Job]) -> list:
+        """One pass, on the compute thread; timed there, so event-loop delays count as neither."""
+        started = time.perf_counter()
+        try:
+            return self.compute_batch([(j.session, j.frame, j.inputs) for j in batch])
+        finally:
+            if self.metrics is not None:
+                for job in batch:
+                    self.metrics.queue_wait.observe(started - job.queued)
+                self.metrics.observe_pass(time.perf_counter() - started)
+
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -76,8 +91,7 @@ class Batcher:
                 if not batch:
                     continue
                 try:
-                    results = await loop.run_in_executor(
-                        self.executor, self.compute_batch, [(j.session, j.frame, j.inputs) for j in batch])
+                    results = await loop.run_in_executor(self.executor, self._run, batch)
                 except Exception as err:  # the pass itself failed: every frame in it gets the error
                     results = [err] * len(batch)
                 for job, result in zip(batch, results, strict=True):

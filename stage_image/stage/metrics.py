@@ -1,4 +1,11 @@
-"""Prometheus metrics of a stage process (one registry per stage, so tests can run several)."""
+"""Prometheus metrics of a stage process (one registry per stage, so tests can run several).
+
+Labelled `model_name` (vLLM's label) and `stage`. Where a stage's time goes: a frame waits in
+the stage's queue (`queue_wait_seconds`), is computed in a pass (`compute_seconds`; the pass's
+wall time also adds to `busy_seconds_total`), and its activations are sent downstream
+(`send_seconds`). The stage's idle fraction, its share of the pipeline bubble, is
+`1 - rate(inferencemesh_stage_busy_seconds_total[1m])` (docs/metrics.md).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 STATES = ("downloading", "loading", "ready", "failed")
 _FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# Waiting and sending can take microseconds (an idle device, a loopback write).
+_STEP_BUCKETS = (0.00005, 0.0001, 0.00025, *_FORWARD_BUCKETS)
 
 
 class StageMetrics:
     def __init__(self, model: str, stage_index: int) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model": model, "stage": str(stage_index)}
+        labels = {"model_name": model, "stage": str(stage_index)}
         names = list(labels)
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
@@ -40,6 +49,18 @@ class StageMetrics:
             names, registry=self.registry)
         self.tokens_processed = Counter("inferencemesh_stage_tokens_total", "token positions computed",
                                         names, registry=self.registry)
+        self.queue_wait_seconds = Histogram(
+            "inferencemesh_stage_queue_wait_seconds", "time a frame waited in the stage's queue for its pass",
+            names, buckets=_STEP_BUCKETS, registry=self.registry)
+        self.compute_seconds = Histogram(
+            "inferencemesh_stage_compute_seconds", "wall time of one pass on the compute thread (layers + sampling)",
+            names, buckets=_STEP_BUCKETS, registry=self.registry)
+        self.send_seconds = Histogram(
+            "inferencemesh_stage_send_seconds", "time to encode and send one frame's activations downstream",
+            names, buckets=_STEP_BUCKETS, registry=self.registry)
+        self.busy_seconds = Counter(
+            "inferencemesh_stage_busy_seconds", "seconds the compute thread spent in passes (1 - rate: idle fraction)",
+            names, registry=self.registry)
         self._labels = labels
         # Children bound once: the per-frame path does no label lookups.
         self.forward_by_kind = {}
@@ -51,9 +72,18 @@ class StageMetrics:
         self.cached_gauge = self.cached_tokens.labels(**labels)
         self.kv_gauge = self.kv_bytes.labels(**labels)
         self.progress_gauge = self.progress.labels(**labels)
+        self.queue_wait = self.queue_wait_seconds.labels(**labels)
+        self.send = self.send_seconds.labels(**labels)
+        self._compute = self.compute_seconds.labels(**labels)
+        self._busy = self.busy_seconds.labels(**labels)
         for kind in ("prefill", "decode", "verify", "release"):
             self.forward_by_kind[kind] = self.forward_seconds.labels(**labels, kind=kind)
             self.frames_by_kind[kind] = self.frames.labels(**labels, kind=kind)
+
+    def observe_pass(self, seconds: float) -> None:
+        """One pass on the compute thread took `seconds`."""
+        self._compute.observe(seconds)
+        self._busy.inc(seconds)
 
     def set_state(self, state: str, progress: float) -> None:
         for name in STATES:

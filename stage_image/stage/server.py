@@ -132,7 +132,8 @@ class StageService(pb_grpc.StageServicer):
         # One compute thread: device work is serialised, frames of several sessions batched
         # into one pass when they wait together; the event loop only moves frames.
         self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
-        self.batcher = Batcher(lambda jobs: self.worker.compute_batch(jobs), self.compute, options.max_batch_tokens)
+        self.batcher = Batcher(lambda jobs: self.worker.compute_batch(jobs), self.compute, options.max_batch_tokens,
+                               metrics=self.metrics)
         self.health = health.aio.HealthServicer()
         self.is_last = options.stage_index == options.num_stages - 1
         self.debug = options.debug_telemetry
@@ -281,7 +282,9 @@ class StageService(pb_grpc.StageServicer):
                     if hop is None:
                         hop = DownstreamHop(self._downstream, self.options.downstream, frame.session_id, inbox,
                                             self.wire_dtype)
+                    sending = time.perf_counter()
                     self.metrics.bytes_sent.inc(await hop.forward(frame, out))
+                    self.metrics.send.observe(time.perf_counter() - sending)
         except Fault as fault:
             self.metrics.error(fault.code.name)
             if session is not None and fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
