@@ -38,6 +38,9 @@ DEFAULT_RECOVERY_TIMEOUT = 180.0
 STAGE_GRPC_PORT = 50051
 STAGE_METRICS_PORT = 9090
 FRONTEND_PORT = 8000
+# `serve`'s stage i exports /metrics on --port + this + i (8100, 8101, ... beside the default 8000):
+# fixed ports, so a static Prometheus configuration survives restarts.
+SERVE_STAGE_METRICS_OFFSET = 100
 API_KEY_ENV = "INFERENCEMESH_API_KEY"
 
 
@@ -192,6 +195,8 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     host: str = option("127.0.0.1", "address of the OpenAI endpoint")
     port: int = option(FRONTEND_PORT, "the OpenAI endpoint's port", parse=int)
     base_stage_port: int = option(0, "first stage gRPC port (0: pick free ports)", parse=int)
+    stage_metrics_port: int = option(0, "first stage's Prometheus /metrics port; stage i uses it + i "
+                                     f"(0: --port + {SERVE_STAGE_METRICS_OFFSET} + i)", parse=int)
     served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
     device: str = option("auto", "where stages and draft run", choices=DEVICES)
     max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
@@ -200,6 +205,11 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     def check(self) -> ServeConfig:
         _check_positive(self)
         return self
+
+    def stage_metrics_ports(self, count: int) -> list[int]:
+        """The /metrics ports of `count` stages: derived, never random."""
+        first = self.stage_metrics_port or self.port + SERVE_STAGE_METRICS_OFFSET
+        return [first + i for i in range(count)]
 
 
 @dataclass(frozen=True, kw_only=True)

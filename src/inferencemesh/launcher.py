@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
 from inferencemesh.plan_command import plan_from_settings
 from inferencemesh.planner import StagePlan, render_plan
@@ -71,10 +73,10 @@ class LocalStages:
     """
 
     def __init__(self, template: StageConfig, plan: list[StagePlan], env: dict[str, str] | None = None,
-                 base_port: int = 0) -> None:
+                 base_port: int = 0, metrics_ports: list[int] | None = None) -> None:
         self.plan = plan
         self.ports = [base_port + i if base_port else free_port() for i in range(len(plan))]
-        self.metrics_ports = [free_port() for _ in plan]
+        self.metrics_ports = metrics_ports or [free_port() for _ in plan]  # free ones for tests and bench
         self.configs = [
             dataclasses.replace(
                 template, layers=(stage.layer_start, stage.layer_end), stage_index=i, num_stages=len(plan),
@@ -154,13 +156,22 @@ def frontend_config(config: ServeConfig, model: str, addresses: list[str]) -> Fr
     return derive(FrontendConfig, config, model=model, stage_addresses=tuple(addresses)).check()
 
 
+def scrape_config(frontend: str, stages: list[str]) -> str:
+    """A Prometheus `scrape_configs` section for a local mesh (targets are HOST:PORT). Stage series
+    carry their own `stage` label, so the targets need none."""
+    jobs = [{"job_name": "inferencemesh-frontend", "static_configs": [{"targets": [frontend]}]},
+            {"job_name": "inferencemesh-stages", "static_configs": [{"targets": list(stages)}]}]
+    return yaml.safe_dump({"scrape_configs": jobs}, sort_keys=False)
+
+
 def run_serve(config: ServeConfig) -> int:
     planned = plan_from_settings(config)
     if planned is None:
         return 2
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
-    stages = LocalStages(stage_template(model, config), plan, base_port=config.base_stage_port)
+    stages = LocalStages(stage_template(model, config), plan, base_port=config.base_stage_port,
+                         metrics_ports=config.stage_metrics_ports(len(plan)))
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_config(config, model,
                                                                                     stages.addresses))])
     stopping = False
@@ -181,6 +192,9 @@ def run_serve(config: ServeConfig) -> int:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
         frontend.start()
+        host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
+        print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
+              + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
         print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)
         while not stopping:
             time.sleep(0.5)
