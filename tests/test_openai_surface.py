@@ -4,7 +4,6 @@ the vLLM extras honoured (checked by behaviour) or refused with a 400 naming it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.openai_models import FIXED, REFUSED
 from inferencemesh.frontend.pipeline import GrpcPipeline
 
 TARGET = bundled_path(DEFAULT_MODEL)
@@ -118,3 +118,200 @@ def test_lm_eval_local_completions(url: str, tokenizer, tmp_path: Path) -> None:
     prompts = [json.loads(line)["prompt"] for line in (TASKS / "imesh_code_gen.jsonl").read_text().splitlines()]
     assert [s["resps"][0][0] for s in gen] == [hf_until_newline(model, tokenizer, p, 16) for p in prompts]
     assert 0.0 <= results["imesh_code_gen"]["exact_match,none"] <= 1.0
+
+
+# --- every request field: honoured (by behaviour) or refused naming it ------------------------
+
+
+def spec_fields(schema: str) -> set[str]:
+    import yaml
+
+    schemas = yaml.load((Path(__file__).parent / "openai/openapi.yaml").read_text(), Loader=yaml.CSafeLoader)
+    schemas = schemas["components"]["schemas"]
+
+    def props(name: str) -> set[str]:
+        node = schemas[name]
+        out = set(node.get("properties", {}))
+        for part in node.get("allOf", []):
+            out |= props(part["$ref"].split("/")[-1]) if "$ref" in part else set(part.get("properties", {}))
+        return out
+
+    return props(schema)
+
+
+class Api:
+    """Posts with the defaults of this test (greedy, 8 tokens, EOS ignored: comparable lengths)."""
+
+    def __init__(self, http: httpx.Client, path: str) -> None:
+        self.http, self.path, self.chat = http, path, path.endswith("chat/completions")
+
+    def body(self, fields: dict) -> dict:
+        base = {"model": NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        base.update({"messages": [{"role": "user", "content": PROMPT}]} if self.chat else {"prompt": PROMPT})
+        return {k: v for k, v in {**base, **fields}.items() if v is not None}
+
+    def ok(self, **fields) -> dict:
+        r = self.http.post(self.path, json=self.body(fields))
+        assert r.status_code == 200, (fields, r.text)
+        if not fields.get("stream"):
+            check(r.json(), "CreateChatCompletionResponse" if self.chat else "CreateCompletionResponse")
+        return r.json() if not fields.get("stream") else r.text
+
+    def text(self, **fields) -> str:
+        choice = self.ok(**fields)["choices"][0]
+        return choice["message"]["content"] if self.chat else choice["text"]
+
+    def refused(self, field: str, value) -> None:
+        r = self.http.post(self.path, json=self.body({field: value}))
+        assert r.status_code == 400, (field, value, r.text)
+        check(r.json(), "ErrorResponse")
+        assert (r.json()["error"]["param"] or "").split(".")[0] == field, (field, r.json())
+
+
+def greedy_reference(model, ids: list[int], new: int, presence: float = 0.0, frequency: float = 0.0) -> list[int]:
+    """OpenAI's penalty formula, written out here independently of inferencemesh.sampling."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(new):
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+            for token in set(out):
+                logits[token] -= frequency * out.count(token) + presence
+            out.append(int(logits.argmax()))
+    return out
+
+
+def prompt_ids(api: Api, tokenizer) -> list[int]:
+    if api.chat:
+        return tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False).input_ids
+    return tokenizer(PROMPT).input_ids
+
+
+def honoured_checks(api: Api, tokenizer, model) -> dict:
+    """Per field, a behavioural check (each could fail if the field were ignored)."""
+    greedy = api.text()
+    ids = prompt_ids(api, tokenizer)
+    decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    eos = tokenizer.eos_token_id
+
+    def penalty(name: str) -> None:
+        for value in (-2.0, 2.0):  # negative: repeat what was said
+            expected = decode(greedy_reference(model, ids, 24, **{name.split("_")[0]: value}))
+            assert expected != api.text(max_tokens=24) and api.text(max_tokens=24, **{name: value}) == expected
+
+    def stop_token_ids() -> None:
+        first = greedy_reference(model, ids, 8)
+        assert api.ok(stop_token_ids=[first[2]])["usage"]["completion_tokens"] == 2
+        with_min = api.ok(stop_token_ids=[first[2]], min_tokens=5)["usage"]["completion_tokens"]
+        assert with_min >= 5  # and min_tokens masked the stop token until then
+
+    def include_stop() -> None:
+        first = greedy_reference(model, ids, 8)
+        kept = api.ok(stop_token_ids=[first[2]], include_stop_str_in_output=True)
+        assert kept["usage"]["completion_tokens"] == 3 and api.text(stop_token_ids=[first[2]]) == decode(first[:2])
+        stop = decode(first)[3:6]
+        assert api.text(stop=stop, include_stop_str_in_output=True).endswith(stop)
+
+    def ignore_eos() -> None:
+        assert api.ok(ignore_eos=None, logit_bias={str(eos): 100})["usage"]["completion_tokens"] == 0
+        assert api.ok(ignore_eos=True, logit_bias={str(eos): 100})["usage"]["completion_tokens"] == 8
+
+    def logprobs() -> None:
+        if api.chat:
+            content = api.ok(logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+            assert len(content) == 8 and all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
+        else:
+            lp = api.ok(logprobs=3)["choices"][0]["logprobs"]
+            assert len(lp["tokens"]) == 8 and all(len(t) <= 4 for t in lp["top_logprobs"])
+
+    def stream() -> None:
+        raw = api.ok(stream=True, stream_options={"include_usage": True})
+        events = [json.loads(b[6:]) for b in raw.split("\n\n") if b.startswith("data: {")]
+        schema = "CreateChatCompletionStreamResponse" if api.chat else COMPLETION_STREAM_CHUNK
+        for event in events:
+            check(event, schema)
+        pieces = [c["delta"].get("content", "") if api.chat else c["text"] for e in events for c in e["choices"]]
+        assert "".join(pieces) == greedy and events[-1]["usage"]["completion_tokens"] == 8
+
+    def expect(condition: bool) -> None:
+        assert condition
+
+    sampled = {"temperature": 1.5, "seed": 5}
+    checks = {
+        "model": lambda: expect(api.http.post(api.path, json=api.body({"model": "gpt-4o"})).status_code == 404),
+        "frequency_penalty": lambda: penalty("frequency_penalty"),
+        "presence_penalty": lambda: penalty("presence_penalty"),
+        "logit_bias": lambda: expect(api.text(logit_bias={str(ids[-1]): 100}) == decode([ids[-1]] * 8)),
+        "logprobs": logprobs, "top_logprobs": logprobs,
+        "max_tokens": lambda: expect(api.ok(max_tokens=3)["usage"]["completion_tokens"] == 3),
+        "n": lambda: (api.ok(n=1), api.refused("n", 2)),
+        "seed": lambda: expect(api.text(**sampled) == api.text(**sampled) != api.text(temperature=1.5, seed=6)),
+        "temperature": lambda: expect(api.text(**sampled) != greedy),
+        "top_p": lambda: expect(api.text(top_p=1e-9, **sampled) == greedy),
+        "top_k": lambda: expect(api.text(top_k=1, **sampled) == greedy),
+        "stop": lambda: expect(api.ok(stop=greedy[3:6])["choices"][0]["finish_reason"] == "stop"),
+        "stream": stream, "stream_options": stream,
+        "repetition_penalty": lambda: expect(api.text(repetition_penalty=2.0) != greedy),
+        "min_tokens": stop_token_ids, "stop_token_ids": stop_token_ids,
+        "include_stop_str_in_output": include_stop, "ignore_eos": ignore_eos,
+    }
+    if api.chat:
+        checks["max_completion_tokens"] = lambda: expect(
+            api.ok(max_tokens=None, max_completion_tokens=2)["usage"]["completion_tokens"] == 2)
+        checks["messages"] = lambda: expect(api.text(messages=[{"role": "user", "content": "x"}]) != greedy)
+    else:
+        checks["prompt"] = lambda: expect(api.text(prompt=ids) == greedy)
+        checks["echo"] = lambda: expect(api.text(echo=True) == PROMPT + greedy)
+        checks["add_special_tokens"] = lambda: expect(api.ok(add_special_tokens=False)["usage"]["prompt_tokens"] == len(
+            tokenizer(PROMPT, add_special_tokens=False).input_ids))
+    return checks
+
+
+LABELS = {"user": "someone", "metadata": {"k": "v"}, "safety_identifier": "x", "prompt_cache_key": "k",
+          "prompt_cache_retention": "24h", "prompt_cache_options": {}, "service_tier": "auto", "request_id": "r-1"}
+# A value of each field that asks for what we do (accepted) and one that does not (refused).
+ACCEPTED_REFUSED = {
+    "best_of": (1, 2), "suffix": ("", "x"), "response_format": ({"type": "text"}, {"type": "json_object"}),
+    "tool_choice": ("none", "required"), "store": (False, True), "modalities": (["text"], ["text", "audio"]),
+    "skip_special_tokens": (True, False), "spaces_between_special_tokens": (True, False),
+    "add_generation_prompt": (True, False), "echo": (False, True),
+    "tools": (None, [{"type": "function", "function": {"name": "f"}}]),
+}
+OTHER_REFUSED = {"audio": {"voice": "alloy", "format": "mp3"}, "functions": [{"name": "f"}], "function_call": "auto",
+                 "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
+                 "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "moderation": {}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(("path", "schema"), [("/v1/completions", "CreateCompletionRequest"),
+                                              ("/v1/chat/completions", "CreateChatCompletionRequest")])
+def test_every_field_is_honoured_or_refused(http, tokenizer, model, path: str, schema: str) -> None:
+    api = Api(http, path)
+    greedy_text = api.text()
+    ids = prompt_ids(api, tokenizer)
+    checks = honoured_checks(api, tokenizer, model)
+    vllm_extras = {"top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                   "include_stop_str_in_output"} | set(FIXED) | set(REFUSED)
+    fields = spec_fields(schema) | vllm_extras
+    for field in sorted(fields):
+        if field in checks:
+            checks[field]()
+        elif field in LABELS:
+            assert api.text(**{field: LABELS[field]}) == api.text(), field
+        elif field in ACCEPTED_REFUSED or field in FIXED:
+            accepted, refused = ACCEPTED_REFUSED.get(field, (FIXED.get(field), "other"))
+            if not (api.chat and field == "echo"):
+                api.ok(**{field: accepted})
+            api.refused(field, refused)
+        else:
+            assert field in REFUSED or field in OTHER_REFUSED, f"{field}: neither honoured nor refused"
+            api.refused(field, OTHER_REFUSED.get(field, "x"))
+    if not api.chat:  # a batch of prompts is served, but not streamed (yet): refused, naming the prompt
+        r = http.post(path, json=api.body({"prompt": [PROMPT, PROMPT], "stream": True}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        batch = api.ok(prompt=[ids, ids, ids])
+        assert [c["text"] for c in batch["choices"]] == [greedy_text] * 3 and batch["usage"]["completion_tokens"] == 24

@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20
 # Known fields we do not implement (OpenAI's and vLLM's): refused whenever sent with a value.
 REFUSED: dict[str, str] = {
     # OpenAI chat
-    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "audio": "audio output is not supported",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
     "parallel_tool_calls": "tools are not supported", "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model does not reason", "verbosity": "verbosity is not supported",
@@ -48,7 +48,8 @@ REFUSED: dict[str, str] = {
 # Known fields whose only behaviour here is one fixed value: accepted when they ask for it.
 FIXED: dict[str, object] = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "add_generation_prompt": True,
-    "store": False,
+    "store": False, "modalities": ["text"],
+    "add_special_tokens": False,  # chat (the template places them); completions declare the field
 }
 # Known fields that only label a request (they change nothing about the answer): accepted.
 LABELS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
