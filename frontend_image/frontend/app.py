@@ -3,7 +3,8 @@
     create_app(engine, tokenizer, served_model_name=...) -> FastAPI
 
 Routes: GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-GET /health (liveness), GET /ready (engine ready), GET /metrics (Prometheus).
+GET /health (liveness), GET /ready (engine ready), GET /metrics (Prometheus), and vLLM's
+POST /tokenize, POST /detokenize, GET /version (utility_routes.py).
 Every error, including FastAPI's own validation errors, is answered in OpenAI's error JSON.
 The engine owns generation; this module owns tokenization, limits, stop strings and metrics.
 The caller owns the engine's lifecycle (create_app never closes it).
@@ -32,9 +33,12 @@ from transformers import PreTrainedTokenizerBase
 
 from inferencemesh.frontend.detokenize import OutputText
 from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationRequest, Step, TokenLogprob
+from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
+from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -43,18 +47,6 @@ RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def _from_engine_error(exc: EngineError) -> APIError:
@@ -380,18 +372,10 @@ class _Frontend:
         return list(prompt), self.tokenizer.decode(prompt) if body.echo else ""
 
     def _text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return text_ids(self.tokenizer, text, add_special_tokens=add_special_tokens)
 
     def _chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                      tokenize=False)
-        except Exception as exc:  # templates raise on conversations they reject (e.g. role order)
-            raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
-        # The template already placed any BOS / control tokens.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_ids(self.tokenizer, body.template_messages())
 
     # --- running the engine ---
 
@@ -679,6 +663,8 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
+
+    app.include_router(utility_router)  # vLLM's /tokenize, /detokenize, /version
 
     app.add_middleware(_Guard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),
                        max_body_bytes=max_body_bytes, reject=front.error_response)
