@@ -38,6 +38,7 @@ import torch
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.config import DEFAULT_DRAFT_THREADS, SpeculativeOptions
+from inferencemesh.modeling.attention import FORM_ENV
 
 SHAPES = {
     # A few hundred thousand parameters: the bench's own tests.
@@ -505,6 +506,10 @@ def summarise_bursts(label: str, bursts: list[Burst], **extra) -> dict:
         "ttft_ms_p50": ms(percentile(ttfts, 50)), "ttft_ms_p99": ms(percentile(ttfts, 99)),
         "itl_ms_p50": ms(percentile(itls, 50)), "itl_ms_p99": ms(percentile(itls, 99)),
         "tokens": tokens, "tokens_requested": requested, "bursts": len(bursts), "wall_s": round(wall, 3),
+        # The spread over rounds: how far one burst's number can be trusted on this machine.
+        "tokens_per_s_by_burst": [round(sum(n for stream in b.streams for _, n in stream)
+                                        / (max(stream[-1][0] for stream in b.streams if stream) - b.started), 2)
+                                  for b in bursts],
     }
     print(f"  {label:<24} C={extra.get('concurrency', '?'):<3} {entry['tokens_per_s']:>8.1f} tok/s  "
           f"TTFT p50 {entry['ttft_ms_p50']} p99 {entry['ttft_ms_p99']} ms  "
@@ -513,9 +518,12 @@ def summarise_bursts(label: str, bursts: list[Burst], **extra) -> dict:
 
 
 async def measure_bursts(configs: list[ConcurrencyConfig], repeats: int) -> None:
-    """A warm-up burst of each configuration, then `repeats` rounds of one burst each, interleaved."""
+    """A warm-up burst of each configuration, then `repeats` rounds of one burst each, interleaved.
+    Each round starts one configuration later than the last, so none always follows the same one
+    (a configuration's burst can leave the machine busier or quieter for the next)."""
     for round_index in range(repeats + 1):
-        for config in configs:
+        shift = round_index % len(configs)
+        for config in configs[shift:] + configs[:shift]:
             torch.set_num_threads(config.threads)
             burst = await config.runner.burst(config.prompts)
             if round_index > 0:
@@ -533,12 +541,14 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
 
     configs = [ConcurrencyConfig("hf-generate-batch", {"stages": 1, "concurrency": HF_BATCH, "speculative": "none"},
                                  cycle(HF_BATCH), HfBatchPeer(target, args.new_tokens), threads)]
+    forms = [f.strip() for f in args.attention.split(",") if f.strip()]
     meshes = []
     try:
-        for count in stage_counts:
-            stages, pipeline = start_mesh(model_dir, dtype, count, max_context)
+        for count, form in [(count, form) for count in stage_counts for form in forms]:
+            # The stage processes' batched attention form (attention.FORM_ENV), compared in one run.
+            stages, pipeline = start_mesh(model_dir, dtype, count, max_context, env={FORM_ENV: form})
             meshes.append(stages)
-            label = f"grpc-{count}-stage" + ("s" if count > 1 else "")
+            label = f"grpc-{count}-stage" + ("s" if count > 1 else "") + (f"[{form}]" if len(forms) > 1 else "")
             for strategy in strategies:
                 proposer_for = None
                 if strategy != "none":
@@ -548,7 +558,7 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
                     runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
                     name = label if strategy == "none" else f"{label}+{strategy}"
                     configs.append(ConcurrencyConfig(name, {"stages": count, "concurrency": level,
-                                                            "speculative": strategy},
+                                                            "speculative": strategy, "attention": form},
                                                      cycle(level), EngineBurst(runner), DEFAULT_DRAFT_THREADS))
         load_before = os.getloadavg()
         print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds, load average "
@@ -567,8 +577,22 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "results": results,
     }
     report.update(_concurrency_ratios(results))
+    report.update(_attention_ratios(results))
     _print_table(results)
     return report
+
+
+def _attention_ratios(results: list[dict]) -> dict:
+    """Each attention form's aggregate tokens/s over the per-session form's, per stage count and C."""
+    out = {}
+    base = {(r["stages"], r["concurrency"], r["speculative"]): r for r in results
+            if r.get("attention") == "per-session"}
+    for r in results:
+        b = base.get((r["stages"], r["concurrency"], r["speculative"]))
+        if b and r.get("attention") not in (None, "per-session"):
+            key = f"attention_{r['attention']}_vs_per_session_stages_{r['stages']}_concurrency_{r['concurrency']}"
+            out[key] = round(r["tokens_per_s"] / b["tokens_per_s"], 3)
+    return out
 
 
 def _concurrency_ratios(results: list[dict]) -> dict:
@@ -582,6 +606,8 @@ def _concurrency_ratios(results: list[dict]) -> dict:
             continue
         base = one.get((r["stages"], r["speculative"], r["label"]))
         suffix = f"stages_{r['stages']}" + ("" if r["speculative"] == "none" else f"_{r['speculative']}")
+        if "[" in r["label"]:  # several attention forms in this run
+            suffix += "_" + r["attention"].replace("-", "_")
         if base and r["concurrency"] != 1:
             out[f"concurrency_{r['concurrency']}_vs_1_{suffix}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
         if peer and r["concurrency"] == HF_BATCH:

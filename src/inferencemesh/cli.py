@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", default=None,
                        help="comma-separated stream counts (e.g. 1,8,32): bursts of concurrent streams per stage "
                             "count, aggregate tok/s, TTFT and ITL percentiles, and the hf-generate-batch peer")
+    bench.add_argument("--attention", default="auto",
+                       help="with --concurrency, comma-separated batched attention forms of the stages to compare: "
+                            "auto,per-session,padded")
     bench.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
     add_arguments(OperatorConfig, sub.add_parser("operator", help="run the Kubernetes operator"))

@@ -22,6 +22,7 @@ import torch
 from inferencemesh.modeling.attention import (
     PackedAttention,
     PaddedAttention,
+    batched_attention_form,
     kv_cache_dtype,
     padded_mask,
     padded_pays,
@@ -48,10 +49,6 @@ class Segment:
 
 class StageRuntime:
     """Layers [layer_start, layer_end) of a model, plus embeddings (first stage) or norm + head (last)."""
-
-    # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
-    # "padded" / "per-session" forced (the attention benchmark and the exactness tests).
-    batched_attention = "auto"
 
     def __init__(
         self,
@@ -110,6 +107,9 @@ class StageRuntime:
         self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
         self._rope_table = rope_table(self.config, self._rotary, max_context, self.dtype, self.device)
         self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
+        # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
+        # "padded" / "per-session" forced (benchmarks, exactness tests).
+        self.batched_attention = batched_attention_form()
         if on_progress is not None:
             on_progress("ready", 1.0)
 

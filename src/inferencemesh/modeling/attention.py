@@ -18,6 +18,7 @@ over short caches (padded_pays holds the crossover measured with tools/attention
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,19 @@ class PaddedAttention:
 # pass, while the longest cache holds at most PADDED_MAX_LENGTH positions.
 PADDED_MIN_SESSIONS = 4
 PADDED_MAX_LENGTH = 32
+
+
+# A diagnostic override of how batched passes attend ("auto", "padded" or "per-session"), read
+# when a stage runtime starts: `inferencemesh bench --attention` compares the forms in one run.
+FORM_ENV = "INFERENCEMESH_BATCHED_ATTENTION"
+FORMS = ("auto", "padded", "per-session")
+
+
+def batched_attention_form() -> str:
+    form = os.environ.get(FORM_ENV, "auto")
+    if form not in FORMS:
+        raise ValueError(f"{FORM_ENV}={form!r}: choose one of {', '.join(FORMS)}")
+    return form
 
 
 def padded_pays(counts: list[int], longest: int) -> bool:

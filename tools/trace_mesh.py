@@ -1,0 +1,200 @@
+"""Where per-token time goes in a local mesh under concurrent streams: a py-spy trace of
+every process (the frontend's engine in this one, each stage process), folded into categories.
+
+    python tools/trace_mesh.py --shape llama-150m --stages 2 --streams 8 --json out.json
+
+It starts the stages as `inferencemesh bench` does (stage processes on loopback gRPC, the
+engine in this process with the frontend's threads), runs one warm-up burst of --streams
+concurrent greedy requests, then samples every process with py-spy (`pip install py-spy`;
+it needs ptrace rights) while --bursts more bursts run. Each sample of a thread that was on
+the CPU is put in the first category whose rule matches its stack (CATEGORIES); a thread's
+samples short of duration x rate are its waiting. Reported per process and thread: ms of each
+category per generated token, and the share of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from inferencemesh.bench import EngineUnderTest, make_shape_model, prompt_ids, start_mesh
+from inferencemesh.config import DEFAULT_DRAFT_THREADS
+
+# (category, test on the stack's frames, root first). First match wins, so the specific come first.
+CATEGORIES: list[tuple[str, object]] = [
+    ("attention (cache write, gather, sdpa)", lambda fs: _any(fs, "stage_attention", "sdpa_attention_forward",
+                                                              "_PackedCache.update", "kv.py", "padded_mask",
+                                                              "positions.py")),
+    ("layer matmuls (projections, MLP)", lambda fs: _any(fs, "modeling_llama.py") and _any(fs, "packed.py")),
+    ("layer other (norms, rotary, activations)", lambda fs: _any(fs, "modeling_llama.py", "modeling_layers.py")),
+    ("head + norm (last stage)", lambda fs: _any(fs, "runtime.py") and _any(fs, "packed.py", "normalization",
+                                                                             "modeling_llama.py")),
+    ("decide: sampling / verify", lambda fs: _any(fs, "sampling.py", "_decide")),
+    ("runtime glue (pack, rope, split)", lambda fs: _any(fs, "runtime.py")),
+    ("serialisation (codec, protobuf)", lambda fs: _any(fs, "codec.py", "SerializeToString", "FromString",
+                                                        "_pb2")),
+    ("engine + pipeline client (frontend)", lambda fs: _any(fs, "engine.py", "pipeline.py", "speculative.py",
+                                                            "bench.py")),
+    ("stage server, batcher, worker", lambda fs: _any(fs, "server.py", "batcher.py", "worker.py", "sessions.py")),
+    ("gRPC", lambda fs: _any(fs, "grpc/")),
+    ("asyncio (loop, hand-offs)", lambda fs: _any(fs, "asyncio/", "concurrent/futures", "threading.py")),
+    ("other", lambda fs: True),
+]
+
+
+def _any(frames: list[str], *needles: str) -> bool:
+    return any(needle in frame for frame in frames for needle in needles)
+
+
+def categorise(frames: list[str]) -> str:
+    for name, rule in CATEGORIES:
+        if rule(frames):
+            return name
+    raise AssertionError("the last rule matches everything")
+
+
+THREAD_FRAME = re.compile(r"^(?:process \d+:.*?;)?thread \((0x[0-9A-Fa-f]+)\)")
+
+
+def fold(raw: str) -> tuple[dict[str, Counter], dict[str, Counter]]:
+    """py-spy's raw (collapsed) output, recorded with --threads: per thread, samples per category
+    and per leaf frame (the function that was running)."""
+    out: dict[str, Counter] = defaultdict(Counter)
+    leaves: dict[str, Counter] = defaultdict(Counter)
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = "?"
+        while frames and (frames[0].startswith("thread (") or frames[0].startswith("process ")):
+            head = frames.pop(0)
+            if head.startswith("thread ("):
+                thread = head
+        out[thread][categorise(frames)] += int(count)
+        if frames:
+            leaves[thread][frames[-1]] += int(count)
+    return out, leaves
+
+
+async def bursts(runner: EngineUnderTest, prompts: list[list[int]], count: int) -> int:
+    tokens = 0
+    for _ in range(count):
+        streams = await asyncio.gather(*(runner.stream(ids) for ids in prompts))
+        tokens += sum(n for stream in streams for _, n in stream)
+    return tokens
+
+
+async def traced_bursts(runner: EngineUnderTest, prompts: list[list[int]], count: int, spy_argv: dict[str, list[str]]):
+    """A warm-up burst, then `count` bursts with py-spy recording each process (name: argv).
+    Returns (tokens, wall seconds, load average before, {name: py-spy process})."""
+    await bursts(runner, prompts, 1)
+    spies = {name: subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for name, argv in spy_argv.items()}
+    await asyncio.sleep(1.0)  # py-spy attaches
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    tokens = await bursts(runner, prompts, count)
+    wall = time.perf_counter() - started
+    await asyncio.sleep(0.5)
+    for spy in spies.values():
+        spy.send_signal(signal.SIGINT)
+    return tokens, wall, load_before, spies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama-150m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--bursts", type=int, default=2, help="traced bursts (after one warm-up)")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--json", dest="json_out", default=None)
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        raise SystemExit("py-spy not found: pip install py-spy")
+    from transformers import AutoTokenizer
+
+    torch.set_grad_enabled(False)
+    model_dir = make_shape_model(args.shape, args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from inferencemesh.checkpoint import read_local
+
+    facts = read_local(model_dir)
+    pool = prompt_ids(tokenizer, ["code", "prose"], facts.vocab_size)
+    flat = [ids for ids_of_set in pool.values() for ids in ids_of_set]
+    prompts = [flat[i % len(flat)] for i in range(args.streams)]
+    max_context = 1024
+    torch.set_num_threads(DEFAULT_DRAFT_THREADS)  # this process plays the frontend
+    stages, pipeline = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context)
+    tmp = Path(tempfile.mkdtemp(prefix="trace-mesh-"))
+    try:
+        runner = EngineUnderTest(pipeline, args.new_tokens, max_context)
+        pids = {"frontend (engine)": os.getpid(),
+                **{f"stage {i}": p.process.pid for i, p in enumerate(stages.processes)}}
+        spy_argv = {name: [py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
+                           "--threads", "--nonblocking", "--output", str(tmp / f"{pid}.txt")]
+                    for name, pid in pids.items()}
+        tokens, wall, load_before, spies = asyncio.run(traced_bursts(runner, prompts, args.bursts, spy_argv))
+        for name, spy in spies.items():
+            if spy.wait(60) != 0 and not (tmp / f"{pids[name]}.txt").exists():
+                raise SystemExit(f"py-spy on {name} failed: {spy.stderr.read().decode()[-500:]}")
+        processes = {}
+        for name, pid in pids.items():
+            threads, leaves = fold((tmp / f"{pid}.txt").read_text())
+            processes[name] = {}
+            for thread, counts in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
+                busy = sum(counts.values())
+                per_token = {cat: round(1000 * n / args.rate / tokens, 3) for cat, n in counts.most_common()}
+                # Busy samples fall within the bursts (the margins around them are idle).
+                processes[name][thread] = {
+                    "busy_share": round(busy / args.rate / wall, 3),
+                    "ms_per_token": per_token,
+                    "waiting_ms_per_token": round(1000 * max(0.0, wall - busy / args.rate) / tokens, 3),
+                    "top_functions_ms_per_token": {leaf: round(1000 * n / args.rate / tokens, 3)
+                                                   for leaf, n in leaves[thread].most_common(8)},
+                }
+    finally:
+        stages.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = {
+        "shape": args.shape, "dtype": args.dtype, "stages": args.stages, "streams": args.streams,
+        "new_tokens": args.new_tokens, "bursts": args.bursts, "tokens": tokens, "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2), "ms_per_token_wall": round(1000 * wall / tokens, 3),
+        "rate_hz": args.rate, "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
+        "processes": processes,
+    }
+    print(f"{tokens} tokens in {wall:.2f} s: {report['tokens_per_s']} tok/s aggregate, "
+          f"{report['ms_per_token_wall']} ms of wall per token; load {load_before[0]:.2f}")
+    for name, threads in processes.items():
+        for thread, info in threads.items():
+            if info["busy_share"] < 0.01:
+                continue
+            print(f"{name} {thread}: busy {100 * info['busy_share']:.0f}% of the wall, "
+                  f"waiting {info['waiting_ms_per_token']} ms/token")
+            for cat, ms in info["ms_per_token"].items():
+                print(f"    {ms:>8.3f} ms/token  {cat}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()
