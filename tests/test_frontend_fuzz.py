@@ -137,7 +137,8 @@ def check_response(r: httpx.Response, path: str) -> None:
     body = r.json()
     assert not errors(body, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse"), body
     usage = body["usage"]
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] <= 48
+    # a batch of prompts sums its requests' usage: each fits the 48-token context
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] <= 48 * len(body["choices"])
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

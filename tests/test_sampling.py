@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from inferencemesh import sampling
-from inferencemesh.sampling import SamplingParams, next_token, probabilities, verify
+from inferencemesh.sampling import SamplingParams, adjust, next_token, probabilities, verify
 
 CHI2_CRITICAL_P001 = {3: 16.27, 4: 18.47, 5: 20.52}  # chi-square quantiles at p = 0.001
 
@@ -94,3 +94,65 @@ def test_a_top_p_below_float32_range_keeps_the_most_likely_token() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=2.2250738585e-313, top_k=0, seed=1))
     assert torch.equal(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+# --- the logits transforms (vLLM's extra sampling parameters) ---------------------------------
+
+PENALISED = SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6,
+                           logit_bias=((4, 1.5),), prompt_tokens=3)
+
+
+def test_repetition_penalty_is_transformers_processor() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(1)) * 3
+    context = [2, 5, 5, 9, 2, 17]
+    expected = RepetitionPenaltyLogitsProcessor(1.6)(torch.tensor([context]), logits.clone())
+    assert torch.allclose(adjust(logits, SamplingParams(repetition_penalty=1.6), context), expected)
+
+
+def test_presence_and_frequency_count_generated_tokens_only() -> None:
+    logits = torch.zeros(1, 8)
+    context = [3, 3, 5, 5, 5, 6]  # prompt [3, 3, 5]; generated [5, 5, 6]
+    out = adjust(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, prompt_tokens=3), context)[0]
+    assert out.tolist() == [0, 0, 0, 0, 0, -(0.5 + 2 * 0.25), -(0.5 + 0.25), 0]
+
+
+def test_min_tokens_masks_stop_tokens_until_reached() -> None:
+    params = SamplingParams(min_tokens=2, stop_token_ids=(0,), prompt_tokens=4)
+    logits = torch.zeros(3, 4)  # a window whose rows predict generated tokens 1, 2 and 3
+    out = adjust(logits, params, [7, 7, 7, 7, 1, 2])
+    assert out[:, 0].tolist() == [float("-inf"), float("-inf"), 0.0]
+
+
+def test_a_window_is_adjusted_as_if_decoded_token_by_token() -> None:
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(2))
+    context = [1, 2, 3, 4, 4, 7, 4, 9]  # ..., then the window [4, 7, 4, 9]: rows follow 4, 7, 4, 9
+    window = adjust(logits, PENALISED, context)
+    for row in range(4):
+        alone = adjust(logits[row : row + 1], PENALISED, context[: len(context) - 3 + row])
+        assert torch.equal(window[row], alone[0])
+
+
+def test_speculative_sampling_matches_the_penalised_distribution() -> None:
+    """Verification draws from the transformed target distribution, row by row."""
+    gen = torch.Generator().manual_seed(11)
+    vocab, context = 6, [1, 4, 2, 4, 4]  # prompt [1, 4, 2]; generated 4 4; the window [4, d1, d2]
+    target_logits = torch.randn(3, vocab, generator=gen)
+    q = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, -1)
+    p_first = probabilities(adjust(target_logits[:1], PENALISED, context), PENALISED)[0]
+    often = int(torch.minimum(p_first, q[0]).argmax())  # a first draft often proposed and accepted
+    firsts, seconds = [], []
+    for seed in range(6000):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        params = SamplingParams(**{**PENALISED.__dict__, "seed": seed})
+        _, tokens = verify(target_logits, drafts, params, 4, q, context + drafts)
+        firsts.append(tokens[0])
+        if len(tokens) > 1 and tokens[0] == drafts[0] == often:
+            seconds.append(tokens[1])
+    assert not torch.allclose(p_first, probabilities(target_logits[:1], PENALISED)[0], atol=0.02)  # transforms bite
+    stat, dof = chi_square(firsts, p_first)
+    assert stat < CHI2_CRITICAL_P001[dof], f"first token deviates from the penalised p: chi2={stat:.1f}"
+    p_second = probabilities(adjust(target_logits[1:2], PENALISED, context + [often]), PENALISED)[0]
+    stat, dof = chi_square(seconds, p_second)
+    assert len(seconds) > 300 and stat < CHI2_CRITICAL_P001[dof], f"second token: chi2={stat:.1f}"
