@@ -46,6 +46,11 @@ CATEGORIES: list[tuple[str, object]] = [
     ("runtime glue (pack, rope, split)", lambda fs: _any(fs, "runtime.py")),
     ("serialisation (codec, protobuf)", lambda fs: _any(fs, "codec.py", "SerializeToString", "FromString",
                                                         "_pb2")),
+    # A thread waking another: the compute thread completing an asyncio future (self-pipe write),
+    # the event loop queueing work for the compute thread.
+    ("asyncio hand-offs (cross-thread wake-ups)", lambda fs: _any(fs, "_write_to_self", "call_soon_threadsafe",
+                                                                  "run_coroutine_threadsafe", "Executor.submit",
+                                                                  "run_in_executor")),
     ("engine + pipeline client (frontend)", lambda fs: _any(fs, "engine.py", "pipeline.py", "speculative.py",
                                                             "bench.py")),
     ("stage server, batcher, worker", lambda fs: _any(fs, "server.py", "batcher.py", "worker.py", "sessions.py")),
@@ -124,6 +129,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--bursts", type=int, default=2, help="traced bursts (after one warm-up)")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--stage-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of the stage processes (default: unset, as `serve` runs them)")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -142,7 +149,8 @@ def main() -> None:
     prompts = [flat[i % len(flat)] for i in range(args.streams)]
     max_context = 1024
     torch.set_num_threads(DEFAULT_DRAFT_THREADS)  # this process plays the frontend
-    stages, pipeline = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context)
+    env = {"OMP_NUM_THREADS": str(args.stage_threads)} if args.stage_threads else None
+    stages, pipeline = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env)
     tmp = Path(tempfile.mkdtemp(prefix="trace-mesh-"))
     try:
         runner = EngineUnderTest(pipeline, args.new_tokens, max_context)
@@ -175,6 +183,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     report = {
         "shape": args.shape, "dtype": args.dtype, "stages": args.stages, "streams": args.streams,
+        "stage_threads": args.stage_threads or f"default ({os.cpu_count()} cores)",
         "new_tokens": args.new_tokens, "bursts": args.bursts, "tokens": tokens, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2), "ms_per_token_wall": round(1000 * wall / tokens, 3),
         "rate_hz": args.rate, "load_average_before": [round(x, 2) for x in load_before],

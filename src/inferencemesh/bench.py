@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -542,13 +543,17 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
     configs = [ConcurrencyConfig("hf-generate-batch", {"stages": 1, "concurrency": HF_BATCH, "speculative": "none"},
                                  cycle(HF_BATCH), HfBatchPeer(target, args.new_tokens), threads)]
     forms = [f.strip() for f in args.attention.split(",") if f.strip()]
+    thread_options = [t.strip() for t in args.stage_threads.split(",") if t.strip()]
     meshes = []
     try:
-        for count, form in [(count, form) for count in stage_counts for form in forms]:
-            # The stage processes' batched attention form (attention.FORM_ENV), compared in one run.
-            stages, pipeline = start_mesh(model_dir, dtype, count, max_context, env={FORM_ENV: form})
+        for count, form, stage_threads in [(c, f, t) for c in stage_counts for f in forms for t in thread_options]:
+            # Mesh variants compared in one run: the stages' batched attention form (attention.FORM_ENV)
+            # and their OpenMP threads ("default": unset, as `serve` starts them).
+            env = {FORM_ENV: form, **({} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads})}
+            stages, pipeline = start_mesh(model_dir, dtype, count, max_context, env=env)
             meshes.append(stages)
-            label = f"grpc-{count}-stage" + ("s" if count > 1 else "") + (f"[{form}]" if len(forms) > 1 else "")
+            variant = ",".join([form] * (len(forms) > 1) + [f"threads={stage_threads}"] * (len(thread_options) > 1))
+            label = f"grpc-{count}-stage" + ("s" if count > 1 else "") + (f"[{variant}]" if variant else "")
             for strategy in strategies:
                 proposer_for = None
                 if strategy != "none":
@@ -558,7 +563,8 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
                     runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
                     name = label if strategy == "none" else f"{label}+{strategy}"
                     configs.append(ConcurrencyConfig(name, {"stages": count, "concurrency": level,
-                                                            "speculative": strategy, "attention": form},
+                                                            "speculative": strategy, "attention": form,
+                                                            "stage_threads": stage_threads, "variant": variant},
                                                      cycle(level), EngineBurst(runner), DEFAULT_DRAFT_THREADS))
         load_before = os.getloadavg()
         print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds, load average "
@@ -585,12 +591,16 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
 def _attention_ratios(results: list[dict]) -> dict:
     """Each attention form's aggregate tokens/s over the per-session form's, per stage count and C."""
     out = {}
-    base = {(r["stages"], r["concurrency"], r["speculative"]): r for r in results
-            if r.get("attention") == "per-session"}
+    def same(r: dict) -> tuple:
+        return r["stages"], r["concurrency"], r["speculative"], r.get("stage_threads")
+
+    base = {same(r): r for r in results if r.get("attention") == "per-session"}
     for r in results:
-        b = base.get((r["stages"], r["concurrency"], r["speculative"]))
+        b = base.get(same(r))
         if b and r.get("attention") not in (None, "per-session"):
             key = f"attention_{r['attention']}_vs_per_session_stages_{r['stages']}_concurrency_{r['concurrency']}"
+            if r["variant"] and "threads=" in r["variant"]:
+                key += f"_threads_{r['stage_threads']}"
             out[key] = round(r["tokens_per_s"] / b["tokens_per_s"], 3)
     return out
 
@@ -606,8 +616,8 @@ def _concurrency_ratios(results: list[dict]) -> dict:
             continue
         base = one.get((r["stages"], r["speculative"], r["label"]))
         suffix = f"stages_{r['stages']}" + ("" if r["speculative"] == "none" else f"_{r['speculative']}")
-        if "[" in r["label"]:  # several attention forms in this run
-            suffix += "_" + r["attention"].replace("-", "_")
+        if r["variant"]:  # several mesh variants in this run
+            suffix += "_" + re.sub(r"\W+", "_", r["variant"])
         if base and r["concurrency"] != 1:
             out[f"concurrency_{r['concurrency']}_vs_1_{suffix}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
         if peer and r["concurrency"] == HF_BATCH:
@@ -617,8 +627,8 @@ def _concurrency_ratios(results: list[dict]) -> dict:
 
 
 def _print_table(results: list[dict]) -> None:
-    head = f"{'configuration':<26} {'C':>3} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+    head = f"{'configuration':<36} {'C':>3} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
     print(head + "\n" + "-" * len(head))
     for r in results:
-        print(f"{r['label']:<26} {r['concurrency']:>3} {r['tokens_per_s']:>8.1f} {r['ttft_ms_p50']:>9.1f} "
+        print(f"{r['label']:<36} {r['concurrency']:>3} {r['tokens_per_s']:>8.1f} {r['ttft_ms_p50']:>9.1f} "
               f"{r['ttft_ms_p99']:>9.1f} {r['itl_ms_p50']:>8.1f} {r['itl_ms_p99']:>8.1f}")
