@@ -1,9 +1,9 @@
 """Third-party frameworks against the frontend, as their users call them: LangChain's ChatOpenAI
-(invoke, stream, batch) and litellm's completion with an `openai/` model (streamed and not).
+(invoke, stream, batch) and its `OpenAI` LLM's .batch() (a list of prompts in one request), and
+litellm's completion with an `openai/` model (streamed and not).
 
 Greedy decoding makes the expected text knowable: every framework must return exactly what the
-official openai client gets for the same request. (LangChain's `OpenAI` LLM .batch() sends a
-list of prompts; it is tested with the completions batching that brings that support.)
+official openai client gets for the same request.
 """
 
 from __future__ import annotations
@@ -74,3 +74,16 @@ def test_litellm_completion_with_an_openai_model(base_url: str, fm: FixtureModel
     pieces = [chunk.choices[0].delta.content or "" for chunk in litellm.completion(**kwargs, stream=True)
               if chunk.choices]
     assert len(pieces) > 1 and "".join(pieces) == expected[question]
+
+
+def test_langchain_openai_llm_batch(base_url: str, fm: FixtureModel) -> None:
+    """LangChain's completions LLM batches its prompts into one request with a list of prompts."""
+    from langchain_openai import OpenAI as LangChainOpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused")
+    alone = [client.completions.create(model=fm.name, prompt=q, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+             for q in QUESTIONS]
+    assert all(alone), alone
+    llm = LangChainOpenAI(model=fm.name, base_url=base_url, api_key="unused", temperature=0, max_tokens=MAX_TOKENS,
+                          max_retries=0)
+    assert llm.batch(QUESTIONS) == alone
