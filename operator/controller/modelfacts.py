@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferencemesh.bundled import bundled_path
-from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_hub, read_local
+from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, hub_errors, read_hub, read_local
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
 
@@ -138,11 +138,15 @@ class ModelFacts:
             if hit and time.monotonic() - hit[0] < self._hub_ttl:
                 return hit[1]
         try:
-            facts = read_hub(repo_id, revision=revision)
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - network, auth, missing repo: all retried later
-            raise ModelUnavailable(f"cannot read {repo_id!r} from the hub: {type(exc).__name__}: {exc}") from exc
+            with hub_errors(repo_id):  # the same one-line wording as the CLI's
+                facts = read_hub(repo_id, revision=revision)
+        except CheckpointError as exc:
+            if exc.__cause__ is None:
+                raise  # the checkpoint itself is unusable: permanent
+            raise ModelUnavailable(str(exc)) from exc  # unreachable or not cached: retried later
+        except Exception as exc:  # noqa: BLE001 - auth, missing repo: retried later too
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ModelUnavailable(f"cannot read {repo_id!r} from the hub: {type(exc).__name__}: {first_line}") from exc
         with self._lock:
             self._hub[key] = (time.monotonic(), facts)
         return facts

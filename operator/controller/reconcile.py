@@ -212,6 +212,9 @@ class Reconciler:
 
     def _event(self, mesh: dict, reason: str, kind: str, message: str) -> None:
         meta = mesh["metadata"]
+        # The operator's log tells the same story as the mesh's events, one line each.
+        log.log(logging.WARNING if kind == "Warning" else logging.INFO, "%s/%s: %s: %s",
+                meta["namespace"], meta["name"], reason, message)
         now = _now()
         event = {
             "apiVersion": "v1", "kind": "Event",
@@ -244,6 +247,8 @@ def transition_events(old: dict, new: dict) -> list[tuple[str, str, str]]:
             events.append(("Planned", "Normal", message))
         elif ctype == "Planned" and status == "False":
             events.append((reason or "PlanFailed", "Warning", message))
+        elif ctype == "Planned" and status == "Unknown" and reason:  # e.g. the hub is unreachable: retried
+            events.append((reason, "Warning", message))
         elif ctype == "Ready" and status == "True":
             events.append(("Ready", "Normal", message))
         elif ctype == "Degraded" and status == "True":

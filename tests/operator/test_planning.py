@@ -130,8 +130,10 @@ def test_hub_reads_are_cached_and_outages_are_retryable(monkeypatch: pytest.Monk
     for _ in range(3):
         assert facts.info(parse_spec({"model": {"name": "org/up", "revision": "main"}})).source == "hub"
     assert calls == [("org/up", "main")]
-    with pytest.raises(ModelUnavailable, match="hub unreachable"):
+    # The CLI's one-line wording (what is wrong, what to do), but retried: the hub may come back.
+    with pytest.raises(ModelUnavailable, match="cannot reach the model hub for org/down") as unavailable:
         facts.info(parse_spec({"model": {"name": "org/down"}}))
+    assert "local model directory" in str(unavailable.value) and "\n" not in str(unavailable.value)
 
 
 def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: object) -> None:

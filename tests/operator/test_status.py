@@ -103,6 +103,8 @@ def test_plan_failure_is_terminal_failed_with_reason() -> None:
     assert events[0][:2] == ("PlanFailed", "Warning") and "only 4 layers" in events[0][2]
     pending = compute_status(mesh(), SPEC, PlanOutcome(None, "Unknown", "ModelUnavailable", "hub down"), {}, [], "T1")
     assert pending["phase"] == "Pending" and conds(pending)["Planned"] == ("Unknown", "ModelUnavailable")
+    assert transition_events({}, pending) == [("ModelUnavailable", "Warning", "hub down")]
+    assert transition_events(pending, pending) == []  # retries of the same outcome say nothing new
 
 
 def test_replan_emits_an_event() -> None:
