@@ -4,6 +4,10 @@ Prefill goes in chunks; each decode step is one frame through every stage. With 
 proposer (speculative decoding) a step carries [last token, d_1..d_k] as a VERIFY frame and
 may yield several tokens for the same round trip. Rollback after a rejected proposal is
 just the next frame's pos_start: the stages truncate their caches themselves.
+
+n continuations of one prompt (generate_n) prefill it once: the other n - 1 sessions FORK the
+first one's cache at every stage, up to the prompt's last token, which each computes itself
+with its own seed; from there every choice is a request of its own.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -23,8 +27,10 @@ from inferencemesh.frontend.engine_api import (
     EngineError,
     EngineOverloaded,
     GenerationRequest,
+    InvalidRequest,
     Step,
     TokenLogprob,
+    choice_seed,
 )
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.speculative import Proposer
@@ -69,6 +75,47 @@ class _Connection:
         await self.session.close()
 
 
+class _Choice:
+    """One continuation's iterator of Steps. Closing it (aclose), started or not, frees its
+    pipeline session, its proposer and its slot: an async generator closed before its first
+    step would never run its `finally`."""
+
+    def __init__(self, engine: PipelineEngine, conn: _Connection, steps: AsyncIterator[Step],
+                 proposer: Proposer | None) -> None:
+        self._engine, self._conn, self._steps, self._proposer = engine, conn, steps, proposer
+        self._closed = False
+
+    def __aiter__(self) -> _Choice:
+        return self
+
+    async def __anext__(self) -> Step:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._steps.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except PipelineError as err:
+            await self.aclose()
+            raise self._engine._failed(err) from err
+        except Exception:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._steps.aclose()
+            await self._conn.close()
+        finally:
+            if self._proposer is not None:
+                self._proposer.close()
+            self._engine._leave(1)
+
+
 class PipelineEngine:
     def __init__(self, pipeline, options: EngineOptions, *,
                  proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
@@ -81,6 +128,7 @@ class PipelineEngine:
         self.proposer_for = proposer_for or (lambda request: None)
         self._describe = describe or {}
         self._slots = asyncio.Semaphore(options.max_sessions)
+        self._admission = asyncio.Lock()
         self.waiting = 0
         self.running = 0
         self.recoveries = 0  # in-flight requests carried over a lost stage
@@ -104,6 +152,18 @@ class PipelineEngine:
         await self.pipeline.close()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        choice = (await self.generate_n(request, 1))[0]
+        try:
+            async for step in choice:
+                yield step
+        finally:
+            await choice.aclose()
+
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[_Choice]:
+        """n continuations of the prompt (engine_api.Engine.generate_n). The first choice's
+        session prefills it; the others fork that session (FORK at every stage) at the prompt's
+        last token, which each computes with its own seed, so that each samples exactly as a
+        request alone with its seed would."""
         prompt = list(request.prompt_ids)
         if not prompt:
             raise EngineError("empty prompt")
@@ -111,68 +171,105 @@ class PipelineEngine:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context} tokens"
             )
+        if n > self.options.max_sessions:
+            raise InvalidRequest(f"n is {n}; this server runs at most {self.options.max_sessions} sequences at once",
+                                 param="n")
         budget = min(request.max_tokens, self.max_context - len(prompt))
+        await self._admit(n)
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        requests = [replace(request, seed=choice_seed(seed, j)) for j in range(n)]
+        samplings = [params.to_wire(r.sampling_params(r.seed), r.logprobs) for r in requests]
+        conns: list[_Connection] = []
+        try:
+            conns.append(_Connection(self.pipeline, request.request_id))
+            prediction, prompt_logprobs = await self._admitted_prefill(conns[0], prompt, samplings[0],
+                                                                      request.prompt_logprobs is not None)
+            conns += [_Connection(self.pipeline, f"{request.request_id}/{j}") for j in range(1, n)]
+            parent = conns[0].session.session_id
+            forks = await asyncio.gather(*(self._fork(conn, parent, prompt, sampling)
+                                           for conn, sampling in zip(conns[1:], samplings[1:], strict=True)),
+                                         return_exceptions=True)
+            failure = next((f for f in forks if isinstance(f, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException as err:
+            for conn in conns:
+                await conn.close()
+            self._leave(n)
+            if isinstance(err, PipelineError):
+                raise self._failed(err) from err
+            raise
+        choices = []
+        for j, (conn, req, sampling) in enumerate(zip(conns, requests, samplings, strict=True)):
+            proposer = self.proposer_for(req)
+            steps = self._decode(conn, req, sampling, prompt, budget, proposer, prediction if j == 0 else None,
+                                 prompt_logprobs)
+            choices.append(_Choice(self, conn, steps, proposer))
+        return choices
+
+    async def _admit(self, count: int) -> None:
+        """Take `count` of this frontend's max_sessions pipeline sessions, waiting up to queue_timeout_s."""
         if self.waiting >= self.options.max_waiting:
             raise EngineOverloaded(f"{self.waiting} requests are already waiting; retry later")
         self.waiting += 1
+        taken = 0
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.options.queue_timeout_s)
-        except asyncio.TimeoutError as err:
+            async with asyncio.timeout(self.options.queue_timeout_s):
+                async with self._admission:  # a request takes its n together: two cannot each hold a part and wait
+                    while taken < count:
+                        await self._slots.acquire()
+                        taken += 1
+        except TimeoutError as err:
             raise EngineOverloaded("timed out waiting for a free pipeline session") from err
         finally:
             self.waiting -= 1
-        self.running += 1
-        proposer = self.proposer_for(request)
-        try:
-            async for tokens in self._run(request, prompt, budget, proposer):
-                yield tokens
-        finally:
-            self.running -= 1
+            if taken < count:
+                for _ in range(taken):
+                    self._slots.release()
+        self.running += count
+
+    def _leave(self, count: int) -> None:
+        self.running -= count
+        for _ in range(count):
             self._slots.release()
-            if proposer is not None:
-                proposer.close()
 
-    async def _run(self, request: GenerationRequest, prompt: list[int], budget: int,
-                   proposer: Proposer | None) -> AsyncIterator[Step]:
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
-        sampling = params.to_wire(request.sampling_params(seed), request.logprobs)
-        conn = _Connection(self.pipeline, request.request_id)
-        try:
-            prediction, prompt_logprobs = await self._admitted_prefill(conn, prompt, sampling,
-                                                                      request.prompt_logprobs is not None)
-            history = prompt + list(prediction.tokens)
-            emitted = 0
-            while True:
-                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
-                emitted += count
-                if count or prompt_logprobs is not None:
-                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
-                               prompt_logprobs)
-                    prompt_logprobs = None
-                if stopped or count < len(prediction.tokens) or emitted >= budget:
-                    return
-                # Everything but the last token is in the stages' caches; a replacement stage
-                # gets exactly that prefix again.
-                prediction = await self._resilient(conn, sampling, history[:-1],
-                                                   lambda: self._step(conn, history, proposer))
-                history.extend(prediction.tokens)
-        except PipelineError as err:
-            self._ready_at = 0.0
-            raise PipelineFailed(f"generation failed in the pipeline: {err}") from err
-        finally:
-            await conn.close()
+    def _failed(self, err: PipelineError) -> PipelineFailed:
+        self._ready_at = 0.0
+        return PipelineFailed(f"generation failed in the pipeline: {err}")
 
-    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
-                                prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
-        """The first prefill. A stage at its session limit (another frontend shares it, or a
-        release is still on its way) is capacity, not failure: the request waits for room, as
-        it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
+    async def _decode(self, conn: _Connection, request: GenerationRequest, sampling: pb.Sampling, prompt: list[int],
+                      budget: int, proposer: Proposer | None, prediction: pb.Prediction | None,
+                      prompt_logprobs: list[TokenLogprob | None] | None) -> AsyncIterator[Step]:
+        """Generation in a session that holds the prompt: all of it, with `prediction` (its
+        prefill's), or all but its last token (a fork), which the first step computes."""
+        if prediction is None:
+            prediction = await self._resilient(conn, sampling, prompt[:-1], lambda: self._step(conn, prompt, proposer))
+        history = prompt + list(prediction.tokens)
+        emitted = 0
+        while True:
+            count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
+            emitted += count
+            if count or prompt_logprobs is not None:
+                yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
+                           prompt_logprobs)
+                prompt_logprobs = None
+            if stopped or count < len(prediction.tokens) or emitted >= budget:
+                return
+            # Everything but the last token is in the stages' caches; a replacement stage
+            # gets exactly that prefix again.
+            prediction = await self._resilient(conn, sampling, history[:-1],
+                                               lambda: self._step(conn, history, proposer))
+            history.extend(prediction.tokens)
+
+    async def _admitted(self, conn: _Connection, operation: Callable[[], Awaitable]):
+        """A session's first operation. A stage at its session limit (another frontend shares it,
+        or a release is still on its way) is capacity, not failure: the request waits for room,
+        as it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
         deadline = time.monotonic() + self.options.queue_timeout_s
         delay = 0.02
         while True:
             try:
-                return await self._resilient(conn, sampling, [],
-                                             lambda: self._prefill(conn, prompt, sampling, True, prompt_logprobs))
+                return await operation()
             except PipelineError as err:
                 if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
@@ -182,6 +279,38 @@ class PipelineEngine:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.5)
                 conn.open()
+
+    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
+                                prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
+        """The first prefill (admitted and resilient)."""
+        return await self._admitted(conn, lambda: self._resilient(
+            conn, sampling, [], lambda: self._prefill(conn, prompt, sampling, True, prompt_logprobs)))
+
+    async def _fork(self, conn: _Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
+        """conn's session starts as the parent's first len(prompt) - 1 positions at every stage,
+        sampling with `sampling`. Without the parent (a stage was lost meanwhile, or the parent
+        expired) the child computes those positions itself, as any recovering session does."""
+
+        async def send() -> None:
+            frame = conn.frame
+            frame.kind, frame.parent_session_id = pb.FORK, parent
+            frame.pos_start, frame.token_count = len(prompt) - 1, 0
+            frame.sampling.CopyFrom(sampling)
+            frame.seq += 1
+            try:
+                await conn.session.send(frame)
+            finally:
+                frame.parent_session_id = ""
+                frame.ClearField("sampling")
+
+        try:
+            await self._admitted(conn, send)
+        except PipelineError as err:
+            if not err.retryable or self.options.recovery_timeout_s <= 0:
+                raise
+            log.warning("request %s could not fork its prompt (%s); prefilling it", conn.request_id, err)
+            await self._reconnect(conn, sampling, prompt[:-1], time.monotonic() + self.options.recovery_timeout_s,
+                                  err)
 
     async def _resilient(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], operation):
         """Run one pipeline operation; if a stage was lost, wait for it to come back (up to
@@ -210,6 +339,8 @@ class PipelineEngine:
                 try:
                     if prefix:
                         await self._prefill(conn, prefix, sampling, want_prediction=False)
+                    else:  # the session's next frame is its first: it carries the sampling
+                        conn.frame.sampling.CopyFrom(sampling)
                     return
                 except PipelineError as err:
                     if not err.retryable:
@@ -262,6 +393,7 @@ class PipelineEngine:
             frame.token_ids[:] = history[-1:]
             frame.draft_probs = b""
             prediction = await session.send(frame)
+            frame.ClearField("sampling")
             round_trip = time.perf_counter() - proposed
             if proposer is not None:
                 proposer.observe(0, 0, proposed - started, round_trip)
@@ -275,6 +407,7 @@ class PipelineEngine:
         frame.token_ids[:] = history[-1:] + drafts
         frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
         prediction = await session.send(frame)
+        frame.ClearField("sampling")
         round_trip = time.perf_counter() - proposed
         proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
         if self.metrics is not None:

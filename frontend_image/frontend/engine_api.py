@@ -6,6 +6,7 @@ this small lets the same HTTP layer drive an in-process pipeline or a remote one
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -44,6 +45,17 @@ class GenerationRequest:
         )
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice `index` of a request sampled with `seed` (n > 1). Choice 0 keeps
+    the request's seed, so the first of n is what n = 1 gives; the others get seeds derived from
+    (seed, index), so a seeded request's n choices are the same every time, and choice j is
+    what a request alone with seed choice_seed(seed, j) gives."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits, like the seeds the engine draws
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token's log-probability under the model's raw output, and the most likely alternatives."""
@@ -71,6 +83,18 @@ class EngineError(Exception):
     status_code = 500
     error_type = "server_error"
     code: str | None = None
+    param: str | None = None  # the request parameter at fault, for a 400
+
+
+class InvalidRequest(EngineError):
+    """A request the engine cannot serve as asked (e.g. n beyond its concurrent sessions)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineNotReady(EngineError):
@@ -101,6 +125,15 @@ class Engine(Protocol):
         (max_tokens 0: prompt scoring only).
 
         Closing the iterator early (aclose) cancels the request and releases its session.
+        """
+        ...
+
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[AsyncIterator[Step]]:
+        """n continuations of one prompt, the prompt computed once where the engine can. Choice j
+        samples with choice_seed(seed, j) and yields what generate() yields for the request with
+        that seed (each with the prompt's logprobs, when asked, on its first Step). Admission
+        errors are raised here; the caller closes every iterator (aclose), started or not, which
+        releases its session.
         """
         ...
 

@@ -20,13 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import PipelineError
-from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S, expects_prediction
+from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S, expects_ack, expects_prediction
 from inferencemesh.tls import TlsMaterial, aio_channel
 
 
 class PipelineSession(Protocol):
     async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        """Send one frame; return its Prediction when the frame asks for one."""
+        """Send one frame; return its Prediction when the frame asks for one. A FORK returns
+        (None) once every stage holds the new session."""
         ...
 
     async def close(self) -> None: ...
@@ -55,8 +56,11 @@ class GrpcSession:
 
     async def _watch_frames(self) -> None:
         try:
-            async for _ack in self._frames:
-                self._released.set()  # stages acknowledge only RELEASE
+            async for ack in self._frames:  # stages acknowledge only RELEASE and FORK
+                if ack.kind == pb.FORK:
+                    self._inbox.put_nowait(ack)
+                else:
+                    self._released.set()
         except grpc.aio.AioRpcError as err:
             self._inbox.put_nowait(PipelineError(err.code(), err.details() or str(err.code())))
         finally:
@@ -68,7 +72,8 @@ class GrpcSession:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
             # the stream already ended: its reader has queued the stage's status, prefer that
             raise self._ended_with(err) from err
-        if not expects_prediction(frame):
+        wants_ack = expects_ack(frame)
+        if not wants_ack and not expects_prediction(frame):
             return None
         while True:
             try:
@@ -78,8 +83,8 @@ class GrpcSession:
                                     f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
             if isinstance(item, PipelineError):
                 raise item
-            if item.seq == frame.seq:
-                return item
+            if item.seq == frame.seq and isinstance(item, pb.Ack) == wants_ack:
+                return None if wants_ack else item
             # a late answer to an earlier, abandoned frame: skip it
 
     def _ended_with(self, err: Exception) -> PipelineError:

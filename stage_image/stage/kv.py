@@ -75,6 +75,19 @@ class SessionKV:
         self._store = None
         self._capacity = self._length = 0
 
+    def copy_prefix(self, source: SessionKV, length: int) -> None:
+        """Hold exactly `source`'s first `length` positions (a forked session's start): one copy
+        of every layer's keys and values; `source` is left as it was."""
+        store = source._store  # held here: the source may be released while this copies
+        if length > source.length or (length and store is None):
+            raise ValueError(f"cannot copy {length} positions of a cache that holds {source.length}")
+        self._length = 0
+        if length:
+            if length > self._capacity:
+                self._grow(length)
+            self._store[..., :length, :].copy_(store[..., :length, :])
+        self._length = length
+
     # ------------------------------------------------------------------ used by the runtime
 
     def begin(self, start: int, count: int) -> None:

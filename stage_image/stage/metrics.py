@@ -76,7 +76,7 @@ class StageMetrics:
         self.send = self.send_seconds.labels(**labels)
         self._compute = self.compute_seconds.labels(**labels)
         self._busy = self.busy_seconds.labels(**labels)
-        for kind in ("prefill", "decode", "verify", "release"):
+        for kind in ("prefill", "decode", "verify", "release", "fork"):
             self.forward_by_kind[kind] = self.forward_seconds.labels(**labels, kind=kind)
             self.frames_by_kind[kind] = self.frames.labels(**labels, kind=kind)
 

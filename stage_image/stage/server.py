@@ -30,10 +30,16 @@ from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import GRPC_OPTIONS, KIND_NAMES, RELEASE_ACK_TIMEOUT_S, SERVICE_NAME
+from inferencemesh.protocol.transport import (
+    FORK_ACK_TIMEOUT_S,
+    GRPC_OPTIONS,
+    KIND_NAMES,
+    RELEASE_ACK_TIMEOUT_S,
+    SERVICE_NAME,
+)
 from inferencemesh.stage.batcher import Batcher
 from inferencemesh.stage.metrics import StageMetrics
-from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession
+from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession, fork, fork_refusal
 from inferencemesh.stage.worker import StageWorker
 
 log = logging.getLogger("inferencemesh.stage")
@@ -66,17 +72,39 @@ class DownstreamHop:
         self.call = stub.Session()
         self.envelope = pb.Frame(session_id=session_id, dtype=self.wire_code)
         self.released = asyncio.Event()  # the downstream acknowledged RELEASE: it and all after it let go
+        self.forked = asyncio.Event()  # the downstream acknowledged FORK (or the stream ended: see fork_done)
+        self.fork_done = False
+        self.failure: Fault | None = None
         self.reader = asyncio.create_task(self._watch(inbox))
 
     async def _watch(self, inbox: asyncio.Queue) -> None:
         try:
-            async for _ack in self.call:
-                self.released.set()  # the only frames a stage acknowledges are RELEASEs
+            async for ack in self.call:  # a stage acknowledges only RELEASE and FORK
+                if ack.kind == pb.FORK:
+                    self.fork_done = True
+                    self.forked.set()
+                else:
+                    self.released.set()
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
-                inbox.put_nowait(Fault(err.code(), f"downstream stage {self.address}: {err.details()}"))
+                self.failure = Fault(err.code(), f"downstream stage {self.address}: {err.details()}")
+                inbox.put_nowait(self.failure)
         finally:
             self.released.set()  # a stream that ended holds nothing downstream (its handler released)
+            self.forked.set()
+
+    async def fork(self, frame: pb.Frame) -> None:
+        """Forward FORK and wait until every stage downstream has copied the parent, so that the
+        acknowledgement upstream means the whole pipeline holds the new session."""
+        await self.forward(frame, None)
+        try:
+            await asyncio.wait_for(self.forked.wait(), FORK_ACK_TIMEOUT_S)
+        except asyncio.TimeoutError as err:
+            raise Fault(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"downstream stage {self.address} did not acknowledge FORK within {FORK_ACK_TIMEOUT_S:.0f}s"
+                        ) from err
+        if not self.fork_done:
+            raise self.failure or Fault(grpc.StatusCode.UNAVAILABLE, f"downstream stage {self.address} went away")
 
     async def release(self, frame: pb.Frame) -> None:
         """Forward RELEASE and wait until every stage downstream has freed the session, so that
@@ -93,6 +121,7 @@ class DownstreamHop:
         env.token_count = frame.token_count
         env.want_prediction = frame.want_prediction
         env.prompt_logprobs = frame.prompt_logprobs
+        env.parent_session_id = frame.parent_session_id
         env.seq = frame.seq
         env.sent_ns = frame.sent_ns
         env.draft_probs = frame.draft_probs
@@ -260,6 +289,15 @@ class StageService(pb_grpc.StageServicer):
                 if isinstance(item, Fault):
                     raise item
                 frame: pb.Frame = item
+                if frame.kind == pb.FORK:
+                    session = await self._fork(frame, session)
+                    if not self.is_last:
+                        if hop is None:
+                            hop = DownstreamHop(self._downstream, self.options.downstream, frame.session_id, inbox,
+                                                self.wire_dtype)
+                        await hop.fork(frame)
+                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id, kind=pb.FORK))
+                    continue
                 session = self._bind(frame, session)
                 if frame.kind not in KIND_NAMES:
                     raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
@@ -268,7 +306,7 @@ class StageService(pb_grpc.StageServicer):
                         await hop.release(frame)
                     self._release(session.session_id)
                     session = None
-                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id))
+                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id, kind=pb.RELEASE))
                     continue
                 inputs = self.worker.inputs(frame)
                 session.last_used = time.monotonic()
@@ -300,15 +338,18 @@ class StageService(pb_grpc.StageServicer):
 
     # ---- per frame -------------------------------------------------------------------------
 
-    def _bind(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
+    def _check_stream(self, frame: pb.Frame, current: StageSession | None) -> None:
         if self.runtime is None:
             raise Fault(grpc.StatusCode.UNAVAILABLE, f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
         if not frame.session_id:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "frame without session_id")
+        if current is not None and frame.session_id != current.session_id:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"frame for session {frame.session_id!r} on the stream of {current.session_id!r}")
+
+    def _bind(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
+        self._check_stream(frame, current)
         if current is not None:
-            if frame.session_id != current.session_id:
-                raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"frame for session {frame.session_id!r} on the stream of {current.session_id!r}")
             return current
         existing = self.sessions.get(frame.session_id)
         if (existing is None or existing.kv is None) and frame.kind != pb.RELEASE and frame.pos_start != 0:
@@ -319,6 +360,28 @@ class StageService(pb_grpc.StageServicer):
             return self.sessions.open(frame.session_id)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+
+    async def _fork(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
+        """The new session of a FORK frame, holding its parent's first pos_start positions. A
+        refused fork creates nothing (and leaves the parent and any session of that id alone)."""
+        self._check_stream(frame, current)
+        parent = self.sessions.get(frame.parent_session_id)
+        refusal = fork_refusal(frame, parent, self.sessions.get(frame.session_id))
+        if refusal is not None:
+            raise refusal
+        try:
+            child = self.sessions.open(frame.session_id)
+        except SessionsFull as err:
+            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FORK refused: {err}") from err
+        try:  # a copy is device work: on the compute thread, between passes
+            await asyncio.get_running_loop().run_in_executor(self.compute, fork, parent, child, frame,
+                                                             self.runtime.new_session)
+        except BaseException:
+            self._release(child.session_id)
+            raise
+        self.metrics.frames_by_kind[KIND_NAMES[pb.FORK]].inc()
+        self._publish_totals()
+        return child
 
     def _trace(self, frame: pb.Frame) -> None:
         waited_ms = (time.time_ns() - frame.sent_ns) / 1e6 if frame.sent_ns else float("nan")

@@ -2,16 +2,24 @@
 and the session's tokens, which the penalties look at.
 
 A session exists from its first frame (or, on the last stage, from the frontend's Results
-subscription, whichever comes first) until RELEASE, an idle TTL, or the stage's restart.
+subscription, whichever comes first) until RELEASE, an idle TTL, or the stage's restart. A FORK
+frame makes a new session a copy of another's first positions (fork_refusal, fork): the gRPC
+server and the in-process pipeline both go through these two functions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
+from inferencemesh.protocol import params
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import Fault
 from inferencemesh.sampling import GREEDY, SamplingParams
 
 
@@ -83,3 +91,48 @@ class SessionTable:
             sum(s.cached_tokens for s in sessions),
             sum(s.kv.nbytes() for s in sessions if s.kv is not None),
         )
+
+
+def fork_refusal(frame: pb.Frame, parent: StageSession | None, target: StageSession | None) -> Fault | None:
+    """Why this FORK frame cannot make `target` (the session named by the frame, None if new) a
+    copy of `parent` (the one it names, None if unknown), or None when it can."""
+    if not frame.parent_session_id:
+        return Fault(grpc.StatusCode.INVALID_ARGUMENT, "FORK without parent_session_id")
+    if frame.parent_session_id == frame.session_id:
+        return Fault(grpc.StatusCode.INVALID_ARGUMENT, f"session {frame.session_id!r} cannot fork itself")
+    if parent is None or parent.kv is None:
+        return Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"FORK of unknown parent session {frame.parent_session_id!r} (expired, released or the stage "
+                     "restarted): prefill the new session itself")
+    if frame.pos_start > parent.kv.length:
+        return Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                     f"FORK at position {frame.pos_start}: parent session {frame.parent_session_id!r} holds only "
+                     f"{parent.kv.length} positions")
+    if target is not None and target.kv is not None:
+        return Fault(grpc.StatusCode.ALREADY_EXISTS,
+                     f"FORK onto session {frame.session_id!r}, which exists already ({target.kv.length} positions): "
+                     "a fork makes a new session")
+    return None
+
+
+def fork(parent: StageSession, child: StageSession, frame: pb.Frame, new_kv: Callable[[], Any]) -> None:
+    """Make `child` hold `parent`'s first frame.pos_start positions: the KV cache and the token
+    history the last stage's penalties read; sampling from the frame, else the parent's. Device
+    work: runs where the stage computes. A parent released meanwhile is a Fault, not a crash."""
+    length = frame.pos_start
+    source = parent.kv
+    if source is None or length > source.length:
+        raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                    f"parent session {frame.parent_session_id!r} was released or rolled back during FORK")
+    if child.kv is None:
+        child.kv = new_kv()
+    try:
+        child.kv.copy_prefix(source, length)
+    except ValueError as err:
+        raise Fault(grpc.StatusCode.FAILED_PRECONDITION, f"FORK of {frame.parent_session_id!r}: {err}") from err
+    child.tokens = parent.tokens[:length]
+    child.prompt_tail = None
+    if frame.HasField("sampling"):
+        child.sampling, child.logprobs = params.from_wire(frame.sampling)
+    else:
+        child.sampling, child.logprobs = parent.sampling, parent.logprobs

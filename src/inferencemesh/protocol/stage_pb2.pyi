@@ -14,6 +14,7 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODE: _ClassVar[FrameKind]
     VERIFY: _ClassVar[FrameKind]
     RELEASE: _ClassVar[FrameKind]
+    FORK: _ClassVar[FrameKind]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ PREFILL: FrameKind
 DECODE: FrameKind
 VERIFY: FrameKind
 RELEASE: FrameKind
+FORK: FrameKind
 DTYPE_UNSPECIFIED: DType
 F32: DType
 F16: DType
@@ -69,7 +71,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "dtype", "shape", "activations", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs")
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "dtype", "shape", "activations", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class Frame(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     kind: FrameKind
@@ -100,15 +103,18 @@ class Frame(_message.Message):
     seq: int
     sent_ns: int
     prompt_logprobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., activations: _Optional[bytes] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    parent_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., activations: _Optional[bytes] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("seq", "session_id")
+    __slots__ = ("seq", "session_id", "kind")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     seq: int
     session_id: str
-    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    kind: FrameKind
+    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("session_id",)

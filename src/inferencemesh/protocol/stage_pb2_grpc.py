@@ -59,7 +59,7 @@ class StageServicer:
     def Session(self, request_iterator, context):
         """One long-lived stream per session per hop. The frontend opens it on stage 0; each stage
         that has a downstream opens the next hop for the same session. Replies on this stream
-        carry only acknowledgements of RELEASE and terminal errors: predictions do not travel
+        carry only acknowledgements of RELEASE and FORK and terminal errors: predictions do not travel
         back hop by hop, they come from the last stage's Results stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

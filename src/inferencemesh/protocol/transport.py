@@ -1,5 +1,5 @@
 """Facts both ends of a stage connection must agree on: service name, channel options, and
-which frames are answered with a Prediction."""
+which frames are answered with a Prediction or an Ack."""
 
 from __future__ import annotations
 
@@ -17,8 +17,19 @@ GRPC_OPTIONS = [
 # that is gone frees its sessions itself when its stream breaks). The acknowledgement is what
 # lets the frontend hand a freed slot to the next request without the stages refusing it.
 RELEASE_ACK_TIMEOUT_S = 5.0
-KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
+# A FORK is acknowledged once every stage has copied the parent's cache; copying is a memory
+# copy per stage, so this bound only catches a stage that stopped answering.
+FORK_ACK_TIMEOUT_S = 30.0
+KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release",
+              pb.FORK: "fork"}
+# Frames that carry no tokens to compute: the stage handles them itself, outside forward passes.
+CONTROL_KINDS = (pb.RELEASE, pb.FORK)
 
 
 def expects_prediction(frame: pb.Frame) -> bool:
     return frame.kind in (pb.DECODE, pb.VERIFY) or (frame.kind == pb.PREFILL and frame.want_prediction)
+
+
+def expects_ack(frame: pb.Frame) -> bool:
+    """Whether the sender waits for the frame's Ack: a FORK (a RELEASE's Ack is awaited at close)."""
+    return frame.kind == pb.FORK
