@@ -115,7 +115,7 @@ def test_concurrent_sessions_are_batched_and_exact(models) -> None:
         try:
             outputs = await asyncio.gather(*(collect(engine, p, 20, temperature=0.0) for p in prompts))
             sample = service.metrics.registry.get_sample_value
-            labels = {"model_name": str(model), "stage": "0"}
+            labels = {"model_name": model.name, "stage": "0"}  # a local model's folder name, as the frontend's
             passes = sample("inferencemesh_stage_batch_frames_count", labels)
             frames = sample("inferencemesh_stage_batch_frames_sum", labels)
             # The time breakdown: every frame waited once, every pass was timed and counted as busy.

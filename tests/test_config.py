@@ -16,6 +16,7 @@ from inferencemesh.config import (
     OperatorConfig,
     ServeConfig,
     StageConfig,
+    derive,
     from_args,
     to_argv,
 )
@@ -132,3 +133,16 @@ def test_the_crd_defaults_are_the_programs_defaults() -> None:
     assert spec["maxSessions"]["default"] == cfg.DEFAULT_MAX_SESSIONS
     assert spec["stages"]["properties"]["maxBatchTokens"]["default"] == cfg.DEFAULT_MAX_BATCH_TOKENS
     assert spec["frontend"]["properties"]["service"]["properties"]["port"]["default"] == cfg.FRONTEND_PORT
+
+
+def test_every_process_names_the_model_as_clients_do() -> None:
+    from inferencemesh.bundled import served_name
+
+    assert served_name(None) == "imesh-code-target"
+    assert served_name("bundled://imesh-code-draft") == "imesh-code-draft"
+    assert served_name("/models/llama-3/") == "llama-3"
+    assert served_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert served_name("Qwen/Qwen2.5-0.5B-Instruct", "qwen") == "qwen"
+    # serve hands the name to its stages: both sides' metrics carry the same label.
+    serve = ServeConfig(served_model_name="coder")
+    assert derive(StageConfig, serve, layers=(0, 1), stage_index=0, num_stages=1, model="m").served_model_name == "coder"

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from inferencemesh.bundled import resolve_model
+from inferencemesh.bundled import resolve_model, served_name
 from inferencemesh.checkpoint import fetch_config_dir
 from inferencemesh.config import FrontendConfig
 
@@ -41,7 +41,7 @@ def run_frontend(config: FrontendConfig) -> int:
     torch.set_num_threads(max(1, config.draft_threads))  # the draft is this process's only tensor work
     model_dir = fetch_config_dir(resolve_model(config.model), revision=config.revision, cache_dir=config.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    metrics = FrontendMetrics(config.served_model_name or model_dir.name)
+    metrics = FrontendMetrics(served_name(config.model, config.served_model_name))
     engine, speculation = build_engine(config, model_dir, tokenizer, metrics)
     log.info("speculative decoding: %s (%s: %s)", speculation.strategy, speculation.choice.reason,
              speculation.choice.message)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import kopf
 
+from inferencemesh.bundled import served_name
 from inferencemesh.config import (
     API_KEY_ENV,
     FRONTEND_PORT,
@@ -28,7 +29,6 @@ from inferencemesh.config import (
     StageConfig,
     to_argv,
 )
-from inferencemesh.operator.modelfacts import BUNDLED_PREFIX
 from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
@@ -118,10 +118,7 @@ def frontend_metrics_url(base: str, namespace: str, spec: MeshSpec) -> str:
 
 
 def served_model_name(spec: MeshSpec) -> str:
-    if spec.model.served_model_name:
-        return spec.model.served_model_name
-    name = spec.model.name
-    return name[len(BUNDLED_PREFIX):] if name.startswith(BUNDLED_PREFIX) else name
+    return served_name(spec.model.name, spec.model.served_model_name)
 
 
 def content_hash(obj: dict) -> str:
@@ -140,6 +137,7 @@ def _shared_options(spec: MeshSpec) -> dict:
         source, revision = model.name, model.revision or None
     options = {
         "model": source, "revision": revision, "dtype": model.dtype, "cache_dir": f"{CACHE_MOUNT}/hub",
+        "served_model_name": served_model_name(spec),  # every pod's metrics carry the name clients use
         "max_context": spec.context_length, "max_sessions": spec.max_sessions, "wire_dtype": spec.wire_dtype or None,
         "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.mtls_secret else None,
     }
@@ -317,7 +315,7 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     sp = spec.speculative
     config = FrontendConfig(
         **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in range(len(plan.stages))),
-        port=FRONTEND_PORT, served_model_name=served_model_name(spec), api_key_env=API_KEY_ENV,
+        port=FRONTEND_PORT, api_key_env=API_KEY_ENV,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag(),
     ).check()

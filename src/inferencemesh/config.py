@@ -95,6 +95,8 @@ class ModelOptions:
     revision: str | None = option(None, "hub revision (branch, tag or commit)")
     dtype: str = option("auto", "compute dtype (auto: the checkpoint's)", choices=DTYPES)
     cache_dir: str | None = option(None, "where hub downloads go (HF_HUB_CACHE by default)")
+    served_model_name: str | None = option(None, "the model name clients use and metrics carry (default: "
+                                                 "a hub id as given, a bundled or local model's folder name)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +172,6 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
                                               parse=_addresses, render=",".join)
     host: str = option("0.0.0.0", "address to listen on")  # noqa: S104
     port: int = option(FRONTEND_PORT, "HTTP port of the OpenAI endpoint", parse=int)
-    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
     api_key_env: str = option(API_KEY_ENV, "environment variable holding the API key (unset or empty: no auth)")
     max_body_bytes: int = option(1024 * 1024, "largest request body", parse=int)
     device: str = option("auto", "where the draft model runs", choices=DEVICES)
@@ -197,7 +198,6 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     base_stage_port: int = option(0, "first stage gRPC port (0: pick free ports)", parse=int)
     stage_metrics_port: int = option(0, "first stage's Prometheus /metrics port; stage i uses it + i "
                                      f"(0: --port + {SERVE_STAGE_METRICS_OFFSET} + i)", parse=int)
-    served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
     device: str = option("auto", "where stages and draft run", choices=DEVICES)
     max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
                                    "(of different sessions) a stage runs in one pass", parse=int)

@@ -24,6 +24,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferencemesh import tls
+from inferencemesh.bundled import served_name
 from inferencemesh.checkpoint import CheckpointError, check_source
 from inferencemesh.config import StageConfig
 from inferencemesh.protocol import codec
@@ -154,7 +155,8 @@ class StageService(pb_grpc.StageServicer):
     def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime=None,
                  compute: Executor | None = None) -> None:
         self.options = options
-        self.metrics = metrics or StageMetrics(options.model, options.stage_index)
+        self.metrics = metrics or StageMetrics(served_name(options.model, options.served_model_name),
+                                                        options.stage_index)
         self.runtime = runtime
         self.state, self.reason, self.progress = ("ready", "", 1.0) if runtime else ("downloading", "", 0.0)
         self.sessions = SessionTable(options.max_sessions, options.session_ttl)

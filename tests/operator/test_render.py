@@ -93,6 +93,12 @@ def test_bundled_model_name_is_served_without_the_scheme_and_no_draft_flag() -> 
     assert parsed.served_model_name == "imesh-code-target" and parsed.no_draft and parsed.window == "adaptive:4:1:8"
 
 
+def test_stage_pods_label_their_metrics_with_the_name_clients_use() -> None:
+    objs = children({"model": {"name": "org/m", "servedModelName": "coder"}})
+    for name in ("code-frontend", "code-stage-0", "code-stage-1"):
+        assert build_parser().parse_args(container(objs[("Deployment", name)])["args"]).served_model_name == "coder"
+
+
 @pytest.mark.parametrize("strategy", [None, "auto", "ngram", "none"])
 def test_the_frontend_gets_speculative_only_when_the_spec_sets_it(strategy: str | None) -> None:
     """Unset (the CRD has no default) leaves the choice to the model package's declaration, else auto."""

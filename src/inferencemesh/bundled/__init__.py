@@ -21,6 +21,21 @@ def bundled_path(name: str = DEFAULT_MODEL) -> Path:
     return path
 
 
+def served_name(source: str | None, served_model_name: str | None = None) -> str:
+    """The model name clients use, and the `model_name` label on the metrics of every process
+    of a mesh (so dashboards can join them): the explicit name, else bundled://NAME -> NAME,
+    a local path -> its folder's name, a hub id as given (vLLM's rule)."""
+    if served_model_name:
+        return served_model_name
+    if source is None:
+        return DEFAULT_MODEL
+    if source.startswith(SCHEME):
+        return source[len(SCHEME) :]
+    if source.startswith(("/", ".", "~")) or Path(source).exists():
+        return Path(source.rstrip("/")).name
+    return source
+
+
 def resolve_model(source: str | None) -> str:
     """A model argument as given by a user -> a local path or hub id.
 
