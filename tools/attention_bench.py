@@ -11,6 +11,10 @@ machine's drift falls on both alike:
   queries), per layer, in microseconds;
 - pass: a whole forward_batch of N decode frames through every layer of the stage, in ms.
 Sessions' lengths spread over [L/2, L] (a batch's sessions are rarely equally long).
+
+--kernels compares the bare kernels instead, with no runtime around them: per-session sdpa
+calls, one padded call (caches gathered per layer) and one block-diagonal "varlen" call (caches
+concatenated, a mask keeping each query to its own session's block).
 """
 
 from __future__ import annotations
@@ -91,6 +95,63 @@ def time_pass(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: 
     return statistics.median(samples)
 
 
+def kernel_forms(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """The three bare forms of decode attention for queries q [1, heads, N, d] over N caches."""
+    import torch.nn.functional as F
+
+    n, heads, head_dim = len(caches), q.shape[1], q.shape[3]
+    lengths = [k.shape[2] for k, _ in caches]
+    longest = max(lengths)
+    key_mask = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None])[:, None, None]
+    owner = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))
+    block_mask = (owner[None] == torch.arange(n)[:, None])[None, None]
+
+    def per_session() -> torch.Tensor:
+        return torch.cat([F.scaled_dot_product_attention(qi, k, v)
+                          for qi, (k, v) in zip(q.split(1, dim=2), caches, strict=True)], dim=2)
+
+    def padded() -> torch.Tensor:
+        keys = torch.zeros(n, heads, longest, head_dim)
+        values = torch.zeros(n, heads, longest, head_dim)
+        for i, (k, v) in enumerate(caches):
+            keys[i, :, : k.shape[2]] = k[0]
+            values[i, :, : v.shape[2]] = v[0]
+        out = F.scaled_dot_product_attention(q[0].transpose(0, 1)[:, :, None], keys, values, attn_mask=key_mask)
+        return out[:, :, 0].transpose(0, 1)[None]
+
+    def block_diagonal() -> torch.Tensor:
+        keys = torch.cat([k for k, _ in caches], dim=2)
+        values = torch.cat([v for _, v in caches], dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=block_mask)
+
+    return {"per_session": per_session, "padded": padded, "block_diagonal": block_diagonal}
+
+
+def time_kernels(sessions: list[int], lengths: list[int], heads: int, head_dim: int, reps: int) -> list[dict]:
+    """Median microseconds of one layer's decode attention, one query per session, three ways."""
+    rows = []
+    print(f"{'N':>3} {'L':>5} | {'per-session':>11} {'padded':>8} {'block-diag':>10}  (us, bare kernels)")
+    for n in sessions:
+        for longest in lengths:
+            caches = [(torch.randn(1, heads, m, head_dim), torch.randn(1, heads, m, head_dim))
+                      for m in lengths_for(n, longest)]
+            forms = kernel_forms(torch.randn(1, heads, n, head_dim), caches)
+            want = forms["per_session"]()
+            row = {"sessions": n, "longest": longest}
+            for name, fn in forms.items():
+                torch.testing.assert_close(fn(), want)  # the same attention, three ways
+                samples = []
+                for _ in range(reps):
+                    started = time.perf_counter_ns()
+                    fn()
+                    samples.append((time.perf_counter_ns() - started) / 1e3)
+                row[f"kernel_us_{name}"] = round(statistics.median(samples), 1)
+            rows.append(row)
+            print(f"{n:>3} {longest:>5} | {row['kernel_us_per_session']:>11.1f} {row['kernel_us_padded']:>8.1f} "
+                  f"{row['kernel_us_block_diagonal']:>10.1f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-150m")
@@ -100,6 +161,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a stage process's own)")
     parser.add_argument("--reps", type=int, default=30, help="samples per form and point (medians reported)")
     parser.add_argument("--no-pass", action="store_true", help="skip the whole-pass measure")
+    parser.add_argument("--kernels", action="store_true", help="bare kernels: per-session, padded, block-diagonal")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,8 +169,18 @@ def main() -> None:
     model_dir = make_shape_model(args.shape, args.dtype)
     sessions = [int(s) for s in args.sessions.split(",")]
     lengths = [int(s) for s in args.lengths.split(",")]
-    rt = StageRuntime(model_dir, 0, read_local(model_dir).num_layers, dtype=args.dtype, max_context=max(lengths) + 8)
     load = os.getloadavg()
+    if args.kernels:
+        config = read_local(model_dir)
+        rows = time_kernels(sessions, lengths, int(config.config["num_attention_heads"]), config.head_dim,
+                            max(args.reps, 30))
+        report = {"shape": args.shape, "threads": args.threads, "torch": torch.__version__, "kernels": True,
+                  "load_average_before": [round(x, 2) for x in load],
+                  "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+        return
+    rt = StageRuntime(model_dir, 0, read_local(model_dir).num_layers, dtype=args.dtype, max_context=max(lengths) + 8)
     print(f"attention bench: {args.shape} {args.dtype} ({len(rt._layers)} layers), {args.threads} thread(s), "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     print(f"{'N':>3} {'L':>5} | {'layer per-session':>17} {'layer padded':>12} {'ratio':>6} | "

@@ -132,6 +132,13 @@ class SessionKV:
         layer[1:2, :, start:stop].copy_(value_states)
         return layer[0:1, :, :stop], layer[1:2, :, :stop]
 
+    def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() for a batched pass: this layer's new keys and values as one tensor
+        [2, kv_heads, T, head_dim] already in the cache's dtype, written in one copy."""
+        layer = self._store[layer_idx - self._layer_offset]
+        stop = self._stop
+        layer[:, :, self._start : stop].copy_(rows)
+        return layer[0:1, :, :stop], layer[1:2, :, :stop]
 
 
 class Scratch:

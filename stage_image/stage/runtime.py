@@ -285,10 +285,12 @@ class _PackedCache:
                 self._padded_masks[window] = padded_mask(starts, self.counts[0], window, rt.device)
             keys, values = self._batch.update(key_states, value_states, layer_idx)
             return PaddedAttention(keys, values, self._padded_masks[window], self.counts[0]), None
+        # Keys and values stacked and converted to the cache's dtype once for every session: one
+        # copy per session then writes both (the per-session cost is what this path is about).
+        rows = torch.stack((key_states[0], value_states[0])).to(rt._kv_dtype)
         parts = []
-        for i, (seg, k, v) in enumerate(zip(self.segments, key_states.split(self.counts, dim=2),
-                                            value_states.split(self.counts, dim=2), strict=True)):
-            keys, values = seg.kv.update(k, v, layer_idx)
+        for i, (seg, part) in enumerate(zip(self.segments, rows.split(self.counts, dim=2), strict=True)):
+            keys, values = seg.kv.write(part, layer_idx)
             if (i, window) not in self._masks:
                 self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
             parts.append((keys, values, self._masks[i, window]))

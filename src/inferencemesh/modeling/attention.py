@@ -52,7 +52,7 @@ class PaddedAttention:
 # The crossover (tools/attention_bench.py): padded wins with at least this many sessions in the
 # pass, while the longest cache holds at most PADDED_MAX_LENGTH positions.
 PADDED_MIN_SESSIONS = 4
-PADDED_MAX_LENGTH = 32
+PADDED_MAX_LENGTH = 16
 
 
 # A diagnostic override of how batched passes attend ("auto", "padded" or "per-session"), read
