@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -44,18 +43,21 @@ CATEGORIES: list[tuple[str, object]] = [
                                                                              "modeling_llama.py")),
     ("decide: sampling / verify", lambda fs: _any(fs, "sampling.py", "_decide")),
     ("runtime glue (pack, rope, split)", lambda fs: _any(fs, "runtime.py")),
-    ("serialisation (codec, protobuf)", lambda fs: _any(fs, "codec.py", "SerializeToString", "FromString",
-                                                        "_pb2")),
     # A thread waking another: the compute thread completing an asyncio future (self-pipe write),
     # the event loop queueing work for the compute thread.
     ("asyncio hand-offs (cross-thread wake-ups)", lambda fs: _any(fs, "_write_to_self", "call_soon_threadsafe",
                                                                   "run_coroutine_threadsafe", "Executor.submit",
                                                                   "run_in_executor")),
+    # By the running (leaf) function: the event loop's own machinery, gRPC, serialisation.
+    ("asyncio (event loop, epoll wake-ups)", lambda fs: _any(fs[-1:], "selectors.py", "asyncio/")),
+    ("gRPC", lambda fs: _any(fs[-1:], "grpc/") or _any(fs[:1], "_poll_wrapper")),
+    ("serialisation (codec, protobuf)", lambda fs: _any(fs, "codec.py", "SerializeToString", "FromString",
+                                                        "_pb2")),
     ("engine + pipeline client (frontend)", lambda fs: _any(fs, "engine.py", "pipeline.py", "speculative.py",
                                                             "bench.py")),
     ("stage server, batcher, worker", lambda fs: _any(fs, "server.py", "batcher.py", "worker.py", "sessions.py")),
     ("gRPC", lambda fs: _any(fs, "grpc/")),
-    ("asyncio (loop, hand-offs)", lambda fs: _any(fs, "asyncio/", "concurrent/futures", "threading.py")),
+    ("asyncio (other loop work)", lambda fs: _any(fs, "asyncio/", "concurrent/futures", "threading.py")),
     ("other", lambda fs: True),
 ]
 
@@ -69,9 +71,6 @@ def categorise(frames: list[str]) -> str:
         if rule(frames):
             return name
     raise AssertionError("the last rule matches everything")
-
-
-THREAD_FRAME = re.compile(r"^(?:process \d+:.*?;)?thread \((0x[0-9A-Fa-f]+)\)")
 
 
 def fold(raw: str) -> tuple[dict[str, Counter], dict[str, Counter]]:
@@ -89,7 +88,8 @@ def fold(raw: str) -> tuple[dict[str, Counter], dict[str, Counter]]:
             head = frames.pop(0)
             if head.startswith("thread ("):
                 thread = head
-        out[thread][categorise(frames)] += int(count)
+        # The thread's name leads, for the rules that go by thread (gRPC's poller).
+        out[thread][categorise([thread, *frames])] += int(count)
         if frames:
             leaves[thread][frames[-1]] += int(count)
     return out, leaves
@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--stage-threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the stage processes (default: unset, as `serve` runs them)")
+    parser.add_argument("--raw-dir", default=None, help="keep py-spy's raw stacks here (one file per process)")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -151,7 +152,8 @@ def main() -> None:
     torch.set_num_threads(DEFAULT_DRAFT_THREADS)  # this process plays the frontend
     env = {"OMP_NUM_THREADS": str(args.stage_threads)} if args.stage_threads else None
     stages, pipeline = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env)
-    tmp = Path(tempfile.mkdtemp(prefix="trace-mesh-"))
+    tmp = Path(args.raw_dir) if args.raw_dir else Path(tempfile.mkdtemp(prefix="trace-mesh-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         runner = EngineUnderTest(pipeline, args.new_tokens, max_context)
         pids = {"frontend (engine)": os.getpid(),
@@ -180,7 +182,8 @@ def main() -> None:
                 }
     finally:
         stages.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.raw_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
     report = {
         "shape": args.shape, "dtype": args.dtype, "stages": args.stages, "streams": args.streams,
         "stage_threads": args.stage_threads or f"default ({os.cpu_count()} cores)",
