@@ -99,3 +99,27 @@ def test_padded_mask_is_the_per_session_mask(window) -> None:
         width = start + count
         assert torch.equal(mask[i, :, :, :width], own[0])
         assert not mask[i, :, :, width:].any()
+
+
+def test_padded_pass_of_a_bfloat16_model_equals_per_session(models) -> None:
+    """bf16 weights, float32 cache (CPU): the padded form converts the new rows into the cache's
+    dtype as the per-session writes do, and the sessions decode the same tokens either way."""
+    runtime = StageRuntime(models["llama"], 0, 3, dtype="bfloat16", max_context=64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=gen) for n in (2, 7, 4, 5)]
+    tokens, logits = {}, {}
+    for form in ("per-session", "padded"):
+        kvs = [runtime.new_session() for _ in prompts]
+        nxt = [runtime.forward(kv, 0, token_ids=p)[-1].argmax() for kv, p in zip(kvs, prompts, strict=True)]
+        positions = [len(p) for p in prompts]
+        tokens[form], logits[form] = [], []
+        for _ in range(4):
+            out = _pass(runtime, form, [Segment(kv, pos, t[None]) for kv, pos, t in zip(kvs, positions, nxt,
+                                                                                       strict=True)])
+            nxt = [lg[-1].argmax() for lg in out]
+            tokens[form].append([int(t) for t in nxt])
+            logits[form].append(torch.stack(out))
+            positions = [pos + 1 for pos in positions]
+    assert tokens["padded"] == tokens["per-session"]
+    for have, want in zip(logits["padded"], logits["per-session"], strict=True):
+        _close(have, want, 1e-2)  # bf16 activations round between the forms' float32 attention outputs
