@@ -9,11 +9,13 @@ half-precision one; the query and the output are converted, a row at a time.
 
 A batched pass (several sessions' frames packed in one sequence, see the stage runtime)
 reaches attention in one of two forms. PackedAttention: each session's queries over its own
-cache, one sdpa call per session. PaddedAttention: the sessions' keys and values gathered into
-one zero-padded [N, kv_heads, longest, head_dim] tensor with a causal mask per session, one sdpa
-call for all. The gather copies every cached position once per layer, about what attention
-itself reads, so it pays only where the per-call overhead outweighs that copy: many sessions
-over short caches (padded_pays holds the crossover measured with tools/attention_bench.py).
+cache, one sdpa call per session. PaddedAttention: the sessions' caches gathered once per pass
+(stage.kv.PaddedBatch) into one zero-padded [N, kv_heads, longest, head_dim] tensor per layer
+with a causal mask per session, one sdpa call for all. Decode attention is memory-bound and the
+gather copies every cached position, about what attention itself then reads, so it pays only
+where the per-call overhead outweighs that copy: several sessions over short caches
+(padded_pays holds the crossover measured with tools/attention_bench.py; numbers in
+docs/benchmarks/concurrency-llama-150m.md).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class PaddedAttention:
     count: int
 
 
-# The crossover (tools/attention_bench.py): padded wins with at least this many sessions in the
-# pass, while the longest cache holds at most PADDED_MAX_LENGTH positions.
+# The crossover (tools/attention_bench.py, llama-150m, one thread): padded takes 0.4-0.6x the
+# per-session time with 4-8 sessions over 16 positions, about 1x at 32, 1.3x and more from 64 on.
 PADDED_MIN_SESSIONS = 4
 PADDED_MAX_LENGTH = 16
 
