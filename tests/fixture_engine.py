@@ -3,8 +3,9 @@
 It implements the frontend's Engine protocol (inferencemesh.frontend.engine_api) in-process:
 prefill, then decode with a per-request KV cache in a worker thread (asyncio.to_thread), sampling
 with the stages' own inferencemesh.sampling (so every sampling control means the same here),
-stop token ids, max_tokens and logprobs (prompt ones too). It also
-keeps count of open sessions so tests can prove that the HTTP layer releases them.
+stop token ids, max_tokens and logprobs (prompt ones too); n continuations prefill the prompt
+once and copy its cache. It also keeps count of open sessions so tests can prove that the HTTP
+layer releases them.
 
 The model is the bundled code target when it exists (inferencemesh/bundled/imesh-code-target,
 or /tmp/bundled/imesh-code-target while it is being trained), else a tiny random Llama with a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import random
 import socket
@@ -24,7 +26,7 @@ import sysconfig
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,13 +43,16 @@ from transformers import (
 
 from inferencemesh.bundled import bundled_path
 from inferencemesh.frontend.engine_api import (
+    Choice,
     ContextLengthExceeded,
     EngineError,
     EngineNotReady,
     EngineOverloaded,
     GenerationRequest,
+    InvalidRequest,
     Step,
     TokenLogprob,
+    choice_seed,
 )
 from inferencemesh.sampling import logprobs, next_token
 
@@ -85,47 +90,71 @@ class TransformersEngine:
         self.ready = False
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        choice = (await self.generate_n(request, 1))[0]
+        try:
+            async for step in choice:
+                yield step
+        finally:
+            await choice.aclose()
+
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
         if not self.ready:
             raise EngineNotReady("the engine is not ready")
-        if self.open_sessions >= self.max_sessions:
+        if n > max(1, self.max_sessions):  # never servable (n = 1 beyond the limit is overload: 429)
+            raise InvalidRequest(f"n is {n}; the limit is {self.max_sessions}", param="n")
+        if self.open_sessions + n > self.max_sessions:
             raise EngineOverloaded(f"{self.open_sessions} sessions open, the limit is {self.max_sessions}")
         if len(request.prompt_ids) + request.max_tokens > self.max_context:
             raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
-        self.open_sessions += 1
+        self.open_sessions += n
         self.peak_sessions = max(self.peak_sessions, self.open_sessions)
-        produced = 0
-        seed = request.seed if request.seed is not None else random.getrandbits(63)
-        params = request.sampling_params(seed)
-        history = list(request.prompt_ids)
         try:
             session = _Session(self.model)
-            rows = await asyncio.to_thread(session.forward, history)
+            rows = await asyncio.to_thread(session.forward, list(request.prompt_ids))
+        except BaseException:
+            self.open_sessions -= n
+            raise
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = [None, *_entries(rows[:-1], request.prompt_ids[1:], request.prompt_logprobs)]
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
+        choices = []
+        for j in range(n):  # the prompt's cache computed once, copied for every other choice
+            name = request.request_id if j == 0 else f"{request.request_id}/{j}"
+            produced = [0]
+            steps = self._decode(replace(request, seed=choice_seed(seed, j)), session if j == 0 else session.fork(),
+                                 rows[-1], prompt_logprobs, produced)
+            choices.append(Choice(steps, lambda name=name, produced=produced: self._release(name, produced[0])))
+        return choices
+
+    async def _release(self, name: str, produced: int) -> None:
+        self.open_sessions -= 1
+        self.released[name] = produced
+
+    async def _decode(self, request: GenerationRequest, session: _Session, logits: torch.Tensor,
+                      prompt_logprobs: list[TokenLogprob | None] | None, produced: list[int]) -> AsyncIterator[Step]:
+        """Steps from the prompt's last logits on; produced[0] counts the tokens yielded."""
+        params = request.sampling_params(request.seed)
+        history = list(request.prompt_ids)
+        while True:
+            token = next_token(logits, params, len(history), history) if produced[0] < request.max_tokens else None
+            stop = token in request.stop_token_ids
+            if token is None or (stop and not request.emit_stop_token):
+                if prompt_logprobs is not None:
+                    yield Step([], None, prompt_logprobs)
+                return
+            produced[0] += 1
+            history.append(token)
+            lps = None if request.logprobs is None else _entries(logits[None], [token], request.logprobs)
+            yield Step([token], lps, prompt_logprobs)
             prompt_logprobs = None
-            if request.prompt_logprobs is not None:
-                prompt_logprobs = [None, *_entries(rows[:-1], history[1:], request.prompt_logprobs)]
-            logits = rows[-1]
-            while True:
-                token = next_token(logits, params, len(history), history) if produced < request.max_tokens else None
-                stop = token in request.stop_token_ids
-                if token is None or (stop and not request.emit_stop_token):
-                    if prompt_logprobs is not None:
-                        yield Step([], None, prompt_logprobs)
-                    return
-                produced += 1
-                history.append(token)
-                lps = None if request.logprobs is None else _entries(logits[None], [token], request.logprobs)
-                yield Step([token], lps, prompt_logprobs)
-                prompt_logprobs = None
-                if stop or produced >= request.max_tokens:
-                    return
-                if self.fail_after_tokens is not None and produced >= self.fail_after_tokens:
-                    raise EngineError("stage 1 was lost mid-generation")
-                if self.step_delay_s:
-                    await asyncio.sleep(self.step_delay_s)
-                logits = (await asyncio.to_thread(session.forward, [token]))[-1]
-        finally:
-            self.open_sessions -= 1
-            self.released[request.request_id] = produced
+            if stop or produced[0] >= request.max_tokens:
+                return
+            if self.fail_after_tokens is not None and produced[0] >= self.fail_after_tokens:
+                raise EngineError("stage 1 was lost mid-generation")
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+            logits = (await asyncio.to_thread(session.forward, [token]))[-1]
 
 
 def _entries(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -138,6 +167,12 @@ class _Session:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache = None
+
+    def fork(self) -> _Session:
+        """A session holding a copy of this one's cache."""
+        twin = _Session(self.model)
+        twin.cache = copy.deepcopy(self.cache)
+        return twin
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """float32 logits of every row of `ids`."""

@@ -279,13 +279,12 @@ def test_stop_string_matcher() -> None:
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"model": "M", "prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": 5}, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"model": "M", "prompt": "x", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"model": "M", "prompt": ["a", "b"], "stream": True}, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**9]}, "prompt"),
     ("/v1/completions", {"model": "M"}, "prompt"),
     ("/v1/completions", {"prompt": "x"}, "model"),
@@ -293,7 +292,7 @@ def test_stop_string_matcher() -> None:
      "stream_options"),
     ("/v1/chat/completions", {"model": "M", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, None),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
@@ -320,7 +319,7 @@ def test_malformed_json_and_wrong_methods(http: httpx.Client) -> None:
 
 def test_official_client_sees_typed_errors(client: openai.OpenAI, fm: FixtureModel) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=fm.name, prompt="x", n=2)
+        client.completions.create(model=fm.name, prompt="x", best_of=2)
     assert bad.value.code == "unsupported_parameter"
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])

@@ -85,7 +85,7 @@ def test_request_metrics_count_what_was_served(served, fm: FixtureModel) -> None
                                                 stream_options={"include_usage": True})
         usages += [c.usage for c in stream if c.usage is not None]
         with pytest.raises(openai.BadRequestError):
-            client.completions.create(model=fm.name, prompt="x", n=2)
+            client.completions.create(model=fm.name, prompt="x", best_of=2)
 
         text, after, _ = scrape(http)
         promtool_check(text)

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -50,7 +50,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 
 
 def _from_engine_error(exc: EngineError) -> APIError:
-    return APIError(exc.status_code, str(exc) or type(exc).__name__, type=exc.error_type, code=exc.code)
+    return APIError(exc.status_code, str(exc) or type(exc).__name__, type=exc.error_type, code=exc.code,
+                    param=exc.param)
 
 
 def _as_api_error(exc: Exception) -> APIError:
@@ -226,6 +227,7 @@ class _Job:
     arrival: float  # time.perf_counter() when the request arrived
     echo_text: str = ""
     top_logprobs: int = 0  # alternatives per token when job.request.logprobs is set
+    index: int = 0  # the choice's index in the response (prompt index * n + j)
     # Set as generation goes:
     text_offset: int = 0  # completions logprobs: where the choice's text so far ends
     finish_reason: str = "length"
@@ -241,8 +243,79 @@ class _Piece:
     logprobs: list[TokenLogprob] | None
 
 
+@dataclass
+class _Run:
+    """One choice being generated: its own job (index, finish reason, counts), the engine's
+    iterator, the first step, and its metrics."""
+
+    job: _Job
+    iterator: AsyncIterator[Step]
+    first: Step | None
+    tracker: RequestTracker
+    counts_prompt: bool  # the first choice of its prompt: the prompt's tokens count once
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _runs_usage(runs: list[_Run]) -> dict[str, int]:
+    """usage of a response: each prompt once, every choice's completion tokens."""
+    return _usage(sum(len(run.job.prompt_ids) for run in runs if run.counts_prompt),
+                  sum(run.job.completion_tokens for run in runs))
+
+
+def _status(exc: BaseException) -> int:
+    return exc.status if isinstance(exc, APIError) else exc.status_code if isinstance(exc, EngineError) else 500
+
+
+async def _first_step(iterator: AsyncIterator[Step]) -> Step | None:
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+_EXHAUSTED = object()
+
+
+async def _merged(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of several iterators as they come, each one's in its own order; the first
+    failure is raised and the others stopped (and closed)."""
+    if len(sources) == 1:
+        try:
+            async for item in sources[0]:
+                yield item
+        finally:
+            await sources[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sources))  # a slow client holds the producers back
+
+    async def pump(source: AsyncIterator[str]) -> None:
+        try:
+            async for item in source:
+                await queue.put((item, None))
+            await queue.put((_EXHAUSTED, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, failure = await queue.get()
+            if failure is not None:
+                raise failure
+            if item is _EXHAUSTED:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for source in sources:
+            await source.aclose()
 
 
 class _Frontend:
@@ -379,27 +452,51 @@ class _Frontend:
 
     # --- running the engine ---
 
-    async def start(self, job: _Job) -> tuple[AsyncIterator[Step], Step | None, RequestTracker]:
-        """Submit to the engine and wait for its first step, so that errors at admission
-        (overloaded, not ready, context) still get their HTTP status. None: no tokens at all."""
-        tracker = self.metrics.track_request(job.arrival, len(job.prompt_ids))
-        iterator: Any = self.engine.generate(job.request)
+    async def start(self, job: _Job, n: int) -> list[_Run]:
+        """Submit to the engine and wait for each choice's first step, so that errors at admission
+        (overloaded, not ready, context) still get their HTTP status. Choice j of the job's
+        prompt gets index job.index * n + j; the prompt's tokens count once, in choice 0's metrics."""
+        trackers = [self.metrics.track_request(job.arrival, len(job.prompt_ids) if j == 0 else 0) for j in range(n)]
+        iterators: list[AsyncIterator[Step]] = []
         try:
-            if inspect.isawaitable(iterator):
-                iterator = await iterator
-            try:
-                first = await iterator.__anext__()
-            except StopAsyncIteration:
-                first = None
-        except EngineError as exc:
-            tracker.finish("error", status=exc.status_code)
-            await _close(iterator)
-            raise _from_engine_error(exc) from exc
-        except BaseException:
-            tracker.finish("abort")
-            await _close(iterator)
+            if n == 1:
+                iterator: Any = self.engine.generate(job.request)
+                iterators = [await iterator if inspect.isawaitable(iterator) else iterator]
+            else:
+                iterators = list(await self.engine.generate_n(job.request, n))
+            firsts = await asyncio.gather(*(_first_step(it) for it in iterators), return_exceptions=True)
+            failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failure is not None:
+                raise failure
+        except BaseException as exc:
+            for tracker in trackers:
+                tracker.finish("error" if isinstance(exc, EngineError) else "abort", status=_status(exc))
+            for it in iterators:
+                await _close(it)
+            if isinstance(exc, EngineError):
+                raise _from_engine_error(exc) from exc
             raise
-        return iterator, first, tracker
+        return [_Run(replace(job, index=job.index * n + j), it, first, tracker, j == 0)
+                for j, (it, first, tracker) in enumerate(zip(iterators, firsts, trackers, strict=True))]
+
+    async def start_all(self, jobs: list[_Job], n: int) -> list[_Run]:
+        """Every prompt's n choices, started concurrently; a failure closes the others."""
+        if len(jobs) == 1:
+            return await self.start(jobs[0], n)
+        started = await asyncio.gather(*(self.start(job, n) for job in jobs), return_exceptions=True)
+        failure = next((s for s in started if isinstance(s, BaseException)), None)
+        if failure is not None:
+            for runs in started:
+                if not isinstance(runs, BaseException):
+                    await self.close(runs)
+            raise failure
+        return [run for runs in started for run in runs]
+
+    async def close(self, runs: list[_Run]) -> None:
+        """Release every choice's session (a no-op for those done already)."""
+        for run in runs:
+            await _close(run.iterator)
+            run.tracker.finish("abort")  # no-op when already finished
 
     async def steps(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
                     tracker: RequestTracker, text: OutputText) -> AsyncIterator[_Piece]:
@@ -461,13 +558,13 @@ class _Frontend:
     def _delta_choice(self, job: _Job, text: str | None, finish: str | None, role: bool = False,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if job.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": job.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": job.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def _echo(self, job: _Job, first: Step | None) -> tuple[str, dict[str, Any] | None]:
         """Completions with echo: the prompt's text and, with logprobs, the prompt's logprobs."""
@@ -476,106 +573,97 @@ class _Frontend:
             return job.echo_text, None
         return job.echo_text, self._choice_logprobs(job, job.prompt_ids, prompt_logprobs)
 
-    async def stream(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
-                     tracker: RequestTracker) -> AsyncIterator[str]:
-        text = self._output_text(job)
+    async def stream(self, runs: list[_Run]) -> AsyncIterator[str]:
+        """The SSE body: every choice's chunks as they come (each carries its index), then usage
+        (when asked) and [DONE]. A failure is reported in-band: the headers are sent already."""
+        first = runs[0].job
+        merged = _merged([self._choice_chunks(run) for run in runs])
         try:
-            if job.kind == "chat":
-                yield self._chunk(job, self._delta_choice(job, "", None, role=True))
-            elif job.echo_text:
-                echo, echo_logprobs = self._echo(job, first)
-                yield self._chunk(job, self._delta_choice(job, echo, None, logprobs=echo_logprobs))
             try:
-                async for piece in self.steps(job, iterator, first, tracker, text):
-                    logprobs = self._choice_logprobs(job, piece.tokens, piece.logprobs)
-                    yield self._chunk(job, self._delta_choice(job, piece.text, None, logprobs=logprobs))
+                async for chunk in merged:
+                    yield chunk
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 err = _as_api_error(exc)
-                _log_server_error(err, job.id)
-                tracker.finish("error", status=err.status)
+                _log_server_error(err, first.id)
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
-            finish = job.finish_reason
-            yield self._chunk(job, self._delta_choice(job, None if job.kind == "chat" else "", finish))
-            if job.include_usage:
-                yield self._chunk(job, None, _usage(len(job.prompt_ids), job.completion_tokens))
+            if first.include_usage:
+                yield self._chunk(first, None, _runs_usage(runs))
             yield "data: [DONE]\n\n"
-            tracker.finish(finish)
         finally:
-            await _close(iterator)
-            tracker.finish("abort")  # no-op when already finished
+            await merged.aclose()
+            await self.close(runs)
 
-    async def complete(self, job: _Job, iterator: AsyncIterator[Step], first: Step | None,
-                       tracker: RequestTracker) -> dict[str, Any]:
+    async def _choice_chunks(self, run: _Run) -> AsyncIterator[str]:
+        job = run.job
         text = self._output_text(job)
-        echo, echo_logprobs = self._echo(job, first) if job.kind == "completion" else ("", None)
+        if job.kind == "chat":
+            yield self._chunk(job, self._delta_choice(job, "", None, role=True))
+        elif job.echo_text:
+            echo, echo_logprobs = self._echo(job, run.first)
+            yield self._chunk(job, self._delta_choice(job, echo, None, logprobs=echo_logprobs))
         try:
-            pieces = [piece async for piece in self.steps(job, iterator, first, tracker, text)]
+            async for piece in self.steps(job, run.iterator, run.first, run.tracker, text):
+                logprobs = self._choice_logprobs(job, piece.tokens, piece.logprobs)
+                yield self._chunk(job, self._delta_choice(job, piece.text, None, logprobs=logprobs))
+        except Exception as exc:
+            run.tracker.finish("error", status=_status(exc))
+            raise
+        yield self._chunk(job, self._delta_choice(job, None if job.kind == "chat" else "", job.finish_reason))
+        run.tracker.finish(job.finish_reason)
+
+    async def complete(self, runs: list[_Run]) -> dict[str, Any]:
+        """The whole response: the choices generated concurrently; the first failure fails it
+        (the others are cancelled; the caller releases their sessions)."""
+        tasks = [asyncio.ensure_future(self._choice(run)) for run in runs]
+        try:
+            choices = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        job = runs[0].job
+        return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                "created": job.created, "model": job.model, "choices": choices, "usage": _runs_usage(runs)}
+
+    async def _choice(self, run: _Run) -> dict[str, Any]:
+        job, text = run.job, self._output_text(run.job)
+        echo, echo_logprobs = self._echo(job, run.first) if job.kind == "completion" else ("", None)
+        try:
+            pieces = [piece async for piece in self.steps(job, run.iterator, run.first, run.tracker, text)]
         except Exception as exc:
             err = _as_api_error(exc)
-            tracker.finish("error", status=err.status)
+            run.tracker.finish("error", status=err.status)
             raise err from exc
         finally:
-            await _close(iterator)
+            await _close(run.iterator)
         finish, out = job.finish_reason, "".join(piece.text for piece in pieces)
-        tracker.finish(finish)
-        usage = _usage(len(job.prompt_ids), job.completion_tokens)
+        run.tracker.finish(finish)
         tokens = [t for piece in pieces for t in piece.tokens]
         entries = None if job.request.logprobs is None else [e for piece in pieces for e in piece.logprobs or []]
+        logprobs = self._choice_logprobs(job, tokens, entries)
         if job.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out, "refusal": None},
-                      "logprobs": self._choice_logprobs(job, tokens, entries), "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            logprobs = self._choice_logprobs(job, tokens, entries)
-            if echo_logprobs is not None:  # the prompt's entries first, then the generated tokens'
-                logprobs = {key: echo_logprobs[key] + (logprobs or {}).get(key, []) for key in echo_logprobs}
-            choice = {"index": 0, "text": echo + out, "logprobs": logprobs, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": [choice],
-                "usage": usage}
-
-    async def handle_batch(self, request: Request, body: CompletionRequest) -> Response:
-        """Several prompts: concurrent requests, one response with a choice per prompt, in order.
-        A failure of one fails the batch (the others are cancelled and their sessions released)."""
-        arrival = getattr(request.state, "arrival", time.perf_counter())
-        jobs = [await self.prepare(body, arrival, prompt) for prompt in body.prompts()]
-
-        async def one(job: _Job) -> dict[str, Any]:
-            iterator, first, tracker = await self.start(job)
-            return await self.complete(job, iterator, first, tracker)  # always closes the iterator
-
-        async def together() -> list[dict[str, Any]]:
-            tasks = [asyncio.ensure_future(one(job)) for job in jobs]
-            try:
-                return list(await asyncio.gather(*tasks))  # the first failure, with its HTTP status
-            finally:
-                for task in tasks:  # after a failure (or a disconnect) the rest stop and release
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        completed, results = await _until_disconnect(request, together)
-        if not completed:
-            return Response(status_code=499)
-        choices = [{**result["choices"][0], "index": index} for index, result in enumerate(results)]
-        usage = _usage(sum(r["usage"]["prompt_tokens"] for r in results),
-                       sum(r["usage"]["completion_tokens"] for r in results))
-        return JSONResponse({**results[0], "choices": choices, "usage": usage})
+            return {"index": job.index, "message": {"role": "assistant", "content": out, "refusal": None},
+                    "logprobs": logprobs, "finish_reason": finish}
+        if echo_logprobs is not None:  # the prompt's entries first, then the generated tokens'
+            logprobs = {key: echo_logprobs[key] + (logprobs or {}).get(key, []) for key in echo_logprobs}
+        return {"index": job.index, "text": echo + out, "logprobs": logprobs, "finish_reason": finish}
 
     async def handle(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
-        if isinstance(body, CompletionRequest) and len(body.prompts()) > 1:
-            return await self.handle_batch(request, body)
-        job = await self.prepare(body, getattr(request.state, "arrival", time.perf_counter()))
-        iterator, first, tracker = await self.start(job)
-        if job.stream:
-            return _EventStream(self.stream(job, iterator, first, tracker),
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        """One response for a request's choices: n per prompt (completions may send several
+        prompts), generated concurrently, choice index = prompt index * n + j."""
+        arrival = getattr(request.state, "arrival", time.perf_counter())
+        prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
+        jobs = [await self.prepare(body, arrival, prompt) for prompt in prompts]
+        jobs = [replace(job, id=jobs[0].id, created=jobs[0].created, index=i) for i, job in enumerate(jobs)]
+        runs = await self.start_all(jobs, body.n or 1)
+        if jobs[0].stream:
+            return _EventStream(self.stream(runs), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            completed, result = await _until_disconnect(request, lambda: self.complete(job, iterator, first, tracker))
+            completed, result = await _until_disconnect(request, lambda: self.complete(runs))
         finally:
-            await _close(iterator)  # also when complete() never started (a cancelled task)
-            tracker.finish("abort")
+            await self.close(runs)  # also when complete() never started (a cancelled task)
         if not completed:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(result)

@@ -23,6 +23,7 @@ import grpc
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine_api import (
+    Choice,
     ContextLengthExceeded,
     EngineError,
     EngineOverloaded,
@@ -75,47 +76,6 @@ class _Connection:
         await self.session.close()
 
 
-class _Choice:
-    """One continuation's iterator of Steps. Closing it (aclose), started or not, frees its
-    pipeline session, its proposer and its slot: an async generator closed before its first
-    step would never run its `finally`."""
-
-    def __init__(self, engine: PipelineEngine, conn: _Connection, steps: AsyncIterator[Step],
-                 proposer: Proposer | None) -> None:
-        self._engine, self._conn, self._steps, self._proposer = engine, conn, steps, proposer
-        self._closed = False
-
-    def __aiter__(self) -> _Choice:
-        return self
-
-    async def __anext__(self) -> Step:
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            return await self._steps.__anext__()
-        except StopAsyncIteration:
-            await self.aclose()
-            raise
-        except PipelineError as err:
-            await self.aclose()
-            raise self._engine._failed(err) from err
-        except Exception:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._steps.aclose()
-            await self._conn.close()
-        finally:
-            if self._proposer is not None:
-                self._proposer.close()
-            self._engine._leave(1)
-
-
 class PipelineEngine:
     def __init__(self, pipeline, options: EngineOptions, *,
                  proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
@@ -159,7 +119,7 @@ class PipelineEngine:
         finally:
             await choice.aclose()
 
-    async def generate_n(self, request: GenerationRequest, n: int) -> list[_Choice]:
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
         """n continuations of the prompt (engine_api.Engine.generate_n). The first choice's
         session prefills it; the others fork that session (FORK at every stage) at the prompt's
         last token, which each computes with its own seed, so that each samples exactly as a
@@ -204,8 +164,17 @@ class PipelineEngine:
             proposer = self.proposer_for(req)
             steps = self._decode(conn, req, sampling, prompt, budget, proposer, prediction if j == 0 else None,
                                  prompt_logprobs)
-            choices.append(_Choice(self, conn, steps, proposer))
+            choices.append(Choice(steps, lambda conn=conn, proposer=proposer: self._release(conn, proposer)))
         return choices
+
+    async def _release(self, conn: _Connection, proposer: Proposer | None) -> None:
+        """A choice is over: its pipeline session, proposer and slot are free."""
+        try:
+            await conn.close()
+        finally:
+            if proposer is not None:
+                proposer.close()
+            self._leave(1)
 
     async def _admit(self, count: int) -> None:
         """Take `count` of this frontend's max_sessions pipeline sessions, waiting up to queue_timeout_s."""
@@ -242,24 +211,28 @@ class PipelineEngine:
                       prompt_logprobs: list[TokenLogprob | None] | None) -> AsyncIterator[Step]:
         """Generation in a session that holds the prompt: all of it, with `prediction` (its
         prefill's), or all but its last token (a fork), which the first step computes."""
-        if prediction is None:
-            prediction = await self._resilient(conn, sampling, prompt[:-1], lambda: self._step(conn, prompt, proposer))
-        history = prompt + list(prediction.tokens)
-        emitted = 0
-        while True:
-            count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
-            emitted += count
-            if count or prompt_logprobs is not None:
-                yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
-                           prompt_logprobs)
-                prompt_logprobs = None
-            if stopped or count < len(prediction.tokens) or emitted >= budget:
-                return
-            # Everything but the last token is in the stages' caches; a replacement stage
-            # gets exactly that prefix again.
-            prediction = await self._resilient(conn, sampling, history[:-1],
-                                               lambda: self._step(conn, history, proposer))
-            history.extend(prediction.tokens)
+        try:
+            if prediction is None:
+                prediction = await self._resilient(conn, sampling, prompt[:-1],
+                                                   lambda: self._step(conn, prompt, proposer))
+            history = prompt + list(prediction.tokens)
+            emitted = 0
+            while True:
+                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
+                emitted += count
+                if count or prompt_logprobs is not None:
+                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
+                               prompt_logprobs)
+                    prompt_logprobs = None
+                if stopped or count < len(prediction.tokens) or emitted >= budget:
+                    return
+                # Everything but the last token is in the stages' caches; a replacement stage
+                # gets exactly that prefix again.
+                prediction = await self._resilient(conn, sampling, history[:-1],
+                                                   lambda: self._step(conn, history, proposer))
+                history.extend(prediction.tokens)
+        except PipelineError as err:
+            raise self._failed(err) from err
 
     async def _admitted(self, conn: _Connection, operation: Callable[[], Awaitable]):
         """A session's first operation. A stage at its session limit (another frontend shares it,

@@ -7,7 +7,7 @@ this small lets the same HTTP layer drive an in-process pipeline or a remote one
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,6 +77,39 @@ class Step(list):
         self.prompt_logprobs = prompt_logprobs
 
 
+class Choice:
+    """One of Engine.generate_n's continuations: an async iterator of Steps that runs `release`
+    exactly once, when it ends, fails or is closed (aclose), started or not: an async generator
+    closed before its first step would never run its `finally`, and its session would leak."""
+
+    def __init__(self, steps: AsyncIterator[Step], release: Callable[[], Awaitable[None]]) -> None:
+        self._steps, self._release = steps, release
+        self._closed = False
+
+    def __aiter__(self) -> Choice:
+        return self
+
+    async def __anext__(self) -> Step:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._steps.__anext__()
+        except (StopAsyncIteration, Exception):
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            aclose = getattr(self._steps, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            await self._release()
+
+
 class EngineError(Exception):
     """A request failed inside the engine; status and OpenAI error type for the HTTP layer."""
 
@@ -128,7 +161,7 @@ class Engine(Protocol):
         """
         ...
 
-    async def generate_n(self, request: GenerationRequest, n: int) -> list[AsyncIterator[Step]]:
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
         """n continuations of one prompt, the prompt computed once where the engine can. Choice j
         samples with choice_seed(seed, j) and yields what generate() yields for the request with
         that seed (each with the prompt's logprobs, when asked, on its first Step). Admission

@@ -78,7 +78,7 @@ class _SamplingRequest(_Body):
     top_k: Annotated[int, Field(ge=-1)] | None = None  # extension (vLLM's): 0 or -1 = off
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None  # choices per prompt (the engine may allow fewer)
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
@@ -96,8 +96,6 @@ class _SamplingRequest(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first requested feature we cannot honour, else None."""
-        if self.n not in (None, 1):
-            return "n", "n > 1 is not supported; send separate requests"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         for name, value in (self.model_extra or {}).items():
@@ -120,7 +118,7 @@ class _SamplingRequest(_Body):
 
 
 class CompletionRequest(_SamplingRequest):
-    # A string, token ids, or a batch of either (not streamed: one response with a choice each).
+    # A string, token ids, or a batch of either: one response, n choices per prompt.
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=64)] | list[int] | \
         Annotated[list[list[int]], Field(min_length=1, max_length=64)]
     echo: bool | None = None
@@ -130,8 +128,6 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool | None = None  # vLLM: add BOS etc. to a text prompt (default true)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if len(self.prompts()) > 1 and self.stream:
-            return "prompt", "streaming several prompts is not supported; send one prompt per streamed request"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported"
         if self.suffix:
@@ -141,7 +137,7 @@ class CompletionRequest(_SamplingRequest):
         return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
-        """The request's prompts (text or token ids): a batch runs them as concurrent requests."""
+        """The request's prompts (text or token ids): a batch runs them concurrently."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return list(p)

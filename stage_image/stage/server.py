@@ -333,10 +333,10 @@ class StageService(pb_grpc.StageServicer):
             await context.abort(fault.code, f"stage {self.options.stage_index}: {fault.message}")
         finally:
             pump.cancel()
+            if session is not None:  # the sender went away without RELEASE: free the KV now
+                self._release(session.session_id)  # (before any await: a cancelled handler may not get past one)
             if hop is not None:
                 await hop.close()
-            if session is not None:  # the sender went away without RELEASE: free the KV now
-                self._release(session.session_id)
 
     # ---- per frame -------------------------------------------------------------------------
 
