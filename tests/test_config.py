@@ -145,4 +145,5 @@ def test_every_process_names_the_model_as_clients_do() -> None:
     assert served_name("Qwen/Qwen2.5-0.5B-Instruct", "qwen") == "qwen"
     # serve hands the name to its stages: both sides' metrics carry the same label.
     serve = ServeConfig(served_model_name="coder")
-    assert derive(StageConfig, serve, layers=(0, 1), stage_index=0, num_stages=1, model="m").served_model_name == "coder"
+    stage = derive(StageConfig, serve, layers=(0, 1), stage_index=0, num_stages=1, model="m")
+    assert stage.served_model_name == "coder"
