@@ -236,6 +236,16 @@ def honoured_checks(api: Api, tokenizer, model) -> dict:
     def expect(condition: bool) -> None:
         assert condition
 
+    def n() -> None:
+        body = api.ok(n=3)  # greedy: three times the one answer; usage counts the prompt once
+        texts = [c["message"]["content"] if api.chat else c["text"] for c in body["choices"]]
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2] and texts == [greedy] * 3
+        assert body["usage"]["completion_tokens"] == 24 and body["usage"]["prompt_tokens"] == len(ids)
+        choices = lambda: [c["message"]["content"] if api.chat else c["text"]  # noqa: E731
+                           for c in api.ok(n=3, **sampled)["choices"]]
+        seeded = choices()
+        assert seeded == choices() and len(set(seeded)) > 1 and seeded[0] == api.text(**sampled)
+
     sampled = {"temperature": 1.5, "seed": 5}
     checks = {
         "model": lambda: expect(api.http.post(api.path, json=api.body({"model": "gpt-4o"})).status_code == 404),
@@ -244,7 +254,7 @@ def honoured_checks(api: Api, tokenizer, model) -> dict:
         "logit_bias": lambda: expect(api.text(logit_bias={str(ids[-1]): 100}) == decode([ids[-1]] * 8)),
         "logprobs": logprobs, "top_logprobs": logprobs,
         "max_tokens": lambda: expect(api.ok(max_tokens=3)["usage"]["completion_tokens"] == 3),
-        "n": lambda: (api.ok(n=1), api.refused("n", 2)),
+        "n": n,
         "seed": lambda: expect(api.text(**sampled) == api.text(**sampled) != api.text(temperature=1.5, seed=6)),
         "temperature": lambda: expect(api.text(**sampled) != greedy),
         "top_p": lambda: expect(api.text(top_p=1e-9, **sampled) == greedy),
@@ -310,8 +320,10 @@ def test_every_field_is_honoured_or_refused(http, tokenizer, model, path: str, s
         else:
             assert field in REFUSED or field in OTHER_REFUSED, f"{field}: neither honoured nor refused"
             api.refused(field, OTHER_REFUSED.get(field, "x"))
-    if not api.chat:  # a batch of prompts is served, but not streamed (yet): refused, naming the prompt
-        r = http.post(path, json=api.body({"prompt": [PROMPT, PROMPT], "stream": True}))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    if not api.chat:  # a batch of prompts, streamed and not
         batch = api.ok(prompt=[ids, ids, ids])
         assert [c["text"] for c in batch["choices"]] == [greedy_text] * 3 and batch["usage"]["completion_tokens"] == 24
+        streamed = [json.loads(b[6:]) for b in api.ok(prompt=[ids, ids], stream=True).split("\n\n")
+                    if b.startswith("data: {")]
+        assert ["".join(c["text"] for e in streamed for c in e["choices"] if c["index"] == i)
+                for i in (0, 1)] == [greedy_text] * 2
