@@ -141,6 +141,8 @@ class StageConfig(ModelOptions, RuntimeOptions):
     device: str = option("auto", "where the layers run", choices=DEVICES)
     max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
                                    "(of different sessions) a stage runs in one pass", parse=int)
+    threads: int = option(0, "compute threads (0: OMP_NUM_THREADS if set, else the CPUs this process may "
+                             "use, a container's CPU limit included)", parse=int)
 
     @property
     def layer_start(self) -> int:
@@ -199,6 +201,8 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     stage_metrics_port: int = option(0, "first stage's Prometheus /metrics port; stage i uses it + i "
                                      f"(0: --port + {SERVE_STAGE_METRICS_OFFSET} + i)", parse=int)
     device: str = option("auto", "where stages and draft run", choices=DEVICES)
+    stage_threads: int = option(0, "compute threads of each stage process (0: the machine's CPUs divided "
+                                   "among the stages, so they do not preempt each other)", parse=int)
     max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
                                    "(of different sessions) a stage runs in one pass", parse=int)
 
@@ -228,6 +232,10 @@ def _check_positive(config: Any) -> None:
         value = getattr(config, name, 1)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+    for name in ("threads", "stage_threads"):  # 0 means "decide for me"
+        value = getattr(config, name, 0)
+        if value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 (automatic) or more, not {value}")
 
 
 # ---- the generic part ---------------------------------------------------------------------------

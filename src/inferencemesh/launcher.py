@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
+from inferencemesh.cpus import share_of_cpus
 from inferencemesh.plan_command import plan_from_settings
 from inferencemesh.planner import StagePlan, render_plan
 
@@ -170,7 +171,9 @@ def run_serve(config: ServeConfig) -> int:
         return 2
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
-    stages = LocalStages(stage_template(model, config), plan, base_port=config.base_stage_port,
+    # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
+    threads = config.stage_threads or share_of_cpus(len(plan))
+    stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
                          metrics_ports=config.stage_metrics_ports(len(plan)))
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_config(config, model,
                                                                                     stages.addresses))])

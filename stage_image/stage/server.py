@@ -27,6 +27,7 @@ from inferencemesh import tls
 from inferencemesh.bundled import served_name
 from inferencemesh.checkpoint import CheckpointError, check_source
 from inferencemesh.config import StageConfig
+from inferencemesh.cpus import compute_threads
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -212,8 +213,8 @@ class StageService(pb_grpc.StageServicer):
         self.worker = self._worker(runtime)
         self._set_state("ready", 1.0)
         await self.mark_serving()
-        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s)", o.stage_index, o.layer_start, o.layer_end,
-                 runtime.num_layers, runtime.device, runtime.dtype)
+        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads)", o.stage_index, o.layer_start,
+                 o.layer_end, runtime.num_layers, runtime.device, runtime.dtype, torch.get_num_threads())
 
     def _on_progress(self, state: str, fraction: float) -> None:
         if state == "ready":  # the runtime is built; the stage is ready once _become_ready has run
@@ -502,6 +503,9 @@ def run_stage(config: StageConfig) -> int:
     if config.debug_telemetry:
         logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
     torch.set_grad_enabled(False)
+    threads = compute_threads(config.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     compute = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
