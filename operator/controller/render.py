@@ -14,10 +14,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 
 import kopf
+from kubernetes.utils.quantity import parse_quantity
 
 from inferencemesh.bundled import served_name
 from inferencemesh.config import (
@@ -220,6 +222,17 @@ def _meta(name: str, namespace: str, labels: dict[str, str], annotations: dict |
 
 # ---- the children --------------------------------------------------------------------------
 
+def stage_threads(spec: MeshSpec) -> int:
+    """A stage's compute threads. With a CPU limit, 0: the stage reads its cgroup quota. Without
+    one, its CPU request rounded up: torch would otherwise size its team by the node's cores, and
+    stage pods sharing a node would preempt each other mid-kernel."""
+    resources = spec.stages.resources or {}
+    if (resources.get("limits") or {}).get("cpu"):
+        return 0
+    request = (resources.get("requests") or {}).get("cpu")
+    return max(1, math.ceil(parse_quantity(str(request)))) if request else 0
+
+
 def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions) -> dict:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     stage = plan.stages[index]
@@ -228,7 +241,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
         **_shared_options(spec), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
         port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
         downstream=stage_address(base, ns, index + 1) if index + 1 < n else None,
-        device=spec.stages.device, max_batch_tokens=spec.stages.max_batch_tokens,
+        device=spec.stages.device, max_batch_tokens=spec.stages.max_batch_tokens, threads=stage_threads(spec),
     ).check()
     args = ["stage", *to_argv(config)]
     resources = copy.deepcopy(spec.stages.resources)

@@ -237,3 +237,15 @@ def test_plan_configmap_holds_the_ranges() -> None:
     doc = json.loads(cm["data"]["plan.json"])
     assert [(s["layer_start"], s["layer_end"]) for s in doc["stages"]] == [(0, 3), (3, 6), (6, 8)]
     assert doc["model"] == "bundled://imesh-code-target" and "[  3,   6)" in cm["data"]["plan.txt"]
+
+
+@pytest.mark.parametrize(("resources", "threads"), [
+    ({"requests": {"cpu": "500m"}}, 1),          # the example: no limit, so the request, rounded up
+    ({"requests": {"cpu": "2500m"}}, 3),
+    ({"requests": {"cpu": "1"}, "limits": {"cpu": "4"}}, 0),  # a limit: the stage reads its cgroup quota
+    ({}, 0),
+])
+def test_stage_threads_follow_the_pods_cpu(resources: dict, threads: int) -> None:
+    objs = children({"model": {"name": "org/m"}, "stages": {"resources": resources}})
+    parsed = build_parser().parse_args(container(objs[("Deployment", "code-stage-0")])["args"])
+    assert parsed.threads == threads
