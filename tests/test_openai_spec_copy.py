@@ -22,3 +22,17 @@ def test_validation_from_the_copy_rejects_a_bad_body() -> None:
     validate(good, "ListModelsResponse")
     with pytest.raises(Exception, match="created"):
         validate({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}, "ListModelsResponse")
+
+
+def test_only_an_echoed_first_token_may_have_a_null_logprob() -> None:
+    from openai_spec import errors
+
+    def body(token_logprobs: list) -> dict:
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "text": "ab", "finish_reason": "length",
+                             "logprobs": {"tokens": ["a", "b"], "token_logprobs": token_logprobs,
+                                          "top_logprobs": [None, {"b": -0.5}], "text_offset": [0, 1]}}]}
+
+    assert errors(body([None, -0.5]), "CreateCompletionResponse") == []
+    assert errors(body([-0.1, None]), "CreateCompletionResponse")
+    assert errors(body([None, "x"]), "CreateCompletionResponse")
