@@ -15,11 +15,13 @@ def test_concurrency_bench_reports_every_configuration(tmp_path, monkeypatch) ->
     out = tmp_path / "bench.json"
     new_tokens = 5
     assert cli.main(["bench", "--shape", "llama-tiny", "--dtype", "float32", "--stages", "2",
-                     "--concurrency", "1,8", "--new-tokens", str(new_tokens), "--repeats", "1",
+                     "--concurrency", "1,8", "--speculative", "none,ngram", "--new-tokens", str(new_tokens),
+                     "--repeats", "1",
                      "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     by_key = {(r["label"], r["concurrency"]): r for r in report["results"]}
-    assert set(by_key) == {("hf-generate-batch", 8), ("grpc-2-stages", 1), ("grpc-2-stages", 8)}
+    assert set(by_key) == {("hf-generate-batch", 8), ("grpc-2-stages", 1), ("grpc-2-stages", 8),
+                           ("grpc-2-stages+ngram", 1), ("grpc-2-stages+ngram", 8)}
     for (_, concurrency), r in by_key.items():
         # Every stream got exactly the tokens it asked for (greedy, no stop tokens).
         assert r["tokens"] == r["tokens_requested"] == concurrency * new_tokens * r["bursts"]

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "auto,per-session,padded")
     bench.add_argument("--stage-threads", default="default",
                        help="with --concurrency, comma-separated OpenMP threads of the stage processes to compare "
-                            "(default: unset, as serve starts them), e.g. default,1")
+                            "(default: as serve starts them, each its share of the cores), e.g. default,1")
     bench.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
     add_arguments(OperatorConfig, sub.add_parser("operator", help="run the Kubernetes operator"))
