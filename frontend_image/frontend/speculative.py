@@ -368,6 +368,10 @@ class Speculation:
             metrics.set_speculative_strategy(choice.strategy, choice.reason)
             metrics.set_window_size(choice.window.initial if choice.strategy != "none" else 0)
 
+    def with_metrics(self, metrics) -> Speculation:
+        """The same strategy and draft, reporting to other metrics (the benchmark counts per run)."""
+        return Speculation(self.choice, self.draft, metrics, self.tokenizer)
+
     @property
     def strategy(self) -> str:
         return self.choice.strategy

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -39,6 +38,7 @@ import torch
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.config import DEFAULT_DRAFT_THREADS, SpeculativeOptions
+from inferencemesh.cpus import share_of_cpus
 from inferencemesh.modeling.attention import FORM_ENV
 
 SHAPES = {
@@ -296,7 +296,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     counter, proposer_for = None, None
                     if strategy != "none":
                         counter = SpecCounter()
-                        proposer_for = dataclasses.replace(speculation[strategy], metrics=counter).proposer_for
+                        proposer_for = speculation[strategy].with_metrics(counter).proposer_for
                     extra = {"stages": count, "speculative": strategy}
                     if spec_mode or len(prompts) > 1:
                         extra["prompts"] = prompt_set
@@ -339,7 +339,10 @@ def start_mesh(model_dir: Path, dtype: torch.dtype, count: int, max_context: int
 
     dtype_name = str(dtype).removeprefix("torch.")
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir), dtype=dtype_name), count)
-    stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context), plan, env=env)
+    # serve's threads rule (each stage its share of the cores) unless the variant sets OMP_NUM_THREADS
+    threads = 0 if env and "OMP_NUM_THREADS" in env else share_of_cpus(len(plan))
+    stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context, threads=threads),
+                         plan, env=env)
     stages.start()
     try:
         stages.wait_ready(600)
@@ -548,7 +551,7 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
     try:
         for count, form, stage_threads in [(c, f, t) for c in stage_counts for f in forms for t in thread_options]:
             # Mesh variants compared in one run: the stages' batched attention form (attention.FORM_ENV)
-            # and their OpenMP threads ("default": unset, as `serve` starts them).
+            # and their OpenMP threads ("default": as `serve` starts them, each stage its share of the cores).
             env = {FORM_ENV: form, **({} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads})}
             stages, pipeline = start_mesh(model_dir, dtype, count, max_context, env=env)
             meshes.append(stages)
@@ -557,7 +560,7 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
             for strategy in strategies:
                 proposer_for = None
                 if strategy != "none":
-                    proposer_for = dataclasses.replace(speculation[strategy], metrics=SpecCounter()).proposer_for
+                    proposer_for = speculation[strategy].with_metrics(SpecCounter()).proposer_for
                 for level in levels:
                     # One engine per configuration, as the frontend would run it (its admission limit included).
                     runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
