@@ -59,6 +59,7 @@ class EngineOptions:
     queue_timeout_s: float = 60.0
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT  # how long an in-flight request waits for a lost stage
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
+    speculative_disable_by_batch_size: int = 0  # no proposals while this many requests run (0: always)
 
 
 class _Connection:
@@ -348,13 +349,20 @@ class PipelineEngine:
         frame.want_prediction = frame.prompt_logprobs = False
         return prediction, scored
 
+    def _may_speculate(self) -> bool:
+        """Under load the stages already batch every session's decode step: a verify window then
+        costs compute the other sessions need, and a rejected draft wastes it (vLLM's
+        disable_by_batch_size). The proposer catches up on the skipped tokens when load falls."""
+        limit = self.options.speculative_disable_by_batch_size
+        return limit <= 0 or self.running < limit
+
     async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
         session, frame = conn.session, conn.frame
         # Proposals are computed on the event loop's thread, draft models included: a second
         # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
-        proposal = await proposer.propose_async(history) if proposer is not None else None
+        proposal = await proposer.propose_async(history) if proposer is not None and self._may_speculate() else None
         proposed = time.perf_counter()
         frame.pos_start = len(history) - 1
         frame.seq += 1

@@ -24,7 +24,8 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
     pipeline = GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir))
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
-                            recovery_timeout_s=config.recovery_timeout)
+                            recovery_timeout_s=config.recovery_timeout,
+                            speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}, metrics=metrics), speculation
 

@@ -148,6 +148,7 @@ class SpeculativeSpec(_Spec):
     strategy: Literal["auto", "draft", "ngram", "none"] | None = None
     draft: str | None = None
     no_draft: bool = False
+    disable_by_batch_size: int | None = Field(default=None, ge=0, le=4096)
     window: WindowSpec = WindowSpec()
 
 

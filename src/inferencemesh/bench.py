@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.config import DEFAULT_DRAFT_THREADS, SpeculativeOptions
+from inferencemesh.config import DEFAULT_DRAFT_THREADS, DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, SpeculativeOptions
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.modeling.attention import FORM_ENV
 
@@ -169,11 +169,13 @@ class HfPeer:
 class EngineUnderTest:
     """Our engine over one pipeline (in-process or stage processes), with one speculation strategy."""
 
-    def __init__(self, pipeline, new_tokens: int, max_context: int, proposer_for=None) -> None:
+    def __init__(self, pipeline, new_tokens: int, max_context: int, proposer_for=None,
+                 speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE) -> None:
         from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
-        self.engine = PipelineEngine(pipeline, EngineOptions("bench", max_context=max_context),
-                                     proposer_for=proposer_for)
+        options = EngineOptions("bench", max_context=max_context,
+                                speculative_disable_by_batch_size=speculative_disable_by_batch_size)
+        self.engine = PipelineEngine(pipeline, options, proposer_for=proposer_for)
         self.new_tokens = new_tokens
         self.count = 0
 
@@ -301,7 +303,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     if spec_mode or len(prompts) > 1:
                         extra["prompts"] = prompt_set
                     name = label if strategy == "none" else f"{label}+{strategy}"
-                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
+                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for,
+                                             args.speculative_disable_by_batch_size)
                     configs.append(Config(name, extra, ids, runner, config_threads, counter))
         print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds", flush=True)
         asyncio.run(measure(configs, args.repeats))
@@ -563,7 +566,8 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
                     proposer_for = speculation[strategy].with_metrics(SpecCounter()).proposer_for
                 for level in levels:
                     # One engine per configuration, as the frontend would run it (its admission limit included).
-                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for)
+                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for,
+                                             args.speculative_disable_by_batch_size)
                     name = label if strategy == "none" else f"{label}+{strategy}"
                     configs.append(ConcurrencyConfig(name, {"stages": count, "concurrency": level,
                                                             "speculative": strategy, "attention": form,

@@ -18,6 +18,7 @@ import sys
 
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.config import (
+    DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
     ConfigError,
     FrontendConfig,
     ModelOptions,
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stage-threads", default="default",
                        help="with --concurrency, comma-separated OpenMP threads of the stage processes to compare "
                             "(default: as serve starts them, each its share of the cores), e.g. default,1")
+    bench.add_argument("--speculative-disable-by-batch-size", type=int,
+                       default=DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
+                       help="with --concurrency, no speculation while this many streams run, as the frontend "
+                            "(0: always speculate)")
     bench.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
     add_arguments(OperatorConfig, sub.add_parser("operator", help="run the Kubernetes operator"))

@@ -35,6 +35,11 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 # first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
 DEFAULT_DRAFT_THREADS = 1
 DEFAULT_RECOVERY_TIMEOUT = 180.0
+# Speculation is off while this many requests run (vLLM's speculative_disable_by_batch_size): a
+# busy pipeline batches its sessions' decode steps and has no spare compute for drafts it will
+# reject. Measured on 2 cores, bundled models, 2 stages, draft ÷ none at 1/2/4/8 concurrent
+# streams: 1.11, 1.05, 0.75, 0.75 (docs/benchmarks/speculation-under-load.json).
+DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE = 3
 STAGE_GRPC_PORT = 50051
 STAGE_METRICS_PORT = 9090
 FRONTEND_PORT = 8000
@@ -119,6 +124,9 @@ class SpeculativeOptions:
     window: str | None = option(None, "speculation window: a number (fixed) or adaptive:INITIAL:MIN:MAX")
     draft_threads: int = option(DEFAULT_DRAFT_THREADS, "CPU threads of the frontend process, which runs the draft",
                                 parse=int)
+    speculative_disable_by_batch_size: int = option(
+        DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, "no speculation while at least this many requests run "
+        "(a saturated pipeline has no compute to spare for rejected drafts; 0: always speculate)", parse=int)
 
 
 # ---- the programs --------------------------------------------------------------------------------
@@ -232,10 +240,10 @@ def _check_positive(config: Any) -> None:
         value = getattr(config, name, 1)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
-    for name in ("threads", "stage_threads"):  # 0 means "decide for me"
+    for name in ("threads", "stage_threads", "speculative_disable_by_batch_size"):  # 0: automatic / off
         value = getattr(config, name, 0)
         if value < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be 0 (automatic) or more, not {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
 
 
 # ---- the generic part ---------------------------------------------------------------------------

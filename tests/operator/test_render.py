@@ -249,3 +249,16 @@ def test_stage_threads_follow_the_pods_cpu(resources: dict, threads: int) -> Non
     objs = children({"model": {"name": "org/m"}, "stages": {"resources": resources}})
     parsed = build_parser().parse_args(container(objs[("Deployment", "code-stage-0")])["args"])
     assert parsed.threads == threads
+
+
+def test_speculation_under_load_is_the_frontends_default_unless_the_spec_sets_it() -> None:
+    from inferencemesh.config import DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
+
+    def frontend_flag(speculative: dict) -> int:
+        objs = children({"model": {"name": "org/m"}, "speculative": speculative})
+        return build_parser().parse_args(container(objs[("Deployment", "code-frontend")])["args"]) \
+            .speculative_disable_by_batch_size
+
+    assert frontend_flag({}) == DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE
+    assert frontend_flag({"disableByBatchSize": 0}) == 0
+    assert frontend_flag({"disableByBatchSize": 12}) == 12
