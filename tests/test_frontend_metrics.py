@@ -169,3 +169,18 @@ def test_metrics_endpoint_needs_no_api_key_by_default(fm: FixtureModel) -> None:
         r = http.get("/metrics")
         assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
         assert http.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_each_error_is_counted_once(fm: FixtureModel) -> None:
+    # An engine that admits nothing: every request is a 429 at admission, streamed or not.
+    engine = TransformersEngine(fm.engine.model, model_name=fm.name, max_context=fm.engine.max_context,
+                                max_sessions=0)
+    metrics = FrontendMetrics(fm.name)
+    with serve(create_app(engine, fm.tokenizer, served_model_name=fm.name, metrics=metrics)) as base, \
+            httpx.Client(base_url=base, timeout=60) as http:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=fm.name, prompt="x", max_tokens=2, stream=stream)
+        _, after, _ = scrape(http)
+    assert value(after, "request_errors_total", model_name=fm.name, status="429") == 2

@@ -265,10 +265,6 @@ def _runs_usage(runs: list[_Run]) -> dict[str, int]:
                   sum(run.job.completion_tokens for run in runs))
 
 
-def _status(exc: BaseException) -> int:
-    return exc.status if isinstance(exc, APIError) else exc.status_code if isinstance(exc, EngineError) else 500
-
-
 async def _first_step(iterator: AsyncIterator[Step]) -> Step | None:
     try:
         return await iterator.__anext__()
@@ -332,9 +328,13 @@ class _Frontend:
         self.logprobs = LogprobsFormatter(tokenizer)
         self._ready_until = 0.0  # a positive readiness answer is reused this long (monotonic time)
 
-    def error_response(self, err: APIError) -> JSONResponse:
+    def _count_error(self, err: APIError, request_id: str | None = None) -> None:
+        """Every request answered with an error, once: as a JSON error, or in-band in a stream."""
         self.metrics.request_errors.labels(self.model, str(err.status)).inc()
-        _log_server_error(err)
+        _log_server_error(err, request_id)
+
+    def error_response(self, err: APIError) -> JSONResponse:
+        self._count_error(err)
         # Overload is temporary: tell clients (the openai client honours it) when to come back.
         headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -470,7 +470,7 @@ class _Frontend:
                 raise failure
         except BaseException as exc:
             for tracker in trackers:
-                tracker.finish("error" if isinstance(exc, EngineError) else "abort", status=_status(exc))
+                tracker.finish("error" if isinstance(exc, EngineError) else "abort")
             for it in iterators:
                 await _close(it)
             if isinstance(exc, EngineError):
@@ -584,7 +584,7 @@ class _Frontend:
                     yield chunk
             except Exception as exc:  # headers are sent: report in-band, as OpenAI does
                 err = _as_api_error(exc)
-                _log_server_error(err, first.id)
+                self._count_error(err, first.id)
                 yield _sse(err.body())
                 yield "data: [DONE]\n\n"
                 return
@@ -607,8 +607,8 @@ class _Frontend:
             async for piece in self.steps(job, run.iterator, run.first, run.tracker, text):
                 logprobs = self._choice_logprobs(job, piece.tokens, piece.logprobs)
                 yield self._chunk(job, self._delta_choice(job, piece.text, None, logprobs=logprobs))
-        except Exception as exc:
-            run.tracker.finish("error", status=_status(exc))
+        except Exception:
+            run.tracker.finish("error")
             raise
         yield self._chunk(job, self._delta_choice(job, None if job.kind == "chat" else "", job.finish_reason))
         run.tracker.finish(job.finish_reason)
@@ -634,7 +634,7 @@ class _Frontend:
             pieces = [piece async for piece in self.steps(job, run.iterator, run.first, run.tracker, text)]
         except Exception as exc:
             err = _as_api_error(exc)
-            run.tracker.finish("error", status=err.status)
+            run.tracker.finish("error")
             raise err from exc
         finally:
             await _close(run.iterator)

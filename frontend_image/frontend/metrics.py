@@ -190,15 +190,14 @@ class RequestTracker:
         self._last = now
         m.generation_tokens.labels(model).inc(count)
 
-    def finish(self, reason: str, *, status: int = 500) -> None:
-        """reason: one of FINISHED_REASONS, or "error" (counted under `status` in request_errors_total)."""
+    def finish(self, reason: str) -> None:
+        """reason: one of FINISHED_REASONS, or "error". Errors are counted in request_errors_total
+        by the HTTP layer, once per request (a request of n choices has n trackers)."""
         if self._finished:
             return
         self._finished = True
         m, model = self._m, self._model
         (m.num_requests_waiting if self._last is None else m.num_requests_running).labels(model).dec()
         m.e2e_request_latency.labels(model).observe(time.perf_counter() - self._arrival)
-        if reason == "error":
-            m.request_errors.labels(model, str(status)).inc()
-        else:
+        if reason in FINISHED_REASONS:
             m.request_success.labels(model, reason).inc()
