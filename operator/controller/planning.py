@@ -92,7 +92,8 @@ def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
     sp = spec.speculative
     pkg = info.package_draft
     declared = DeclaredStrategy(pkg.name, "draft-model", pkg.draft_model) if pkg else None
-    return choose_speculation(strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag(),
+    return choose_speculation(strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft,
+                              window=sp.window.flag() if sp.window else None,
                               declared=declared)
 
 

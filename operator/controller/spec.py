@@ -149,7 +149,7 @@ class SpeculativeSpec(_Spec):
     draft: str | None = None
     no_draft: bool = False
     disable_by_batch_size: int | None = Field(default=None, ge=0, le=4096)
-    window: WindowSpec = WindowSpec()
+    window: WindowSpec | None = None  # unset: the package's declared window, else the frontend's default
 
 
 class TelemetrySpec(_Spec):
@@ -229,6 +229,6 @@ def validate(spec: MeshSpec) -> list[str]:
     if sp.draft is not None and sp.strategy not in (None, "draft", "auto"):
         errors.append(MSG_DRAFT_STRATEGY)
     w = sp.window
-    if w.policy == "adaptive" and not (w.min <= w.initial <= w.max):
+    if w is not None and w.policy == "adaptive" and not (w.min <= w.initial <= w.max):
         errors.append(MSG_WINDOW)
     return errors

@@ -90,7 +90,12 @@ def test_bundled_model_name_is_served_without_the_scheme_and_no_draft_flag() -> 
     c = container(children({"model": {"name": "bundled://imesh-code-target"},
                             "speculative": {"noDraft": True}})[("Deployment", "code-frontend")])
     parsed = build_parser().parse_args(c["args"])
-    assert parsed.served_model_name == "imesh-code-target" and parsed.no_draft and parsed.window == "adaptive:4:1:8"
+    # No window in the spec: none on the command line, so the package's declared window applies.
+    assert parsed.served_model_name == "imesh-code-target" and parsed.no_draft and parsed.window is None
+    windowed = children({"model": {"name": "bundled://imesh-code-target"},
+                         "speculative": {"window": {"policy": "adaptive", "initial": 2}}})
+    parsed = build_parser().parse_args(container(windowed[("Deployment", "code-frontend")])["args"])
+    assert parsed.window == "adaptive:2:1:8"
 
 
 def test_stage_pods_label_their_metrics_with_the_name_clients_use() -> None:

@@ -62,10 +62,15 @@ def python_errors(spec: dict) -> set[str]:
 def test_python_defaults_equal_the_crd_defaults() -> None:
     minimal = {"model": {"name": "org/model"}}
     defaulted = apply_defaults(SPEC_SCHEMA, minimal)
-    assert defaulted["stages"]["count"] == 2 and defaulted["speculative"]["window"]["policy"] == "adaptive"
-    assert "strategy" not in defaulted["speculative"]  # unset stays unset: the package's strategy, else auto
+    assert defaulted["stages"]["count"] == 2
+    # unset stays unset: the package's strategy (else auto) and the package's window (else the frontend's)
+    assert "strategy" not in defaulted["speculative"] and "window" not in defaulted["speculative"]
     assert S.parse_spec(minimal) == S.parse_spec(defaulted)
-    assert S.parse_spec(minimal).speculative.strategy is None
+    assert S.parse_spec(minimal).speculative.strategy is None and S.parse_spec(minimal).speculative.window is None
+    # a window that is given gets the CRD's defaults for what it leaves out, on both sides
+    windowed = {"model": {"name": "org/model"}, "speculative": {"window": {"initial": 2}}}
+    assert apply_defaults(SPEC_SCHEMA, windowed)["speculative"]["window"]["policy"] == "adaptive"
+    assert S.parse_spec(windowed) == S.parse_spec(apply_defaults(SPEC_SCHEMA, windowed))
 
 
 # ---- the model mirrors the CRD's spec schema ---------------------------------------------------
