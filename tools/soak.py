@@ -28,6 +28,7 @@ import httpx
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
 from inferencemesh.config import FrontendConfig, to_argv
+from inferencemesh.cpus import share_of_cpus
 from inferencemesh.launcher import CLI, LocalStages, ManagedProcess, free_port, stage_template
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.protocol import stage_pb2 as pb
@@ -111,7 +112,9 @@ def main() -> int:
 
     model = resolve_model(None)
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model), max_sessions=64), 2)
-    stages = LocalStages(stage_template(model, max_sessions=64, max_context=1024), plan)
+    # serve's threads rule: each stage its share of the cores
+    stages = LocalStages(stage_template(model, max_sessions=64, max_context=1024, threads=share_of_cpus(len(plan))),
+                         plan)
     ports = [free_port(), free_port()]
     frontends = [
         ManagedProcess(f"frontend-{name}", CLI + ["frontend", *to_argv(FrontendConfig(
