@@ -53,6 +53,7 @@ from inferencemesh.frontend.engine_api import (
     Step,
     TokenLogprob,
     choice_seed,
+    single_choice,
 )
 from inferencemesh.sampling import logprobs, next_token
 
@@ -89,13 +90,8 @@ class TransformersEngine:
     async def close(self) -> None:
         self.ready = False
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        choice = (await self.generate_n(request, 1))[0]
-        try:
-            async for step in choice:
-                yield step
-        finally:
-            await choice.aclose()
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        return single_choice(self, request)
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
         if not self.ready:

@@ -32,6 +32,7 @@ from inferencemesh.frontend.engine_api import (
     Step,
     TokenLogprob,
     choice_seed,
+    single_choice,
 )
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.speculative import Proposer
@@ -112,13 +113,8 @@ class PipelineEngine:
     async def close(self) -> None:
         await self.pipeline.close()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        choice = (await self.generate_n(request, 1))[0]
-        try:
-            async for step in choice:
-                yield step
-        finally:
-            await choice.aclose()
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        return single_choice(self, request)
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
         """n continuations of the prompt (engine_api.Engine.generate_n). The first choice's

@@ -148,6 +148,16 @@ class ContextLengthExceeded(EngineError):
     code = "context_length_exceeded"
 
 
+async def single_choice(engine: Engine, request: GenerationRequest) -> AsyncIterator[Step]:
+    """Engine.generate in terms of generate_n: the one choice of n = 1, released when done."""
+    choice = (await engine.generate_n(request, 1))[0]
+    try:
+        async for step in choice:
+            yield step
+    finally:
+        await choice.aclose()
+
+
 class Engine(Protocol):
     model_name: str
     max_context: int
