@@ -34,10 +34,10 @@ def off_default(f: dataclasses.Field, cls: type):
     flag = f.metadata["flag"]
     hint = typing.get_type_hints(cls)[f.name]
     if flag.switch:
-        return True
+        return not f.default
     if flag.choices:
         return next(c for c in reversed(flag.choices) if c != f.default)
-    if f.name == "layers":
+    if f.name in ("layers", "first_stage_layers"):
         return (3, 7)
     if f.name == "namespace":
         return ("team-a", "team-b")

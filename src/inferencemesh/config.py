@@ -129,11 +129,17 @@ class SpeculativeOptions:
         "(a saturated pipeline has no compute to spare for rejected drafts; 0: always speculate)", parse=int)
 
 
+@dataclass(frozen=True, kw_only=True)
+class BatchingOptions:
+    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
+                                   "(of different sessions) a stage runs in one pass", parse=int)
+
+
 # ---- the programs --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageConfig(ModelOptions, RuntimeOptions):
+class StageConfig(ModelOptions, RuntimeOptions, BatchingOptions):
     """`inferencemesh stage`: one layer range behind gRPC (what a stage pod runs)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
@@ -147,8 +153,6 @@ class StageConfig(ModelOptions, RuntimeOptions):
     downstream: str | None = option(None, "HOST:PORT of the next stage (absent on the last stage)")
     session_ttl: float = option(300.0, "seconds before an idle session is dropped", parse=float)
     device: str = option("auto", "where the layers run", choices=DEVICES)
-    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
-                                   "(of different sessions) a stage runs in one pass", parse=int)
     threads: int = option(0, "compute threads (0: OMP_NUM_THREADS if set, else the CPUs this process may "
                              "use, a container's CPU limit included)", parse=int)
 
@@ -174,12 +178,20 @@ class StageConfig(ModelOptions, RuntimeOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
     """`inferencemesh frontend`: the OpenAI endpoint in front of the stages (the frontend pod)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
-    stage_addresses: tuple[str, ...] = option(help="comma-separated HOST:PORT of every stage, in pipeline order",
+    stage_addresses: tuple[str, ...] = option(help="comma-separated HOST:PORT of every stage process, in "
+                                              "pipeline order (empty: the embedded first stage is the whole model)",
                                               parse=_addresses, render=",".join)
+    # The embedded first stage (the seeds' "stage 0 + OpenAI frontend"): no process and no hop of its own.
+    first_stage_layers: tuple[int, int] | None = option(
+        None, "START:END: run the first stage's layers in this process (the embedded first stage); "
+        "--stage-addresses then names the stages after it", parse=_layers, render=lambda r: f"{r[0]}:{r[1]}")
+    threads: int = option(0, "compute threads of the embedded first stage, which the draft shares (0: "
+                             "OMP_NUM_THREADS if set, else the CPUs this process may use); without an embedded "
+                             "stage the process has --draft-threads", parse=int)
     host: str = option("0.0.0.0", "address to listen on")  # noqa: S104
     port: int = option(FRONTEND_PORT, "HTTP port of the OpenAI endpoint", parse=int)
     api_key_env: str = option(API_KEY_ENV, "environment variable holding the API key (unset or empty: no auth)")
@@ -191,14 +203,21 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
                                      "lost stage to return before it fails", parse=float)
 
     def check(self) -> FrontendConfig:
-        if not self.stage_addresses:
-            raise ConfigError("--stage-addresses names no stage")
+        if not self.stage_addresses and self.first_stage_layers is None:
+            raise ConfigError("--stage-addresses names no stage (and no --first-stage-layers runs one here)")
+        if self.first_stage_layers is not None and not 0 <= self.first_stage_layers[0] < self.first_stage_layers[1]:
+            start, end = self.first_stage_layers
+            raise ConfigError(f"--first-stage-layers {start}:{end}: need 0 <= START < END")
         _check_positive(self)
         return self
 
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_addresses) + (self.first_stage_layers is not None)
+
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
     """`inferencemesh serve`: stages and frontend as local processes on loopback."""
 
     stages: int = option(2, "number of stage processes", parse=int)
@@ -211,8 +230,10 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
     device: str = option("auto", "where stages and draft run", choices=DEVICES)
     stage_threads: int = option(0, "compute threads of each stage process (0: the machine's CPUs divided "
                                    "among the stages, so they do not preempt each other)", parse=int)
-    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
-                                   "(of different sessions) a stage runs in one pass", parse=int)
+    # The seeds' shape, and the faster one: measured in docs/benchmarks/embedded-first-stage.json.
+    embed_first_stage: bool = option(True, "run the first stage's layers in the frontend process (one process "
+                                     "and one hop fewer per token); --no-embed-first-stage runs it as a "
+                                     "stage process of its own", switch=True)
 
     def check(self) -> ServeConfig:
         _check_positive(self)
@@ -263,8 +284,9 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """Add the flags of every field of `cls` (a config type or a field group) to `parser`."""
     for f in fields(cls):
         flag = _flag_of(f)
-        if flag.switch:
-            parser.add_argument(flag_name(f.name), action="store_true", help=flag.help)
+        if flag.switch:  # on by default: --NAME / --no-NAME
+            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+            parser.add_argument(flag_name(f.name), action=action, default=f.default, help=flag.help)
             continue
         if flag.repeat:
             parser.add_argument(flag_name(f.name), action="append", type=flag.parse, help=flag.help)
@@ -294,8 +316,8 @@ def to_argv(config: Any) -> list[str]:
     for f in fields(config):
         flag, value = _flag_of(f), getattr(config, f.name)
         if flag.switch:
-            if value:
-                argv.append(flag_name(f.name))
+            if value != f.default:
+                argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif flag.repeat:
             for item in value:
                 argv += [flag_name(f.name), flag.render(item)]
