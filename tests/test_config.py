@@ -102,9 +102,32 @@ def test_serve_derives_its_children_from_its_own_config() -> None:
         assert (child.max_context, child.max_sessions, child.dtype, child.max_batch_tokens) == (900, 5, "float32", 64)
         assert child.layers == (plan[i].layer_start, plan[i].layer_end) and child.stage_index == i
     assert stages.configs[0].downstream == stages.addresses[1] and stages.configs[1].downstream is None
-    frontend = frontend_config(serve, "/m", stages.addresses)
+    frontend = frontend_config(serve, "/m", stages)
     assert parse("frontend", to_argv(frontend)) == frontend
     assert (frontend.speculative, frontend.window, frontend.port) == ("ngram", "3", 8123)
+    assert frontend.stage_addresses == tuple(stages.addresses) and frontend.first_stage_layers is None
+
+
+def test_an_embedded_first_stage_is_the_frontends_and_the_processes_are_the_rest() -> None:
+    """serve's default: stage 0 in the frontend. The processes are stages 1.., and the stage
+    config the frontend derives for its embedded stage is the one a stage-0 process would get."""
+    from inferencemesh.launcher import LocalStages
+    from inferencemesh.planner import StagePlan
+
+    serve = parse("serve", ["--max-context", "900", "--dtype", "float32", "--max-batch-tokens", "64"])
+    assert serve.embed_first_stage and not parse("serve", ["--no-embed-first-stage"]).embed_first_stage
+    plan = [StagePlan(0, 0, 3, 0, 0, 0, None), StagePlan(1, 3, 5, 0, 0, 0, None), StagePlan(2, 5, 8, 0, 0, 0, None)]
+    stages = LocalStages(stage_template("/m", serve, threads=2), plan, embed_first=True)
+    assert [c.stage_index for c in stages.configs] == [1, 2] and len(stages.processes) == 2
+    assert all(c.num_stages == 3 for c in stages.configs)
+    frontend = frontend_config(serve, "/m", stages, threads=2)
+    assert parse("frontend", to_argv(frontend)) == frontend
+    assert frontend.first_stage_layers == (0, 3) and frontend.stage_addresses == tuple(stages.addresses)
+    separate = LocalStages(stage_template("/m", serve, threads=2), plan)
+    expected = dataclasses.replace(separate.configs[0], host="", port=0, metrics_port=0,
+                                   downstream=stages.addresses[0])
+    assert frontend.first_stage() == expected
+    assert dataclasses.replace(frontend, first_stage_layers=None).first_stage() is None
 
 
 def test_mistakes_are_one_line_errors(capsys) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from inferencemesh.bundled import resolve_model, served_name
 from inferencemesh.checkpoint import fetch_config_dir
 from inferencemesh.config import FrontendConfig
+from inferencemesh.cpus import compute_threads
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -21,13 +23,27 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)
-    pipeline = GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir))
+    first_stage = config.first_stage()
+    embedded = None
+    if first_stage is not None:
+        from inferencemesh.stage.embedded import EmbeddedStage
+
+        embedded = EmbeddedStage(first_stage)
+    pipeline = GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded)
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,
                             speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}, metrics=metrics), speculation
+
+
+def compute_threads_of(config: FrontendConfig) -> int | None:
+    """This process's torch threads: the embedded first stage's (the draft shares its thread and
+    team), else the draft's, its only tensor work. None: leave OMP_NUM_THREADS in charge."""
+    if config.first_stage_layers is not None:
+        return compute_threads(config.threads)
+    return max(1, config.draft_threads)
 
 
 def run_frontend(config: FrontendConfig) -> int:
@@ -39,7 +55,12 @@ def run_frontend(config: FrontendConfig) -> int:
     from inferencemesh.frontend.metrics import FrontendMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.set_num_threads(max(1, config.draft_threads))  # the draft is this process's only tensor work
+    if config.debug_telemetry:
+        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
+    torch.set_grad_enabled(False)
+    threads = compute_threads_of(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
     model_dir = fetch_config_dir(resolve_model(config.model), revision=config.revision, cache_dir=config.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     metrics = FrontendMetrics(served_name(config.model, config.served_model_name))
@@ -50,5 +71,17 @@ def run_frontend(config: FrontendConfig) -> int:
         engine, tokenizer, served_model_name=engine.model_name,
         api_key=os.environ.get(config.api_key_env) or None, max_body_bytes=config.max_body_bytes, metrics=metrics,
     )
-    uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+
+    async def serve() -> None:
+        engine.pipeline.connect()  # on the serving loop: an embedded first stage starts loading now
+        if engine.pipeline.embedded is not None:
+            metrics.include(engine.pipeline.embedded.metrics_registry)  # stage 0's series on this /metrics
+            o = config.first_stage()
+            log.info("first stage embedded: layers [%d, %d) of the pipeline's %d stages, then %s", o.layer_start,
+                     o.layer_end, o.num_stages, ", ".join(config.stage_addresses) or "no stage process")
+        await server.serve()
+
+    asyncio.run(serve())
     return 0

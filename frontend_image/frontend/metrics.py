@@ -40,6 +40,7 @@ class FrontendMetrics:
     def __init__(self, model: str, *, max_spec_positions: int = 16) -> None:
         self.model = model
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self._included: list[CollectorRegistry] = []
         m = [MODEL_LABEL]
 
         # Request flow (updated by the HTTP layer).
@@ -160,9 +161,13 @@ class FrontendMetrics:
 
     # --- exposition -------------------------------------------------------------------------
 
+    def include(self, registry: CollectorRegistry) -> None:
+        """Serve another registry's series on this endpoint too (an embedded first stage's)."""
+        self._included.append(registry)
+
     def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition of this registry and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The Prometheus text exposition of this registry (and those included) and its content type."""
+        return b"".join(generate_latest(r) for r in [self.registry, *self._included]), CONTENT_TYPE_LATEST
 
 
 class RequestTracker:

@@ -1,7 +1,8 @@
 """The frontend's view of the stages: open a session, send frames, await predictions.
 
 GrpcPipeline talks to stage servers: frames go into stage 0's Session stream, predictions
-come from the last stage's Results stream. inferencemesh.stage.inprocess.LocalPipeline runs
+come from the last stage's Results stream. Stage 0 may be embedded in this process
+(inferencemesh.stage.embedded): it is then reached through a local stub of the same shape. inferencemesh.stage.inprocess.LocalPipeline runs
 the stages' own workers in one process with the same interface (benchmarks, tests); the
 engine cannot tell them apart.
 """
@@ -12,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,6 +23,9 @@ from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S, expects_ack, expects_prediction
 from inferencemesh.tls import TlsMaterial, aio_channel
+
+if TYPE_CHECKING:
+    from inferencemesh.stage.embedded import EmbeddedStage
 
 
 class PipelineSession(Protocol):
@@ -111,28 +115,38 @@ class GrpcSession:
 
 
 class GrpcPipeline:
-    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None) -> None:
-        if not addresses:
+    """The stage processes at `addresses`, in pipeline order, after the embedded first stage if any."""
+
+    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
+                 embedded: EmbeddedStage | None = None) -> None:
+        if not addresses and embedded is None:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.step_timeout = step_timeout
         self.tls = tls
+        self.embedded = embedded
         self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list = []
 
-    def _connect(self) -> None:
-        """Channels belong to the event loop that makes them: make them on first use."""
-        if not self._channels:
+    def connect(self) -> None:
+        """Channels belong to the event loop that makes them: make them on first use (or call this
+        on the serving loop at start-up: an embedded first stage then begins loading its layers)."""
+        if not self._stubs:
             self._channels = [aio_channel(a, self.tls, GRPC_OPTIONS) for a in self.addresses]
             self._stubs = [pb_grpc.StageStub(c) for c in self._channels]
             self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+            if self.embedded is not None:
+                stage, health = self.embedded.stubs()
+                self._stubs.insert(0, stage)
+                self._health.insert(0, health)
 
     def open(self) -> GrpcSession:
-        self._connect()
+        self.connect()
         return GrpcSession(self._stubs[0], self._stubs[-1], uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:
         """True when every stage's grpc.health.v1 says SERVING."""
-        self._connect()
+        self.connect()
         async def serving(stub: health_pb2_grpc.HealthStub) -> bool:
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -143,7 +157,7 @@ class GrpcPipeline:
         return all(await asyncio.gather(*(serving(h) for h in self._health)))
 
     async def infos(self, timeout: float = 2.0) -> list[pb.StageInfo]:
-        self._connect()
+        self.connect()
         return list(await asyncio.gather(*(s.Info(pb.InfoRequest(), timeout=timeout) for s in self._stubs)))
 
     async def wait_ready(self, deadline_s: float) -> bool:
@@ -157,4 +171,6 @@ class GrpcPipeline:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
-        self._channels = []
+        self._channels, self._stubs = [], []
+        if self.embedded is not None:
+            await self.embedded.close()

@@ -215,6 +215,15 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     def num_stages(self) -> int:
         return len(self.stage_addresses) + (self.first_stage_layers is not None)
 
+    def first_stage(self) -> StageConfig | None:
+        """The embedded first stage's own config: this frontend's model and runtime settings, stage
+        0 of num_stages, sending to the first stage process; no port of its own (no process)."""
+        if self.first_stage_layers is None:
+            return None
+        return derive(StageConfig, self, layers=self.first_stage_layers, stage_index=0, num_stages=self.num_stages,
+                      downstream=self.stage_addresses[0] if self.stage_addresses else None, host="",
+                      port=0, metrics_port=0).check()
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):

@@ -70,32 +70,42 @@ class LocalStages:
     """The stage processes of one plan, on loopback ports.
 
     `template` holds what every stage shares (model, dtype, runtime settings); each stage's
-    own fields (layers, index, ports, downstream) are filled in from the plan.
+    own fields (layers, index, ports, downstream) are filled in from the plan. With
+    `embed_first`, stage 0 runs inside the frontend (FrontendConfig.first_stage_layers) and the
+    processes here are stages 1 and after.
     """
 
     def __init__(self, template: StageConfig, plan: list[StagePlan], env: dict[str, str] | None = None,
-                 base_port: int = 0, metrics_ports: list[int] | None = None) -> None:
+                 base_port: int = 0, metrics_ports: list[int] | None = None, embed_first: bool = False) -> None:
         self.plan = plan
-        self.ports = [base_port + i if base_port else free_port() for i in range(len(plan))]
-        self.metrics_ports = metrics_ports or [free_port() for _ in plan]  # free ones for tests and bench
+        self.first_index = int(embed_first)
+        own = plan[self.first_index:]
+        self.ports = [base_port + i if base_port else free_port() for i in range(len(own))]
+        self.metrics_ports = metrics_ports or [free_port() for _ in own]  # free ones for tests and bench
         self.configs = [
             dataclasses.replace(
-                template, layers=(stage.layer_start, stage.layer_end), stage_index=i, num_stages=len(plan),
-                host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
-                downstream=self.addresses[i + 1] if i + 1 < len(plan) else None,
+                template, layers=(stage.layer_start, stage.layer_end), stage_index=self.first_index + i,
+                num_stages=len(plan), host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
+                downstream=self.addresses[i + 1] if i + 1 < len(own) else None,
             ).check()
-            for i, stage in enumerate(plan)
+            for i, stage in enumerate(own)
         ]
         # Idle stages on a shared CPU must not spin long in OpenMP barriers (the default spin
         # steals cores from the stage that is computing): measured on 2 cores, llama-150m, 2 stages,
         # 10k spins gave 0.92x the 1-stage tokens/s where the default gave 0.83x.
-        env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **(env or {})}
-        self.processes = [ManagedProcess(f"stage-{i}", CLI + ["stage", *to_argv(c)], env)
-                          for i, c in enumerate(self.configs)]
+        self.env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **(env or {})}
+        self.processes = [ManagedProcess(f"stage-{c.stage_index}", CLI + ["stage", *to_argv(c)], self.env)
+                          for c in self.configs]
+
+    @property
+    def first_stage_layers(self) -> tuple[int, int] | None:
+        """The embedded first stage's layer range (the frontend runs it), or None."""
+        first = self.plan[0]
+        return (first.layer_start, first.layer_end) if self.first_index else None
 
     @property
     def tls_dir(self) -> str | None:
-        return self.configs[0].tls_dir
+        return self.configs[0].tls_dir if self.configs else None
 
     @property
     def addresses(self) -> list[str]:
@@ -153,8 +163,10 @@ def stage_template(model: str, source: ServeConfig | None = None, **fields: Any)
     return derive(StageConfig, source, **placeholders) if source else StageConfig(**placeholders)
 
 
-def frontend_config(config: ServeConfig, model: str, addresses: list[str]) -> FrontendConfig:
-    return derive(FrontendConfig, config, model=model, stage_addresses=tuple(addresses)).check()
+def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0) -> FrontendConfig:
+    """The frontend of a local mesh: in front of `stages`, holding stage 0 itself when they embed it."""
+    return derive(FrontendConfig, config, model=model, stage_addresses=tuple(stages.addresses),
+                  first_stage_layers=stages.first_stage_layers, threads=threads).check()
 
 
 def scrape_config(frontend: str, stages: list[str]) -> str:
@@ -172,11 +184,13 @@ def run_serve(config: ServeConfig) -> int:
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
+    # (with the first stage embedded, the frontend process is the one that computes stage 0)
     threads = config.stage_threads or share_of_cpus(len(plan))
+    embed = config.embed_first_stage
     stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
-                         metrics_ports=config.stage_metrics_ports(len(plan)))
-    frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_config(config, model,
-                                                                                    stages.addresses))])
+                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed)
+    frontend_settings = frontend_config(config, model, stages, threads=threads if embed else 0)
+    frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 
     def request_stop(signum, _frame) -> None:
@@ -189,8 +203,8 @@ def run_serve(config: ServeConfig) -> int:
         stages.start()
         try:
             stages.wait_ready(stopping=lambda: stopping, on_ready=lambda i: print(
-                f"inferencemesh: stage {i} ready on {stages.addresses[i]} (metrics :{stages.metrics_ports[i]})",
-                flush=True))
+                f"inferencemesh: stage {stages.configs[i].stage_index} ready on {stages.addresses[i]} "
+                f"(metrics :{stages.metrics_ports[i]})", flush=True))
         except (RuntimeError, TimeoutError) as err:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
@@ -198,6 +212,9 @@ def run_serve(config: ServeConfig) -> int:
         host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
         print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
               + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
+        if embed:
+            print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)",
+                  flush=True)
         print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)
         while not stopping:
             time.sleep(0.5)

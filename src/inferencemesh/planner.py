@@ -3,7 +3,9 @@
 A stage's memory need is its layers' weight bytes, plus the embedding (first stage) and
 final norm + LM head (last stage; a tied head reuses the embedding matrix), plus a KV-cache
 reserve for its layers at the configured context length and session count, plus a fixed
-runtime overhead. Ranges are chosen to minimise the largest stage's share of its memory
+runtime overhead. A first stage embedded in the frontend process also holds what that process
+needs beside its layers (the draft model: `whole_model_bytes`), given as
+`PlanInputs.first_stage_reserved_bytes`. Ranges are chosen to minimise the largest stage's share of its memory
 budget, so a 24 GiB GPU takes more layers than a 16 GiB one.
 """
 
@@ -33,15 +35,19 @@ class StagePlan:
     layer_end: int  # exclusive
     weight_bytes: int
     kv_reserve_bytes: int
-    total_bytes: int
+    total_bytes: int  # weights + kv reserve + overhead + reserved
     memory_bytes: int | None  # the budget it was planned against, if any
+    reserved_bytes: int = 0  # held beside the layers by the process it runs in (the embedded first stage's draft)
 
     @property
     def num_layers(self) -> int:
         return self.layer_end - self.layer_start
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.reserved_bytes:  # absent when nothing is reserved: plans made before it keep their hash
+            del d["reserved_bytes"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class PlanInputs:
     tail_bytes: int  # final norm + LM head
     kv_bytes_per_layer: int
     overhead_bytes: int
+    # Bytes the first stage's process holds beside its layers: with the first stage embedded in the
+    # frontend, the draft model and its KV (whole_model_bytes). They count against stage 0's budget.
+    first_stage_reserved_bytes: int = 0
     _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -92,14 +101,36 @@ class PlanInputs:
         )
 
     def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
-        """(weights, kv reserve, total) for a stage holding layers [start, end)."""
+        """(weights, kv reserve, total) for a stage holding layers [start, end); the first stage's
+        total includes first_stage_reserved_bytes."""
         weights = self._prefix[end] - self._prefix[start]
         if start == 0:
             weights += self.embed_bytes
         if end == num_layers:
             weights += self.tail_bytes
         kv = self.kv_bytes_per_layer * (end - start)
-        return weights, kv, weights + kv + self.overhead_bytes
+        return weights, kv, weights + kv + self.overhead_bytes + self.reserved_bytes(start)
+
+    def reserved_bytes(self, start: int) -> int:
+        return self.first_stage_reserved_bytes if start == 0 else 0
+
+
+def whole_model_bytes(inputs: PlanInputs) -> int:
+    """Weights and KV reserve of a model held whole inside another stage's process (the draft beside
+    the embedded first stage): no runtime overhead of its own, that process already counts one."""
+    n = len(inputs.layer_bytes)
+    weights, kv, _ = inputs.stage_bytes(0, n, n)
+    return weights + kv
+
+
+def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bool, context_length: int,
+                        max_sessions: int) -> int:
+    """What the frontend's draft model holds beside an embedded first stage (its
+    first_stage_reserved_bytes): all its weights, and a KV cache per session at full context, in
+    the dtype the frontend loads it in (float32 on CPU, as frontend/draft.py does)."""
+    inputs = PlanInputs.from_checkpoint(draft, dtype="float32" if on_cpu else dtype, context_length=context_length,
+                                        max_sessions=max_sessions, overhead_bytes=0)
+    return whole_model_bytes(inputs)
 
 
 def parse_bytes(text: str) -> int:
@@ -158,11 +189,16 @@ def plan_stages(
     plan = []
     for index in range(num_stages):
         start, end = bounds[index], bounds[index + 1]
-        weights, kv, total = inputs.stage_bytes(start, end, num_layers)
-        plan.append(StagePlan(index, start, end, weights, kv, total, budgets[index] if budgets else None))
+        plan.append(_stage_plan(inputs, index, start, end, budgets))
     if budgets:
         _check_fits(plan)
     return plan
+
+
+def _stage_plan(inputs: PlanInputs, index: int, start: int, end: int, budgets: list[int] | None) -> StagePlan:
+    weights, kv, total = inputs.stage_bytes(start, end, len(inputs.layer_bytes))
+    return StagePlan(index, start, end, weights, kv, total, budgets[index] if budgets else None,
+                     inputs.reserved_bytes(start))
 
 
 def plan_auto(inputs: PlanInputs, memory_per_stage: int, max_stages: int = 64) -> list[StagePlan]:
@@ -209,8 +245,7 @@ def plan_explicit(
     budgets = _budgets(stage_memory, len(ordered))
     plan = []
     for index, (start, end) in enumerate(ordered):
-        weights, kv, total = inputs.stage_bytes(start, end, num_layers)
-        plan.append(StagePlan(index, start, end, weights, kv, total, budgets[index] if budgets else None))
+        plan.append(_stage_plan(inputs, index, start, end, budgets))
     if budgets:
         _check_fits(plan)
     return plan
@@ -231,9 +266,11 @@ def _budgets(stage_memory: list[int] | None, num_stages: int) -> list[int] | Non
 def _check_fits(plan: list[StagePlan]) -> None:
     for stage in plan:
         if stage.memory_bytes is not None and stage.total_bytes > stage.memory_bytes:
+            beside = (f" ({format_bytes(stage.reserved_bytes)} of it the frontend's draft beside the embedded "
+                      "first stage)" if stage.reserved_bytes else "")
             raise PlanError(
                 f"stage {stage.index} (layers {stage.layer_start}-{stage.layer_end - 1}) needs "
-                f"{format_bytes(stage.total_bytes)} but has {format_bytes(stage.memory_bytes)}: "
+                f"{format_bytes(stage.total_bytes)}{beside} but has {format_bytes(stage.memory_bytes)}: "
                 "the model does not fit the given memory; add stages or memory, or lower contextLength/maxSessions"
             )
 
@@ -246,4 +283,6 @@ def render_plan(plan: list[StagePlan]) -> str:
             f"{s.index:<6} [{s.layer_start:>3}, {s.layer_end:>3})  {format_bytes(s.weight_bytes):<12} "
             f"{format_bytes(s.kv_reserve_bytes):<12} {format_bytes(s.total_bytes):<12} {budget}"
         )
+    rows += [f"stage {s.index}'s total includes {format_bytes(s.reserved_bytes)} held beside its layers "
+             "(the frontend's draft: the stage runs embedded in the frontend)" for s in plan if s.reserved_bytes]
     return "\n".join(rows)

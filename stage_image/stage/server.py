@@ -172,13 +172,19 @@ class StageService(pb_grpc.StageServicer):
         self.is_first = options.stage_index == 0
         self.worker = self._worker(runtime) if runtime else None
         self.tls = tls.load(options.tls_dir)
-        self._downstream_channel = (
-            tls.aio_channel(options.downstream, self.tls, GRPC_OPTIONS) if options.downstream else None
-        )
-        self._downstream = pb_grpc.StageStub(self._downstream_channel) if self._downstream_channel else None
+        self._downstream_channel: grpc.aio.Channel | None = None  # made on first use, on the serving loop
         self._wire_dtype: torch.dtype | None = None
         self._last_log = 0.0
         self.metrics.set_state(self.state, self.progress)
+
+    @property
+    def _downstream(self) -> pb_grpc.StageStub:
+        """The stub of the next stage. A channel belongs to the event loop that makes it, so it
+        is made on first use (a stage embedded in the frontend is built before its loop runs)."""
+        if self._downstream_channel is None:
+            self._downstream_channel = tls.aio_channel(self.options.downstream, self.tls, GRPC_OPTIONS)
+            self._downstream_stub = pb_grpc.StageStub(self._downstream_channel)
+        return self._downstream_stub
 
     def _worker(self, runtime) -> StageWorker:
         return StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, metrics=self.metrics)
