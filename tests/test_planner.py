@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from inferencemesh.planner import PlanError, PlanInputs, parse_bytes, plan_auto, plan_explicit, plan_stages
+from inferencemesh.bundled import resolve_model
+from inferencemesh.planner import (
+    PlanError,
+    PlanInputs,
+    parse_bytes,
+    plan_auto,
+    plan_explicit,
+    plan_stages,
+    render_plan,
+)
 
 MIB = 1024**2
 
@@ -68,3 +79,75 @@ def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
     on_cpu = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, kv_dtype="float32")
     assert on_cpu.kv_bytes_per_layer == 2 * half.kv_bytes_per_layer
     assert on_cpu.layer_bytes == half.layer_bytes
+
+
+# ---- the first stage embedded in the frontend: stage 0's process also holds the draft ----------------------
+
+
+def test_a_first_stage_reserve_counts_against_stage_0_only() -> None:
+    from dataclasses import replace
+
+    plain = inputs(layers=8, embed_mib=0, tail_mib=0)
+    reserved = replace(plain, first_stage_reserved_bytes=300 * MIB)
+    # balanced by bytes: stage 0 gives up layers to the reserve it holds
+    assert [s.num_layers for s in plan_stages(plain, 2)] == [4, 4]
+    embedded = plan_stages(reserved, 2)
+    assert [s.num_layers for s in embedded] == [3, 5]
+    assert embedded[0].reserved_bytes == 300 * MIB and embedded[1].reserved_bytes == 0
+    assert embedded[0].total_bytes == 3 * 110 * MIB + 300 * MIB  # 3 layers of 100 MiB + 10 MiB KV, and the reserve
+    # a budget that holds the split without the reserve refuses it with the reserve, saying why
+    assert plan_explicit(plain, [(0, 4), (4, 8)], [450 * MIB])
+    with pytest.raises(PlanError, match=r"stage 0 \(layers 0-3\) needs 740.00 MiB \(300.00 MiB of it the "
+                                        r"frontend's draft beside the embedded first stage\) but has 450.00 MiB"):
+        plan_explicit(reserved, [(0, 4), (4, 8)], [450 * MIB])
+    # auto needs one stage more once stage 0 carries the reserve
+    assert len(plan_auto(plain, 450 * MIB)) == 2 and len(plan_auto(reserved, 450 * MIB)) == 3
+    # plans without a reserve keep their serialised form (the operator's plan hash)
+    assert "reserved_bytes" not in plan_stages(plain, 2)[0].to_dict()
+    assert embedded[0].to_dict()["reserved_bytes"] == 300 * MIB
+    assert "300.00 MiB held beside its layers" in render_plan(embedded)
+
+
+def _bundled_draft_bytes(context: int, sessions: int) -> int:
+    """The bundled draft's float32 weights and KV, counted from its files, not by the planner."""
+    import json
+
+    from safetensors import safe_open
+
+    from inferencemesh.bundled import DRAFT_MODEL, bundled_path
+
+    path = bundled_path(DRAFT_MODEL)
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    kv = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * context * sessions * config["num_hidden_layers"]
+    return params * 4 + kv
+
+
+def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
+    from inferencemesh.config import ServeConfig
+    from inferencemesh.plan_command import first_stage_reserve, plan_from_settings
+
+    def settings(**fields: object) -> ServeConfig:
+        return ServeConfig(device="cpu", max_context=256, max_sessions=4, **fields)
+
+    model = resolve_model(None)  # the bundled target, whose package declares the bundled draft
+    want = _bundled_draft_bytes(256, 4)
+    assert first_stage_reserve(settings(), model) == want  # serve embeds by default
+    assert first_stage_reserve(settings(embed_first_stage=False), model) == 0
+    assert first_stage_reserve(settings(speculative="ngram"), model) == 0  # no draft runs
+    assert first_stage_reserve(settings(no_draft=True), model) == 0
+    # the plan serve runs carries it on stage 0
+    _, plan = plan_from_settings(settings())
+    assert plan[0].reserved_bytes == want and all(s.reserved_bytes == 0 for s in plan[1:])
+    _, separate = plan_from_settings(settings(embed_first_stage=False))
+    assert plan[0].num_layers < separate[0].num_layers  # balanced by bytes, stage 0 makes room for the draft
+
+
+def test_an_unreadable_draft_reserves_nothing(tmp_path, capsys) -> None:
+    from inferencemesh.config import ServeConfig
+    from inferencemesh.plan_command import first_stage_reserve
+
+    config = ServeConfig(device="cpu", draft=str(tmp_path / "no-such-draft"))
+    assert first_stage_reserve(config, resolve_model(None)) == 0
+    assert "no room for it" in capsys.readouterr().err

@@ -5,19 +5,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointError, read_checkpoint
 from inferencemesh.config import ServeConfig
-from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes, plan_auto, plan_stages, render_plan
+from inferencemesh.planner import (
+    PlanError,
+    PlanInputs,
+    StagePlan,
+    draft_reserve_bytes,
+    parse_bytes,
+    plan_auto,
+    plan_stages,
+    render_plan,
+)
+from inferencemesh.speculation import choose_for_model
 
 
 def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: str | None, context_length: int,
-             max_sessions: int, revision: str | None = None, kv_dtype: str | None = None) -> list[StagePlan]:
-    """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory)."""
+             max_sessions: int, revision: str | None = None, kv_dtype: str | None = None,
+             first_stage_reserved_bytes: int = 0) -> list[StagePlan]:
+    """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory);
+    first_stage_reserved_bytes: what stage 0's process holds beside its layers (first_stage_reserve)."""
     facts = read_checkpoint(model, revision=revision)
     inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions,
-                                        kv_dtype=kv_dtype)
+                                        kv_dtype=kv_dtype, first_stage_reserved_bytes=first_stage_reserved_bytes)
     memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
     if str(stages) == "auto":
         if not memory or len(memory) != 1:
@@ -30,25 +43,53 @@ def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: 
     return plan_stages(inputs, count, memory)
 
 
-def _kv_dtype(device: str | None) -> str | None:
-    """Stages on CPU keep their KV cache in float32 (stage.attention); elsewhere in the model's dtype."""
+def _on_cpu(device: str | None) -> bool:
     if device == "auto":
         import torch  # only `serve` names a device; `plan` stays free of torch's start-up
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "float32" if device == "cpu" else None
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def _kv_dtype(device: str | None) -> str | None:
+    """Stages on CPU keep their KV cache in float32 (stage.attention); elsewhere in the model's dtype."""
+    return "float32" if _on_cpu(device) else None
+
+
+def first_stage_reserve(settings: ServeConfig | argparse.Namespace, model: str) -> int:
+    """Bytes the first stage's process holds beside its layers: with the first stage embedded in the
+    frontend (settings.embed_first_stage), the draft model the frontend will load, if it speculates
+    with one (the frontend's own decision, inferencemesh.speculation); else 0. `model`: the resolved
+    model. A draft that cannot be read reserves nothing: the frontend then serves without it."""
+    if not getattr(settings, "embed_first_stage", False):
+        return 0
+    choice = choose_for_model(Path(model) if Path(model).is_dir() else None,
+                              strategy=getattr(settings, "speculative", None), draft=getattr(settings, "draft", None),
+                              no_draft=getattr(settings, "no_draft", False))
+    if choice.strategy != "draft" or not choice.draft:
+        return 0
+    try:
+        draft = read_checkpoint(resolve_model(choice.draft))
+    except Exception as err:  # noqa: BLE001 - whatever stops the frontend loading it stops the reserve
+        print(f"note: draft model {choice.draft} is unreadable ({type(err).__name__}: {err}); the plan holds "
+              "no room for it", file=sys.stderr)
+        return 0
+    return draft_reserve_bytes(draft, dtype=settings.dtype, on_cpu=_on_cpu(settings.device),
+                               context_length=settings.max_context, max_sessions=settings.max_sessions)
 
 
 def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
     """The model (resolved) and its plan for `serve`'s config or `plan`'s arguments (the same
-    fields: model, revision, dtype, max_context, max_sessions, stages, stage_memory, device);
+    fields: model, revision, dtype, max_context, max_sessions, stages, stage_memory, device, and
+    where present embed_first_stage and the speculative options, for first_stage_reserve);
     None after printing why not."""
     model = resolve_model(settings.model)
     try:
         return model, plan_for(model, stages=settings.stages, stage_memory=settings.stage_memory,
                                dtype=settings.dtype, context_length=settings.max_context,
                                max_sessions=settings.max_sessions, revision=settings.revision,
-                               kv_dtype=_kv_dtype(settings.device))
+                               kv_dtype=_kv_dtype(settings.device),
+                               first_stage_reserved_bytes=first_stage_reserve(settings, model))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

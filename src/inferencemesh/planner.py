@@ -4,7 +4,7 @@ A stage's memory need is its layers' weight bytes, plus the embedding (first sta
 final norm + LM head (last stage; a tied head reuses the embedding matrix), plus a KV-cache
 reserve for its layers at the configured context length and session count, plus a fixed
 runtime overhead. A first stage embedded in the frontend process also holds what that process
-needs beside its layers (the draft model: `whole_model_bytes`), given as
+needs beside its layers (the draft model: `draft_reserve_bytes`), given as
 `PlanInputs.first_stage_reserved_bytes`. Ranges are chosen to minimise the largest stage's share of its memory
 budget, so a 24 GiB GPU takes more layers than a 16 GiB one.
 """
@@ -60,7 +60,7 @@ class PlanInputs:
     kv_bytes_per_layer: int
     overhead_bytes: int
     # Bytes the first stage's process holds beside its layers: with the first stage embedded in the
-    # frontend, the draft model and its KV (whole_model_bytes). They count against stage 0's budget.
+    # frontend, the draft model and its KV (draft_reserve_bytes). They count against stage 0's budget.
     first_stage_reserved_bytes: int = 0
     _prefix: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -83,6 +83,7 @@ class PlanInputs:
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
         kv_dtype: str | None = None,
+        first_stage_reserved_bytes: int = 0,
     ) -> PlanInputs:
         """kv_dtype: the KV cache's dtype when it differs from the weights' (CPU stages keep a
         half-precision model's cache in float32)."""
@@ -98,6 +99,7 @@ class PlanInputs:
             tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width),
             kv_bytes_per_layer=kv,
             overhead_bytes=overhead_bytes,
+            first_stage_reserved_bytes=first_stage_reserved_bytes,
         )
 
     def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
@@ -115,22 +117,19 @@ class PlanInputs:
         return self.first_stage_reserved_bytes if start == 0 else 0
 
 
-def whole_model_bytes(inputs: PlanInputs) -> int:
-    """Weights and KV reserve of a model held whole inside another stage's process (the draft beside
-    the embedded first stage): no runtime overhead of its own, that process already counts one."""
-    n = len(inputs.layer_bytes)
-    weights, kv, _ = inputs.stage_bytes(0, n, n)
-    return weights + kv
-
-
 def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bool, context_length: int,
                         max_sessions: int) -> int:
-    """What the frontend's draft model holds beside an embedded first stage (its
-    first_stage_reserved_bytes): all its weights, and a KV cache per session at full context, in
-    the dtype the frontend loads it in (float32 on CPU, as frontend/draft.py does)."""
+    """What the frontend's draft model holds beside an embedded first stage (that stage's
+    first_stage_reserved_bytes): all its weights, once (a tied head is the embedding matrix), and a
+    KV cache per session at full context, in the dtype the frontend loads it in (float32 on CPU, as
+    frontend/draft.py does). No runtime overhead of its own: the stage's process counts one."""
     inputs = PlanInputs.from_checkpoint(draft, dtype="float32" if on_cpu else dtype, context_length=context_length,
                                         max_sessions=max_sessions, overhead_bytes=0)
-    return whole_model_bytes(inputs)
+    n = len(inputs.layer_bytes)
+    weights, kv, _ = inputs.stage_bytes(0, n, n)
+    if not draft.group_bytes("head"):  # tied: stage_bytes counted the embedding again as the head
+        weights -= inputs.embed_bytes
+    return weights + kv
 
 
 def parse_bytes(text: str) -> int:
