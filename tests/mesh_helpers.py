@@ -17,9 +17,12 @@ from inferencemesh.planner import PlanInputs, plan_stages
 QUIET_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def start_mesh(model_dir: Path, stages: int, *, max_context: int = 256, **settings) -> LocalStages:
+def start_mesh(model_dir: Path, stages: int, *, max_context: int = 256, embed_first: bool = False,
+               **settings) -> LocalStages:
+    """The stage processes of a `stages`-stage plan (with embed_first, stages 1..: see embedded_pipeline)."""
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir)), stages)
-    mesh = LocalStages(stage_template(str(model_dir), max_context=max_context, **settings), plan, env=QUIET_THREADS)
+    mesh = LocalStages(stage_template(str(model_dir), max_context=max_context, **settings), plan, env=QUIET_THREADS,
+                       embed_first=embed_first)
     mesh.start()
     try:
         mesh.wait_ready(120)
@@ -27,6 +30,17 @@ def start_mesh(model_dir: Path, stages: int, *, max_context: int = 256, **settin
         mesh.stop()
         raise
     return mesh
+
+
+def embedded_pipeline(model_dir: Path, mesh: LocalStages, *, max_context: int = 256, **settings):
+    """The frontend's pipeline for a mesh started with embed_first: stage 0 in this process (built
+    from a FrontendConfig as `inferencemesh frontend` builds it), then the mesh's processes."""
+    from inferencemesh.config import FrontendConfig
+    from inferencemesh.frontend.main import build_pipeline
+
+    config = FrontendConfig(model=str(model_dir), stage_addresses=tuple(mesh.addresses), max_context=max_context,
+                            first_stage_layers=mesh.first_stage_layers, **settings).check()
+    return build_pipeline(config)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:

@@ -67,20 +67,28 @@ def test_openai_client_completions_and_chat(served) -> None:
     assert "".join(pieces) == chat.choices[0].message.content
 
 
+STAGE_SERIES = {"inferencemesh_stage_forward_seconds", "inferencemesh_stage_active_sessions",
+                "inferencemesh_stage_tokens"}
+
+
 def test_metrics_of_frontend_and_every_stage_parse(served) -> None:
+    """serve's default embeds stage 0 in the frontend: its series are on the frontend's page,
+    stage 1's on the stage process's own."""
     base, _, lines = served
     stage_ports = [int(m) for m in re.findall(r"metrics :(\d+)", "".join(lines))]
-    assert len(stage_ports) == 2, "".join(lines)
-    pages = {"frontend": httpx.get(f"{base}/metrics").text}
-    for i, port in enumerate(stage_ports):
-        pages[f"stage{i}"] = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert len(stage_ports) == 1 and "stage 0 runs inside the frontend" in "".join(lines), "".join(lines)
+    pages = {"frontend": httpx.get(f"{base}/metrics").text,
+             "stage1": httpx.get(f"http://127.0.0.1:{stage_ports[0]}/metrics").text}
     for name, text in pages.items():
-        names = {f.name for f in text_string_to_metric_families(text)}
+        families = list(text_string_to_metric_families(text))
+        names = {f.name for f in families}
+        stages = {s.labels["stage"] for f in families if f.name in STAGE_SERIES for s in f.samples}
+        assert STAGE_SERIES <= names, names
         if name == "frontend":
             assert {"inferencemesh_time_to_first_token_seconds", "inferencemesh_generation_tokens"} <= names
+            assert stages == {"0"}
         else:
-            assert {"inferencemesh_stage_forward_seconds", "inferencemesh_stage_active_sessions",
-                    "inferencemesh_stage_activation_bytes_sent"} <= names, names
+            assert "inferencemesh_stage_activation_bytes_sent" in names and stages == {"1"}
         if shutil.which("promtool"):
             check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
             assert check.returncode == 0, f"{name}: {check.stdout}{check.stderr}"
@@ -89,7 +97,7 @@ def test_metrics_of_frontend_and_every_stage_parse(served) -> None:
 def test_ctrl_c_stops_every_process(served) -> None:
     _, proc, lines = served
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
-    assert len(children.split()) == 3  # two stages and the frontend
+    assert len(children.split()) == 2  # stage 1 and the frontend, which holds stage 0
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, "".join(lines)
     time.sleep(1)

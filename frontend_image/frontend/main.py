@@ -15,21 +15,28 @@ from inferencemesh.cpus import compute_threads
 log = logging.getLogger("inferencemesh.frontend")
 
 
-def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
+def build_pipeline(config: FrontendConfig):
+    """The stages this frontend sends to: the stage processes at --stage-addresses, after the
+    embedded first stage when --first-stage-layers says this process runs one."""
     from inferencemesh import tls
-    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
     from inferencemesh.frontend.pipeline import GrpcPipeline
-    from inferencemesh.frontend.speculative import resolve_speculation
 
-    speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
-                                      device=config.device, max_context=config.max_context)
     first_stage = config.first_stage()
     embedded = None
     if first_stage is not None:
         from inferencemesh.stage.embedded import EmbeddedStage
 
         embedded = EmbeddedStage(first_stage)
-    pipeline = GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded)
+    return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded)
+
+
+def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
+    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.speculative import resolve_speculation
+
+    speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
+                                      device=config.device, max_context=config.max_context)
+    pipeline = build_pipeline(config)
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,

@@ -31,6 +31,9 @@ MSG_PVC_LAYOUT = "model.pvc needs model.layout: the operator does not mount the 
 MSG_DRAFT_NODRAFT = "speculative.draft and speculative.noDraft cannot both be set"
 MSG_DRAFT_STRATEGY = "speculative.draft is only used with strategy draft or auto"
 MSG_WINDOW = "speculative.window needs min <= initial <= max"
+MSG_EMBED_NODE_SELECTOR = ("frontend.embedFirstStage puts stage 0 in the frontend pod, which then needs both "
+                           "nodeSelectors: frontend.nodeSelector and stages.nodeSelector must not give one key "
+                           "different values")
 
 
 class SpecError(ValueError):
@@ -105,6 +108,7 @@ class SecretKeyRef(_Spec):
 
 
 class FrontendSpec(_Spec):
+    embed_first_stage: bool = False  # stage 0 runs in the frontend pod, which takes stage 0's place
     replicas: int = 1
     service: ServiceSpec = ServiceSpec()
     api_key: SecretKeyRef | None = Field(default=None, alias="apiKeySecret")
@@ -231,4 +235,7 @@ def validate(spec: MeshSpec) -> list[str]:
     w = sp.window
     if w is not None and w.policy == "adaptive" and not (w.min <= w.initial <= w.max):
         errors.append(MSG_WINDOW)
+    front = spec.frontend
+    if front.embed_first_stage and any(st.node_selector.get(k, v) != v for k, v in front.node_selector.items()):
+        errors.append(MSG_EMBED_NODE_SELECTOR)
     return errors

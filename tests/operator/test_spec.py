@@ -225,6 +225,11 @@ CASES = [
     ({"speculative": {"draft": "d", "strategy": "auto"}}, set()),
     ({"speculative": {"window": {"policy": "adaptive", "min": 5, "initial": 4, "max": 8}}}, {S.MSG_WINDOW}),
     ({"speculative": {"window": {"policy": "fixed", "min": 5, "initial": 4, "max": 2}}}, set()),
+    ({"frontend": {"embedFirstStage": True, "nodeSelector": {"gpu": "a100", "zone": "a"}},
+      "stages": {"nodeSelector": {"gpu": "h100"}}}, {S.MSG_EMBED_NODE_SELECTOR}),
+    ({"frontend": {"embedFirstStage": True, "nodeSelector": {"gpu": "h100", "zone": "a"}},
+      "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),  # agreeing keys merge
+    ({"frontend": {"nodeSelector": {"gpu": "a100"}}, "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),
 ]
 
 
@@ -249,6 +254,11 @@ _specs = st.fixed_dictionaries(
             "count": st.one_of(st.integers(1, 5), st.sampled_from(["auto", "x"])),
             "memory": st.lists(st.sampled_from(["1Gi", "2Gi"]), max_size=4),
             "ranges": st.lists(_range, max_size=4),
+            "nodeSelector": st.dictionaries(st.sampled_from(["gpu", "zone"]), st.sampled_from(["a", "b"])),
+        }),
+        "frontend": st.fixed_dictionaries({}, optional={
+            "embedFirstStage": st.booleans(),
+            "nodeSelector": st.dictionaries(st.sampled_from(["gpu", "zone"]), st.sampled_from(["a", "b"])),
         }),
         "speculative": st.fixed_dictionaries({}, optional={
             "strategy": st.sampled_from(["auto", "draft", "ngram", "none"]),
