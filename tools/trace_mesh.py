@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from inferencemesh.bench import EngineUnderTest, make_shape_model, prompt_ids, start_mesh
-from inferencemesh.config import DEFAULT_DRAFT_THREADS
 
 # (category, test on the stack's frames, root first). First match wins, so the specific come first.
 CATEGORIES: list[tuple[str, object]] = [
@@ -149,9 +148,10 @@ def main() -> None:
     flat = [ids for ids_of_set in pool.values() for ids in ids_of_set]
     prompts = [flat[i % len(flat)] for i in range(args.streams)]
     max_context = 1024
-    torch.set_num_threads(DEFAULT_DRAFT_THREADS)  # this process plays the frontend
     env = {"OMP_NUM_THREADS": str(args.stage_threads)} if args.stage_threads else None
-    stages, pipeline = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env)
+    mesh = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env)
+    stages, pipeline = mesh.stages, mesh.pipeline
+    torch.set_num_threads(mesh.threads)  # this process plays the frontend
     tmp = Path(args.raw_dir) if args.raw_dir else Path(tempfile.mkdtemp(prefix="trace-mesh-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:

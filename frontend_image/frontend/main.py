@@ -15,9 +15,10 @@ from inferencemesh.cpus import compute_threads
 log = logging.getLogger("inferencemesh.frontend")
 
 
-def build_pipeline(config: FrontendConfig):
+def build_pipeline(config: FrontendConfig, first_stage_runtime=None):
     """The stages this frontend sends to: the stage processes at --stage-addresses, after the
-    embedded first stage when --first-stage-layers says this process runs one."""
+    embedded first stage when --first-stage-layers says this process runs one (its layers loaded
+    in the background once the pipeline connects, unless given loaded: benchmarks)."""
     from inferencemesh import tls
     from inferencemesh.frontend.pipeline import GrpcPipeline
 
@@ -26,7 +27,7 @@ def build_pipeline(config: FrontendConfig):
     if first_stage is not None:
         from inferencemesh.stage.embedded import EmbeddedStage
 
-        embedded = EmbeddedStage(first_stage)
+        embedded = EmbeddedStage(first_stage, runtime=first_stage_runtime)
     return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded)
 
 

@@ -2,9 +2,9 @@
 
 GrpcPipeline talks to stage servers: frames go into stage 0's Session stream, predictions
 come from the last stage's Results stream. Stage 0 may be embedded in this process
-(inferencemesh.stage.embedded): it is then reached through a local stub of the same shape. inferencemesh.stage.inprocess.LocalPipeline runs
-the stages' own workers in one process with the same interface (benchmarks, tests); the
-engine cannot tell them apart.
+(inferencemesh.stage.embedded): it is then reached through a local stub of the same shape.
+inferencemesh.stage.inprocess.LocalPipeline runs the stages' own workers in one process with
+the same interface (benchmarks, tests); the engine cannot tell them apart.
 """
 
 from __future__ import annotations

@@ -232,7 +232,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.launcher import LocalStages
     from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
 
@@ -279,20 +278,20 @@ def run_bench(args: argparse.Namespace) -> int:
             configs.append(Config("hf-prompt-lookup", {"stages": 1, "speculative": "ngram", **common}, ids,
                                   HfPeer(target, args.new_tokens, prompt_lookup_num_tokens=4), threads))
 
-    meshes: list[LocalStages] = []
+    meshes: list[BenchMesh] = []
+    forms = _first_stage_forms(args)
     try:
-        pipelines = {}
+        pipelines = []  # (label, stage count, pipeline, this process's threads while it runs)
         for count in stage_counts:
-            if count == 1:
-                pipelines[1] = LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
-                                                           max_context=max_context)])
+            if count == 1:  # one process: the whole model in-process, whatever the form
+                pipelines.append(("in-process-1-stage", 1, LocalPipeline([StageRuntime(
+                    model_dir, 0, facts.num_layers, dtype=dtype_name, max_context=max_context)]), threads))
                 continue
-            stages, pipelines[count] = start_mesh(model_dir, dtype, count, max_context)
-            meshes.append(stages)
-        for count, pipeline in pipelines.items():
-            label = "in-process-1-stage" if count == 1 else f"grpc-{count}-stages"
-            # Across processes this one is the frontend, with the frontend's threads (config.DEFAULT_DRAFT_THREADS).
-            config_threads = threads if count == 1 else DEFAULT_DRAFT_THREADS
+            for form in forms:
+                mesh = start_mesh(model_dir, dtype, count, max_context, first_stage=form)
+                meshes.append(mesh)
+                pipelines.append((mesh.label, count, mesh.pipeline, mesh.threads))
+        for label, count, pipeline, config_threads in pipelines:
             for prompt_set, ids in prompts.items():
                 for strategy in strategies:
                     counter, proposer_for = None, None
@@ -311,8 +310,8 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
         results = [config.entry() for config in configs]
     finally:
-        for stages in meshes:
-            stages.stop()
+        for mesh in meshes:
+            mesh.stages.stop()
 
     report = {
         "model": str(model_dir), "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
@@ -324,6 +323,14 @@ def run_bench(args: argparse.Namespace) -> int:
     return _write_report(args, report)
 
 
+def _first_stage_forms(args: argparse.Namespace) -> list[str]:
+    forms = [f.strip() for f in args.first_stage.split(",") if f.strip()]
+    unknown = [f for f in forms if f not in FIRST_STAGE_FORMS]
+    if unknown or not forms:
+        raise SystemExit(f"bench: --first-stage {args.first_stage!r}: use {', '.join(FIRST_STAGE_FORMS)}")
+    return forms
+
+
 def _write_report(args: argparse.Namespace, report: dict) -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
     if args.json_out:
@@ -332,27 +339,54 @@ def _write_report(args: argparse.Namespace, report: dict) -> int:
     return 0
 
 
-def start_mesh(model_dir: Path, dtype: torch.dtype, count: int, max_context: int, env: dict | None = None):
-    """`count` stage processes on loopback gRPC, as `inferencemesh serve` plans and starts them:
-    (LocalStages, GrpcPipeline), ready."""
+# How a mesh's first stage runs: its own process ("process") or inside the frontend, here the
+# bench process ("embedded", what `serve` runs by default); and the label each form's results carry.
+FIRST_STAGE_FORMS = {"embedded": "embedded", "process": "grpc"}
+
+
+@dataclass
+class BenchMesh:
+    """Stage processes on loopback, as `inferencemesh serve` plans and starts them, and the
+    pipeline this process (the frontend) sends to; `threads`: this process's torch threads."""
+
+    stages: object  # launcher.LocalStages
+    pipeline: object  # frontend.pipeline.GrpcPipeline
+    threads: int
+    label: str
+
+
+def start_mesh(model_dir: Path, dtype: torch.dtype, count: int, max_context: int, env: dict | None = None,
+               first_stage: str = "process") -> BenchMesh:
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.frontend.pipeline import GrpcPipeline
+    from inferencemesh.config import FrontendConfig
+    from inferencemesh.frontend.main import build_pipeline
     from inferencemesh.launcher import LocalStages, stage_template
     from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.stage.runtime import StageRuntime
 
     dtype_name = str(dtype).removeprefix("torch.")
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir), dtype=dtype_name), count)
     # serve's threads rule (each stage its share of the cores) unless the variant sets OMP_NUM_THREADS
-    threads = 0 if env and "OMP_NUM_THREADS" in env else share_of_cpus(len(plan))
+    share = share_of_cpus(len(plan))
+    threads = 0 if env and "OMP_NUM_THREADS" in env else share
+    embed = first_stage == "embedded"
     stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context, threads=threads),
-                         plan, env=env)
+                         plan, env=env, embed_first=embed)
     stages.start()
     try:
         stages.wait_ready(600)
     except BaseException:
         stages.stop()
         raise
-    return stages, GrpcPipeline(stages.addresses)
+    frontend = FrontendConfig(model=str(model_dir), stage_addresses=tuple(stages.addresses), dtype=dtype_name,
+                              max_context=max_context, first_stage_layers=stages.first_stage_layers).check()
+    runtime = None
+    if embed:  # loaded here, before the clock runs (the frontend loads it in the background)
+        runtime = StageRuntime(model_dir, *stages.first_stage_layers, dtype=dtype_name, max_context=max_context)
+    own_threads = int(env["OMP_NUM_THREADS"]) if env and "OMP_NUM_THREADS" in env else share
+    label = f"{FIRST_STAGE_FORMS[first_stage]}-{count}-stage" + ("s" if count > 1 else "")
+    return BenchMesh(stages, build_pipeline(frontend, first_stage_runtime=runtime),
+                     own_threads if embed else DEFAULT_DRAFT_THREADS, label)
 
 
 def _speculation_setups(strategies: list[str], model_dir: Path, tokenizer, dtype: str, max_context: int) -> dict:
@@ -381,23 +415,28 @@ def _ratios(results: list[dict]) -> dict:
     hf = find("hf-generate")
     if base and hf:
         out["one_stage_vs_hf_generate"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
-    hops = {}
-    for r in results:
-        if r["label"].startswith("grpc-") and r.get("speculative") == "none" and base and r.get("prompts") == base.get(
-                "prompts"):
-            n = r["stages"]
-            out[f"stages_{n}_vs_1"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-            hops[str(n)] = round((r["tpot_ms_median"] - base["tpot_ms_median"]) / (n + 1), 3)
-    if hops:
-        out["per_hop_overhead_ms_by_stages"] = hops
-        out["per_hop_overhead_ms"] = max(hops.values())
+    for form, prefix in FIRST_STAGE_FORMS.items():
+        key = "" if form == "process" else f"{form}_"  # the stage-0-process keys keep their names
+        hops = {}
+        for r in results:
+            if r["label"].startswith(prefix + "-") and r.get("speculative") == "none" and base and r.get(
+                    "prompts") == base.get("prompts"):
+                n = r["stages"]
+                out[f"{key}stages_{n}_vs_1"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                # hops per token: frontend -> stage 0 -> ... -> frontend; one fewer with stage 0 embedded
+                hop_count = n + 1 if form == "process" else n
+                hops[str(n)] = round((r["tpot_ms_median"] - base["tpot_ms_median"]) / hop_count, 3)
+        if hops:
+            out[f"{key}per_hop_overhead_ms_by_stages"] = hops
+            out[f"{key}per_hop_overhead_ms"] = max(hops.values())
+        for prompt_set in ("code", "prose"):
+            none2 = find(f"{prefix}-2-stages", speculative="none", prompts=prompt_set)
+            for strategy in ("draft", "auto", "ngram"):
+                spec2 = find(f"{prefix}-2-stages+" + strategy, prompts=prompt_set)
+                if none2 and spec2:
+                    ratio = spec2["tokens_per_s"] / none2["tokens_per_s"]
+                    out[f"{key}{strategy}_vs_none_2_stages_{prompt_set}"] = round(ratio, 3)
     for prompt_set in ("code", "prose"):
-        none2 = find("grpc-2-stages", speculative="none", prompts=prompt_set)
-        for strategy in ("draft", "auto", "ngram"):
-            spec2 = find("grpc-2-stages+" + strategy, prompts=prompt_set)
-            if none2 and spec2:
-                ratio = spec2["tokens_per_s"] / none2["tokens_per_s"]
-                out[f"{strategy}_vs_none_2_stages_{prompt_set}"] = round(ratio, 3)
         ours = find("in-process-1-stage+draft", prompts=prompt_set)
         peer = find("hf-assisted", prompts=prompt_set)
         if ours and peer:
@@ -550,29 +589,33 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
                                  cycle(HF_BATCH), HfBatchPeer(target, args.new_tokens), threads)]
     forms = [f.strip() for f in args.attention.split(",") if f.strip()]
     thread_options = [t.strip() for t in args.stage_threads.split(",") if t.strip()]
-    meshes = []
+    meshes: list[BenchMesh] = []
+    first_stages = _first_stage_forms(args)
     try:
-        for count, form, stage_threads in [(c, f, t) for c in stage_counts for f in forms for t in thread_options]:
-            # Mesh variants compared in one run: the stages' batched attention form (attention.FORM_ENV)
-            # and their OpenMP threads ("default": as `serve` starts them, each stage its share of the cores).
+        variants = [(c, f, t, e) for c in stage_counts for f in forms for t in thread_options for e in first_stages]
+        for count, form, stage_threads, first_stage in variants:
+            # Mesh variants compared in one run: the stages' batched attention form (attention.FORM_ENV),
+            # their OpenMP threads ("default": as `serve` starts them, each stage its share of the cores)
+            # and where the first stage runs.
             env = {FORM_ENV: form, **({} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads})}
-            stages, pipeline = start_mesh(model_dir, dtype, count, max_context, env=env)
-            meshes.append(stages)
+            mesh = start_mesh(model_dir, dtype, count, max_context, env=env, first_stage=first_stage)
+            meshes.append(mesh)
             variant = ",".join([form] * (len(forms) > 1) + [f"threads={stage_threads}"] * (len(thread_options) > 1))
-            label = f"grpc-{count}-stage" + ("s" if count > 1 else "") + (f"[{variant}]" if variant else "")
+            label = mesh.label + (f"[{variant}]" if variant else "")
             for strategy in strategies:
                 proposer_for = None
                 if strategy != "none":
                     proposer_for = speculation[strategy].with_metrics(SpecCounter()).proposer_for
                 for level in levels:
                     # One engine per configuration, as the frontend would run it (its admission limit included).
-                    runner = EngineUnderTest(pipeline, args.new_tokens, max_context, proposer_for,
+                    runner = EngineUnderTest(mesh.pipeline, args.new_tokens, max_context, proposer_for,
                                              args.speculative_disable_by_batch_size)
                     name = label if strategy == "none" else f"{label}+{strategy}"
                     configs.append(ConcurrencyConfig(name, {"stages": count, "concurrency": level,
                                                             "speculative": strategy, "attention": form,
-                                                            "stage_threads": stage_threads, "variant": variant},
-                                                     cycle(level), EngineBurst(runner), DEFAULT_DRAFT_THREADS))
+                                                            "stage_threads": stage_threads, "variant": variant,
+                                                            "first_stage": first_stage},
+                                                     cycle(level), EngineBurst(runner), mesh.threads))
         load_before = os.getloadavg()
         print(f"  {len(configs)} configurations, {args.repeats} interleaved rounds, load average "
               f"{load_before[0]:.2f}", flush=True)
@@ -580,8 +623,8 @@ def run_concurrency(args: argparse.Namespace, model_dir: Path, dtype: torch.dtyp
         torch.set_num_threads(threads)
         results = [config.entry() for config in configs]
     finally:
-        for stages in meshes:
-            stages.stop()
+        for mesh in meshes:
+            mesh.stages.stop()
     report = {
         "model": str(model_dir), "shape": args.shape, "dtype": str(dtype).removeprefix("torch."),
         "new_tokens": args.new_tokens, "repeats": args.repeats, "concurrency": levels, "torch": torch.__version__,
@@ -599,7 +642,7 @@ def _attention_ratios(results: list[dict]) -> dict:
     """Each attention form's aggregate tokens/s over the per-session form's, per stage count and C."""
     out = {}
     def same(r: dict) -> tuple:
-        return r["stages"], r["concurrency"], r["speculative"], r.get("stage_threads")
+        return r["stages"], r["concurrency"], r["speculative"], r.get("stage_threads"), r.get("first_stage")
 
     base = {same(r): r for r in results if r.get("attention") == "per-session"}
     for r in results:
@@ -608,6 +651,8 @@ def _attention_ratios(results: list[dict]) -> dict:
             key = f"attention_{r['attention']}_vs_per_session_stages_{r['stages']}_concurrency_{r['concurrency']}"
             if r["variant"] and "threads=" in r["variant"]:
                 key += f"_threads_{r['stage_threads']}"
+            if r.get("first_stage") == "embedded":
+                key += "_embedded"
             out[key] = round(r["tokens_per_s"] / b["tokens_per_s"], 3)
     return out
 
@@ -622,7 +667,8 @@ def _concurrency_ratios(results: list[dict]) -> dict:
         if r["label"] == "hf-generate-batch":
             continue
         base = one.get((r["stages"], r["speculative"], r["label"]))
-        suffix = f"stages_{r['stages']}" + ("" if r["speculative"] == "none" else f"_{r['speculative']}")
+        suffix = ("embedded_" if r.get("first_stage") == "embedded" else "") + f"stages_{r['stages']}" + (
+            "" if r["speculative"] == "none" else f"_{r['speculative']}")
         if r["variant"]:  # several mesh variants in this run
             suffix += "_" + re.sub(r"\W+", "_", r["variant"])
         if base and r["concurrency"] != 1:

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--stage-threads", default="default",
                        help="with --concurrency, comma-separated OpenMP threads of the stage processes to compare "
                             "(default: as serve starts them, each its share of the cores), e.g. default,1")
+    bench.add_argument("--first-stage", default="embedded",
+                       help="comma-separated: where a mesh's first stage runs, embedded (in the frontend, here the "
+                            "bench process: serve's default) and/or process (a stage process of its own)")
     bench.add_argument("--speculative-disable-by-batch-size", type=int,
                        default=DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
                        help="with --concurrency, no speculation while this many streams run, as the frontend "
