@@ -48,6 +48,7 @@ class ModelInfo:
     inputs: PlanInputs
     source: str  # "layout" | "bundled" | "local" | "hub"
     package_draft: PackageDraft | None = None
+    model_dir: Path | None = None  # where the operator read a bundled or local model (a package's relative draft)
 
 
 def resolve_bundled(name: str) -> Path:
@@ -108,17 +109,31 @@ class ModelFacts:
             return ModelInfo(inputs_from_layout(spec), "layout")
         if model.name.startswith(BUNDLED_PREFIX):
             path = resolve_bundled(model.name)
-            return ModelInfo(self._local_inputs(path, spec), "bundled", read_package_draft(path))
+            return ModelInfo(self._local_inputs(path, spec), "bundled", read_package_draft(path), path)
         if model.name.startswith("/"):
             path = Path(model.name)
             if not path.is_dir():
                 raise CheckpointError(f"{model.name}: not a directory the operator can read; "
                                       "give model.layout, or use a hub id or bundled://NAME")
-            return ModelInfo(self._local_inputs(path, spec), "local", read_package_draft(path))
+            return ModelInfo(self._local_inputs(path, spec), "local", read_package_draft(path), path)
         if not HUB_ID.fullmatch(model.name):
             raise CheckpointError(f"{model.name!r} is not a hub id (org/name), bundled://NAME or an absolute path")
         facts = self._hub_facts(model.name, model.revision)
         return ModelInfo(self._inputs(facts, spec), "hub")
+
+    def draft_facts(self, draft: str, info: ModelInfo) -> CheckpointFacts:
+        """The checkpoint facts of a draft model the frontend will load: bundled://NAME, an absolute
+        path, a path relative to the model package (as model-package.json names it), or a hub id.
+        Raises CheckpointError (the operator cannot read it) or ModelUnavailable (retry)."""
+        if draft.startswith(BUNDLED_PREFIX):
+            return read_local(resolve_bundled(draft))
+        if draft.startswith("/"):
+            return read_local(draft)
+        if info.model_dir is not None and (draft.startswith(".") or (info.model_dir / draft).exists()):
+            return read_local((info.model_dir / draft).resolve())
+        if not HUB_ID.fullmatch(draft):
+            raise CheckpointError(f"{draft!r} is not a hub id (org/name), bundled://NAME or a path the operator reads")
+        return self._hub_facts(draft, None)
 
     def _local_inputs(self, path: Path, spec: MeshSpec) -> PlanInputs:
         return self._inputs(read_local(path), spec)

@@ -2,22 +2,27 @@
 
 The ranges come from the data plane's planner (inferencemesh.planner), the same one
 `inferencemesh serve` uses. This module only bounds its work (hostile specs must not stall the
-operator) and asks the shared speculation rule what the frontend will run, for the status.
+operator) and asks the shared speculation rule what the frontend will run, for the status and,
+with the first stage embedded in the frontend, for the draft that stage 0's memory must also hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from inferencemesh.operator.modelfacts import ModelInfo
+from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo
 from inferencemesh.operator.spec import MAX_STAGES, MeshSpec
 from inferencemesh.planner import (
     PlanError,
     PlanInputs,
     StagePlan,
+    draft_reserve_bytes,
+    format_bytes,
     parse_bytes,
     plan_auto,
     plan_explicit,
@@ -34,12 +39,17 @@ class Plan:
     stages: tuple[StagePlan, ...]
     model_source: str
     speculative: SpeculativeChoice
+    # Stage 0 runs in the frontend pod (spec.frontend.embedFirstStage): no stage-0 objects of its own.
+    embedded_first_stage: bool = False
+    note: str = ""  # for the Planned condition's message
 
     def to_dict(self) -> dict:
         return {
             "modelSource": self.model_source,
             "stages": [s.to_dict() for s in self.stages],
             "speculative": {"strategy": self.speculative.strategy, "reason": self.speculative.reason},
+            # only when set: plans made before the option keep their hash
+            **({"embeddedFirstStage": True} if self.embedded_first_stage else {}),
         }
 
     @property
@@ -69,9 +79,13 @@ def stage_memory_budgets(spec: MeshSpec) -> tuple[list[int] | None, str]:
     if spec.stages.memory:
         return [parse_bytes(m) for m in spec.stages.memory], "stages.memory"
     limit = ((spec.stages.resources or {}).get("limits") or {}).get("memory")
-    if limit and (spec.stages.device == "cpu" or not spec.stages.gpus):
+    if limit and stages_on_cpu(spec):
         return [parse_bytes(str(limit))], f"stages.resources.limits.memory ({limit})"
     return None, "none"
+
+
+def stages_on_cpu(spec: MeshSpec) -> bool:
+    return spec.stages.device == "cpu" or not spec.stages.gpus
 
 
 @lru_cache(maxsize=256)
@@ -97,5 +111,28 @@ def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
                               declared=declared)
 
 
-def make_plan(spec: MeshSpec, info: ModelInfo) -> Plan:
-    return Plan(tuple(plan_layers(spec, info.inputs)), info.source, resolve_speculative(spec, info))
+def first_stage_reserve(spec: MeshSpec, info: ModelInfo, choice: SpeculativeChoice,
+                        facts: ModelFacts) -> tuple[int, str]:
+    """What stage 0's process holds beside its layers, and a note for the Planned message: with the
+    first stage embedded, the draft the frontend will load (plan_command.first_stage_reserve is the
+    same rule for `serve`). A draft the operator cannot read reserves nothing, and the note says so;
+    a hub outage raises ModelUnavailable (retried, like the model's own)."""
+    if not spec.frontend.embed_first_stage:
+        return 0, ""
+    if choice.strategy != "draft" or not choice.draft:
+        return 0, "stage 0 runs in the frontend"
+    try:
+        draft = facts.draft_facts(choice.draft, info)
+        reserved = draft_reserve_bytes(draft, dtype=spec.model.dtype, on_cpu=stages_on_cpu(spec),
+                                       context_length=spec.context_length, max_sessions=spec.max_sessions)
+    except (CheckpointError, PlanError, OSError, ValueError, KeyError) as exc:
+        return 0, (f"stage 0 runs in the frontend; its draft {choice.draft} is unreadable here "
+                   f"({type(exc).__name__}: {exc}), so stage 0's plan holds no room for it")
+    return reserved, f"stage 0 runs in the frontend, with its draft {choice.draft} ({format_bytes(reserved)})"
+
+
+def make_plan(spec: MeshSpec, info: ModelInfo, facts: ModelFacts | None = None) -> Plan:
+    choice = resolve_speculative(spec, info)
+    reserved, note = first_stage_reserve(spec, info, choice, facts or ModelFacts())
+    inputs = dataclasses.replace(info.inputs, first_stage_reserved_bytes=reserved) if reserved else info.inputs
+    return Plan(tuple(plan_layers(spec, inputs)), info.source, choice, spec.frontend.embed_first_stage, note)

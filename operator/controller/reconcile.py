@@ -137,7 +137,7 @@ class Reconciler:
             return PlanOutcome(None, "False", "InvalidSpec", "; ".join(errors))
         try:
             info = self.facts.info(spec)
-            plan = make_plan(spec, info)
+            plan = make_plan(spec, info, self.facts)
         except ModelUnavailable as exc:
             result.retry_after = RETRY_SECONDS
             return PlanOutcome(None, "Unknown", "ModelUnavailable", f"{exc}; retrying every {RETRY_SECONDS:.0f}s")
@@ -148,7 +148,9 @@ class Reconciler:
         except (OSError, ValueError, KeyError, TypeError) as exc:  # a malformed checkpoint: permanent
             return PlanOutcome(None, "False", "ModelUnreadable", f"{type(exc).__name__}: {exc}")
         ranges = ", ".join(f"[{s.layer_start}, {s.layer_end})" for s in plan.stages)
-        return PlanOutcome(plan, "True", "Planned", f"{len(plan.stages)} stages, layers {ranges} ({info.source} model)")
+        note = f"; {plan.note}" if plan.note else ""
+        return PlanOutcome(plan, "True", "Planned",
+                           f"{len(plan.stages)} stages, layers {ranges} ({info.source} model){note}")
 
     def _converge(self, mesh: dict, desired: list[dict], live: dict[str, list[dict]], result: Result) -> None:
         uid = mesh["metadata"]["uid"]

@@ -5,8 +5,9 @@ difference; unit tests (tests/operator/test_render.py) check these objects witho
 
 Per mesh:  ConfigMap <base>-plan; per stage i a Deployment + Service <base>-stage-<i> and a
 NetworkPolicy <base>-stage-<i> (gRPC only from the frontend and stage i-1); the frontend
-Deployment + Service <base>-frontend. All carry an owner reference to the mesh (kopf.adopt), so
-deleting the mesh garbage-collects them.
+Deployment + Service <base>-frontend. With spec.frontend.embedFirstStage, stage 0 runs inside the
+frontend pod: no stage-0 objects, and the frontend pod takes stage 0's resources and placement.
+All carry an owner reference to the mesh (kopf.adopt), so deleting the mesh garbage-collects them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 import kopf
 from kubernetes.utils.quantity import parse_quantity
@@ -49,6 +51,10 @@ LABEL_STAGE = "inferencemesh.io/stage"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 HASH_ANNOTATION = "inferencemesh.io/spec-hash"
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# Loading a large range can take minutes: a pod that loads layers holds liveness off this long (30 min).
+LAYERS_STARTUP_PROBE = {"periodSeconds": 10, "failureThreshold": 180}
 
 _DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _BASE_MAX = 40  # leaves room for "-stage-63" / "-frontend" within a 63-character Service name
@@ -222,15 +228,59 @@ def _meta(name: str, namespace: str, labels: dict[str, str], annotations: dict |
 
 # ---- the children --------------------------------------------------------------------------
 
-def stage_threads(spec: MeshSpec) -> int:
-    """A stage's compute threads. With a CPU limit, 0: the stage reads its cgroup quota. Without
-    one, its CPU request rounded up: torch would otherwise size its team by the node's cores, and
-    stage pods sharing a node would preempt each other mid-kernel."""
+def stage_threads(spec: MeshSpec, *, shares_pod: bool = False) -> int:
+    """A stage's compute threads. With a CPU limit, 0: the stage reads its cgroup quota, unless it
+    shares its pod (the embedded first stage: the pod's quota is the stage's plus the frontend's),
+    then the limit rounded up. Without one, its CPU request rounded up: torch would otherwise size
+    its team by the node's cores, and stage pods sharing a node would preempt each other mid-kernel."""
     resources = spec.stages.resources or {}
-    if (resources.get("limits") or {}).get("cpu"):
-        return 0
+    limit = (resources.get("limits") or {}).get("cpu")
+    if limit:
+        return max(1, math.ceil(parse_quantity(str(limit)))) if shares_pod else 0
     request = (resources.get("requests") or {}).get("cpu")
     return max(1, math.ceil(parse_quantity(str(request)))) if request else 0
+
+
+def _stage_compute(spec: MeshSpec, *, shares_pod: bool = False) -> dict:
+    """How a stage computes (StageConfig fields, and FrontendConfig's for the embedded first stage)."""
+    return {"device": spec.stages.device, "max_batch_tokens": spec.stages.max_batch_tokens,
+            "threads": stage_threads(spec, shares_pod=shares_pod)}
+
+
+def _stage_resources(spec: MeshSpec) -> dict:
+    """The container resources of a stage: stages.resources with the stages.gpus GPU limit."""
+    resources = copy.deepcopy(spec.stages.resources)
+    if spec.stages.gpus:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.stages.gpus
+    return resources
+
+
+def _format_quantity(value: Decimal) -> str:
+    if value == value.to_integral_value():
+        n = int(value)
+        for suffix, size in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
+            if n >= size and n % size == 0:
+                return f"{n // size}{suffix}"
+        return str(n)
+    millis = value * 1000
+    return f"{int(millis)}m" if millis == millis.to_integral_value() else str(value)
+
+
+def sum_resources(*parts: dict) -> dict:
+    """Container resources of one container doing the work of several: each requests/limits entry
+    summed over the parts that set it (a limit only one part sets is that part's)."""
+    total: dict = {}
+    for part in parts:
+        for section, amounts in (part or {}).items():
+            if not isinstance(amounts, dict):  # e.g. `claims`: not a quantity map, kept as given
+                total.setdefault(section, copy.deepcopy(amounts))
+                continue
+            into = total.setdefault(section, {})
+            for name, amount in amounts.items():
+                into[name] = (parse_quantity(str(into[name])) if name in into else Decimal(0)) \
+                    + parse_quantity(str(amount))
+    return {section: {k: _format_quantity(v) for k, v in amounts.items()} if isinstance(amounts, dict) else amounts
+            for section, amounts in total.items()}
 
 
 def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions) -> dict:
@@ -240,13 +290,10 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
     config = StageConfig(
         **_shared_options(spec), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
         port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
-        downstream=stage_address(base, ns, index + 1) if index + 1 < n else None,
-        device=spec.stages.device, max_batch_tokens=spec.stages.max_batch_tokens, threads=stage_threads(spec),
+        downstream=stage_address(base, ns, index + 1) if index + 1 < n else None, **_stage_compute(spec),
     ).check()
     args = ["stage", *to_argv(config)]
-    resources = copy.deepcopy(spec.stages.resources)
-    if spec.stages.gpus:
-        resources.setdefault("limits", {})["nvidia.com/gpu"] = spec.stages.gpus
+    resources = _stage_resources(spec)
     ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"}]
     if spec.metrics:
         ports.append({"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"})
@@ -261,8 +308,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
         "volumeMounts": mounts,
         "resources": resources,
         "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
-        # Loading a large range can take minutes: the startup probe holds liveness off until the port opens.
-        "startupProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 10, "failureThreshold": 180},
+        "startupProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, **LAYERS_STARTUP_PROBE},
         "livenessProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 20, "failureThreshold": 3},
         "readinessProbe": _grpc_probe(spec, opts, stage_address(base, ns, index).rsplit(":", 1)[0],
                                       periodSeconds=5, failureThreshold=2),
@@ -302,11 +348,12 @@ def render_stage_service(mesh: dict, spec: MeshSpec, index: int) -> dict:
     }
 
 
-def render_stage_network_policy(mesh: dict, spec: MeshSpec, index: int) -> dict:
-    """Stage i accepts gRPC only from the frontend and stage i-1; metrics stay open to scrapers."""
+def render_stage_network_policy(mesh: dict, spec: MeshSpec, plan: Plan, index: int) -> dict:
+    """Stage i accepts gRPC only from the frontend and stage i-1 (for stage 1 of an embedded first
+    stage, the frontend is stage 0); metrics stay open to scrapers."""
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     peers = [{"podSelector": {"matchLabels": frontend_selector(base)}}]
-    if index > 0:
+    if index > 0 and not (index == 1 and plan.embedded_first_stage):
         peers.append({"podSelector": {"matchLabels": stage_selector(base, index - 1)}})
     ingress = [{"from": peers, "ports": [{"protocol": "TCP", "port": STAGE_GRPC_PORT}]}]
     if spec.metrics:
@@ -323,12 +370,20 @@ def render_stage_network_policy(mesh: dict, spec: MeshSpec, index: int) -> dict:
     }
 
 
+def remote_stages(plan: Plan) -> range:
+    """The indexes of the stages that run as stage pods: all but an embedded first stage."""
+    return range(1 if plan.embedded_first_stage else 0, len(plan.stages))
+
+
 def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     sp = spec.speculative
+    first = plan.stages[0]
+    embedded = ({"first_stage_layers": (first.layer_start, first.layer_end), **_stage_compute(spec, shares_pod=True)}
+                if plan.embedded_first_stage else {})
     config = FrontendConfig(
-        **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in range(len(plan.stages))),
-        port=FRONTEND_PORT, api_key_env=API_KEY_ENV,
+        **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
+        port=FRONTEND_PORT, api_key_env=API_KEY_ENV, **embedded,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None,
         **({} if sp.disable_by_batch_size is None else {"speculative_disable_by_batch_size": sp.disable_by_batch_size}),
@@ -342,7 +397,9 @@ def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: Ren
     if spec.frontend.api_key_secret:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}})
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec)  # the model claim too: an embedded first stage loads its layers here
+    embedded = plan.embedded_first_stage
+    health = {"httpGet": {"path": "/health", "port": "http"}}
     container = {
         "name": "frontend",
         "image": spec.images.frontend or opts.frontend_image,
@@ -351,27 +408,42 @@ def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: Ren
         "env": env,
         "ports": [{"name": "http", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
-        "resources": copy.deepcopy(spec.frontend.resources),
+        # The embedded first stage's pod does stage 0's work and the frontend's.
+        "resources": (sum_resources(_stage_resources(spec), spec.frontend.resources) if embedded
+                      else copy.deepcopy(spec.frontend.resources)),
         "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+        "startupProbe": {**health, **(LAYERS_STARTUP_PROBE if embedded else {"periodSeconds": 5,
+                                                                            "failureThreshold": 120})},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
         # /ready is true only while every stage answers SERVING.
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
     }
     selector = frontend_selector(base)
     labels = {**mesh_labels(base), **selector}
+    annotations = _metrics_annotations(spec, FRONTEND_PORT)
+    if embedded:
+        annotations["inferencemesh.io/layers"] = f"{plan.stages[0].layer_start}:{plan.stages[0].layer_end}"
+        # Stage 0's place: its hardware (both nodeSelectors; spec.validate refuses a key they disagree on).
+        placement = {"node_selector": {**spec.frontend.node_selector, **spec.stages.node_selector},
+                     "tolerations": (*spec.stages.tolerations, *spec.frontend.tolerations),
+                     "affinity": spec.stages.affinity}
+    else:
+        placement = {"node_selector": spec.frontend.node_selector, "tolerations": spec.frontend.tolerations,
+                     "affinity": None}
+    # A pod holding a GPU never surges: a spare GPU for the new pod rarely exists, and the rollout would stall.
+    holds_gpu = embedded and spec.stages.gpus > 0
+    rolling = {"maxUnavailable": 1, "maxSurge": 0} if holds_gpu else {"maxUnavailable": 0, "maxSurge": 1}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(frontend_name(base), ns, labels),
         "spec": {
             "replicas": spec.frontend.replicas,
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels, "annotations": _metrics_annotations(spec, FRONTEND_PORT)},
-                "spec": _pod_spec(spec, container, volumes, node_selector=spec.frontend.node_selector,
-                                  tolerations=spec.frontend.tolerations, affinity=None),
+                "metadata": {"labels": labels, "annotations": annotations},
+                "spec": _pod_spec(spec, container, volumes, **placement),
             },
         },
     }
@@ -408,10 +480,10 @@ def render_plan_configmap(mesh: dict, spec: MeshSpec, plan: Plan) -> dict:
 def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> list[dict]:
     """Every child of the mesh, owned by it and stamped with a hash of its own content."""
     children = [render_plan_configmap(mesh, spec, plan)]
-    for i in range(len(plan.stages)):
+    for i in remote_stages(plan):
         children += [render_stage_deployment(mesh, spec, plan, i, opts),
                      render_stage_service(mesh, spec, i),
-                     render_stage_network_policy(mesh, spec, i)]
+                     render_stage_network_policy(mesh, spec, plan, i)]
     children += [render_frontend_deployment(mesh, spec, plan, opts), render_frontend_service(mesh, spec)]
     kopf.adopt(children, owner=mesh)
     for child in children:

@@ -3,7 +3,8 @@
 Conditions (each with reason and message):
   Planned        True once layer ranges exist; False for an impossible spec (terminal until edited);
                  Unknown while the model cannot be read yet (retried).
-  StagesReady    every stage Deployment has its up-to-date pod ready.
+  StagesReady    every stage Deployment has its up-to-date pod ready (a first stage embedded in the
+                 frontend is ready when the frontend Deployment is: it has no Deployment of its own).
   FrontendReady  the frontend Deployment has its replicas ready (its /ready needs every stage SERVING).
   Ready          Planned and StagesReady and FrontendReady.
   Degraded       a pod of the mesh is failing (crash loop, image pull, OOM, failed), or readiness was
@@ -155,9 +156,11 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     else:
         entries, not_ready = [], []
         for s in plan.stages:
-            name = stage_name(base, s.index)
+            embedded = plan.embedded_first_stage and s.index == 0
+            # The embedded first stage lives and is ready in the frontend's pods (whose /ready needs it SERVING).
+            name = frontend_name(base) if embedded else stage_name(base, s.index)
             ready = deployment_ready(deployments.get(name))
-            mine = stage_pods.get(str(s.index), [])
+            mine = frontend_pods if embedded else stage_pods.get(str(s.index), [])
             newest = _newest(mine)
             entries.append({
                 "index": s.index, "layerStart": s.layer_start, "layerEnd": s.layer_end,
@@ -166,10 +169,11 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
                 # No pod: leave the key out. An empty string here made kube-apiserver 1.20's merge patch
                 # store null and refuse the whole status (seen, and reproduced, in the cluster tests).
                 "ready": ready, **({"pod": newest["metadata"]["name"]} if newest else {}),
-                "address": stage_address(base, ns, s.index),
+                **({"embedded": True} if embedded else {"address": stage_address(base, ns, s.index)}),
             })
             if not ready:
-                not_ready.append(f"stage {s.index} ({_pending_reason(mine)})")
+                where = "in the frontend: " if embedded else ""
+                not_ready.append(f"stage {s.index} ({where}{_pending_reason(mine)})")
         status["stages"] = entries
         stages_ok = not not_ready
         n = len(plan.stages)

@@ -182,3 +182,37 @@ def test_a_cpu_stages_memory_limit_is_its_budget() -> None:
     with pytest.raises(PlanError, match="limits.memory"):
         plan_layers(cpu_spec("64Mi"), inputs)
     assert len(plan_layers(cpu_spec("1Gi"), inputs)) == 2
+
+
+def test_an_embedded_first_stage_holds_the_packages_draft(tmp_path: Path, make_model: object) -> None:
+    """Stage 0's memory must also hold the draft the frontend loads beside it: the operator reads the
+    draft the model package names (relative to the package) and counts it against stage 0 only."""
+    from inferencemesh.planner import draft_reserve_bytes
+
+    target = make_model(tmp_path / "target", layers=4, package_draft="../draft")
+    draft = make_model(tmp_path / "draft", layers=2, hidden=32, intermediate=64)
+
+    def plan_for(stages: dict | None = None, **fields: object) -> object:
+        s = parse_spec({"model": {"name": str(target)}, "contextLength": 64, "maxSessions": 2,
+                        "stages": {"count": 2, "gpus": 0, "device": "cpu", **(stages or {})}, **fields})
+        return make_plan(s, ModelFacts().info(s), ModelFacts())
+
+    embed = {"embedFirstStage": True}
+    separate, embedded = plan_for(), plan_for(frontend=embed)
+    want = draft_reserve_bytes(read_local(draft), dtype="auto", on_cpu=True, context_length=64, max_sessions=2)
+    assert want > 0 and separate.stages[0].reserved_bytes == 0
+    assert embedded.embedded_first_stage and embedded.stages[0].reserved_bytes == want
+    assert embedded.stages[1].reserved_bytes == 0 and embedded.hash != separate.hash
+    assert "with its draft ../draft" in embedded.note and "embeddedFirstStage" in embedded.to_dict()
+    assert "embeddedFirstStage" not in separate.to_dict()
+    # no draft runs: nothing reserved; an unreadable draft: nothing reserved, and the note says why
+    assert plan_for(frontend=embed, speculative={"strategy": "ngram"}).stages[0].reserved_bytes == 0
+    lost = plan_for(frontend=embed, speculative={"draft": str(tmp_path / "missing")})
+    assert lost.stages[0].reserved_bytes == 0 and "unreadable here" in lost.note
+    # a budget that holds stage 0's layers but not the draft beside them is refused, naming the draft
+    assert [(p.layer_start, p.layer_end) for p in separate.stages] == [(0, 2), (2, 4)]
+    pinned = {"ranges": [{"start": 0, "end": 2}, {"start": 2, "end": 4}],
+              "memory": [str(separate.stages[0].total_bytes + want // 2)]}
+    assert plan_for(pinned).stages[0].total_bytes < int(pinned["memory"][0])
+    with pytest.raises(PlanError, match="of it the frontend's draft beside the embedded first stage"):
+        plan_for(pinned, frontend=embed)

@@ -134,3 +134,21 @@ def test_scaled_to_zero_frontend() -> None:
     st = compute_status(mesh(), spec, PLANNED, deps, [], "T1")
     assert conds(st)["FrontendReady"] == ("False", "ScaledToZero") and st["frontendReplicas"] == 0
     assert st["frontendSelector"] == "inferencemesh.io/mesh=code,app.kubernetes.io/component=frontend"
+
+
+def test_an_embedded_first_stage_is_ready_with_the_frontend_not_a_stage_0_deployment() -> None:
+    plan = Plan(PLAN.stages, "local", PLAN.speculative, embedded_first_stage=True)
+    outcome = PlanOutcome(plan, "True", "Planned", "2 stages")
+    spec = parse_spec({"model": {"name": "org/m"}, "frontend": {"embedFirstStage": True}})
+    only_stage_1 = {"code-stage-1": deployment("code-stage-1", 1)}
+    st = compute_status(mesh(), spec, outcome, {**only_stage_1, "code-frontend": deployment("code-frontend", 0)},
+                        [pod("f0", "frontend")], "T1")
+    assert st["stagesSummary"] == "1/2" and conds(st)["StagesReady"] == ("False", "StagesNotReady")
+    message = next(c["message"] for c in st["conditions"] if c["type"] == "StagesReady")
+    assert "stage 0 (in the frontend: pod f0 is Pending)" in message
+    first = st["stages"][0]
+    assert first["embedded"] is True and "address" not in first and first["pod"] == "f0" and not first["ready"]
+    assert st["stages"][1]["address"] == "code-stage-1.ml.svc:50051"
+    ready = compute_status(mesh(), spec, outcome, {**only_stage_1, "code-frontend": deployment("code-frontend", 1)},
+                           [], "T1")  # no stage-0 Deployment exists, and none is waited for
+    assert ready["phase"] == "Ready" and ready["stagesSummary"] == "2/2" and ready["stages"][0]["ready"]
