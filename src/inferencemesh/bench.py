@@ -284,8 +284,13 @@ def run_bench(args: argparse.Namespace) -> int:
         pipelines = []  # (label, stage count, pipeline, this process's threads while it runs)
         for count in stage_counts:
             if count == 1:  # one process: the whole model in-process, whatever the form
-                pipelines.append(("in-process-1-stage", 1, LocalPipeline([StageRuntime(
-                    model_dir, 0, facts.num_layers, dtype=dtype_name, max_context=max_context)]), threads))
+                whole = LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
+                                                    max_context=max_context)])
+                pipelines.append(("in-process-1-stage", 1, whole, threads))
+                # The split's baseline: one stage with the compute each stage of the split has (its
+                # share of the cores), as one GPU against one GPU per stage.
+                for shared in sorted({share_of_cpus(c) for c in stage_counts if c > 1} - {threads}):
+                    pipelines.append((f"in-process-1-stage[threads={shared}]", 1, whole, shared))
                 continue
             for form in forms:
                 mesh = start_mesh(model_dir, dtype, count, max_context, first_stage=form)
@@ -415,6 +420,11 @@ def _ratios(results: list[dict]) -> dict:
     hf = find("hf-generate")
     if base and hf:
         out["one_stage_vs_hf_generate"] = round(base["tokens_per_s"] / hf["tokens_per_s"], 3)
+
+    def baseline(stages: int) -> dict | None:
+        """One stage with the threads each of `stages` stages has, where it differs from base."""
+        return find(f"in-process-1-stage[threads={share_of_cpus(stages)}]", speculative="none") or base
+
     for form, prefix in FIRST_STAGE_FORMS.items():
         key = "" if form == "process" else f"{form}_"  # the stage-0-process keys keep their names
         hops = {}
@@ -422,10 +432,13 @@ def _ratios(results: list[dict]) -> dict:
             if r["label"].startswith(prefix + "-") and r.get("speculative") == "none" and base and r.get(
                     "prompts") == base.get("prompts"):
                 n = r["stages"]
-                out[f"{key}stages_{n}_vs_1"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                split_base = baseline(n)
+                if split_base is not base:
+                    out[f"{key}stages_{n}_vs_1_all_cores"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                out[f"{key}stages_{n}_vs_1"] = round(r["tokens_per_s"] / split_base["tokens_per_s"], 3)
                 # hops per token: frontend -> stage 0 -> ... -> frontend; one fewer with stage 0 embedded
                 hop_count = n + 1 if form == "process" else n
-                hops[str(n)] = round((r["tpot_ms_median"] - base["tpot_ms_median"]) / hop_count, 3)
+                hops[str(n)] = round((r["tpot_ms_median"] - split_base["tpot_ms_median"]) / hop_count, 3)
         if hops:
             out[f"{key}per_hop_overhead_ms_by_stages"] = hops
             out[f"{key}per_hop_overhead_ms"] = max(hops.values())

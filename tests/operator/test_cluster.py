@@ -301,6 +301,50 @@ def test_impossible_specs_end_planned_false(cluster: ControlPlane, ns: str, tiny
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
 
 
+def test_an_embedded_first_stage_has_no_stage_0_objects_and_switching_it_prunes_or_restores_them(
+        cluster: ControlPlane, ns: str, tiny_model: Path) -> None:
+    name = "embed"
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 2},
+                                  "frontend": {"embedFirstStage": True}}), ns)
+    wait_condition(cluster, name, "Planned", "True")
+    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-frontend") in o and o, 60,
+                    "the embedded mesh's children")
+    assert not any(key[1] == f"{name}-stage-0" for key in objs)  # type: ignore[union-attr]
+    assert {("Deployment", f"{name}-stage-1"), ("Service", f"{name}-stage-1"),
+            ("NetworkPolicy", f"{name}-stage-1")} <= set(objs)  # type: ignore[arg-type]
+    front = objs[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    args = front["args"]
+    assert args[args.index("--first-stage-layers") + 1] == "0:2"
+    assert args[args.index("--stage-addresses") + 1] == f"{name}-stage-1.{ns}.svc:50051"
+    assert front["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    policy = objs[("NetworkPolicy", f"{name}-stage-1")]["spec"]  # type: ignore[index]
+    assert [p["podSelector"]["matchLabels"] for p in policy["ingress"][0]["from"]] == [
+        {"inferencemesh.io/mesh": name, "app.kubernetes.io/component": "frontend"}]
+
+    # readiness comes from the frontend: no stage-0 Deployment is waited for
+    pods = wait_for(lambda: len(pods_of(cluster, name)) == 2 and pods_of(cluster, name), 60, "2 pods")
+    for pod in pods:  # type: ignore[union-attr]
+        set_pod_status(cluster, pod, ready=True)
+    st = wait_condition(cluster, name, "Ready", "True", timeout=90)
+    assert st["stagesSummary"] == "2/2" and st["stages"][0]["embedded"] is True and "address" not in st["stages"][0]
+
+    # off: stage 0 gets its own objects, and the frontend names it as its first stage
+    cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
+                    "-p", '{"spec":{"frontend":{"embedFirstStage":false}}}')
+    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-stage-0") in o and o, 60,
+                    "stage 0's objects to appear")
+    assert {("Service", f"{name}-stage-0"), ("NetworkPolicy", f"{name}-stage-0")} <= set(objs)  # type: ignore[arg-type]
+    args = objs[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
+    assert "--first-stage-layers" not in args and len(args[args.index("--stage-addresses") + 1].split(",")) == 2
+
+    # on again: they are pruned
+    cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
+                    "-p", '{"spec":{"frontend":{"embedFirstStage":true}}}')
+    wait_for(lambda: not any(n == f"{name}-stage-0" for _, n in children(cluster, name)), 60,
+             "stage 0's objects to be pruned")
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+
+
 def test_delete_garbage_collects_every_child(cluster: ControlPlane, ns: str) -> None:
     assert children(cluster, "code")
     cluster.kubectl("delete", "inferencemesh", "code", "-n", ns, "--wait=false")
