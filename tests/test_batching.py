@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 from mesh_helpers import collect, generate
@@ -14,13 +13,9 @@ from tiny_models import FAMILIES, write_tiny_model
 from inferencemesh.config import StageConfig
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.protocol.errors import Fault
-from inferencemesh.stage.batcher import Batcher
 from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import Segment, StageRuntime
 from inferencemesh.stage.server import start_stage_server
-from inferencemesh.stage.sessions import StageSession
 
 
 @pytest.fixture(scope="module")
@@ -64,39 +59,6 @@ def test_batched_pass_equals_separate_passes(models, family, layers) -> None:
                 torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-3)
         assert [kv.length for kv in together] == [kv.length for kv in alone]
         steps = [(pos + len(x), inputs(1), "last") for pos, x, _ in steps]  # then everyone decodes
-
-
-def test_batcher_groups_only_frames_that_may_share_a_pass() -> None:
-    """PREFILL runs alone, a session never twice in a pass, max_tokens holds, and one frame's
-    fault is that frame's alone."""
-    passes: list[list[str]] = []
-
-    def compute_batch(jobs):
-        passes.append([f"{s.session_id}:{pb.FrameKind.Name(f.kind)}" for s, f, _ in jobs])
-        return [Fault(grpc.StatusCode.FAILED_PRECONDITION, "bad position") if s.session_id == "bad" else s.session_id
-                for s, _, _ in jobs]
-
-    async def go():
-        from concurrent.futures import ThreadPoolExecutor
-
-        batcher = Batcher(compute_batch, ThreadPoolExecutor(1), max_tokens=6)
-        a, b, c, bad = (StageSession(name) for name in ("a", "b", "c", "bad"))
-
-        def frame(kind, count):
-            return pb.Frame(kind=kind, token_count=count)
-
-        # All five are waiting when the device first becomes free.
-        jobs = [batcher.submit(a, frame(pb.DECODE, 1), None),
-                batcher.submit(b, frame(pb.PREFILL, 9), None),  # alone, in its turn
-                batcher.submit(c, frame(pb.VERIFY, 5), None),
-                batcher.submit(bad, frame(pb.DECODE, 1), None),  # 1 + 5 + 1 tokens > max_tokens
-                batcher.submit(a, frame(pb.DECODE, 1), None)]  # a is in the first pass already
-        return await asyncio.gather(*jobs, return_exceptions=True)
-
-    results = asyncio.run(go())
-    assert results[:3] == ["a", "b", "c"] and results[4] == "a"
-    assert isinstance(results[3], Fault) and results[3].code == grpc.StatusCode.FAILED_PRECONDITION
-    assert passes == [["a:DECODE", "c:VERIFY"], ["b:PREFILL"], ["bad:DECODE", "a:DECODE"]]
 
 
 def test_concurrent_sessions_are_batched_and_exact(models) -> None:

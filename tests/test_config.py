@@ -79,11 +79,11 @@ def test_one_default_per_setting() -> None:
     import inspect
 
     from inferencemesh import planner
-    from inferencemesh.stage import batcher
+    from inferencemesh.frontend.pipeline import GrpcPipeline
 
     assert StageConfig.__dataclass_fields__["max_sessions"].default == cfg.DEFAULT_MAX_SESSIONS
     assert ServeConfig.__dataclass_fields__["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
-    assert inspect.signature(batcher.Batcher).parameters["max_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
+    assert inspect.signature(GrpcPipeline).parameters["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
     planner_default = inspect.signature(planner.PlanInputs.from_checkpoint).parameters["max_sessions"].default
     assert planner_default == cfg.DEFAULT_MAX_SESSIONS
 

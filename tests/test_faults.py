@@ -113,16 +113,21 @@ def test_a_stage_that_never_returns_ends_requests_with_an_error(tiny) -> None:
 def test_a_vanished_frontend_leaves_no_sessions_behind(tiny) -> None:
     mesh = start_mesh(tiny, 2, session_ttl=1.0)
     try:
-        # A frontend that dies mid-request: its streams break without RELEASE.
+        # A frontend that dies mid-request: its stream breaks without RELEASE.
         channel = grpc.insecure_channel(mesh.addresses[0])
-        frames = iter([pb.Frame(session_id="orphan", kind=pb.PREFILL, pos_start=0, token_count=3,
-                                token_ids=[1, 2, 3], want_prediction=True)])
-        call = pb_grpc.StageStub(channel).Session(frames)
-        # and one that only subscribed to results on the last stage
-        last = grpc.insecure_channel(mesh.addresses[1])
-        results = pb_grpc.StageStub(last).Results(pb.ResultsRequest(session_id="never-used"))
-        time.sleep(0.5)
+        frames = [pb.Frame(session_id="orphan", kind=pb.PREFILL, pos_start=0, token_count=3, token_ids=[1, 2, 3],
+                           want_prediction=True)]
+        gone = threading.Event()
+
+        def batches():  # one batch, then the sender neither sends nor closes: it just vanishes
+            yield pb.Batch(seq=1, frames=frames)
+            gone.wait(30)
+
+        call = pb_grpc.StageStub(channel).Pipeline(batches())
+        next(call)  # answered: both stages hold the session
+        assert [_stage_info(a).active_sessions for a in mesh.addresses] == [1, 1]
         call.cancel()
+        gone.set()
         channel.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -131,7 +136,5 @@ def test_a_vanished_frontend_leaves_no_sessions_behind(tiny) -> None:
                 break
             time.sleep(0.2)
         assert [i.active_sessions for i in infos] == [0, 0]
-        results.cancel()
-        last.close()
     finally:
         mesh.stop()

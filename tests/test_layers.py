@@ -4,6 +4,9 @@ blind to each other's internals, the command-line layer over everything.
     cli, launcher, bench, plan_command           (top: may import anything below)
     stage | frontend | operator                  (none imports another, nor the top)
     protocol, modeling, planner, checkpoint, sampling, config, speculation, tls, bundled
+
+One declared exception: the frontend may import inferencemesh.stage.embedded, the stage's entry
+point for running the first stage inside the frontend process (and nothing else of the stage).
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ TOP = {"cli", "launcher", "bench", "plan_command"}
 PROGRAMS = set(PACKAGES)
 
 
+EMBEDDED_STAGE = "inferencemesh.stage.embedded"
+
+
 def layer_of(module: str) -> str:
     """'inferencemesh.stage.server' -> 'stage'; bottom modules -> 'bottom'."""
+    if module == EMBEDDED_STAGE or module.startswith(EMBEDDED_STAGE + "."):
+        return "embedded-stage"
     parts = module.split(".")
     if parts[0] != "inferencemesh" or len(parts) == 1:
         return "external" if parts[0] != "inferencemesh" else "bottom"
@@ -54,8 +62,8 @@ def sources() -> list[tuple[str, Path]]:
 
 ALLOWED = {
     "bottom": {"bottom", "external"},
-    "stage": {"bottom", "external", "stage"},
-    "frontend": {"bottom", "external", "frontend"},
+    "stage": {"bottom", "external", "stage", "embedded-stage"},
+    "frontend": {"bottom", "external", "frontend", "embedded-stage"},
     "operator": {"bottom", "external", "operator"},
 }
 

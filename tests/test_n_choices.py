@@ -23,6 +23,7 @@ from mesh_helpers import start_mesh
 from openai import OpenAI
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
 from transformers import AutoTokenizer
+from wire import RawStream, failures
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
@@ -165,71 +166,41 @@ def test_logprobs_of_each_choice_are_its_solo_runs(mesh, tokenizer) -> None:
 # --- FORK frames on the wire ---------------------------------------------------------------------
 
 
-class Stream:
-    """A raw Session stream to stage 0 (frames in, acknowledgements out)."""
-
-    def __init__(self, stub: pb_grpc.StageStub) -> None:
-        self.call = stub.Session()
-
-    async def send(self, frame: pb.Frame) -> None:
-        await self.call.write(frame)
-
-    async def ack(self) -> pb.Ack:
-        return await asyncio.wait_for(self.call.read(), 20)
-
-    async def status(self) -> grpc.aio.AioRpcError:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await asyncio.wait_for(self.call.read(), 20)
-        return err.value
-
-
 def fork_frame(session: str, parent: str, pos: int) -> pb.Frame:
     return pb.Frame(session_id=session, kind=pb.FORK, parent_session_id=parent, pos_start=pos, seq=1)
 
 
 def test_bad_fork_frames_fail_only_their_session(mesh) -> None:
     async def go() -> None:
-        async with grpc.aio.insecure_channel(mesh.addresses[0]) as channel, \
-                grpc.aio.insecure_channel(mesh.addresses[-1]) as last:
-            stub = pb_grpc.StageStub(channel)
-            results = pb_grpc.StageStub(last).Results(pb.ResultsRequest(session_id="p"))
-            parent = Stream(stub)
-            await parent.send(pb.Frame(session_id="p", kind=pb.PREFILL, pos_start=0, token_count=5,
-                                       token_ids=[5, 6, 7, 8, 9], want_prediction=True))
-            await asyncio.wait_for(results.read(), 20)  # the prompt is in both stages' caches
-            child = Stream(stub)  # a good fork is acknowledged once both stages hold it
-            await child.send(fork_frame("c", "p", 5))
-            assert (await child.ack()).kind == pb.FORK
+        async with grpc.aio.insecure_channel(mesh.addresses[0]) as channel:
+            stream = RawStream(pb_grpc.StageStub(channel))
+            prefill = await stream.exchange(pb.Frame(session_id="p", kind=pb.PREFILL, pos_start=0, token_count=5,
+                                                     token_ids=[5, 6, 7, 8, 9], want_prediction=True, seq=1))
+            assert len(prefill.predictions) == 1  # the prompt is in both stages' caches
+            good = await stream.exchange(fork_frame("c", "p", 5))  # acknowledged once both stages hold it
+            assert [(a.session_id, a.kind) for a in good.acks] == [("c", pb.FORK)] and not good.failures
             cases = [(fork_frame("x1", "nobody", 1), grpc.StatusCode.FAILED_PRECONDITION, "unknown parent"),
                      (fork_frame("x2", "p", 6), grpc.StatusCode.FAILED_PRECONDITION, "holds only 5"),
                      (fork_frame("c", "p", 2), grpc.StatusCode.ALREADY_EXISTS, "exists already"),
                      (fork_frame("p", "p", 2), grpc.StatusCode.INVALID_ARGUMENT, "itself"),
                      (fork_frame("x3", "", 2), grpc.StatusCode.INVALID_ARGUMENT, "parent_session_id")]
             for frame, code, needle in cases:
-                bad = Stream(stub)
-                await bad.send(frame)
-                err = await bad.status()
-                assert err.code() == code and needle in err.details(), (frame, err)
+                result = await stream.exchange(frame)
+                (got, message), = failures(result)
+                assert got == code and needle in message and not result.acks, (frame, message)
             # The parent and the existing child were left alone: both still fork and are counted.
-            forks = [Stream(stub) for _ in range(MAX_SESSIONS - 2)]
-            for i, stream in enumerate(forks):
-                await stream.send(fork_frame(f"f{i}", "c" if i % 2 else "p", 3))
-                assert (await stream.ack()).kind == pb.FORK
-            full = Stream(stub)  # the stage holds MAX_SESSIONS sessions: a fork beyond is refused
-            await full.send(fork_frame("over", "p", 3))
-            err = await full.status()
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum" in err.details()
+            forks = [fork_frame(f"f{i}", "c" if i % 2 else "p", 3) for i in range(MAX_SESSIONS - 2)]
+            result = await stream.exchange(*forks)  # several forks in one batch
+            assert len(result.acks) == len(forks) and not result.failures
+            full = await stream.exchange(fork_frame("over", "p", 3))  # a fork beyond max_sessions is refused
+            (code, message), = failures(full)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum" in message
             assert active_sessions(mesh) == [MAX_SESSIONS, MAX_SESSIONS]
-            for stream in [parent, child, *forks]:
-                await stream.call.done_writing()
-                stream.call.cancel()
-            results.cancel()
+            await stream.close()  # the stream's sessions go with it
         deadline = time.monotonic() + 10
         while active_sessions(mesh) != [0, 0] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert active_sessions(mesh) == [0, 0]
-
-    asyncio.run(go())
 
 
 # --- the OpenAI surface --------------------------------------------------------------------------

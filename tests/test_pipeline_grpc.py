@@ -6,13 +6,12 @@ import asyncio
 
 import grpc
 import pytest
-import torch
 from mesh_helpers import collect, generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
+from wire import STATUS, exchange, failures, hidden_batch
 
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage.inprocess import LocalPipeline
@@ -83,19 +82,12 @@ def test_concurrent_requests_interleave_and_stay_exact(tiny, mesh2) -> None:
 # ---- bad frames: clean statuses, and the stage keeps serving --------------------------------
 
 
-def _call(address: str, frames: list[pb.Frame]) -> grpc.RpcError | None:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            list(pb_grpc.StageStub(channel).Session(iter(frames), timeout=20))
-        except grpc.RpcError as err:
-            return err
-    return None
-
-
-def _hidden_frame(session: str, pos: int, count: int, hidden: int, dtype: torch.dtype = torch.float32) -> pb.Frame:
-    payload = codec.encode(torch.zeros(count, hidden), dtype)
-    return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=pos, token_count=count,
-                    dtype=codec.WIRE_CODES[dtype], shape=[count, hidden], activations=payload)
+def _call(address: str, frames: list[pb.Frame]) -> list[tuple[grpc.StatusCode, str]]:
+    """Each frame in a batch of its own on one stream: the failures (code, message) of all; the
+    stream itself must stay up (a bad frame fails alone)."""
+    results, status = exchange(address, [{"frames": [f]} for f in frames])
+    assert status == grpc.StatusCode.OK and len(results) == len(frames)
+    return [failure for result in results for failure in failures(result)]
 
 
 @pytest.mark.parametrize(
@@ -119,26 +111,42 @@ def _hidden_frame(session: str, pos: int, count: int, hidden: int, dtype: torch.
          "past-context"],
 )
 def test_bad_frames_to_stage_zero(mesh2, frames, code, message) -> None:
-    err = _call(mesh2.addresses[0], frames)
-    assert err is not None and err.code() == code, err
-    assert message in err.details()
+    (got_code, got_message), = _call(mesh2.addresses[0], frames)
+    assert got_code == code and message in got_message, got_message
 
 
 def test_bad_activations_to_a_middle_stage(mesh2) -> None:
     address = mesh2.addresses[1]
     info = pb_grpc.StageStub(grpc.insecure_channel(address)).Info(pb.InfoRequest(), timeout=5)
-    good = _hidden_frame("g", 0, 2, info.hidden_size)
-    truncated = pb.Frame()
-    truncated.CopyFrom(good)
-    truncated.activations = good.activations[:-4]
-    wrong_dtype = pb.Frame()
-    wrong_dtype.CopyFrom(good)
-    wrong_dtype.dtype = 9
-    wrong_shape = _hidden_frame("g", 0, 2, info.hidden_size + 1)
-    for frame, needle in ((truncated, "bytes"), (wrong_dtype, "dtype"), (wrong_shape, "shape")):
-        err = _call(address, [frame])
-        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert needle in err.details()
+    frame = pb.Frame(session_id="g", kind=pb.PREFILL, pos_start=0, token_count=2)
+    good = hidden_batch([frame], info.hidden_size)
+    truncated = {**good, "activations": good["activations"][:-4]}
+    wrong_dtype = {**good, "dtype": 9}
+    wrong_shape = hidden_batch([frame], info.hidden_size + 1)
+    results, status = exchange(address, [truncated, wrong_dtype, wrong_shape])
+    assert status == grpc.StatusCode.OK
+    for result, needle in zip(results, ("bytes", "dtype", "shape"), strict=True):
+        (code, message), = failures(result)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in message, message
+
+
+def test_one_bad_frame_fails_alone_in_its_batch(tiny, mesh2) -> None:
+    """A batch with good and bad frames: the good sessions are answered in the same result, each
+    bad one gets its own status, and the stream goes on."""
+    good = [pb.Frame(session_id=f"ok{i}", kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
+                     want_prediction=True, seq=1) for i in range(2)]
+    bad = [pb.Frame(session_id="stale", kind=pb.DECODE, pos_start=7, token_count=1, token_ids=[3], seq=1),
+           pb.Frame(session_id="oov", kind=pb.PREFILL, pos_start=0, token_count=1, token_ids=[-1], seq=1)]
+    release = [pb.Frame(session_id=f.session_id, kind=pb.RELEASE, seq=2) for f in good]
+    (result, released), status = exchange(mesh2.addresses[0], [{"frames": [good[0], *bad, good[1]]},
+                                                                {"frames": release}])
+    assert status == grpc.StatusCode.OK
+    first = hf_greedy(tiny, PROMPT, 1)
+    assert {(p.session_id, tuple(p.tokens)) for p in result.predictions} == {("ok0", tuple(first)),
+                                                                           ("ok1", tuple(first))}
+    assert {(f.session_id, STATUS[f.code]) for f in result.failures} == {
+        ("stale", grpc.StatusCode.FAILED_PRECONDITION), ("oov", grpc.StatusCode.INVALID_ARGUMENT)}
+    assert {(a.session_id, a.kind) for a in released.acks} == {("ok0", pb.RELEASE), ("ok1", pb.RELEASE)}
 
 
 def test_bad_frames_do_not_disturb_a_concurrent_session(tiny, mesh2) -> None:
@@ -156,13 +164,6 @@ def test_bad_frames_do_not_disturb_a_concurrent_session(tiny, mesh2) -> None:
             await engine.close()
 
     assert asyncio.run(go()) == expected
-
-
-def test_results_only_on_the_last_stage(mesh2) -> None:
-    with grpc.insecure_channel(mesh2.addresses[0]) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            list(pb_grpc.StageStub(channel).Results(pb.ResultsRequest(session_id="x"), timeout=5))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_sessions_are_released_at_request_end(mesh2) -> None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_models import write_tiny_model
+from wire import RawStream, failures
 
 from inferencemesh.config import StageConfig
 from inferencemesh.launcher import free_port
@@ -35,24 +36,19 @@ def test_full_stage_answers_resource_exhausted_and_keeps_serving(tiny) -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.StageStub(channel)
-                holders = [stub.Results(pb.ResultsRequest(session_id=f"s{i}")) for i in range(2)]
-                await asyncio.sleep(0.3)
-                assert (await stub.Info(pb.InfoRequest())).active_sessions == 2
-                third = stub.Session()
-                await third.write(pb.Frame(session_id="s3", kind=pb.PREFILL, pos_start=0, token_count=1,
-                                           token_ids=[5], want_prediction=True))
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await third.read()
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "maximum of 2 sessions" in err.value.details()
-                # the sessions it holds still work
-                first = stub.Session()
-                await first.write(pb.Frame(session_id="s0", kind=pb.PREFILL, pos_start=0, token_count=2,
-                                           token_ids=[5, 6], want_prediction=True, seq=1))
-                prediction = await asyncio.wait_for(holders[0].read(), 10)
-                assert prediction.seq == 1 and len(prediction.tokens) == 1
-                for call in holders + [first]:
-                    call.cancel()
+                stream = RawStream(stub)
+                opened = await stream.exchange(*(pb.Frame(session_id=f"s{i}", kind=pb.PREFILL, pos_start=0,
+                                                          token_count=1, token_ids=[5], seq=1) for i in range(2)))
+                assert not opened.failures and (await stub.Info(pb.InfoRequest())).active_sessions == 2
+                third = await stream.exchange(pb.Frame(session_id="s3", kind=pb.PREFILL, pos_start=0, token_count=1,
+                                                       token_ids=[5], want_prediction=True, seq=1))
+                (code, message), = failures(third)
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum of 2 sessions" in message
+                # the stream and the sessions it holds still work
+                going_on = await stream.exchange(pb.Frame(session_id="s0", kind=pb.DECODE, pos_start=1, token_count=1,
+                                                          token_ids=[6], seq=2))
+                assert not going_on.failures and [(p.seq, len(p.tokens)) for p in going_on.predictions] == [(2, 1)]
+                await stream.close()
         finally:
             await server.stop(0)
             await service.close()

@@ -28,7 +28,8 @@ def build_pipeline(config: FrontendConfig, first_stage_runtime=None):
         from inferencemesh.stage.embedded import EmbeddedStage
 
         embedded = EmbeddedStage(first_stage, runtime=first_stage_runtime)
-    return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded)
+    return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded,
+                        max_batch_tokens=config.max_batch_tokens)
 
 
 def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):

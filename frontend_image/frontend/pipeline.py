@@ -1,7 +1,8 @@
 """The frontend's view of the stages: open a session, send frames, await predictions.
 
-GrpcPipeline talks to stage servers: frames go into stage 0's Session stream, predictions
-come from the last stage's Results stream. Stage 0 may be embedded in this process
+GrpcPipeline talks to stage servers over one long-lived stream into stage 0: its step
+scheduler sends the sessions' frames in microbatches, and the last stage's answers come back
+up the same stream. Stage 0 may be embedded in this process
 (inferencemesh.stage.embedded): it is then reached through a local stub of the same shape.
 inferencemesh.stage.inprocess.LocalPipeline runs the stages' own workers in one process with
 the same interface (benchmarks, tests); the engine cannot tell them apart.
@@ -13,11 +14,13 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import PipelineError
@@ -37,96 +40,195 @@ class PipelineSession(Protocol):
     async def close(self) -> None: ...
 
 
-class GrpcSession:
-    """One request's two streams: frames into stage 0, predictions out of the last stage."""
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
-    def __init__(self, first: pb_grpc.StageStub, last: pb_grpc.StageStub, session_id: str, step_timeout: float):
-        self.session_id = session_id
-        self.step_timeout = step_timeout
-        self._inbox: asyncio.Queue = asyncio.Queue()
-        self._results = last.Results(pb.ResultsRequest(session_id=session_id))
-        self._frames = first.Session()
-        self._released = asyncio.Event()  # stage 0 acknowledged RELEASE: every stage has let go
-        self._tasks = [asyncio.create_task(self._read_results()), asyncio.create_task(self._watch_frames())]
-        self._closed = False
+
+@dataclass
+class _Waiting:
+    """A frame on its way: waiting for a microbatch, then in flight in one."""
+
+    frame: pb.Frame
+    session: GrpcSession
+    answer: asyncio.Future | None  # its Prediction (or None, for an acknowledged frame); None: no answer
+
+
+class StepScheduler:
+    """One long-lived stream into stage 0, and the step scheduler that feeds it.
+
+    Sessions submit their next frame (a prompt chunk, a decode token, a verify window) when they
+    have it. Whenever fewer microbatches than there are stages are in flight, the frames waiting
+    go out together as one Batch: each stage computes them in one forward pass, and with one
+    microbatch in flight per stage, every stage has one to work on. The last stage's BatchResult
+    for it comes back up the same stream.
+    """
+
+    def __init__(self, stub, in_flight_limit: int, token_budget: int) -> None:
+        self.call = stub.Pipeline()
+        self.limit = max(1, in_flight_limit)
+        self.budget = token_budget
+        self.waiting: list[_Waiting] = []
+        self.in_flight: dict[int, list[_Waiting]] = {}
+        self.failure: PipelineError | None = None  # the stream broke: every session on it is lost
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._send_batches()), asyncio.create_task(self._read_results())]
+
+    def submit(self, waiting: _Waiting) -> None:
+        if self.failure is not None:
+            raise self.failure
+        self.waiting.append(waiting)
+        self._wake.set()
+
+    def take(self) -> list[_Waiting]:
+        """The next microbatch, from the waiting frames in arrival order: at most one frame per
+        session (its later frames wait their turn), every decode and verify frame, and prompt
+        chunks while the batch stays within the token budget (the first always goes): a long
+        prompt shares its steps with the other sessions, and never stalls them."""
+        batch, rest, tokens = [], [], 0
+        sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
+        for waiting in self.waiting:
+            frame = waiting.frame
+            fits = frame.kind != pb.PREFILL or not batch or tokens + frame.token_count <= self.budget
+            if frame.session_id in sessions or not fits:
+                rest.append(waiting)
+            else:
+                batch.append(waiting)
+                tokens += frame.token_count
+            sessions.add(frame.session_id)
+        self.waiting = rest
+        return batch
+
+    async def _settled(self) -> None:
+        """Let the sessions that a result just woke submit their next frames before a batch is
+        cut: each runs until it waits again, within an event-loop turn or two."""
+        count = -1
+        while count != len(self.waiting):
+            count = len(self.waiting)
+            await asyncio.sleep(0)
+
+    async def _send_batches(self) -> None:
+        while True:
+            while not (self.waiting and len(self.in_flight) < self.limit):
+                self._wake.clear()
+                await self._wake.wait()
+            await self._settled()
+            frames = self.take()
+            self._seq += 1
+            self.in_flight[self._seq] = frames
+            try:
+                await self.call.write(pb.Batch(seq=self._seq, frames=[w.frame for w in frames]))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
+                # the stream already ended: its reader reports the stage's status
+                self._break(PipelineError(grpc.StatusCode.UNAVAILABLE, f"stage 0 stream ended: {err}"))
+                return
 
     async def _read_results(self) -> None:
         try:
-            async for prediction in self._results:
-                self._inbox.put_nowait(prediction)
-            self._inbox.put_nowait(PipelineError(grpc.StatusCode.UNAVAILABLE, "the last stage ended the session"))
+            async for result in self.call:
+                self._answer(self.in_flight.pop(result.seq, []), result)
+                self._wake.set()
+            ended = PipelineError(grpc.StatusCode.UNAVAILABLE, "stage 0 ended the stream")
         except grpc.aio.AioRpcError as err:
-            self._inbox.put_nowait(PipelineError(err.code(), err.details() or str(err.code())))
+            ended = PipelineError(err.code(), err.details() or str(err.code()))
+        self._break(ended)
 
-    async def _watch_frames(self) -> None:
-        try:
-            async for ack in self._frames:  # stages acknowledge only RELEASE and FORK
-                if ack.kind == pb.FORK:
-                    self._inbox.put_nowait(ack)
+    @staticmethod
+    def _answer(frames: list[_Waiting], result: pb.BatchResult) -> None:
+        predictions = {(p.session_id, p.seq): p for p in result.predictions}
+        acks = {(a.session_id, a.seq) for a in result.acks}
+        failures = {(f.session_id, f.seq): f for f in result.failures}
+        for waiting in frames:
+            key = (waiting.frame.session_id, waiting.frame.seq)
+            failure = failures.get(key)
+            if failure is not None:  # this frame alone failed: its session is lost, the others go on
+                waiting.session.fail(PipelineError(_STATUS.get(failure.code, grpc.StatusCode.UNKNOWN),
+                                                   f"stage {failure.stage_index}: {failure.message}"), waiting)
+            elif waiting.answer is not None and not waiting.answer.done():
+                acknowledged = expects_ack(waiting.frame)
+                if key not in (acks if acknowledged else predictions):
+                    waiting.session.fail(PipelineError(grpc.StatusCode.INTERNAL,
+                                                       "the last stage answered the batch without this frame"), waiting)
                 else:
-                    self._released.set()
-        except grpc.aio.AioRpcError as err:
-            self._inbox.put_nowait(PipelineError(err.code(), err.details() or str(err.code())))
-        finally:
-            self._released.set()
+                    waiting.answer.set_result(None if acknowledged else predictions[key])
 
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        try:
-            await self._frames.write(frame)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
-            # the stream already ended: its reader has queued the stage's status, prefer that
-            raise self._ended_with(err) from err
-        wants_ack = expects_ack(frame)
-        if not wants_ack and not expects_prediction(frame):
-            return None
-        while True:
-            try:
-                item = await asyncio.wait_for(self._inbox.get(), self.step_timeout)
-            except asyncio.TimeoutError as err:
-                raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
-            if isinstance(item, PipelineError):
-                raise item
-            if item.seq == frame.seq and isinstance(item, pb.Ack) == wants_ack:
-                return None if wants_ack else item
-            # a late answer to an earlier, abandoned frame: skip it
-
-    def _ended_with(self, err: Exception) -> PipelineError:
-        while not self._inbox.empty():
-            item = self._inbox.get_nowait()
-            if isinstance(item, PipelineError):
-                return item
-        return PipelineError(grpc.StatusCode.UNAVAILABLE, f"stage 0 stream ended: {err}")
-
-    async def close(self) -> None:
-        if self._closed:
+    def _break(self, err: PipelineError) -> None:
+        if self.failure is not None:
             return
-        self._closed = True
-        # Wait for the acknowledgement: it comes once every stage has freed the session, so the
-        # request's slot is really free when the engine hands it to the next request.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._frames.write(pb.Frame(session_id=self.session_id, kind=pb.RELEASE)), 1.0)
-            await asyncio.wait_for(self._released.wait(), RELEASE_ACK_TIMEOUT_S)
-            await self._frames.done_writing()
+        self.failure = err
+        lost = [w for frames in self.in_flight.values() for w in frames] + self.waiting
+        self.in_flight, self.waiting = {}, []
+        for waiting in lost:
+            waiting.session.fail(err, waiting)
         for task in self._tasks:
             task.cancel()
-        self._results.cancel()
-        self._frames.cancel()
+        self.call.cancel()
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.call.done_writing()
+        self._break(PipelineError(grpc.StatusCode.CANCELLED, "the pipeline was closed"))
+
+
+class GrpcSession:
+    """One request's session: its frames go out in the scheduler's microbatches."""
+
+    def __init__(self, scheduler: StepScheduler, session_id: str, step_timeout: float) -> None:
+        self.scheduler = scheduler
+        self.session_id = session_id
+        self.step_timeout = step_timeout
+        self.failure: PipelineError | None = None
+        self._closed = False
+
+    def fail(self, err: PipelineError, waiting: _Waiting) -> None:
+        """One of this session's frames failed: it and every later send fail with that error."""
+        self.failure = self.failure or err
+        if waiting.answer is not None and not waiting.answer.done():
+            waiting.answer.set_exception(err)
+
+    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
+        if self.failure is not None:
+            raise self.failure
+        copy = pb.Frame()
+        copy.CopyFrom(frame)  # the engine reuses its envelope
+        wants_answer = expects_prediction(frame) or expects_ack(frame)
+        answer = asyncio.get_running_loop().create_future() if wants_answer else None
+        self.scheduler.submit(_Waiting(copy, self, answer))
+        if answer is None:
+            return None
+        try:
+            return await asyncio.wait_for(answer, self.step_timeout)
+        except asyncio.TimeoutError as err:
+            raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
+
+    async def close(self) -> None:
+        """RELEASE, and wait for its acknowledgement: it comes once every stage has freed the
+        session, so the request's slot is really free when the engine hands it on. (A broken
+        stream needs none: the stages freed its sessions when it ended.)"""
+        if self._closed or self.scheduler.failure is not None:
+            return
+        self._closed = True
+        self.failure = None  # a failed session is still released where it is held
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE)),
+                                   RELEASE_ACK_TIMEOUT_S)
 
 
 class GrpcPipeline:
     """The stage processes at `addresses`, in pipeline order, after the embedded first stage if any."""
 
     def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
-                 embedded: EmbeddedStage | None = None) -> None:
+                 embedded: EmbeddedStage | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
         if not addresses and embedded is None:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
         self.step_timeout = step_timeout
         self.tls = tls
         self.embedded = embedded
+        self.max_batch_tokens = max_batch_tokens
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list = []
+        self._scheduler: StepScheduler | None = None
 
     def connect(self) -> None:
         """Channels belong to the event loop that makes them: make them on first use (or call this
@@ -141,8 +243,11 @@ class GrpcPipeline:
                 self._health.insert(0, health)
 
     def open(self) -> GrpcSession:
+        """A new session, on the current stream (a new one if it broke: its sessions replay)."""
         self.connect()
-        return GrpcSession(self._stubs[0], self._stubs[-1], uuid.uuid4().hex, self.step_timeout)
+        if self._scheduler is None or self._scheduler.failure is not None:
+            self._scheduler = StepScheduler(self._stubs[0], len(self._stubs), self.max_batch_tokens)
+        return GrpcSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:
         """True when every stage's grpc.health.v1 says SERVING."""
@@ -169,6 +274,9 @@ class GrpcPipeline:
         return False
 
     async def close(self) -> None:
+        if self._scheduler is not None:
+            await self._scheduler.close()
+            self._scheduler = None
         for channel in self._channels:
             await channel.close()
         self._channels, self._stubs = [], []

@@ -1,11 +1,11 @@
 """The first stage inside the frontend process (the seeds' "stage 0 + OpenAI frontend").
 
 The frontend's pipeline reaches an embedded stage through LocalStageStub, which has the shape of
-the generated gRPC stub (Session, Results, Info, and the health service's Check) but hands each
-message to the StageService object in this process. So an embedded stage runs exactly the
-handlers a stage process runs (sessions, batching, FORK and RELEASE, the hop to the next stage),
-without a socket, serialisation or a process between the frontend and stage 0: one hop and one
-process fewer per token.
+the generated gRPC stub (Pipeline, Info, and the health service's Check) but hands each message
+to the StageService object in this process. So an embedded stage runs exactly the handlers a
+stage process runs (sessions, batches, FORK and RELEASE, the stream to the next stage), without
+a socket, serialisation or a process between the frontend and stage 0: one hop and one process
+fewer per token.
 
 Its compute runs inline, on the event loop's thread, which is the one thread that computes in
 the frontend (the draft model's proposals run there too): a second computing thread would bring
@@ -108,42 +108,33 @@ class _Call:
         return self._task.cancel()
 
 
-class _SessionCall(_Call):
-    """stub.Session(): frames in (each copied, as a real write serialises it: the caller reuses
-    its envelope), acknowledgements out."""
+class _StreamCall(_Call):
+    """stub.Pipeline(): batches in (each copied, as a real write serialises it, so the caller
+    may reuse its message), results out."""
 
-    def __init__(self, service: StageService) -> None:
-        self._frames: asyncio.Queue = asyncio.Queue()
+    def __init__(self, handler: Callable[[AsyncIterator, _Context], Any]) -> None:
+        self._requests: asyncio.Queue = asyncio.Queue()
         self._writing = True
-        super().__init__(lambda context: service.Session(self._inbound(), context))
+        super().__init__(lambda context: handler(self._inbound(), context))
 
-    async def _inbound(self) -> AsyncIterator[pb.Frame]:
+    async def _inbound(self) -> AsyncIterator:
         while True:
-            frame = await self._frames.get()
-            if frame is _DONE:
+            message = await self._requests.get()
+            if message is _DONE:
                 return
-            yield frame
+            yield message
 
-    async def write(self, frame: pb.Frame) -> None:
+    async def write(self, message: Any) -> None:
         if not self._writing or self._task.done():
-            raise grpc.aio.UsageError("the embedded stage's session stream has ended")
-        copy = pb.Frame()
-        copy.CopyFrom(frame)
-        self._frames.put_nowait(copy)
+            raise grpc.aio.UsageError("the embedded stage's stream has ended")
+        copy = type(message)()
+        copy.CopyFrom(message)
+        self._requests.put_nowait(copy)
 
     async def done_writing(self) -> None:
         if self._writing:
             self._writing = False
-            self._frames.put_nowait(_DONE)
-
-
-class _ResultsCall(_Call):
-    def __init__(self, service: StageService, request: pb.ResultsRequest) -> None:
-        async def run(context: _Context) -> None:
-            async for prediction in service.Results(request, context):
-                await context.write(prediction)
-
-        super().__init__(run)
+            self._requests.put_nowait(_DONE)
 
 
 class LocalStageStub:
@@ -152,11 +143,8 @@ class LocalStageStub:
     def __init__(self, service: StageService) -> None:
         self.service = service
 
-    def Session(self) -> _SessionCall:  # noqa: N802 - the generated stub's method names
-        return _SessionCall(self.service)
-
-    def Results(self, request: pb.ResultsRequest) -> _ResultsCall:  # noqa: N802
-        return _ResultsCall(self.service, request)
+    def Pipeline(self) -> _StreamCall:  # noqa: N802 - the generated stub's method names
+        return _StreamCall(self.service.Pipeline)
 
     async def Info(self, request: pb.InfoRequest, timeout: float | None = None) -> pb.StageInfo:  # noqa: N802
         return await self.service.Info(request, _Context())

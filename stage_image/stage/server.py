@@ -1,10 +1,11 @@
 """The stage server: one layer range of the model behind the gRPC Stage service.
 
-Per session it keeps one inbound stream (from the frontend or the previous stage) and opens
-one outbound stream to the next stage. The last stage samples or verifies and posts its
-predictions on the session's Results stream, straight to the frontend. Device work runs on
-one compute thread, frames of sessions that wait together batched into one pass (batcher.py);
-the event loop only moves frames.
+Per upstream connection (the frontend's, or the previous stage's) it keeps one stream, and
+opens one stream to the next stage for it, whatever the number of sessions: batches go down,
+each computed here in one forward pass (its frames' sessions keep their own KV caches), and
+the last stage's answers come back up the same streams. A frame that fails (a bad position, a
+stale session, a bad payload) fails alone, and travels on as a Failure. Device work runs on
+one compute thread; the event loop only moves batches.
 """
 
 from __future__ import annotations
@@ -32,14 +33,7 @@ from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import (
-    FORK_ACK_TIMEOUT_S,
-    GRPC_OPTIONS,
-    KIND_NAMES,
-    RELEASE_ACK_TIMEOUT_S,
-    SERVICE_NAME,
-)
-from inferencemesh.stage.batcher import Batcher
+from inferencemesh.protocol.transport import COMPUTE_KINDS, GRPC_OPTIONS, KIND_NAMES, SERVICE_NAME
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession, fork, fork_refusal
 from inferencemesh.stage.worker import StageWorker
@@ -51,11 +45,11 @@ log = logging.getLogger("inferencemesh.stage")
 _END = object()  # the inbound stream closed
 
 
-async def _pump(frames, inbox: asyncio.Queue) -> None:
-    """Move inbound frames into the session's inbox, where downstream faults also land."""
+async def _pump(batches, inbox: asyncio.Queue) -> None:
+    """Move inbound batches into the stream's inbox, where downstream faults also land."""
     try:
-        async for frame in frames:
-            inbox.put_nowait(frame)
+        async for batch in batches:
+            inbox.put_nowait(batch)
     except asyncio.CancelledError:
         raise
     except Exception:  # the sender went away: same as a closed stream
@@ -63,92 +57,51 @@ async def _pump(frames, inbox: asyncio.Queue) -> None:
     inbox.put_nowait(_END)
 
 
-class DownstreamHop:
-    """This session's stream to the next stage; one envelope, mutated per frame."""
+class DownstreamLink:
+    """One upstream stream's stream to the next stage: batches go down it, and the results that
+    come back up are relayed to the upstream as they are. If it breaks, a Fault lands in the
+    upstream stream's inbox, which then ends with the same status: the frontend replays."""
 
-    def __init__(self, stub: pb_grpc.StageStub, address: str, session_id: str, inbox: asyncio.Queue,
-                 wire_dtype: torch.dtype) -> None:
+    def __init__(self, stub: pb_grpc.StageStub, address: str, upstream, inbox: asyncio.Queue) -> None:
         self.address = address
-        self.wire_dtype = wire_dtype
-        self.wire_code = codec.WIRE_CODES[wire_dtype]
-        self.call = stub.Session()
-        self.envelope = pb.Frame(session_id=session_id, dtype=self.wire_code)
-        self.released = asyncio.Event()  # the downstream acknowledged RELEASE: it and all after it let go
-        self.forked = asyncio.Event()  # the downstream acknowledged FORK (or the stream ended: see fork_done)
-        self.fork_done = False
-        self.failure: Fault | None = None
-        self.reader = asyncio.create_task(self._watch(inbox))
+        self.call = stub.Pipeline()
+        self.finishing = False
+        self.relay = asyncio.create_task(self._relay(upstream, inbox))
 
-    async def _watch(self, inbox: asyncio.Queue) -> None:
+    async def _relay(self, upstream, inbox: asyncio.Queue) -> None:
         try:
-            async for ack in self.call:  # a stage acknowledges only RELEASE and FORK
-                if ack.kind == pb.FORK:
-                    self.fork_done = True
-                    self.forked.set()
-                else:
-                    self.released.set()
+            async for result in self.call:
+                await upstream.write(result)
+            if not self.finishing:
+                inbox.put_nowait(Fault(grpc.StatusCode.UNAVAILABLE,
+                                       f"downstream stage {self.address} ended the stream"))
         except grpc.aio.AioRpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
-                self.failure = Fault(err.code(), f"downstream stage {self.address}: {err.details()}")
-                inbox.put_nowait(self.failure)
-        finally:
-            self.released.set()  # a stream that ended holds nothing downstream (its handler released)
-            self.forked.set()
+                inbox.put_nowait(Fault(err.code(), f"downstream stage {self.address}: {err.details()}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the upstream went away while a result was relayed
+            inbox.put_nowait(Fault(grpc.StatusCode.CANCELLED, f"upstream gone: {err}"))
 
-    async def fork(self, frame: pb.Frame) -> None:
-        """Forward FORK and wait until every stage downstream has copied the parent, so that the
-        acknowledgement upstream means the whole pipeline holds the new session."""
-        await self.forward(frame, None)
+    async def send(self, batch: pb.Batch) -> None:
         try:
-            await asyncio.wait_for(self.forked.wait(), FORK_ACK_TIMEOUT_S)
-        except asyncio.TimeoutError as err:
-            raise Fault(grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"downstream stage {self.address} did not acknowledge FORK within {FORK_ACK_TIMEOUT_S:.0f}s"
-                        ) from err
-        if not self.fork_done:
-            raise self.failure or Fault(grpc.StatusCode.UNAVAILABLE, f"downstream stage {self.address} went away")
-
-    async def release(self, frame: pb.Frame) -> None:
-        """Forward RELEASE and wait until every stage downstream has freed the session, so that
-        the acknowledgement upstream means the whole pipeline has room for a new one."""
-        await self.forward(frame, None)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.released.wait(), RELEASE_ACK_TIMEOUT_S)
-
-    async def forward(self, frame: pb.Frame, hidden: torch.Tensor | None) -> int:
-        env = self.envelope
-        env.request_id = frame.request_id
-        env.kind = frame.kind
-        env.pos_start = frame.pos_start
-        env.token_count = frame.token_count
-        env.want_prediction = frame.want_prediction
-        env.prompt_logprobs = frame.prompt_logprobs
-        env.parent_session_id = frame.parent_session_id
-        env.seq = frame.seq
-        env.sent_ns = frame.sent_ns
-        env.draft_probs = frame.draft_probs
-        del env.token_ids[:]
-        env.token_ids.extend(frame.token_ids)
-        if frame.HasField("sampling"):
-            env.sampling.CopyFrom(frame.sampling)
-        else:
-            env.ClearField("sampling")
-        if hidden is None:
-            env.activations = b""
-            del env.shape[:]
-        else:
-            env.activations = codec.encode(hidden, self.wire_dtype)
-            env.shape[:] = hidden.shape
-        try:
-            await self.call.write(env)
+            await self.call.write(batch)
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
             raise Fault(grpc.StatusCode.UNAVAILABLE, f"downstream stage {self.address} unreachable: {err}") from err
-        return len(env.activations)
+
+    async def finish(self) -> None:
+        """No more batches: wait until the next stage has answered those it has (it ends its
+        stream once it has), so that every result reaches the upstream."""
+        self.finishing = True
+        with contextlib.suppress(Exception):
+            await self.call.done_writing()
+        with contextlib.suppress(Exception):
+            await self.relay
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             await self.call.done_writing()
-        self.reader.cancel()
+        self.relay.cancel()
         self.call.cancel()
 
 
@@ -161,11 +114,9 @@ class StageService(pb_grpc.StageServicer):
         self.runtime = runtime
         self.state, self.reason, self.progress = ("ready", "", 1.0) if runtime else ("downloading", "", 0.0)
         self.sessions = SessionTable(options.max_sessions, options.session_ttl)
-        # One compute thread: device work is serialised, frames of several sessions batched
-        # into one pass when they wait together; the event loop only moves frames.
+        # One compute thread: device work is serialised, one pass per batch; the event loop
+        # only moves batches.
         self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
-        self.batcher = Batcher(lambda jobs: self.worker.compute_batch(jobs), self.compute, options.max_batch_tokens,
-                               metrics=self.metrics)
         self.health = health.aio.HealthServicer()
         self.is_last = options.stage_index == options.num_stages - 1
         self.debug = options.debug_telemetry
@@ -265,115 +216,152 @@ class StageService(pb_grpc.StageServicer):
             device=str(rt.device) if rt else "",
         )
 
-    async def Results(self, request: pb.ResultsRequest, context):
-        if not self.is_last:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"stage {self.options.stage_index} is not the last stage; subscribe there")
-        if not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
-        try:
-            session = self.sessions.open(request.session_id)
-        except SessionsFull as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        try:
-            while True:
-                prediction = await session.results.get()
-                if prediction is None:
-                    return
-                yield prediction
-        finally:
-            if not session.released:  # the subscriber left: nobody can read this session's predictions
-                self._release(session.session_id)
-
-    async def Session(self, request_iterator, context) -> None:
+    async def Pipeline(self, request_iterator, context) -> None:
+        """One upstream connection: its batches in order, each computed in one pass and sent on
+        (or, on the last stage, answered); the sessions it opened are freed when it ends."""
         inbox: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(_pump(request_iterator, inbox))
-        session: StageSession | None = None
-        hop: DownstreamHop | None = None
+        owned: set[str] = set()
+        link: DownstreamLink | None = None
         try:
             while True:
                 item = await inbox.get()
-                if item is _END:
+                if item is _END:  # the upstream is done sending: finish what is in flight below
+                    if link is not None:
+                        await link.finish()
                     return
                 if isinstance(item, Fault):
                     raise item
-                frame: pb.Frame = item
-                if frame.kind == pb.FORK:
-                    session = await self._fork(frame, session)
-                    if not self.is_last:
-                        if hop is None:
-                            hop = DownstreamHop(self._downstream, self.options.downstream, frame.session_id, inbox,
-                                                self.wire_dtype)
-                        await hop.fork(frame)
-                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id, kind=pb.FORK))
-                    continue
-                session = self._bind(frame, session)
-                if frame.kind not in KIND_NAMES:
-                    raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
-                if frame.kind == pb.RELEASE:
-                    if hop is not None:
-                        await hop.release(frame)
-                    self._release(session.session_id)
-                    session = None
-                    await context.write(pb.Ack(seq=frame.seq, session_id=frame.session_id, kind=pb.RELEASE))
-                    continue
-                inputs = self.worker.inputs(frame)
-                session.last_used = time.monotonic()
-                out = await self.batcher.submit(session, frame, inputs)
-                if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
-                    self._trace(frame)
+                if self.runtime is None:
+                    raise Fault(grpc.StatusCode.UNAVAILABLE,
+                                f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
+                out = await self._step(item, owned)
                 if self.is_last:
-                    if out is not None:
-                        session.results.put_nowait(out)
-                else:
-                    if hop is None:
-                        hop = DownstreamHop(self._downstream, self.options.downstream, frame.session_id, inbox,
-                                            self.wire_dtype)
-                    sending = time.perf_counter()
-                    self.metrics.bytes_sent.inc(await hop.forward(frame, out))
-                    self.metrics.send.observe(time.perf_counter() - sending)
+                    await context.write(out)
+                    continue
+                if link is None:
+                    link = DownstreamLink(self._downstream, self.options.downstream, context, inbox)
+                sending = time.perf_counter()
+                await link.send(out)
+                self.metrics.send.observe(time.perf_counter() - sending)
+                self.metrics.bytes_sent.inc(len(out.activations))
         except Fault as fault:
             self.metrics.error(fault.code.name)
-            if session is not None and fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._release(session.session_id)
-                session = None
             await context.abort(fault.code, f"stage {self.options.stage_index}: {fault.message}")
         finally:
             pump.cancel()
-            if session is not None:  # the sender went away without RELEASE: free the KV now
-                self._release(session.session_id)  # (before any await: a cancelled handler may not get past one)
-            if hop is not None:
-                await hop.close()
+            for session_id in owned:  # the sender went away: free what it held (before any await:
+                self._release(session_id)  # a cancelled handler may not get past one)
+            if link is not None:
+                await link.close()
 
-    # ---- per frame -------------------------------------------------------------------------
+    # ---- per batch -------------------------------------------------------------------------
 
-    def _check_stream(self, frame: pb.Frame, current: StageSession | None) -> None:
-        if self.runtime is None:
-            raise Fault(grpc.StatusCode.UNAVAILABLE, f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
+    async def _step(self, batch: pb.Batch, owned: set[str]) -> pb.Batch | pb.BatchResult:
+        """Carry out one batch: RELEASE and FORK frames at once, the others in one forward pass.
+        A frame that fails becomes a Failure and fails alone. Returns what goes on: the batch
+        for the next stage, or on the last stage the BatchResult."""
+        failures = list(batch.failures)
+        carried: list[pb.Frame] = []  # RELEASE and FORK frames done here
+        jobs: list[tuple[StageSession, pb.Frame, torch.Tensor]] = []
+        rows = self.worker.unpack(batch)
+        seen: set[str] = set()
+        for frame in batch.frames:
+            hidden = next(rows) if frame.kind in COMPUTE_KINDS and not self.is_first else None
+            try:
+                if frame.session_id in seen:
+                    raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"two frames of session {frame.session_id!r} in one batch")
+                seen.add(frame.session_id)
+                if frame.kind == pb.RELEASE:
+                    self._release(frame.session_id)
+                    owned.discard(frame.session_id)
+                    carried.append(frame)
+                elif frame.kind == pb.FORK:
+                    await self._fork(frame)
+                    owned.add(frame.session_id)
+                    carried.append(frame)
+                else:
+                    session = self._bind(frame)
+                    owned.add(frame.session_id)
+                    if isinstance(hidden, Fault):
+                        raise hidden
+                    jobs.append((session, frame, self.worker.inputs(frame, hidden)))
+            except Fault as fault:
+                failures.append(self._failed(frame, fault, owned))
+        outs = await self._compute(jobs)
+        computed = []
+        for (_, frame, _), out in zip(jobs, outs, strict=True):
+            if isinstance(out, Fault):
+                failures.append(self._failed(frame, out, owned))
+            else:
+                computed.append((frame, out))
+            if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
+                self._trace(frame)
+        if self.is_last:
+            result = pb.BatchResult(seq=batch.seq, failures=failures,
+                                    predictions=[out for _, out in computed if out is not None])
+            result.acks.extend(pb.Ack(seq=f.seq, session_id=f.session_id, kind=f.kind) for f in carried)
+            return result
+        down = pb.Batch(seq=batch.seq, failures=failures, frames=[f for f, _ in computed] + carried,
+                        dtype=codec.WIRE_CODES[self.wire_dtype], hidden_size=self.runtime.hidden_size)
+        if computed:
+            down.activations = codec.encode(torch.cat([out for _, out in computed]), self.wire_dtype)
+        return down
+
+    async def _compute(self, jobs: list) -> list:
+        """One forward pass over the jobs, on the compute thread; per job its output or Fault."""
+        if not jobs:
+            return []
+        queued = time.perf_counter()
+
+        def run() -> list:  # timed on the compute thread: event-loop delays count as neither
+            started = time.perf_counter()
+            try:
+                return self.worker.compute_batch(jobs)
+            finally:
+                for _ in jobs:
+                    self.metrics.queue_wait.observe(started - queued)
+                self.metrics.observe_pass(time.perf_counter() - started)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.compute, run)
+        except Fault as fault:
+            return [fault] * len(jobs)
+        except Exception as err:  # the pass itself failed: every frame in it fails, the stage goes on
+            log.exception("stage %d: a forward pass failed", self.options.stage_index)
+            return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")] * len(jobs)
+
+    def _failed(self, frame: pb.Frame, fault: Fault, owned: set[str]) -> pb.Failure:
+        """A frame's failure. Its session is dropped here (the frontend replays it as a new one),
+        unless the stage only had no room for it yet: the frontend then waits and retries."""
+        self.metrics.error(fault.code.name)
+        if fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._release(frame.session_id)
+            owned.discard(frame.session_id)
+        return pb.Failure(session_id=frame.session_id, seq=frame.seq, kind=frame.kind, code=fault.code.value[0],
+                          message=fault.message, stage_index=self.options.stage_index)
+
+    def _bind(self, frame: pb.Frame) -> StageSession:
         if not frame.session_id:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "frame without session_id")
-        if current is not None and frame.session_id != current.session_id:
-            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"frame for session {frame.session_id!r} on the stream of {current.session_id!r}")
-
-    def _bind(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
-        self._check_stream(frame, current)
-        if current is not None:
-            return current
+        if frame.kind not in KIND_NAMES:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
         existing = self.sessions.get(frame.session_id)
-        if (existing is None or existing.kv is None) and frame.kind != pb.RELEASE and frame.pos_start != 0:
+        if (existing is None or existing.kv is None) and frame.pos_start != 0:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
                         f"unknown session {frame.session_id!r} at position {frame.pos_start} (expired, released or "
                         "the stage restarted): prefill it again from position 0")
         try:
-            return self.sessions.open(frame.session_id)
+            session = self.sessions.open(frame.session_id)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
+        session.last_used = time.monotonic()
+        return session
 
-    async def _fork(self, frame: pb.Frame, current: StageSession | None) -> StageSession:
+    async def _fork(self, frame: pb.Frame) -> StageSession:
         """The new session of a FORK frame, holding its parent's first pos_start positions. A
         refused fork creates nothing (and leaves the parent and any session of that id alone)."""
-        self._check_stream(frame, current)
         parent = self.sessions.get(frame.parent_session_id)
         refusal = fork_refusal(frame, parent, self.sessions.get(frame.session_id))
         if refusal is not None:

@@ -1,15 +1,14 @@
-"""Per-session state held by a stage: its KV cache, sampling parameters and (last stage) results
-and the session's tokens, which the penalties look at.
+"""Per-session state held by a stage: its KV cache, sampling parameters and (last stage) the
+session's tokens, which the penalties look at.
 
-A session exists from its first frame (or, on the last stage, from the frontend's Results
-subscription, whichever comes first) until RELEASE, an idle TTL, or the stage's restart. A FORK
+A session exists from its first frame until RELEASE, the end of the stream that opened it, an
+idle TTL, or the stage's restart. A FORK
 frame makes a new session a copy of another's first positions (fork_refusal, fork): the gRPC
 server and the in-process pipeline both go through these two functions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ class StageSession:
     # next prompt chunk's first token.
     tokens: list[int] = field(default_factory=list)
     prompt_tail: Any = None
-    results: asyncio.Queue = field(default_factory=asyncio.Queue)  # Predictions, None = closed
     last_used: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -76,7 +74,6 @@ class SessionTable:
             if session.kv is not None:
                 session.kv.release()
                 session.kv = None
-            session.results.put_nowait(None)
         return session
 
     def expired(self, now: float | None = None) -> list[str]:

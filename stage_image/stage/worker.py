@@ -7,7 +7,9 @@ sampling / verification exist once.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -15,7 +17,7 @@ import torch
 from inferencemesh.protocol import codec, params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import KIND_NAMES
+from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
 from inferencemesh.sampling import logprobs, next_token, verify
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import StageSession
@@ -27,8 +29,9 @@ class StageWorker:
         self.is_first, self.is_last = is_first, is_last
         self.metrics = metrics
 
-    def inputs(self, frame: pb.Frame) -> torch.Tensor:
-        """Validate the frame header against its payload; token ids (stage 0) or hidden states."""
+    def inputs(self, frame: pb.Frame, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate the frame header; its input: token ids (stage 0) or its rows of the batch's
+        hidden states (see unpack)."""
         rt, n = self.runtime, frame.token_count
         if frame.kind not in KIND_NAMES or frame.kind == pb.RELEASE:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"frame kind {frame.kind} carries no tokens to compute")
@@ -48,13 +51,27 @@ class StageWorker:
             if int(ids.min()) < 0 or int(ids.max()) >= rt.vocab_size:
                 raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary [0, {rt.vocab_size})")
             return ids
-        if len(frame.shape) != 2 or frame.shape[1] != rt.hidden_size:
-            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"activation shape {list(frame.shape)} must be [{n}, {rt.hidden_size}]")
+        if hidden is None:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "a stage after the first needs the frame's hidden states")
+        return hidden
+
+    def unpack(self, batch: pb.Batch) -> Iterator[torch.Tensor | Fault]:
+        """Each computing frame's rows of the batch's packed hidden states, in frame order; a
+        Fault for every one of them when the payload does not match the frames (stage 0: none)."""
+        if self.is_first:
+            return iter(())
+        counts = [f.token_count for f in batch.frames if f.kind in COMPUTE_KINDS]
+        total = sum(counts)
         try:
-            return codec.decode(frame.activations, frame.dtype, tuple(frame.shape), n)
+            if batch.hidden_size != self.runtime.hidden_size:
+                raise codec.PayloadError(f"activation shape [{total}, {batch.hidden_size}] must be "
+                                         f"[{total}, {self.runtime.hidden_size}]")
+            if not all(counts):
+                raise codec.PayloadError("token_count must be at least 1")
+            packed = codec.decode(batch.activations, batch.dtype, (total, batch.hidden_size), total)
         except codec.PayloadError as err:
-            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+            return itertools.repeat(Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)))
+        return iter(packed.split(counts))
 
     def compute(self, session: StageSession, frame: pb.Frame, inputs: torch.Tensor):
         """Run the layers for one frame. Non-last stages return hidden states; the last stage
@@ -104,7 +121,10 @@ class StageWorker:
                 self.metrics.tokens.inc(frame.token_count)
         for index, out in zip(runnable, outs, strict=True):
             session, frame, _ = jobs[index]
-            results[index] = self._decide(session, frame, out) if self.is_last and out is not None else out
+            try:  # a frame that cannot be decided (bad draft_probs, penalties without ids) fails alone
+                results[index] = self._decide(session, frame, out) if self.is_last and out is not None else out
+            except Fault as fault:
+                results[index] = fault
         return results
 
     def _decide(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> pb.Prediction | None:

@@ -71,16 +71,13 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "dtype", "shape", "activations", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id")
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POS_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
-    SHAPE_FIELD_NUMBER: _ClassVar[int]
-    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     WANT_PREDICTION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -94,9 +91,6 @@ class Frame(_message.Message):
     pos_start: int
     token_count: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    dtype: DType
-    shape: _containers.RepeatedScalarFieldContainer[int]
-    activations: bytes
     want_prediction: bool
     sampling: Sampling
     draft_probs: bytes
@@ -104,7 +98,51 @@ class Frame(_message.Message):
     sent_ns: int
     prompt_logprobs: bool
     parent_session_id: str
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., activations: _Optional[bytes] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("seq", "frames", "dtype", "hidden_size", "activations", "failures")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    frames: _containers.RepeatedCompositeFieldContainer[Frame]
+    dtype: DType
+    hidden_size: int
+    activations: bytes
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    def __init__(self, seq: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[Frame, _Mapping]]] = ..., dtype: _Optional[_Union[DType, str]] = ..., hidden_size: _Optional[int] = ..., activations: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("session_id", "seq", "kind", "code", "message", "stage_index")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq: int
+    kind: FrameKind
+    code: int
+    message: str
+    stage_index: int
+    def __init__(self, session_id: _Optional[str] = ..., seq: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., stage_index: _Optional[int] = ...) -> None: ...
+
+class BatchResult(_message.Message):
+    __slots__ = ("seq", "predictions", "acks", "failures")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
+    acks: _containers.RepeatedCompositeFieldContainer[Ack]
+    failures: _containers.RepeatedCompositeFieldContainer[Failure]
+    def __init__(self, seq: _Optional[int] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[Failure, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "session_id", "kind")
@@ -115,12 +153,6 @@ class Ack(_message.Message):
     session_id: str
     kind: FrameKind
     def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ...) -> None: ...
-
-class ResultsRequest(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("session_id", "seq", "pos_start", "tokens", "accepted", "logprobs", "prompt_logprobs")

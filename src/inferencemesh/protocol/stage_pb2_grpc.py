@@ -35,15 +35,10 @@ class StageStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.stream_stream(
-                '/inferencemesh.v1.Stage/Session',
-                request_serializer=inferencemesh_dot_protocol_dot_stage__pb2.Frame.SerializeToString,
-                response_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.Ack.FromString,
-                _registered_method=True)
-        self.Results = channel.unary_stream(
-                '/inferencemesh.v1.Stage/Results',
-                request_serializer=inferencemesh_dot_protocol_dot_stage__pb2.ResultsRequest.SerializeToString,
-                response_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.Prediction.FromString,
+        self.Pipeline = channel.stream_stream(
+                '/inferencemesh.v1.Stage/Pipeline',
+                request_serializer=inferencemesh_dot_protocol_dot_stage__pb2.Batch.SerializeToString,
+                response_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.BatchResult.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/inferencemesh.v1.Stage/Info',
@@ -56,19 +51,13 @@ class StageServicer:
     """Stage service. Every stage runs it; which layers it holds is its own business.
     """
 
-    def Session(self, request_iterator, context):
-        """One long-lived stream per session per hop. The frontend opens it on stage 0; each stage
-        that has a downstream opens the next hop for the same session. Replies on this stream
-        carry only acknowledgements of RELEASE and FORK and terminal errors: predictions do not travel
-        back hop by hop, they come from the last stage's Results stream.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Results(self, request, context):
-        """Server stream of predictions for one session, served by the last stage straight to the
-        frontend. Open it before sending the session's first frame to stage 0.
+    def Pipeline(self, request_iterator, context):
+        """One long-lived stream per frontend connection per hop, whatever the number of sessions.
+        The frontend opens it on stage 0 and sends microbatches (Batch) on it, up to one per stage
+        in flight; each stage computes a Batch's frames in one forward pass and sends the result on
+        its own stream to the next stage. The last stage answers every Batch with one BatchResult,
+        which each stage relays back up its stream to the frontend. Sessions are opened by their
+        first frame and belong to the stream: when it ends, every stage frees them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,15 +73,10 @@ class StageServicer:
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.Frame.FromString,
-                    response_serializer=inferencemesh_dot_protocol_dot_stage__pb2.Ack.SerializeToString,
-            ),
-            'Results': grpc.unary_stream_rpc_method_handler(
-                    servicer.Results,
-                    request_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.ResultsRequest.FromString,
-                    response_serializer=inferencemesh_dot_protocol_dot_stage__pb2.Prediction.SerializeToString,
+            'Pipeline': grpc.stream_stream_rpc_method_handler(
+                    servicer.Pipeline,
+                    request_deserializer=inferencemesh_dot_protocol_dot_stage__pb2.Batch.FromString,
+                    response_serializer=inferencemesh_dot_protocol_dot_stage__pb2.BatchResult.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -112,7 +96,7 @@ class Stage:
     """
 
     @staticmethod
-    def Session(request_iterator,
+    def Pipeline(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -125,36 +109,9 @@ class Stage:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/inferencemesh.v1.Stage/Session',
-            inferencemesh_dot_protocol_dot_stage__pb2.Frame.SerializeToString,
-            inferencemesh_dot_protocol_dot_stage__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Results(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/inferencemesh.v1.Stage/Results',
-            inferencemesh_dot_protocol_dot_stage__pb2.ResultsRequest.SerializeToString,
-            inferencemesh_dot_protocol_dot_stage__pb2.Prediction.FromString,
+            '/inferencemesh.v1.Stage/Pipeline',
+            inferencemesh_dot_protocol_dot_stage__pb2.Batch.SerializeToString,
+            inferencemesh_dot_protocol_dot_stage__pb2.BatchResult.FromString,
             options,
             channel_credentials,
             insecure,

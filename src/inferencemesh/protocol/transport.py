@@ -13,17 +13,16 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 ]
-# A stage acknowledges RELEASE once every stage after it has (or this long has passed: a stage
-# that is gone frees its sessions itself when its stream breaks). The acknowledgement is what
-# lets the frontend hand a freed slot to the next request without the stages refusing it.
+# The last stage acknowledges RELEASE once every stage has freed the session; the frontend
+# waits this long for it (a stage that is gone frees its sessions itself when its stream
+# breaks). The acknowledgement is what lets the frontend hand a freed slot to the next request
+# without the stages refusing it.
 RELEASE_ACK_TIMEOUT_S = 5.0
-# A FORK is acknowledged once every stage has copied the parent's cache; copying is a memory
-# copy per stage, so this bound only catches a stage that stopped answering.
-FORK_ACK_TIMEOUT_S = 30.0
 KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release",
               pb.FORK: "fork"}
-# Frames that carry no tokens to compute: the stage handles them itself, outside forward passes.
-CONTROL_KINDS = (pb.RELEASE, pb.FORK)
+# Frames with tokens to compute, in a forward pass; the others (RELEASE, FORK) a stage carries
+# out itself, between passes.
+COMPUTE_KINDS = (pb.PREFILL, pb.DECODE, pb.VERIFY)
 
 
 def expects_prediction(frame: pb.Frame) -> bool:
@@ -31,5 +30,5 @@ def expects_prediction(frame: pb.Frame) -> bool:
 
 
 def expects_ack(frame: pb.Frame) -> bool:
-    """Whether the sender waits for the frame's Ack: a FORK (a RELEASE's Ack is awaited at close)."""
-    return frame.kind == pb.FORK
+    """Whether the last stage acknowledges the frame (in its BatchResult)."""
+    return frame.kind in (pb.RELEASE, pb.FORK)

@@ -1,0 +1,65 @@
+"""Raw access to a stage's Pipeline stream, for tests that speak the wire protocol themselves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import torch
+
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+
+STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class RawStream:
+    """One Pipeline stream into a stage (async): batches in, BatchResults (or its status) out."""
+
+    def __init__(self, stub: pb_grpc.StageStub) -> None:
+        self.call = stub.Pipeline()
+        self.seq = 0
+
+    async def send(self, *frames: pb.Frame, **batch) -> int:
+        self.seq += 1
+        await self.call.write(pb.Batch(seq=self.seq, frames=frames, **batch))
+        return self.seq
+
+    async def result(self, timeout: float = 20) -> pb.BatchResult:
+        return await asyncio.wait_for(self.call.read(), timeout)
+
+    async def exchange(self, *frames: pb.Frame, **batch) -> pb.BatchResult:
+        seq = await self.send(*frames, **batch)
+        result = await self.result()
+        assert result.seq == seq
+        return result
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+        self.call.cancel()
+
+
+def failures(result: pb.BatchResult) -> list[tuple[grpc.StatusCode, str]]:
+    return [(STATUS[f.code], f.message) for f in result.failures]
+
+
+def exchange(address: str, batches: list[dict], timeout: float = 20) -> tuple[list[pb.BatchResult], grpc.StatusCode]:
+    """Send each batch (pb.Batch fields) on one stream and read its answer: (the results, and
+    the status the stream ended with: OK when the stage kept it open)."""
+    with grpc.insecure_channel(address) as channel:
+        requests = iter([pb.Batch(seq=i + 1, **b) for i, b in enumerate(batches)])
+        call = pb_grpc.StageStub(channel).Pipeline(requests, timeout=timeout)
+        results: list[pb.BatchResult] = []
+        try:
+            results.extend(call)
+        except grpc.RpcError as err:
+            return results, err.code()
+    return results, grpc.StatusCode.OK
+
+
+def hidden_batch(frames: list[pb.Frame], hidden: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Batch fields for frames into a stage after the first: zero hidden states for each."""
+    rows = sum(f.token_count for f in frames)
+    return {"frames": frames, "dtype": codec.WIRE_CODES[dtype], "hidden_size": hidden,
+            "activations": codec.encode(torch.zeros(rows, hidden), dtype)}
