@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.request
 
 import pytest
 from imesh_e2e import (
@@ -31,6 +32,7 @@ from imesh_e2e import (
     wait_for,
     wait_ready,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
 FRONTEND_PORT = 8000
@@ -302,3 +304,48 @@ def test_three_stages_replan_and_answer_the_same(settings: dict, shared_mesh: di
 
 def pods_all(ns: str, name: str) -> list[dict]:
     return get_json("pods", "-n", ns, "-l", f"inferencemesh.io/mesh={name},app.kubernetes.io/component=stage")["items"]
+
+
+def deployments(ns: str, name: str) -> set[str]:
+    items = get_json("deployments", "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]
+    return {d["metadata"]["name"] for d in items}
+
+
+def test_an_embedded_first_stage_serves_the_same_without_a_stage_0_pod(
+        settings: dict, shared_mesh: dict, reference: dict[str, str]) -> None:
+    """spec.frontend.embedFirstStage: stage 0's layers move into the frontend pod. No stage-0
+    Deployment or Service is left, stage 1 takes the frontend's batches, the answers are those
+    of `inferencemesh serve`, and stage 0's metrics come from the frontend's /metrics."""
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    wait_ready(ns, name, settings["timeout"])
+    patch = json.dumps({"spec": {"frontend": {"embedFirstStage": True}}})
+    kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", patch)
+    try:
+        wait_for(lambda: f"{name}-stage-0" not in deployments(ns, name), 120, "the stage-0 Deployment to go")
+        status = wait_ready(ns, name, settings["timeout"])["status"]
+        assert [s.get("embedded", False) for s in status["stages"]] == [True, False]
+        services = {s["metadata"]["name"] for s in get_json("services", "-n", ns, "-l",
+                                                             f"inferencemesh.io/mesh={name}")["items"]}
+        assert f"{name}-stage-0" not in services and f"{name}-stage-1" in services
+        wait_for(lambda: [p["metadata"]["labels"]["inferencemesh.io/stage"] for p in stage_pods(ns, name)] == ["1"],
+                 180, "only stage 1's pod to run")
+        front = wait_for(lambda: next((p for p in running_pods(
+            ns, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend")
+            if "--first-stage-layers" in p["spec"]["containers"][0]["args"] and pod_ready(p)), None), 300,
+            "a ready frontend pod that holds stage 0")
+        args = front["spec"]["containers"][0]["args"]
+        start, end = (int(x) for x in args[args.index("--first-stage-layers") + 1].split(":"))
+        assert (start, end) == (status["stages"][0]["layerStart"], status["stages"][0]["layerEnd"])
+        with port_forward(ns, *frontend_service(shared_mesh)) as base:
+            client = openai_client(base)
+            assert {prompt: greedy(client, prompt) for prompt in PROMPTS} == reference
+            families = text_string_to_metric_families(urllib.request.urlopen(f"{base}/metrics", timeout=30).read()
+                                                      .decode())
+            stages = {s.labels.get("stage") for f in families if f.name == "inferencemesh_stage_tokens"
+                      for s in f.samples}
+            assert stages == {"0"}
+    finally:
+        patch = json.dumps({"spec": {"frontend": {"embedFirstStage": False}}})
+        kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", patch)
+        wait_for(lambda: f"{name}-stage-0" in deployments(ns, name), 120, "the stage-0 Deployment to return")
+        wait_ready(ns, name, settings["timeout"])

@@ -54,7 +54,7 @@ CATEGORIES: list[tuple[str, object]] = [
                                                         "_pb2")),
     ("engine + pipeline client (frontend)", lambda fs: _any(fs, "engine.py", "pipeline.py", "speculative.py",
                                                             "bench.py")),
-    ("stage server, batcher, worker", lambda fs: _any(fs, "server.py", "batcher.py", "worker.py", "sessions.py")),
+    ("stage server, worker", lambda fs: _any(fs, "server.py", "worker.py", "sessions.py", "embedded.py")),
     ("gRPC", lambda fs: _any(fs, "grpc/")),
     ("asyncio (other loop work)", lambda fs: _any(fs, "asyncio/", "concurrent/futures", "threading.py")),
     ("other", lambda fs: True),
