@@ -62,7 +62,8 @@ def mesh() -> Iterator[tuple[str, list[str], list[int]]]:
         while not any("OpenAI endpoint" in line for line in lines) or not _answers(f"{base}/ready"):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.3)
-        yield base, lines, [metrics_base, metrics_base + 1]
+        # stage i exports on metrics_base + i; stage 0 is embedded: its series are on the frontend's page
+        yield base, lines, [metrics_base + 1]
     finally:
         proc.send_signal(signal.SIGINT)
         try:
