@@ -52,6 +52,26 @@ class _Waiting:
     answer: asyncio.Future | None  # its Prediction (or None, for an acknowledged frame); None: no answer
 
 
+def next_microbatch(waiting: list[_Waiting], budget: int) -> tuple[list[_Waiting], list[_Waiting]]:
+    """(the next microbatch, what keeps waiting), from the waiting frames in arrival order: at
+    most one frame per session (its later frames wait their turn), every decode and verify frame,
+    and prompt chunks while their tokens stay within the budget (the first chunk always goes): a
+    long prompt shares its steps with the other sessions' decoding, and never stalls them."""
+    batch, rest, prompt_tokens = [], [], 0
+    sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
+    for item in waiting:
+        frame = item.frame
+        chunk = frame.kind == pb.PREFILL
+        fits = not chunk or not prompt_tokens or prompt_tokens + frame.token_count <= budget
+        if frame.session_id in sessions or not fits:
+            rest.append(item)
+        else:
+            batch.append(item)
+            prompt_tokens += frame.token_count if chunk else 0
+        sessions.add(frame.session_id)
+    return batch, rest
+
+
 class StepScheduler:
     """One long-lived stream into stage 0, and the step scheduler that feeds it.
 
@@ -79,25 +99,6 @@ class StepScheduler:
         self.waiting.append(waiting)
         self._wake.set()
 
-    def take(self) -> list[_Waiting]:
-        """The next microbatch, from the waiting frames in arrival order: at most one frame per
-        session (its later frames wait their turn), every decode and verify frame, and prompt
-        chunks while the batch stays within the token budget (the first always goes): a long
-        prompt shares its steps with the other sessions, and never stalls them."""
-        batch, rest, tokens = [], [], 0
-        sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
-        for waiting in self.waiting:
-            frame = waiting.frame
-            fits = frame.kind != pb.PREFILL or not batch or tokens + frame.token_count <= self.budget
-            if frame.session_id in sessions or not fits:
-                rest.append(waiting)
-            else:
-                batch.append(waiting)
-                tokens += frame.token_count
-            sessions.add(frame.session_id)
-        self.waiting = rest
-        return batch
-
     async def _settled(self) -> None:
         """Let the sessions that a result just woke submit their next frames before a batch is
         cut: each runs until it waits again, within an event-loop turn or two."""
@@ -112,7 +113,7 @@ class StepScheduler:
                 self._wake.clear()
                 await self._wake.wait()
             await self._settled()
-            frames = self.take()
+            frames, self.waiting = next_microbatch(self.waiting, self.budget)
             self._seq += 1
             self.in_flight[self._seq] = frames
             try:

@@ -25,6 +25,7 @@ from inferencemesh.config import (
     OperatorConfig,
     RuntimeOptions,
     ServeConfig,
+    SpeculativeOptions,
     StageConfig,
     add_arguments,
     from_args,
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stage-memory", default=None, help="per-stage memory, e.g. 16GiB,24GiB (one for all)")
     plan.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                       help="where the stages run (a CPU stage keeps its KV cache in float32)")
+    plan.add_argument("--embed-first-stage", action="store_true",
+                      help="plan for a frontend that holds the first stage (serve's default; spec.frontend."
+                           "embedFirstStage): stage 0's memory then holds the frontend's draft model too")
+    add_arguments(SpeculativeOptions, plan)  # which draft the frontend loads, for --embed-first-stage
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     bench = sub.add_parser("bench", help="benchmarks: tokens/s, TPOT, TTFT, per-hop overhead; JSON out")
