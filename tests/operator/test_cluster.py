@@ -331,11 +331,15 @@ def test_an_embedded_first_stage_has_no_stage_0_objects_and_switching_it_prunes_
     # off: stage 0 gets its own objects, and the frontend names it as its first stage
     cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
                     "-p", '{"spec":{"frontend":{"embedFirstStage":false}}}')
-    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-stage-0") in o and o, 60,
-                    "stage 0's objects to appear")
+    def frontend_args(o: dict) -> list[str]:
+        return o[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    # (one reconcile writes the children one by one: wait for the frontend's update too)
+    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-stage-0") in o
+                    and "--first-stage-layers" not in frontend_args(o) and o, 60, "stage 0's objects to appear")
     assert {("Service", f"{name}-stage-0"), ("NetworkPolicy", f"{name}-stage-0")} <= set(objs)  # type: ignore[arg-type]
-    args = objs[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[index]
-    assert "--first-stage-layers" not in args and len(args[args.index("--stage-addresses") + 1].split(",")) == 2
+    args = frontend_args(objs)  # type: ignore[arg-type]
+    assert len(args[args.index("--stage-addresses") + 1].split(",")) == 2
 
     # on again: they are pruned
     cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
