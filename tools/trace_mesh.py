@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--stage-threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the stage processes (default: unset, as `serve` runs them)")
+    parser.add_argument("--first-stage", default="embedded", choices=["embedded", "process"],
+                        help="stage 0 in this process (the frontend), as serve runs it, or a process of its own")
     parser.add_argument("--raw-dir", default=None, help="keep py-spy's raw stacks here (one file per process)")
     parser.add_argument("--json", dest="json_out", default=None)
     args = parser.parse_args()
@@ -149,15 +151,17 @@ def main() -> None:
     prompts = [flat[i % len(flat)] for i in range(args.streams)]
     max_context = 1024
     env = {"OMP_NUM_THREADS": str(args.stage_threads)} if args.stage_threads else None
-    mesh = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env)
+    mesh = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env,
+                      first_stage=args.first_stage)
     stages, pipeline = mesh.stages, mesh.pipeline
     torch.set_num_threads(mesh.threads)  # this process plays the frontend
     tmp = Path(args.raw_dir) if args.raw_dir else Path(tempfile.mkdtemp(prefix="trace-mesh-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         runner = EngineUnderTest(pipeline, args.new_tokens, max_context)
-        pids = {"frontend (engine)": os.getpid(),
-                **{f"stage {i}": p.process.pid for i, p in enumerate(stages.processes)}}
+        here = "frontend (engine" + (" + stage 0)" if args.first_stage == "embedded" else ")")
+        pids = {here: os.getpid(), **{f"stage {c.stage_index}": p.process.pid
+                                      for c, p in zip(stages.configs, stages.processes, strict=True)}}
         spy_argv = {name: [py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
                            "--threads", "--nonblocking", "--output", str(tmp / f"{pid}.txt")]
                     for name, pid in pids.items()}
@@ -186,6 +190,7 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     report = {
         "shape": args.shape, "dtype": args.dtype, "stages": args.stages, "streams": args.streams,
+        "first_stage": args.first_stage,
         "stage_threads": args.stage_threads or f"default ({os.cpu_count()} cores)",
         "new_tokens": args.new_tokens, "bursts": args.bursts, "tokens": tokens, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2), "ms_per_token_wall": round(1000 * wall / tokens, 3),

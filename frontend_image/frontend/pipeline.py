@@ -114,6 +114,8 @@ class StepScheduler:
                 await self._wake.wait()
             await self._settled()
             frames, self.waiting = next_microbatch(self.waiting, self.budget)
+            if not frames:  # the stream broke meanwhile (_break took them)
+                continue
             self._seq += 1
             self.in_flight[self._seq] = frames
             try:
