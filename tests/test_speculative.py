@@ -120,3 +120,37 @@ def test_ngram_lookup_and_auto_gating() -> None:
     for _ in range(AutoProposer.RECENT_ROUNDS):
         auto.observe(4, 0, 0.001, 0.01)  # nothing accepted
     assert auto.state == "cooldown" and auto.propose(repeated) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_every_strategy_is_exact_for_concurrent_streams_with_the_first_stage_embedded(tokenizer, setups,
+                                                                                      stages: int) -> None:
+    """Four streams at once, speculating even under load, through microbatches with stage 0 in
+    this process: each stream's greedy tokens are its solo in-process run's, for every strategy."""
+    import asyncio
+
+    from mesh_helpers import collect, embedded_pipeline
+
+    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+
+    runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
+    prompts = [tokenizer(text).input_ids for text in (CODE, PROSE, CODE[40:], PROSE[10:])]
+    expected = [generate(LocalPipeline([runtime]), p, 24, max_context=512, temperature=0.0) for p in prompts]
+    mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32", embed_first=True)
+
+    async def together(setup) -> list[list[int]]:
+        pipeline = embedded_pipeline(TARGET, mesh, max_context=512, dtype="float32")
+        assert await pipeline.wait_ready(60)
+        engine = PipelineEngine(pipeline, EngineOptions("t", max_context=512, speculative_disable_by_batch_size=0),
+                                proposer_for=setup.proposer_for)
+        try:
+            return list(await asyncio.gather(*(collect(engine, p, 24, temperature=0.0) for p in prompts)))
+        finally:
+            await engine.close()
+
+    try:
+        outputs = {name: asyncio.run(together(setup)) for name, setup in setups.items()}
+    finally:
+        mesh.stop()
+    assert outputs == {name: expected for name in setups}
