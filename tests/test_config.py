@@ -99,12 +99,12 @@ def test_serve_derives_its_children_from_its_own_config() -> None:
     for i, process in enumerate(stages.processes):
         child = parse("stage", process.argv[process.argv.index("stage") + 1:])
         assert child == stages.configs[i]
-        assert (child.max_context, child.max_sessions, child.dtype, child.max_batch_tokens) == (900, 5, "float32", 64)
+        assert (child.max_context, child.max_sessions, child.dtype) == (900, 5, "float32")
         assert child.layers == (plan[i].layer_start, plan[i].layer_end) and child.stage_index == i
     assert stages.configs[0].downstream == stages.addresses[1] and stages.configs[1].downstream is None
     frontend = frontend_config(serve, "/m", stages)
     assert parse("frontend", to_argv(frontend)) == frontend
-    assert (frontend.speculative, frontend.window, frontend.port) == ("ngram", "3", 8123)
+    assert (frontend.speculative, frontend.window, frontend.port, frontend.max_batch_tokens) == ("ngram", "3", 8123, 64)
     assert frontend.stage_addresses == tuple(stages.addresses) and frontend.first_stage_layers is None
 
 

@@ -27,7 +27,7 @@ SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
 
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_SESSIONS = 16
-# Most tokens one stage forward pass takes from waiting DECODE/VERIFY frames of different sessions.
+# Most prompt tokens one microbatch (one forward pass at every stage) carries.
 DEFAULT_MAX_BATCH_TOKENS = 256
 # The frontend's torch threads (its only tensor work is the draft model). One: a small draft's
 # ops gain nothing from a second thread, and an OpenMP team's idle workers spin on a core that
@@ -131,15 +131,17 @@ class SpeculativeOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class BatchingOptions:
-    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "most tokens of waiting DECODE/VERIFY frames "
-                                   "(of different sessions) a stage runs in one pass", parse=int)
+    # The frontend's step scheduler cuts microbatches with it; every stage computes a microbatch in one pass.
+    max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "prompt tokens one microbatch carries through the "
+                                   "stages (every session's decode and verify frames ride along; a batch's first "
+                                   "prompt chunk always goes)", parse=int)
 
 
 # ---- the programs --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageConfig(ModelOptions, RuntimeOptions, BatchingOptions):
+class StageConfig(ModelOptions, RuntimeOptions):
     """`inferencemesh stage`: one layer range behind gRPC (what a stage pod runs)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")

@@ -70,7 +70,7 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         assert parsed.model == "bundled://imesh-code-target"
         want_downstream = None if i == 2 else f"code-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
         assert parsed.downstream == want_downstream
-        assert parsed.max_batch_tokens == 256  # the CRD's default
+        assert not hasattr(parsed, "max_batch_tokens")  # the frontend's microbatch budget, not a stage's
         assert c["readinessProbe"]["grpc"] == {"port": R.STAGE_GRPC_PORT}
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert objs[("Deployment", f"code-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
@@ -175,7 +175,9 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     stage = objs[("Deployment", "code-stage-0")]["spec"]["template"]["spec"]
     c = stage["containers"][0]
     assert arg(c["args"], "--model") == "/models/llama/70b"
-    assert arg(c["args"], "--max-batch-tokens") == "2048"
+    assert "--max-batch-tokens" not in c["args"]
+    front = container(objs[("Deployment", "code-frontend")])
+    assert arg(front["args"], "--max-batch-tokens") == "2048"  # the frontend's step scheduler cuts microbatches
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in stage["volumes"]
     assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
     assert c["image"] == "reg/stage:1" and c["imagePullPolicy"] == "Never"
@@ -306,7 +308,8 @@ def test_an_embedded_first_stage_renders_no_stage_0_objects_and_runs_in_the_fron
     assert separate.first_stage_layers is None and separate.num_stages == 3
     assert frontend_config(objs) == dataclasses.replace(
         separate, first_stage_layers=(0, 3), stage_addresses=("code-stage-1.ml.svc:50051", "code-stage-2.ml.svc:50051"),
-        threads=2, max_batch_tokens=512, device="cuda")
+        threads=2, device="cuda")
+    assert separate.max_batch_tokens == 512
     assert frontend_config(objs).num_stages == 3 and frontend_config(objs).model == "/models/llama/70b"
     # the stages after it keep their index, range and downstream
     parser = build_parser()
