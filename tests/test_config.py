@@ -139,6 +139,10 @@ def test_mistakes_are_one_line_errors(capsys) -> None:
     assert capsys.readouterr().err.strip() == "inferencemesh stage: error: --layers 4:2: need 0 <= START < END"
     with pytest.raises(ConfigError, match="needs --downstream"):
         StageConfig(model="m", layers=(0, 1), stage_index=0, num_stages=2).check()
+    with pytest.raises(ConfigError, match="--threads sizes the embedded first stage"):
+        FrontendConfig(model="m", stage_addresses=("h:1",), threads=2).check()
+    with pytest.raises(ConfigError, match="names no stage"):
+        FrontendConfig(model="m", stage_addresses=()).check()
     with pytest.raises(SystemExit):
         build_parser().parse_args(["stage", "--model", "m", "--layers", "x", "--stage-index", "0",
                                    "--num-stages", "1"])

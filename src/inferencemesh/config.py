@@ -207,6 +207,9 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     def check(self) -> FrontendConfig:
         if not self.stage_addresses and self.first_stage_layers is None:
             raise ConfigError("--stage-addresses names no stage (and no --first-stage-layers runs one here)")
+        if self.threads and self.first_stage_layers is None:
+            raise ConfigError("--threads sizes the embedded first stage: it needs --first-stage-layers "
+                              "(without one, the frontend computes only the draft: --draft-threads)")
         if self.first_stage_layers is not None and not 0 <= self.first_stage_layers[0] < self.first_stage_layers[1]:
             start, end = self.first_stage_layers
             raise ConfigError(f"--first-stage-layers {start}:{end}: need 0 <= START < END")
