@@ -37,6 +37,8 @@ _DONE = object()  # the caller finished writing / the handler returned
 class InlineExecutor(Executor):
     """Runs submitted work at once, on the submitting thread (here: the event loop's)."""
 
+    inline = True  # StageService calls such work directly instead of awaiting a future
+
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future: Future = Future()
         try:

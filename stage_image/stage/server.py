@@ -325,12 +325,19 @@ class StageService(pb_grpc.StageServicer):
                 self.metrics.observe_pass(time.perf_counter() - started)
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.compute, run)
+            return await self._on_compute_thread(run)
         except Fault as fault:
             return [fault] * len(jobs)
         except Exception as err:  # the pass itself failed: every frame in it fails, the stage goes on
             log.exception("stage %d: a forward pass failed", self.options.stage_index)
             return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")] * len(jobs)
+
+    async def _on_compute_thread(self, fn, *args):
+        """fn(*args) where this stage computes. An embedded stage computes inline, on the event
+        loop's own thread (InlineExecutor): called directly, without a future's cross-thread wake-up."""
+        if getattr(self.compute, "inline", False):
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     def _failed(self, frame: pb.Frame, fault: Fault, owned: set[str]) -> pb.Failure:
         """A frame's failure. Its session is dropped here (the frontend replays it as a new one),
@@ -371,8 +378,7 @@ class StageService(pb_grpc.StageServicer):
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FORK refused: {err}") from err
         try:  # a copy is device work: on the compute thread, between passes
-            await asyncio.get_running_loop().run_in_executor(self.compute, fork, parent, child, frame,
-                                                             self.runtime.new_session)
+            await self._on_compute_thread(fork, parent, child, frame, self.runtime.new_session)
         except BaseException:
             self._release(child.session_id)
             raise
