@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -21,13 +23,14 @@ from inferencemesh.launcher import free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
+    """`inferencemesh serve` as a user starts it (plus flags), ready: (base URL, process, its output)."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "inferencemesh.cli", "serve", "--port", str(port),
-                             "--max-sessions", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+                             "--max-sessions", "4", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     base = f"http://127.0.0.1:{port}"
@@ -43,10 +46,18 @@ def served():
     else:
         proc.kill()
         pytest.fail("serve never became ready:\n" + "".join(lines))
-    yield base, proc, lines
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+    try:
+        yield base, proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def served():
+    with serving() as running:
+        yield running
 
 
 def test_openai_client_completions_and_chat(served) -> None:
@@ -92,6 +103,24 @@ def test_metrics_of_frontend_and_every_stage_parse(served) -> None:
         if shutil.which("promtool"):
             check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
             assert check.returncode == 0, f"{name}: {check.stdout}{check.stderr}"
+
+
+def test_a_separate_first_stage_answers_as_the_embedded_one(served) -> None:
+    """`--no-embed-first-stage`: stage 0 as a process of its own (3 processes), the same answers."""
+    prompts = ["def add(a, b):\n", "import os\nimport sys\n"]
+
+    def greedy(base: str) -> list[str]:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        return [client.completions.create(model=model, prompt=p, max_tokens=24, temperature=0).choices[0].text
+                for p in prompts]
+
+    embedded = greedy(served[0])
+    with serving("--no-embed-first-stage") as (base, proc, lines):
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+        assert len(children.split()) == 3, "".join(lines)  # two stage processes and the frontend
+        assert "stage 0 ready on" in "".join(lines) and "inside the frontend" not in "".join(lines)
+        assert greedy(base) == embedded
 
 
 def test_ctrl_c_stops_every_process(served) -> None:
