@@ -96,7 +96,10 @@ def test_metrics_of_frontend_and_every_stage_parse(served) -> None:
         stages = {s.labels["stage"] for f in families if f.name in STAGE_SERIES for s in f.samples}
         assert STAGE_SERIES <= names, names
         if name == "frontend":
-            assert {"inferencemesh_time_to_first_token_seconds", "inferencemesh_generation_tokens"} <= names
+            assert {"inferencemesh_time_to_first_token_seconds", "inferencemesh_generation_tokens",
+                    "inferencemesh_microbatch_frames", "inferencemesh_microbatches_in_flight"} <= names
+            sizes = next(f for f in families if f.name == "inferencemesh_microbatch_frames")
+            assert next(s.value for s in sizes.samples if s.name.endswith("_count")) > 0  # the earlier test's
             assert stages == {"0"}
         else:
             assert "inferencemesh_stage_activation_bytes_sent" in names and stages == {"1"}

@@ -15,7 +15,7 @@ from inferencemesh.cpus import compute_threads
 log = logging.getLogger("inferencemesh.frontend")
 
 
-def build_pipeline(config: FrontendConfig, first_stage_runtime=None):
+def build_pipeline(config: FrontendConfig, first_stage_runtime=None, metrics=None):
     """The stages this frontend sends to: the stage processes at --stage-addresses, after the
     embedded first stage when --first-stage-layers says this process runs one (its layers loaded
     in the background once the pipeline connects, unless given loaded: benchmarks)."""
@@ -29,7 +29,7 @@ def build_pipeline(config: FrontendConfig, first_stage_runtime=None):
 
         embedded = EmbeddedStage(first_stage, runtime=first_stage_runtime)
     return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded,
-                        max_batch_tokens=config.max_batch_tokens)
+                        max_batch_tokens=config.max_batch_tokens, metrics=metrics)
 
 
 def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
@@ -38,7 +38,7 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)
-    pipeline = build_pipeline(config)
+    pipeline = build_pipeline(config, metrics=metrics)
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,

@@ -103,12 +103,20 @@ class FrontendMetrics:
             "Time from sending a step's frame into the stages until its prediction came back, by frame kind.",
             m + ["kind"], buckets=STEP_BUCKETS, registry=registry)
 
+        # The step scheduler (updated by the pipeline client): microbatches and how full they are.
+        self.microbatch_frames = Histogram(
+            PREFIX + "microbatch_frames", "Frames (sessions) per microbatch sent into the stages.",
+            m, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.microbatches_in_flight = Gauge(
+            PREFIX + "microbatches_in_flight", "Microbatches sent into the stages and not yet answered "
+            "(at most one per stage).", m, registry=registry)
+
         # Create the labelled children now so every series is exported (at 0) from the first scrape.
         for metric in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                        self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                        self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
-                       self.step_proposal_seconds):
+                       self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight):
             metric.labels(model)
         for kind in STEP_KINDS:
             self.step_pipeline_seconds.labels(model, kind)

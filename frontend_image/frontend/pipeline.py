@@ -28,6 +28,7 @@ from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S
 from inferencemesh.tls import TlsMaterial, aio_channel
 
 if TYPE_CHECKING:
+    from inferencemesh.frontend.metrics import FrontendMetrics
     from inferencemesh.stage.embedded import EmbeddedStage
 
 
@@ -82,8 +83,12 @@ class StepScheduler:
     for it comes back up the same stream.
     """
 
-    def __init__(self, stub, in_flight_limit: int, token_budget: int) -> None:
+    def __init__(self, stub, in_flight_limit: int, token_budget: int, metrics: FrontendMetrics | None = None) -> None:
         self.call = stub.Pipeline()
+        self._sizes = self._in_flight = None
+        if metrics is not None:
+            self._sizes = metrics.microbatch_frames.labels(metrics.model)
+            self._in_flight = metrics.microbatches_in_flight.labels(metrics.model)
         self.limit = max(1, in_flight_limit)
         self.budget = token_budget
         self.waiting: list[_Waiting] = []
@@ -118,6 +123,9 @@ class StepScheduler:
                 continue
             self._seq += 1
             self.in_flight[self._seq] = frames
+            if self._sizes is not None:
+                self._sizes.observe(len(frames))
+                self._in_flight.set(len(self.in_flight))
             try:
                 await self.call.write(pb.Batch(seq=self._seq, frames=[w.frame for w in frames]))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
@@ -129,6 +137,8 @@ class StepScheduler:
         try:
             async for result in self.call:
                 self._answer(self.in_flight.pop(result.seq, []), result)
+                if self._in_flight is not None:
+                    self._in_flight.set(len(self.in_flight))
                 self._wake.set()
             ended = PipelineError(grpc.StatusCode.UNAVAILABLE, "stage 0 ended the stream")
         except grpc.aio.AioRpcError as err:
@@ -160,6 +170,8 @@ class StepScheduler:
         self.failure = err
         lost = [w for frames in self.in_flight.values() for w in frames] + self.waiting
         self.in_flight, self.waiting = {}, []
+        if self._in_flight is not None:
+            self._in_flight.set(0)
         for waiting in lost:
             waiting.session.fail(err, waiting)
         for task in self._tasks:
@@ -221,7 +233,8 @@ class GrpcPipeline:
     """The stage processes at `addresses`, in pipeline order, after the embedded first stage if any."""
 
     def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
-                 embedded: EmbeddedStage | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+                 embedded: EmbeddedStage | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 metrics: FrontendMetrics | None = None) -> None:
         if not addresses and embedded is None:
             raise ValueError("a pipeline needs at least one stage address")
         self.addresses = addresses
@@ -229,6 +242,7 @@ class GrpcPipeline:
         self.tls = tls
         self.embedded = embedded
         self.max_batch_tokens = max_batch_tokens
+        self.metrics = metrics
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list = []
         self._scheduler: StepScheduler | None = None
@@ -249,7 +263,7 @@ class GrpcPipeline:
         """A new session, on the current stream (a new one if it broke: its sessions replay)."""
         self.connect()
         if self._scheduler is None or self._scheduler.failure is not None:
-            self._scheduler = StepScheduler(self._stubs[0], len(self._stubs), self.max_batch_tokens)
+            self._scheduler = StepScheduler(self._stubs[0], len(self._stubs), self.max_batch_tokens, self.metrics)
         return GrpcSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:
