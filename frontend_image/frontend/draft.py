@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from inferencemesh.checkpoint import read_checkpoint
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
+from inferencemesh.speculation import draft_dtype
 
 _GROWTH = 256  # cache positions added at a time
 
@@ -95,7 +96,7 @@ class DraftModel:
     def __init__(self, source: str, *, dtype: str = "auto", device: str = "auto", max_context: int = 2048) -> None:
         facts = read_checkpoint(source)
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        stage = load_stage(source, 0, facts.num_layers, dtype="float32" if on_cpu else dtype, device=device)
+        stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu), device=device)
         config = stage.config
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"draft activation {config.hidden_act!r} is not supported (silu only)")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointFacts
 from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
+from inferencemesh.speculation import draft_dtype
 
 GIB = 1024**3
 DEFAULT_OVERHEAD_BYTES = 256 * 1024**2  # allocator slack, activations, runtime
@@ -121,9 +122,9 @@ def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bo
                         max_sessions: int) -> int:
     """What the frontend's draft model holds beside an embedded first stage (that stage's
     first_stage_reserved_bytes): all its weights, once (a tied head is the embedding matrix), and a
-    KV cache per session at full context, in the dtype the frontend loads it in (float32 on CPU, as
-    frontend/draft.py does). No runtime overhead of its own: the stage's process counts one."""
-    inputs = PlanInputs.from_checkpoint(draft, dtype="float32" if on_cpu else dtype, context_length=context_length,
+    KV cache per session at full context, in the dtype the frontend loads it in (speculation.draft_dtype).
+    No runtime overhead of its own: the stage's process counts one."""
+    inputs = PlanInputs.from_checkpoint(draft, dtype=draft_dtype(dtype, on_cpu), context_length=context_length,
                                         max_sessions=max_sessions, overhead_bytes=0)
     n = len(inputs.layer_bytes)
     weights, kv, _ = inputs.stage_bytes(0, n, n)
