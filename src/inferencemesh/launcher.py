@@ -164,9 +164,11 @@ def stage_template(model: str, source: ServeConfig | None = None, **fields: Any)
 
 
 def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0) -> FrontendConfig:
-    """The frontend of a local mesh: in front of `stages`, holding stage 0 itself when they embed it."""
+    """The frontend of a local mesh: in front of `stages`, holding stage 0 itself (on `threads`)
+    when they embed it."""
+    embedded = stages.first_stage_layers
     return derive(FrontendConfig, config, model=model, stage_addresses=tuple(stages.addresses),
-                  first_stage_layers=stages.first_stage_layers, threads=threads).check()
+                  first_stage_layers=embedded, threads=threads if embedded else 0).check()
 
 
 def scrape_config(frontend: str, stages: list[str]) -> str:
@@ -189,7 +191,7 @@ def run_serve(config: ServeConfig) -> int:
     embed = config.embed_first_stage
     stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
                          metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed)
-    frontend_settings = frontend_config(config, model, stages, threads=threads if embed else 0)
+    frontend_settings = frontend_config(config, model, stages, threads=threads)
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 

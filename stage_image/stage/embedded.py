@@ -72,18 +72,20 @@ class _Context:
         raise _Aborted(code, details)
 
 
-class _Call:
-    """One call into a local handler, run as a task: its replies queue up for the caller, and the
-    way it ends (return, abort, crash) reaches the caller as grpc.aio reports it."""
+class _StreamCall:
+    """stub.Pipeline() into a local handler, run as a task: batches in (each copied, as a real
+    write serialises it, so the caller may reuse its message), results out, and the way the
+    handler ends (return, abort, crash) reaches the caller as grpc.aio reports it."""
 
-    def __init__(self, run: Callable[[_Context], Any]) -> None:
+    def __init__(self, handler: Callable[[AsyncIterator, _Context], Any]) -> None:
+        self._requests: asyncio.Queue = asyncio.Queue()
         self._replies: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.create_task(self._run(run))
+        self._writing = True
+        self._task = asyncio.create_task(self._run(handler))
 
-    async def _run(self, run: Callable[[_Context], Any]) -> None:
-        context = _Context(self._replies)
+    async def _run(self, handler: Callable[[AsyncIterator, _Context], Any]) -> None:
         try:
-            await run(context)
+            await handler(self._inbound(), _Context(self._replies))
             self._replies.put_nowait(_DONE)
         except _Aborted as err:
             self._replies.put_nowait(_rpc_error(err.code, err.details))
@@ -93,31 +95,6 @@ class _Call:
         except Exception as err:  # a handler bug: an UNKNOWN status, as grpc gives the remote caller
             log.exception("embedded stage handler failed")
             self._replies.put_nowait(_rpc_error(grpc.StatusCode.UNKNOWN, f"{type(err).__name__}: {err}"))
-
-    def __aiter__(self) -> AsyncIterator:
-        return self._read()
-
-    async def _read(self) -> AsyncIterator:
-        while True:
-            item = await self._replies.get()
-            if item is _DONE:
-                return
-            if isinstance(item, grpc.aio.AioRpcError):
-                raise item
-            yield item
-
-    def cancel(self) -> bool:
-        return self._task.cancel()
-
-
-class _StreamCall(_Call):
-    """stub.Pipeline(): batches in (each copied, as a real write serialises it, so the caller
-    may reuse its message), results out."""
-
-    def __init__(self, handler: Callable[[AsyncIterator, _Context], Any]) -> None:
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._writing = True
-        super().__init__(lambda context: handler(self._inbound(), context))
 
     async def _inbound(self) -> AsyncIterator:
         while True:
@@ -137,6 +114,21 @@ class _StreamCall(_Call):
         if self._writing:
             self._writing = False
             self._requests.put_nowait(_DONE)
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._read()
+
+    async def _read(self) -> AsyncIterator:
+        while True:
+            item = await self._replies.get()
+            if item is _DONE:
+                return
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            yield item
+
+    def cancel(self) -> bool:
+        return self._task.cancel()
 
 
 class LocalStageStub:

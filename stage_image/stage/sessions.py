@@ -38,7 +38,6 @@ class StageSession:
     tokens: list[int] = field(default_factory=list)
     prompt_tail: Any = None
     last_used: float = field(default_factory=time.monotonic)
-    released: bool = False
 
     @property
     def cached_tokens(self) -> int:
@@ -70,7 +69,6 @@ class SessionTable:
     def release(self, session_id: str) -> StageSession | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.released = True
             if session.kv is not None:
                 session.kv.release()
                 session.kv = None
