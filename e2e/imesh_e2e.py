@@ -232,7 +232,7 @@ def local_serve(dtype: str, stages: int = 2, timeout: float = 300) -> Iterator[s
     port, stage_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="imesh-e2e-serve-", suffix=".log", delete=False)
     exe = shutil.which("inferencemesh")
-    cmd = [exe] if exe else [sys.executable, "-m", "inferencemesh.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "inferencemesh"]
     cmd += ["serve", "--stages", str(stages), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
             "--base-stage-port", str(stage_port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

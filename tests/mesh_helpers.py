@@ -10,8 +10,8 @@ import torch
 from inferencemesh.checkpoint import read_local
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.launcher import LocalStages, stage_template
 from inferencemesh.planner import PlanInputs, plan_stages
+from inferencemesh.programs.serve import LocalStages, stage_template
 
 # One compute thread per stage process: several processes share two cores in CI.
 QUIET_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -36,7 +36,7 @@ def embedded_pipeline(model_dir: Path, mesh: LocalStages, *, max_context: int = 
     """The frontend's pipeline for a mesh started with embed_first: stage 0 in this process (built
     from a FrontendConfig as `inferencemesh frontend` builds it), then the mesh's processes."""
     from inferencemesh.config import FrontendConfig
-    from inferencemesh.frontend.main import build_pipeline
+    from inferencemesh.programs.frontend import build_pipeline
 
     config = FrontendConfig(model=str(model_dir), stage_addresses=tuple(mesh.addresses), max_context=max_context,
                             first_stage_layers=mesh.first_stage_layers, **settings).check()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from inferencemesh import cli
-from inferencemesh.bench import percentile
+from inferencemesh.programs import cli
+from inferencemesh.programs.bench import percentile
 
 
 def test_concurrency_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:

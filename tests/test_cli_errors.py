@@ -22,7 +22,7 @@ COMMANDS = {
 def run(command: str, model: str, tmp_path: Path) -> subprocess.CompletedProcess:
     # Offline with an empty cache: the hub is never contacted, whatever the machine's network.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    return subprocess.run([sys.executable, "-m", "inferencemesh.cli", command, "--model", model, *COMMANDS[command]],
+    return subprocess.run([sys.executable, "-m", "inferencemesh", command, "--model", model, *COMMANDS[command]],
                           capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
 
 

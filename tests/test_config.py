@@ -9,7 +9,6 @@ import typing
 import pytest
 
 from inferencemesh import config as cfg
-from inferencemesh.cli import build_parser
 from inferencemesh.config import (
     ConfigError,
     FrontendConfig,
@@ -20,7 +19,8 @@ from inferencemesh.config import (
     from_args,
     to_argv,
 )
-from inferencemesh.launcher import frontend_config, stage_template
+from inferencemesh.programs.cli import build_parser
+from inferencemesh.programs.serve import frontend_config, stage_template
 
 PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig}
 
@@ -89,8 +89,8 @@ def test_one_default_per_setting() -> None:
 
 
 def test_serve_derives_its_children_from_its_own_config() -> None:
-    from inferencemesh.launcher import LocalStages
     from inferencemesh.planner import StagePlan
+    from inferencemesh.programs.serve import LocalStages
 
     serve = parse("serve", ["--max-context", "900", "--max-sessions", "5", "--dtype", "float32",
                             "--speculative", "ngram", "--window", "3", "--max-batch-tokens", "64", "--port", "8123"])
@@ -111,8 +111,8 @@ def test_serve_derives_its_children_from_its_own_config() -> None:
 def test_an_embedded_first_stage_is_the_frontends_and_the_processes_are_the_rest() -> None:
     """serve's default: stage 0 in the frontend. The processes are stages 1.., and the stage
     config the frontend derives for its embedded stage is the one a stage-0 process would get."""
-    from inferencemesh.launcher import LocalStages
     from inferencemesh.planner import StagePlan
+    from inferencemesh.programs.serve import LocalStages
 
     serve = parse("serve", ["--max-context", "900", "--dtype", "float32", "--max-batch-tokens", "64"])
     assert serve.embed_first_stage and not parse("serve", ["--no-embed-first-stage"]).embed_first_stage
@@ -131,7 +131,7 @@ def test_an_embedded_first_stage_is_the_frontends_and_the_processes_are_the_rest
 
 
 def test_mistakes_are_one_line_errors(capsys) -> None:
-    from inferencemesh.cli import main
+    from inferencemesh.programs.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["stage", "--model", "m", "--layers", "4:2", "--stage-index", "0", "--num-stages", "1"])

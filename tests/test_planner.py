@@ -126,7 +126,7 @@ def _bundled_draft_bytes(context: int, sessions: int) -> int:
 
 def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
     from inferencemesh.config import ServeConfig
-    from inferencemesh.plan_command import first_stage_reserve, plan_from_settings
+    from inferencemesh.programs.plan import first_stage_reserve, plan_from_settings
 
     def settings(**fields: object) -> ServeConfig:
         return ServeConfig(device="cpu", max_context=256, max_sessions=4, **fields)
@@ -146,7 +146,7 @@ def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
 
 def test_an_unreadable_draft_reserves_nothing(tmp_path, capsys) -> None:
     from inferencemesh.config import ServeConfig
-    from inferencemesh.plan_command import first_stage_reserve
+    from inferencemesh.programs.plan import first_stage_reserve
 
     config = ServeConfig(device="cpu", draft=str(tmp_path / "no-such-draft"))
     assert first_stage_reserve(config, resolve_model(None)) == 0

@@ -23,7 +23,7 @@ import yaml
 from openai import OpenAI
 
 from inferencemesh.config import ServeConfig
-from inferencemesh.launcher import free_port
+from inferencemesh.programs.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def _printed_scrape_config(lines: list[str]) -> dict:
 def mesh() -> Iterator[tuple[str, list[str], list[int]]]:
     port, metrics_base = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port),
                              "--stage-metrics-port", str(metrics_base), "--max-sessions", "4",
                              "--max-context", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

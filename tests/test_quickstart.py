@@ -1,6 +1,6 @@
 """The README's first command, exactly as a new user meets it: a fresh virtualenv, a regular (not
 editable) `pip install "torch==2.13.0" .`, then `inferencemesh serve` started from the clone's
-root, and a completion through the official openai client. Once, `python -m inferencemesh.cli`
+root, and a completion through the official openai client. Once, `python -m inferencemesh`
 children run from the root imported the clone's own folder instead of the installed package;
 this test is what keeps that from coming back unseen."""
 
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from inferencemesh.launcher import free_port
+from inferencemesh.programs.serve import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

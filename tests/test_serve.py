@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferencemesh.launcher import free_port
+from inferencemesh.programs.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
     """`inferencemesh serve` as a user starts it (plus flags), ready: (base URL, process, its output)."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port),
                              "--max-sessions", "4", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     lines: list[str] = []

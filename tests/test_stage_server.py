@@ -16,7 +16,7 @@ from tiny_models import write_tiny_model
 from wire import RawStream, failures
 
 from inferencemesh.config import StageConfig
-from inferencemesh.launcher import free_port
+from inferencemesh.programs.serve import free_port
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage.runtime import StageRuntime
@@ -66,7 +66,7 @@ def test_lifecycle_and_health_of_a_stage_process(tiny, tmp_path) -> None:
     procs = {}
     for name, model in (("good", tiny), ("broken", broken)):
         port = free_port()
-        argv = [sys.executable, "-m", "inferencemesh.cli", "stage", "--model", str(model), "--layers", "0:2",
+        argv = [sys.executable, "-m", "inferencemesh", "stage", "--model", str(model), "--layers", "0:2",
                 "--stage-index", "0", "--num-stages", "1", "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", "0"]
         log = open(tmp_path / f"{name}.log", "w")  # a file, not a pipe nobody drains
@@ -106,10 +106,10 @@ def test_lifecycle_and_health_of_a_stage_process(tiny, tmp_path) -> None:
 
 
 def test_plan_command_prints_json_ranges(tiny) -> None:
-    out = subprocess.run([sys.executable, "-m", "inferencemesh.cli", "plan", "--model", str(tiny), "--stages", "2",
+    out = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--model", str(tiny), "--stages", "2",
                           "--json"], capture_output=True, text=True, check=True).stdout
     stages = json.loads(out)["stages"]
     assert [(s["layer_start"], s["layer_end"]) for s in stages] == [(0, 1), (1, 2)]
-    failed = subprocess.run([sys.executable, "-m", "inferencemesh.cli", "plan", "--model", str(tiny), "--stages", "3"],
+    failed = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--model", str(tiny), "--stages", "3"],
                             capture_output=True, text=True)
     assert failed.returncode == 2 and "only 2 layers" in failed.stderr

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.bench import make_shape_model
 from inferencemesh.checkpoint import read_local
 from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.programs.bench import make_shape_model
 from inferencemesh.stage.runtime import Segment, StageRuntime, _PackedCache
 
 FORMS = ("per-session", "padded")

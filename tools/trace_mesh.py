@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.bench import EngineUnderTest, make_shape_model, prompt_ids, start_mesh
+from inferencemesh.programs.bench import EngineUnderTest, make_shape_model, prompt_ids, start_mesh
 
 # (category, test on the stack's frames, root first). First match wins, so the specific come first.
 CATEGORIES: list[tuple[str, object]] = [

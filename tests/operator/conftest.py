@@ -14,7 +14,6 @@ from imesh_k8s import (
     CHART,
     OPERATOR_NAMESPACE,
     RELEASE,
-    REPO,
     ControlPlane,
     OperatorProcess,
     helm_install,
@@ -25,6 +24,8 @@ from imesh_k8s import (
     stop_processes,
     wait_for,
 )
+
+from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 
 
 @pytest.fixture(scope="session")
@@ -39,12 +40,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def bundled_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A stand-in for inferencemesh/bundled with a tiny imesh-code-target, used only while the real
-    bundled model is absent (the operator looks in $INFERENCEMESH_BUNDLED_DIR first only if the
-    name exists there, so a real bundled model always wins when this is empty)."""
+    """A stand-in for the installed package's bundled/ with a tiny imesh-code-target, used only while
+    the real bundled model is absent (the operator looks in $INFERENCEMESH_BUNDLED_DIR first only
+    if the name exists there, so a real bundled model always wins when this is empty)."""
     root = tmp_path_factory.mktemp("bundled")
-    real = REPO / "inferencemesh" / "bundled" / "imesh-code-target"
-    if not (real / "config.json").exists():
+    try:
+        bundled_path(DEFAULT_MODEL)
+    except FileNotFoundError:
         make_tiny_llama(root / "imesh-code-target", layers=6, package_draft="../imesh-code-draft")
     return root
 

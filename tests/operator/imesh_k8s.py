@@ -254,7 +254,7 @@ def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: 
                    namespaces: tuple[str, ...] = ()) -> OperatorProcess:
     live_port, metrics_port = free_port(), free_port()
     log_path = workdir / f"operator-{live_port}.log"
-    cmd = [sys.executable, "-m", "inferencemesh.cli", "operator", "--standalone",
+    cmd = [sys.executable, "-m", "inferencemesh", "operator", "--standalone",
            "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--metrics-port", str(metrics_port)]
     for ns in namespaces:
         cmd += ["--namespace", ns]

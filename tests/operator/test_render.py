@@ -7,12 +7,12 @@ import re
 
 import pytest
 
-from inferencemesh.cli import build_parser
 from inferencemesh.config import FrontendConfig, from_args
 from inferencemesh.operator import render as R
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.planner import StagePlan
+from inferencemesh.programs.cli import build_parser
 
 MESH = {
     "apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh",

@@ -13,8 +13,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferencemesh.io_inferencemeshes.yaml"
 CHART = REPO / "charts" / "inferencemesh"
-# The data-plane images are targets of the root Dockerfile (stage, frontend); the operator has its own.
-DOCKERFILES = [REPO / "Dockerfile", REPO / "operator" / "Dockerfile"]
+# Every image is a target of the root Dockerfile; the image folders document theirs.
+DOCKERFILE = REPO / "Dockerfile"
+IMAGE_TARGETS = {"stage": "stage_image", "frontend": "frontend_image", "operator": "operator"}
 
 
 def render(values: dict | None = None) -> list[dict]:
@@ -117,33 +118,58 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
-def test_dockerfiles_copy_real_paths_and_run_a_real_console_script(dockerfile: Path) -> None:
-    ins = _instructions(dockerfile)
-    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    # the base image is a build argument with a pinned default (no :latest, no untagged image)
-    assert ins[0][0] == "ARG" and ins[0][1].startswith("BASE_IMAGE=")
-    default = ins[0][1].split("=", 1)[1]
-    assert ":" in default and not default.endswith(":latest")
-    # every build stage starts from the base or from an earlier stage of the same file
-    stages: list[str] = []
+def _stages(ins: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """Each build stage's instructions by name, each stage prefixed with those of the stage it is FROM."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
     for word, rest in ins:
         if word == "FROM":
             image, *alias = rest.split()
-            assert image.startswith("${BASE_IMAGE}") or image in stages, f"{dockerfile}: FROM {rest}"
-            stages += alias[1:] if alias[:1] == ["AS"] else []
+            current = list(stages.get(image, [])) + [(word, rest)]
+            if alias[:1] == ["AS"]:
+                stages[alias[1]] = current
+        else:
+            current.append((word, rest))
+    return stages
+
+
+def test_one_dockerfile_builds_every_image_from_one_wheel_stage() -> None:
+    ins = _instructions(DOCKERFILE)
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    # the base images are build arguments with pinned defaults (no :latest, no untagged image)
+    bases = {}
+    for word, rest in ins:
+        if word == "ARG" and rest.split("=")[0].endswith("BASE_IMAGE"):
+            name, default = rest.split("=", 1)
+            assert ":" in default and not default.endswith(":latest"), rest
+            bases[name] = default
+    stages = _stages(ins)
+    # every build stage starts from a base argument or from an earlier stage of the same file
+    for word, rest in ins:
+        if word == "FROM":
+            image = rest.split()[0]
+            assert image.strip("${}") in bases or image in stages, f"FROM {rest}"
+    # the project's wheel is built in one stage, and each image installs that one
+    wheel_builders = [name for name, body in stages.items() if any("pip wheel" in rest for _, rest in body)]
+    assert wheel_builders == ["wheel"]
     for word, rest in ins:
         if word == "COPY" and not rest.startswith("--from"):
             *sources, _dest = rest.split()
             for src in sources:
-                assert (REPO / src).exists(), f"{dockerfile}: COPY {src} does not exist in the build context"
-    users = [rest for word, rest in ins if word == "USER"]
-    assert users and users[-1].split(":")[0] not in ("root", "0")
-    entry = [rest for word, rest in ins if word == "ENTRYPOINT"][-1]
-    program = yaml.safe_load(entry)[0]
-    assert program in scripts and scripts[program] == "inferencemesh.cli:main"
-    from inferencemesh.cli import build_parser
+                assert (REPO / src).exists(), f"COPY {src} does not exist in the build context"
+    from inferencemesh.programs.cli import build_parser
 
     subcommands = build_parser()._subparsers._group_actions[0].choices
-    cmds = [yaml.safe_load(rest) for word, rest in ins if word == "CMD"]
-    assert cmds and all(cmd[0] in subcommands for cmd in cmds)  # each target runs a real subcommand
+    for target, folder in IMAGE_TARGETS.items():
+        body = stages[target]
+        assert ("COPY", "--from=wheel /wheels /wheels") in body, target
+        users = [rest for word, rest in body if word == "USER"]
+        assert users and users[-1].split(":")[0] not in ("root", "0"), target
+        entry = [rest for word, rest in body if word == "ENTRYPOINT"][-1]
+        program = yaml.safe_load(entry)[0]
+        assert program in scripts and scripts[program] == "inferencemesh.programs.cli:main"
+        cmd = [yaml.safe_load(rest) for word, rest in body if word == "CMD"][-1]
+        assert cmd[0] in subcommands, target  # each target runs a real subcommand
+        # the image's folder says how it is built and what it runs
+        readme = (REPO / folder / "README.md").read_text()
+        assert f"--target {target}" in readme and cmd[0] in readme

@@ -26,8 +26,8 @@ import re, sys, tomllib
 deps = tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]
 print("\n".join(sys.argv[2] if re.match(r"torch\b", d) else d for d in deps))
 EOF
-  # operator/Dockerfile keeps its pins in one ARG line; read them from there (one source of truth).
-  sed -n 's/^ARG OPERATOR_REQUIREMENTS="\(.*\)"$/\1/p' "$REPO/operator/Dockerfile" | tr ' ' '\n'
+  # The Dockerfile keeps the operator's pins in one ARG line; read them from there (one source of truth).
+  sed -n 's/^ARG OPERATOR_REQUIREMENTS="\(.*\)"$/\1/p' "$REPO/Dockerfile" | tr ' ' '\n'
   # PEP 639 `license = "..."` in pyproject.toml needs setuptools >= 77 (the Dockerfiles build the
   # project with --no-build-isolation, i.e. with this setuptools, so no index is needed).
   echo "setuptools>=77"

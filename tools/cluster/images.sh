@@ -2,9 +2,10 @@
 # Build the cluster's images with buildah from the repository's own Dockerfiles and import them
 # into the cluster's containerd (pods use them with imagePullPolicy: Never):
 #   pause     tools/cluster/pause/pause.go, a static binary in an image of its own (sandbox_image)
-#   operator  operator/Dockerfile          on the base image of base_image.sh
+#   operator  Dockerfile --target operator on the base image of base_image.sh
 #   stage     Dockerfile --target stage    on the same base
 #   frontend  Dockerfile --target frontend on the same base
+# (the Dockerfile's three base arguments all name that one base).
 # The build context is a snapshot of what the Dockerfiles copy, taken once, so a tree being
 # edited meanwhile cannot mix two versions into one image; each tag is a hash of that snapshot
 # (plus the base and the role), so an unchanged tree rebuilds nothing.
@@ -13,9 +14,8 @@
 set -euo pipefail
 source "$(dirname "$0")/lib.sh"
 
-# What the Dockerfiles copy (keep in step with .dockerignore), and the Dockerfiles.
-CONTEXT_INPUTS=(pyproject.toml README.md src stage_image/stage frontend_image/frontend operator/controller
-                Dockerfile operator/Dockerfile .dockerignore)
+# What the Dockerfile copies (keep in step with .dockerignore), and the Dockerfile.
+CONTEXT_INPUTS=(pyproject.toml README.md src Dockerfile .dockerignore)
 
 # Copy the build inputs into a fresh directory (without byte code), print its path.
 snapshot_context() {
@@ -29,12 +29,9 @@ snapshot_context() {
 
 pause_ref() { echo "localhost/inferencemesh/pause:$(tree_hash tools/cluster/pause)"; }
 
-role_dockerfile() { if [ "$1" = operator ]; then echo operator/Dockerfile; else echo Dockerfile; fi; }
-
-role_ref() {  # ROLE BASE CONTEXT -> localhost/inferencemesh/ROLE:<hash> (not hashing the other Dockerfile)
-  local hash other=./operator/Dockerfile
-  [ "$1" = operator ] && other=./Dockerfile
-  hash=$( { echo "$1 $2"; cd "$3" && find . -type f ! -path "$other" -print0 | LC_ALL=C sort -z \
+role_ref() {  # ROLE BASE CONTEXT -> localhost/inferencemesh/ROLE:<hash>
+  local hash
+  hash=$( { echo "$1 $2"; cd "$3" && find . -type f -print0 | LC_ALL=C sort -z \
             | xargs -0 sha256sum; } | sha256sum | cut -c1-16)
   echo "localhost/inferencemesh/$1:$hash"
 }
@@ -61,14 +58,14 @@ build_pause() {
 # fresh one with no interface but lo (unshare --net): proof that the Dockerfile builds offline on
 # the prepared base. --pull=false: the base exists only in the local store.
 build_role() {
-  local role=$1 base=$2 ref=$3 ctx=$4 target=() t0
+  local role=$1 base=$2 ref=$3 ctx=$4 t0
   in_buildah "$ref" && { say "cached: $ref"; return; }
-  [ "$role" = operator ] || target=(--target "$role")
   t0=$(date +%s)
-  say "building $ref ($(role_dockerfile "$role") ${target[*]})"
+  say "building $ref (Dockerfile --target $role)"
   (cd "$ctx" && unshare --net -- buildah --storage-driver vfs --root "$BUILDAH_ROOT" --runroot "$BUILDAH_RUNROOT" \
      bud --quiet --isolation chroot --pull=false \
-     --build-arg BASE_IMAGE="$base" "${target[@]}" -f "$(role_dockerfile "$role")" -t "$ref" . >&2)
+     --build-arg BASE_IMAGE="$base" --build-arg OPERATOR_BASE_IMAGE="$base" --build-arg WHEEL_BASE_IMAGE="$base" \
+     --target "$role" -f Dockerfile -t "$ref" . >&2)
   say "built $ref in $(( $(date +%s) - t0 ))s"
 }
 

@@ -364,9 +364,9 @@ def start_mesh(model_dir: Path, dtype: torch.dtype, count: int, max_context: int
                first_stage: str = "process") -> BenchMesh:
     from inferencemesh.checkpoint import read_local
     from inferencemesh.config import FrontendConfig
-    from inferencemesh.frontend.main import build_pipeline
-    from inferencemesh.launcher import LocalStages, stage_template
     from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.programs.frontend import build_pipeline
+    from inferencemesh.programs.serve import LocalStages, stage_template
     from inferencemesh.stage.runtime import StageRuntime
 
     dtype_name = str(dtype).removeprefix("torch.")

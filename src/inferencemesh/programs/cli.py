@@ -102,26 +102,26 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in PROGRAMS:
         config = from_args(PROGRAMS[args.command], args)
         if args.command == "serve":
-            from inferencemesh.launcher import run_serve
+            from inferencemesh.programs.serve import run_serve
 
             return run_serve(config)
         if args.command == "stage":
-            from inferencemesh.stage.server import run_stage
+            from inferencemesh.programs.stage import run_stage
 
             return run_stage(config)
         if args.command == "operator":
-            from inferencemesh.operator.main import run_operator
+            from inferencemesh.programs.operator import run_operator
 
             return run_operator(config)
-        from inferencemesh.frontend.main import run_frontend
+        from inferencemesh.programs.frontend import run_frontend
 
         return run_frontend(config)
     if args.command == "plan":
-        from inferencemesh.plan_command import run_plan
+        from inferencemesh.programs.plan import run_plan
 
         return run_plan(args)
     if args.command == "bench":
-        from inferencemesh.bench import run_bench
+        from inferencemesh.programs.bench import run_bench
 
         return run_bench(args)
     raise AssertionError(args.command)

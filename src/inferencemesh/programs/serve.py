@@ -25,11 +25,11 @@ import yaml
 
 from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
 from inferencemesh.cpus import share_of_cpus
-from inferencemesh.plan_command import plan_from_settings
 from inferencemesh.planner import StagePlan, render_plan
+from inferencemesh.programs.plan import plan_from_settings
 
 RESTART_BACKOFF_S = 2.0
-CLI = [sys.executable, "-m", "inferencemesh.cli"]
+CLI = [sys.executable, "-m", "inferencemesh"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

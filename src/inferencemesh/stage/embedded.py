@@ -9,7 +9,7 @@ fewer per token.
 
 Its compute runs inline, on the event loop's thread, which is the one thread that computes in
 the frontend (the draft model's proposals run there too): a second computing thread would bring
-a second OpenMP team whose idle workers spin against the first (see stage.server.MainThreadExecutor).
+a second OpenMP team whose idle workers spin against the first (see programs.stage.MainThreadExecutor).
 """
 
 from __future__ import annotations

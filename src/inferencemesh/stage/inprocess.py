@@ -62,7 +62,7 @@ class LocalPipeline:
 
     It computes on the calling (event-loop) thread, blocking it: in one process there is
     nothing else to serve meanwhile, and one computing thread means one OpenMP team (see
-    stage.server.MainThreadExecutor).
+    programs.stage.MainThreadExecutor).
     """
 
     computes_inline = True

@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import queue
-import signal
 import threading
 import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 import torch
@@ -26,9 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from inferencemesh import tls
 from inferencemesh.bundled import served_name
-from inferencemesh.checkpoint import CheckpointError, check_source
+from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.config import StageConfig
-from inferencemesh.cpus import compute_threads
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -443,87 +440,3 @@ async def start_stage_server(options: StageConfig, *, runtime=None,
         await service.mark_serving()
     service.sweeper = asyncio.create_task(service.sweep_forever())
     return server, service, port
-
-
-class MainThreadExecutor(Executor):
-    """Runs submitted work on the thread that calls run(): the process's main thread.
-
-    Every thread that runs PyTorch CPU kernels gets an OpenMP team of its own, and an idle
-    team's workers spin against the busy one: a decode step measured 20-30% slower once a
-    second thread had computed. So all of a stage process's device work runs on one thread,
-    its main thread, and the event loop on a second one that never computes.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args, kwargs))
-        return future
-
-    def run(self) -> None:
-        while True:
-            try:
-                job = self._jobs.get(timeout=0.5)  # wake up now and then so signals are handled
-            except queue.Empty:
-                continue
-            if job is None:
-                return
-            future, fn, args, kwargs = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as err:  # delivered to the awaiting coroutine
-                future.set_exception(err)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._jobs.put(None)
-
-
-async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Event) -> None:
-    server, service, port = await start_stage_server(options, compute=compute)
-    if options.metrics_port:
-        service.metrics.serve(options.metrics_port)
-    log.info("stage %d/%d serving gRPC on %s:%d (layers [%d, %d), downstream %s)", options.stage_index,
-             options.num_stages, options.host, port, options.layer_start, options.layer_end,
-             options.downstream or "none: last stage")
-    await stop.wait()
-    await service.mark_not_serving()
-    await server.stop(grace=2.0)
-    await service.close()
-
-
-def run_stage(config: StageConfig) -> int:
-    from inferencemesh.bundled import resolve_model
-
-    check_source(resolve_model(config.model))  # a path that names nothing: refuse before serving
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if config.debug_telemetry:
-        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
-    torch.set_grad_enabled(False)
-    threads = compute_threads(config.threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    compute = MainThreadExecutor()
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(serve_stage(config, compute, stop))
-        finally:
-            compute.shutdown()
-
-    def request_stop(signum, _frame) -> None:
-        loop.call_soon_threadsafe(stop.set)
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    server_thread = threading.Thread(target=serve, name="stage-io")
-    server_thread.start()
-    compute.run()  # until the server shuts down
-    server_thread.join()
-    return 0
