@@ -84,9 +84,11 @@ def test_the_mesh_is_ready_with_its_columns_filled(shared_mesh: dict) -> None:
     assert "<none>" not in row, row
 
 
-HEALTH = "from inferencemesh.stage.healthprobe import check; import socket, sys; " \
-         "host = sys.argv[1].rsplit(':', 1)[0]; print(socket.gethostbyname(host)); " \
-         "sys.exit(0 if check(sys.argv[1]) else 3)"
+# Stage gRPC is mutual TLS by default: the probe presents the pod's own certificate (the operator's).
+HEALTH = "from inferencemesh.stage.healthprobe import check; from inferencemesh.tls import TlsMaterial; " \
+         "import socket, sys; host = sys.argv[1].rsplit(':', 1)[0]; print(socket.gethostbyname(host)); " \
+         "tls = TlsMaterial.from_dir('/etc/inferencemesh/tls'); " \
+         "sys.exit(0 if check(sys.argv[1], tls=tls, server_name=host) else 3)"
 
 
 def test_stage_and_frontend_reach_the_next_stage_by_service_name(shared_mesh: dict) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from imesh_e2e import get_json, kubectl, wait_for
 
-CHILD_KINDS = "deployments,replicasets,pods,services,configmaps,networkpolicies"
+CHILD_KINDS = "deployments,replicasets,pods,services,configmaps,networkpolicies,secrets"
 
 
 @pytest.mark.e2e_last
@@ -15,7 +15,7 @@ def test_deleting_the_mesh_collects_every_child(shared_mesh: dict) -> None:
     selector = f"inferencemesh.io/mesh={name}"
     children = get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"]
     kinds = {c["kind"] for c in children}
-    assert {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy"} <= kinds, kinds
+    assert {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy", "Secret"} <= kinds, kinds
     kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=true", "--timeout=120s")
     wait_for(lambda: not get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"], 240,
              "every child of the mesh to be garbage-collected")

@@ -3,6 +3,7 @@ they select (the Services the operator renders), and the Grafana dashboard Confi
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shutil
@@ -15,6 +16,7 @@ import yaml
 from helm_python import _native
 
 from inferencemesh.operator import render as R
+from inferencemesh.operator.issuing import settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.planner import StagePlan
@@ -65,8 +67,9 @@ def test_the_meshes_monitor_reaches_every_pod_the_operator_renders() -> None:
     scraped_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
     plan = Plan(tuple(StagePlan(i, a, b, 1, 1, 1, None) for i, (a, b) in enumerate([(0, 4), (4, 8)])), "local",
                 SpeculativeChoice("ngram", "AutoNgram", "x"))
+    certificates = settle(None, {}, R.certificate_subjects(MESH, plan), "inferencemesh m", datetime.timedelta(days=1))
     objs = R.render_children(MESH, parse_spec({"model": {"name": "bundled://imesh-code-target"}}), plan,
-                             R.RenderOptions())
+                             R.RenderOptions(), certificates)
     services = [o for o in objs if o["kind"] == "Service"]
     deployments = [o for o in objs if o["kind"] == "Deployment"]
     assert len(deployments) == 3  # two stages and the frontend

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import datetime
+import functools
 import re
 
 import pytest
 
 from inferencemesh.config import FrontendConfig, from_args
 from inferencemesh.operator import render as R
+from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.planner import StagePlan
@@ -25,12 +29,24 @@ def make_plan(ranges: list[tuple[int, int]], embedded: bool = False) -> Plan:
     return Plan(stages, "local", SpeculativeChoice("ngram", "AutoNgram", "x"), embedded)
 
 
+@functools.cache
+def certificates_for(subjects: tuple[tuple[str, tuple[str, ...]], ...]) -> MeshCertificates:
+    """One set of certificates per set of components, so that rendering twice renders the same."""
+    return settle(None, {}, {c: list(names) for c, names in subjects}, "inferencemesh code", datetime.timedelta(days=1))
+
+
+def mesh_certificates(plan: Plan) -> MeshCertificates:
+    return certificates_for(tuple((c, tuple(n)) for c, n in R.certificate_subjects(MESH, plan).items()))
+
+
 def children(spec: dict | None = None, ranges: list[tuple[int, int]] | None = None,
              opts: R.RenderOptions | None = None) -> dict[tuple[str, str], dict]:
-    """The children of `spec`, with a plan embedded in the frontend when the spec says so (as make_plan does)."""
+    """The children of `spec`, with a plan embedded in the frontend when the spec says so (as make_plan does),
+    and the mesh's certificates when the operator issues them (the default)."""
     parsed = parse_spec(spec or {"model": {"name": "bundled://imesh-code-target"}})
     plan = make_plan(ranges or [(0, 3), (3, 6), (6, 8)], parsed.frontend.embed_first_stage)
-    objs = R.render_children(MESH, parsed, plan, opts or R.RenderOptions())
+    certificates = mesh_certificates(plan) if parsed.issues_certificates else None
+    objs = R.render_children(MESH, parsed, plan, opts or R.RenderOptions(), certificates)
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
@@ -42,11 +58,18 @@ def arg(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
+def certificate_secrets(stages: range) -> list[tuple[str, str]]:
+    """The operator's Secrets for a mesh whose stage pods are `stages`: the CA and one per component."""
+    return [("Secret", "code-ca"), ("Secret", "code-frontend-tls")] + [("Secret", f"code-stage-{i}-tls")
+                                                                       for i in stages]
+
+
 def test_the_children_of_a_three_stage_mesh() -> None:
     objs = children()
     assert sorted(objs) == sorted(
         [("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")]
         + [(kind, f"code-stage-{i}") for i in range(3) for kind in ("Deployment", "Service", "NetworkPolicy")]
+        + certificate_secrets(range(3))
     )
     for obj in objs.values():
         meta = obj["metadata"]
@@ -71,7 +94,8 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         want_downstream = None if i == 2 else f"code-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
         assert parsed.downstream == want_downstream
         assert not hasattr(parsed, "max_batch_tokens")  # the frontend's microbatch budget, not a stage's
-        assert c["readinessProbe"]["grpc"] == {"port": R.STAGE_GRPC_PORT}
+        assert parsed.tls_dir == R.TLS_MOUNT  # mutual TLS by default: the kubelet's gRPC probe cannot present a cert
+        assert c["readinessProbe"]["exec"]["command"][-2:] == ["--server-name", f"code-stage-{i}.ml.svc"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert objs[("Deployment", f"code-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
 
@@ -210,9 +234,59 @@ def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate()
         assert parser.parse_args(c["args"]).tls_dir == R.TLS_MOUNT
     probe = container(objs[("Deployment", "code-stage-1")])["readinessProbe"]["exec"]["command"]
     assert probe[3:] == ["127.0.0.1:50051", "--tls-dir", R.TLS_MOUNT, "--server-name", "code-stage-1.ml.svc"]
-    plain = children()
+    assert not [key for key in objs if key[0] == "Secret"]  # the user's Secret wins: the operator issues none
+    plain = children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})
+    assert not [key for key in plain if key[0] == "Secret"]
     assert "--tls-dir" not in container(plain[("Deployment", "code-frontend")])["args"]
     assert "grpc" in container(plain[("Deployment", "code-stage-1")])["readinessProbe"]
+
+
+def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() -> None:
+    plan = make_plan([(0, 3), (3, 6), (6, 8)])
+    certificates = mesh_certificates(plan)
+    objs = children()
+    parser = build_parser()
+    for component in ("code-stage-0", "code-stage-1", "code-stage-2", "code-frontend"):
+        secret = objs[("Secret", f"{component}-tls")]
+        assert secret["type"] == "kubernetes.io/tls"
+        data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+        leaf = certificates.leaves[component]
+        assert data == {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": certificates.ca.trust_bundle()}
+        pod = objs[("Deployment", component)]["spec"]["template"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == f"{component}-tls"  # its own key, no other pod's
+        assert parser.parse_args(container(objs[("Deployment", component)])["args"]).tls_dir == R.TLS_MOUNT
+        assert re.fullmatch(r"[0-9a-f]{20}", pod["metadata"]["annotations"][R.TLS_HASH_ANNOTATION])
+    ca = objs[("Secret", "code-ca")]
+    assert ca["type"] == "Opaque" and base64.b64decode(ca["data"]["ca.key"]) == certificates.ca.signing.key
+    mounted = {v["secret"]["secretName"] for (kind, _), o in objs.items() if kind == "Deployment"
+               for v in o["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert "code-ca" not in mounted  # the CA's key stays with the operator
+
+    # a renewed certificate changes its pod template (a rollout), and only that pod's
+    renewed = settle(certificates.ca.to_data(), {}, R.certificate_subjects(MESH, plan), "inferencemesh code",
+                     datetime.timedelta(days=1))
+    parsed = parse_spec({"model": {"name": "bundled://imesh-code-target"}})
+    again = {(o["kind"], o["metadata"]["name"]): o for o in R.render_children(
+        MESH, parsed, plan, R.RenderOptions(), dataclasses.replace(
+            certificates, leaves={**certificates.leaves, "code-stage-1": renewed.leaves["code-stage-1"]}))}
+    tls_hash = lambda objs, name: objs[("Deployment", name)]["spec"]["template"]["metadata"][  # noqa: E731
+        "annotations"][R.TLS_HASH_ANNOTATION]
+    assert tls_hash(again, "code-stage-1") != tls_hash(objs, "code-stage-1")
+    assert tls_hash(again, "code-stage-0") == tls_hash(objs, "code-stage-0")
+
+
+def test_certificates_are_given_exactly_when_the_operator_issues_them() -> None:
+    plan = make_plan([(0, 4), (4, 8)])
+    byo = parse_spec({"model": {"name": "m"}, "security": {"mtlsSecretName": "mine"}})
+    with pytest.raises(ValueError):
+        R.render_children(MESH, byo, plan, R.RenderOptions(), mesh_certificates(plan))
+    with pytest.raises(ValueError):
+        R.render_children(MESH, parse_spec({"model": {"name": "m"}}), plan, R.RenderOptions())
+    subjects = R.certificate_subjects(MESH, plan)
+    assert subjects["code-stage-1"] == ["code-stage-1", "code-stage-1.ml", "code-stage-1.ml.svc",
+                                        "code-stage-1.ml.svc.cluster.local"]
+    assert sorted(subjects) == ["code-frontend", "code-stage-0", "code-stage-1"]
 
 
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
@@ -302,7 +376,8 @@ def test_an_embedded_first_stage_renders_no_stage_0_objects_and_runs_in_the_fron
     objs = children(EMBEDDED)
     assert sorted(objs) == sorted(
         [("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")]
-        + [(kind, f"code-stage-{i}") for i in (1, 2) for kind in ("Deployment", "Service", "NetworkPolicy")])
+        + [(kind, f"code-stage-{i}") for i in (1, 2) for kind in ("Deployment", "Service", "NetworkPolicy")]
+        + certificate_secrets(range(1, 3)))
     # the frontend's config is the separate-stage one with exactly the embedded stage's fields changed
     separate = frontend_config(children({**EMBEDDED, "frontend": {**EMBEDDED["frontend"], "embedFirstStage": False}}))
     assert separate.first_stage_layers is None and separate.num_stages == 3
@@ -360,7 +435,8 @@ def test_stage_1_admits_the_frontend_as_its_upstream_and_nothing_else() -> None:
 def test_a_one_stage_plan_embedded_has_no_stage_objects_at_all() -> None:
     objs = children({"model": {"name": "bundled://imesh-code-target"}, "stages": {"count": 1, "gpus": 0},
                      "frontend": {"embedFirstStage": True}}, ranges=[(0, 8)])
-    assert sorted(objs) == [("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")]
+    assert sorted(objs) == sorted([("ConfigMap", "code-plan"), ("Deployment", "code-frontend"),
+                                   ("Service", "code-frontend"), *certificate_secrets(range(0))])
     config = frontend_config(objs)
     assert config.stage_addresses == () and config.first_stage_layers == (0, 8) and config.num_stages == 1
     front = objs[("Deployment", "code-frontend")]

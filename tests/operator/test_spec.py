@@ -191,6 +191,23 @@ def test_nested_fields_keep_their_flat_names() -> None:
         None, None, None, None)
 
 
+def test_security_modes_and_the_certificate_lifetime() -> None:
+    security = SPEC_SCHEMA["properties"]["security"]["properties"]
+    assert security["certificateLifetime"]["pattern"] == S.LIFETIME_PATTERN  # the API server checks the same
+    default = S.parse_spec({"model": {"name": "m"}})
+    assert default.tls and default.issues_certificates and default.security.lifetime.days == 90
+    byo = S.parse_spec({"model": {"name": "m"}, "security": {"mtlsSecretName": "mine", "mtls": False}})
+    assert byo.tls and not byo.issues_certificates  # the user's Secret wins
+    plain = S.parse_spec({"model": {"name": "m"}, "security": {"mtls": False}})
+    assert not plain.tls and not plain.issues_certificates
+    for text, seconds in (("60s", 60), ("90s", 90), ("30m", 1800), ("720h", 2592000)):
+        assert S.parse_spec({"model": {"name": "m"}, "security": {"certificateLifetime": text}}) \
+            .security.lifetime.total_seconds() == seconds
+    for bad in ("59s", "0m", "1d", "10", "1h30m", "-5m"):
+        with pytest.raises(S.SpecError, match="certificateLifetime"):
+            S.parse_spec({"model": {"name": "m"}, "security": {"certificateLifetime": bad}})
+
+
 def test_every_cel_rule_has_its_message_in_python() -> None:
     messages = {v for k, v in vars(S).items() if k.startswith("MSG_")}
     in_crd = set()

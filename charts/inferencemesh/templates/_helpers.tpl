@@ -40,6 +40,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+# Each mesh's CA and certificates (spec.security.mtls): the operator issues, renews and reads them back.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "create", "update", "delete"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]

@@ -73,7 +73,8 @@ class MeshWorker:
                             namespace, name, type(exc).__name__, exc, delay)
             else:
                 failures = 0
-                delay = result.retry_after or RESYNC_SECONDS
+                # sooner when the reconcile asks (the model unreadable yet, a certificate due)
+                delay = RESYNC_SECONDS if result.retry_after is None else min(result.retry_after, RESYNC_SECONDS)
                 if result.writes:
                     log.info("%s/%s: %s -> %s", namespace, name,
                              ", ".join(f"{w.verb} {w.kind}/{w.name}" for w in result.writes), result.phase)

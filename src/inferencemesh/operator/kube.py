@@ -20,6 +20,7 @@ from kubernetes.dynamic.resource import Resource
 # The kinds the operator touches, by apiVersion (discovery needs both to pick one resource).
 API_VERSIONS = {
     "ConfigMap": "v1",
+    "Secret": "v1",
     "Service": "v1",
     "Pod": "v1",
     "Event": "v1",

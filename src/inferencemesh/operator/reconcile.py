@@ -9,6 +9,7 @@ The caller (handlers.py) runs one reconcile of a mesh at a time.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import logging
@@ -21,24 +22,28 @@ from kubernetes.client.rest import ApiException
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.operator import metrics
 from inferencemesh.operator.frontend_probe import observed_strategy
+from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.kube import Kube, Write
 from inferencemesh.operator.modelfacts import ModelFacts, ModelUnavailable
-from inferencemesh.operator.planning import make_plan
+from inferencemesh.operator.planning import Plan, make_plan
 from inferencemesh.operator.render import (
     HASH_ANNOTATION,
     LABEL_MESH,
     RenderOptions,
     base_name,
+    ca_secret_name,
+    certificate_subjects,
     frontend_metrics_url,
     frontend_name,
     render_children,
+    tls_secret_name,
 )
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
 from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status, deployment_ready
 from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy")
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy", "Secret")
 RETRY_SECONDS = 30.0
 
 
@@ -61,11 +66,27 @@ def _api_message(exc: ApiException) -> str:
 class Result:
     writes: list[Write] = field(default_factory=list)
     phase: str = ""
-    retry_after: float | None = None  # set when the model could not be read yet
+    # Reconcile again this many seconds from now (at the latest): the model could not be read yet,
+    # or a certificate is due for renewal then.
+    retry_after: float | None = None
+
+    def again_within(self, seconds: float) -> None:
+        self.retry_after = seconds if self.retry_after is None else min(self.retry_after, seconds)
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _secret_data(secret: dict) -> dict[str, bytes]:
+    """A Secret's data decoded; a value that is not base64 is left out (and so counts as missing)."""
+    data = {}
+    for key, value in (secret.get("data") or {}).items():
+        try:
+            data[key] = base64.b64decode(value, validate=True)
+        except (ValueError, TypeError):
+            continue
+    return data
 
 
 def _owned_by(obj: dict, uid: str) -> bool:
@@ -113,8 +134,10 @@ class Reconciler:
         selector = f"{LABEL_MESH}={base}"
         live = {kind: self.kube.list(kind, namespace, selector) for kind in CHILD_KINDS}
         if spec is not None and outcome.plan is not None:
+            certificates = self._certificates(mesh, spec, outcome.plan, live["Secret"], result)
             try:
-                self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options), live, result)
+                self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options, certificates), live,
+                               result)
             except ChildConflict as exc:
                 outcome = PlanOutcome(None, "False", "ChildConflict", str(exc))
             except ChildRejected as exc:
@@ -151,6 +174,22 @@ class Reconciler:
         note = f"; {plan.note}" if plan.note else ""
         return PlanOutcome(plan, "True", "Planned",
                            f"{len(plan.stages)} stages, layers {ranges} ({info.source} model){note}")
+
+    def _certificates(self, mesh: dict, spec: MeshSpec, plan: Plan, secrets: list[dict],
+                      result: Result) -> MeshCertificates | None:
+        """The mesh's own certificates, read back from the Secrets it owns and renewed where due;
+        None when the mesh brings its own Secret or runs without mutual TLS."""
+        if not spec.issues_certificates:
+            return None
+        meta = mesh["metadata"]
+        base = base_name(meta["name"])
+        held = {s["metadata"]["name"]: _secret_data(s) for s in secrets if _owned_by(s, meta["uid"])}
+        subjects = certificate_subjects(mesh, plan)
+        certificates = settle(held.get(ca_secret_name(base)), {c: held.get(tls_secret_name(c), {}) for c in subjects},
+                              subjects, f"inferencemesh {base}", spec.security.lifetime)
+        due_in = (certificates.renew_at - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+        result.again_within(max(1.0, due_in))
+        return certificates
 
     def _converge(self, mesh: dict, desired: list[dict], live: dict[str, list[dict]], result: Result) -> None:
         uid = mesh["metadata"]["uid"]

@@ -5,13 +5,17 @@ difference; unit tests (tests/operator/test_render.py) check these objects witho
 
 Per mesh:  ConfigMap <base>-plan; per stage i a Deployment + Service <base>-stage-<i> and a
 NetworkPolicy <base>-stage-<i> (gRPC only from the frontend and stage i-1); the frontend
-Deployment + Service <base>-frontend. With spec.frontend.embedFirstStage, stage 0 runs inside the
-frontend pod: no stage-0 objects, and the frontend pod takes stage 0's resources and placement.
-All carry an owner reference to the mesh (kopf.adopt), so deleting the mesh garbage-collects them.
+Deployment + Service <base>-frontend. With operator-issued certificates (the default), Secrets
+<base>-ca, <base>-stage-<i>-tls and <base>-frontend-tls, rendered from the material reconcile.py
+settled (issuing.py); each pod mounts its own and rolls when it changes. With
+spec.frontend.embedFirstStage, stage 0 runs inside the frontend pod: no stage-0 objects, and the
+frontend pod takes stage 0's resources and placement. All carry an owner reference to the mesh
+(kopf.adopt), so deleting the mesh garbage-collects them.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -33,6 +37,7 @@ from inferencemesh.config import (
     StageConfig,
     to_argv,
 )
+from inferencemesh.operator.issuing import MeshCertificates
 from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
@@ -51,6 +56,9 @@ LABEL_STAGE = "inferencemesh.io/stage"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 HASH_ANNOTATION = "inferencemesh.io/spec-hash"
+# On a pod template: a hash of the certificate and trust bundle it mounts, so a renewal rolls the pods
+# (a process reads its certificate once, at start).
+TLS_HASH_ANNOTATION = "inferencemesh.io/tls-hash"
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # Loading a large range can take minutes: a pod that loads layers holds liveness off this long (30 min).
@@ -92,6 +100,15 @@ def frontend_name(base: str) -> str:
 
 def plan_name(base: str) -> str:
     return f"{base}-plan"
+
+
+def ca_secret_name(base: str) -> str:
+    return f"{base}-ca"
+
+
+def tls_secret_name(component: str) -> str:
+    """The Secret with a stage's or the frontend's certificate (component: its Deployment's name)."""
+    return f"{component}-tls"
 
 
 def mesh_labels(base: str) -> dict[str, str]:
@@ -147,21 +164,32 @@ def _shared_options(spec: MeshSpec) -> dict:
         "model": source, "revision": revision, "dtype": model.dtype, "cache_dir": f"{CACHE_MOUNT}/hub",
         "served_model_name": served_model_name(spec),  # every pod's metrics carry the name clients use
         "max_context": spec.context_length, "max_sessions": spec.max_sessions, "wire_dtype": spec.wire_dtype or None,
-        "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.mtls_secret else None,
+        "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.tls else None,
     }
     return options
 
 
-def _volumes(spec: MeshSpec) -> tuple[list[dict], list[dict]]:
-    """emptyDirs for the caches (the root filesystem is read-only) and the model claim if any."""
+def _tls_secret(spec: MeshSpec, component: str) -> str | None:
+    """The Secret a component's pod mounts at TLS_MOUNT: the user's own, else the operator's for it."""
+    if spec.mtls_secret:
+        return spec.mtls_secret
+    return tls_secret_name(component) if spec.issues_certificates else None
+
+
+def _volumes(spec: MeshSpec, component: str) -> tuple[list[dict], list[dict]]:
+    """emptyDirs for the caches (the root filesystem is read-only), the model claim if any, and the
+    component's TLS Secret if the mesh uses mutual TLS."""
     volumes: list[dict] = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     mounts: list[dict] = [{"name": "cache", "mountPath": CACHE_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}]
     if spec.model.pvc_claim:
         claim = {"claimName": spec.model.pvc_claim, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mounts.append({"name": "model", "mountPath": MODELS_MOUNT, "readOnly": True})
-    if spec.mtls_secret:
-        volumes.append({"name": "tls", "secret": {"secretName": spec.mtls_secret, "defaultMode": 0o440}})
+    secret = _tls_secret(spec, component)
+    if secret:
+        # World-readable inside the container: Secret files are root's, the image runs as uid 10001, and
+        # an fsGroup would also chown the model claim. The container runs nothing else.
+        volumes.append({"name": "tls", "secret": {"secretName": secret, "defaultMode": 0o444}})
         mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
     return volumes, mounts
 
@@ -209,14 +237,19 @@ def _metrics_annotations(spec: MeshSpec, port: int) -> dict[str, str]:
 
 
 def _grpc_probe(spec: MeshSpec, opts: RenderOptions, server_name: str, **timing: int) -> dict:
-    if opts.grpc_probes and not spec.mtls_secret:
+    if opts.grpc_probes and not spec.tls:
         return {"grpc": {"port": STAGE_GRPC_PORT}, **timing}
     # Older clusters, or mutual TLS (the kubelet's gRPC probe presents no client certificate):
     # the same grpc.health.v1 check from inside the container.
     command = ["python", "-m", "inferencemesh.stage.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
-    if spec.mtls_secret:  # the certificate names the stage's Service, not 127.0.0.1
+    if spec.tls:  # the certificate names the stage's Service, not 127.0.0.1
         command += ["--tls-dir", TLS_MOUNT, "--server-name", server_name]
     return {"exec": {"command": command}, **timing}
+
+
+def _tls_annotation(certificates: MeshCertificates | None, component: str) -> dict[str, str]:
+    leaf = certificates.leaves[component] if certificates else None
+    return {TLS_HASH_ANNOTATION: hashlib.sha256(leaf.cert + leaf.ca).hexdigest()[:20]} if leaf else {}
 
 
 def _meta(name: str, namespace: str, labels: dict[str, str], annotations: dict | None = None) -> dict:
@@ -282,7 +315,8 @@ def sum_resources(*parts: dict) -> dict:
             for section, amounts in total.items()}
 
 
-def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions) -> dict:
+def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions,
+                            certificates: MeshCertificates | None = None) -> dict:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     stage = plan.stages[index]
     n = len(plan.stages)
@@ -296,7 +330,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
     ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"}]
     if spec.metrics:
         ports.append({"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"})
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec, stage_name(base, index))
     container = {
         "name": "stage",
         "image": spec.images.stage or opts.stage_image,
@@ -315,7 +349,8 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
     selector = stage_selector(base, index)
     labels = {**mesh_labels(base), **selector}
     template_annotations = {"inferencemesh.io/layers": f"{stage.layer_start}:{stage.layer_end}",
-                            **_metrics_annotations(spec, STAGE_METRICS_PORT)}
+                            **_metrics_annotations(spec, STAGE_METRICS_PORT),
+                            **_tls_annotation(certificates, stage_name(base, index))}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -390,13 +425,15 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     return ["frontend", *to_argv(config)]
 
 
-def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> dict:
+def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions,
+                               certificates: MeshCertificates | None = None) -> dict:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     env = copy.deepcopy(_ENV)
     if spec.frontend.api_key_secret:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}})
-    volumes, mounts = _volumes(spec)  # the model claim too: an embedded first stage loads its layers here
+    # the model claim too: an embedded first stage loads its layers here
+    volumes, mounts = _volumes(spec, frontend_name(base))
     embedded = plan.embedded_first_stage
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container = {
@@ -419,7 +456,7 @@ def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: Ren
     }
     selector = frontend_selector(base)
     labels = {**mesh_labels(base), **selector}
-    annotations = _metrics_annotations(spec, FRONTEND_PORT)
+    annotations = {**_metrics_annotations(spec, FRONTEND_PORT), **_tls_annotation(certificates, frontend_name(base))}
     if embedded:
         annotations["inferencemesh.io/layers"] = f"{plan.stages[0].layer_start}:{plan.stages[0].layer_end}"
         # Stage 0's place: its hardware (both nodeSelectors; spec.validate refuses a key they disagree on).
@@ -476,14 +513,52 @@ def render_plan_configmap(mesh: dict, spec: MeshSpec, plan: Plan) -> dict:
     }
 
 
-def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions) -> list[dict]:
-    """Every child of the mesh, owned by it and stamped with a hash of its own content."""
-    children = [render_plan_configmap(mesh, spec, plan)]
+def certificate_subjects(mesh: dict, plan: Plan) -> dict[str, list[str]]:
+    """The components that get a certificate (every stage pod and the frontend), with the DNS names
+    it carries: its Service's, short to fully qualified (clients dial <name>.<namespace>.svc)."""
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    components = [stage_name(base, i) for i in remote_stages(plan)] + [frontend_name(base)]
+    return {c: [c, f"{c}.{ns}", f"{c}.{ns}.svc", f"{c}.{ns}.svc.cluster.local"] for c in components}
+
+
+def _secret(mesh: dict, name: str, secret_type: str, data: dict[str, bytes], component: str) -> dict:
+    base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(name, ns, {**mesh_labels(base), LABEL_COMPONENT: component}),
+        "type": secret_type,
+        "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items())},
+    }
+
+
+def render_certificate_secrets(mesh: dict, certificates: MeshCertificates) -> list[dict]:
+    """The CA Secret (its keys stay there: no pod mounts it) and one kubernetes.io/tls Secret per
+    component: tls.crt, tls.key and ca.crt (the trust bundle), the layout tls.load() reads."""
+    base = base_name(mesh["metadata"]["name"])
+    secrets = [_secret(mesh, ca_secret_name(base), "Opaque", certificates.ca.to_data(), "certificate-authority")]
+    for component, leaf in sorted(certificates.leaves.items()):
+        secrets.append(_secret(mesh, tls_secret_name(component), "kubernetes.io/tls",
+                               {"tls.crt": leaf.cert, "tls.key": leaf.key, "ca.crt": leaf.ca}, "certificate"))
+    return secrets
+
+
+def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions,
+                    certificates: MeshCertificates | None = None) -> list[dict]:
+    """Every child of the mesh, owned by it and stamped with a hash of its own content.
+    certificates: the mesh's own (issuing.settle), required when the spec has the operator issue them."""
+    if spec.issues_certificates != (certificates is not None):
+        raise ValueError("certificates must be given exactly when the operator issues the mesh's certificates")
+    # The Secrets first: a pod that mounts one waits for it, and a reconcile that stops at a refused
+    # child has still stored the certificates it issued (else the next one would issue others, and so on).
+    children = render_certificate_secrets(mesh, certificates) if certificates is not None else []
+    children.append(render_plan_configmap(mesh, spec, plan))
     for i in remote_stages(plan):
-        children += [render_stage_deployment(mesh, spec, plan, i, opts),
+        children += [render_stage_deployment(mesh, spec, plan, i, opts, certificates),
                      render_stage_service(mesh, spec, i),
                      render_stage_network_policy(mesh, spec, plan, i)]
-    children += [render_frontend_deployment(mesh, spec, plan, opts), render_frontend_service(mesh, spec)]
+    children += [render_frontend_deployment(mesh, spec, plan, opts, certificates),
+                 render_frontend_service(mesh, spec)]
     kopf.adopt(children, owner=mesh)
     for child in children:
         child["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(child)

@@ -12,6 +12,7 @@ drop CEL silently, so `validate` repeats every rule here with the very same mess
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -161,8 +162,21 @@ class TelemetrySpec(_Spec):
     debug_tracing: bool = False
 
 
+# A certificate lifetime: a whole number of seconds (at least 60), minutes or hours. The pattern
+# itself refuses less than a minute, so every API server enforces it (CEL needs 1.25).
+LIFETIME_PATTERN = r"^(([6-9][0-9]|[1-9][0-9]{2,7})s|[1-9][0-9]{0,6}m|[1-9][0-9]{0,5}h)$"
+_LIFETIME_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
 class SecuritySpec(_Spec):
-    mtls_secret_name: str | None = None  # Secret with tls.crt, tls.key, ca.crt: mutual TLS on every gRPC hop
+    mtls_secret_name: str | None = None  # bring your own Secret (tls.crt, tls.key, ca.crt): it wins
+    mtls: bool = True  # without a Secret of one's own: the operator issues the mesh's certificates
+    certificate_lifetime: str = Field(default="2160h", pattern=LIFETIME_PATTERN)  # renewed at 2/3 of it
+
+    @property
+    def lifetime(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=int(self.certificate_lifetime[:-1])
+                                  * _LIFETIME_UNITS[self.certificate_lifetime[-1]])
 
 
 class ImagesSpec(_Spec):
@@ -195,6 +209,16 @@ class MeshSpec(_Spec):
     @property
     def mtls_secret(self) -> str | None:
         return self.security.mtls_secret_name
+
+    @property
+    def issues_certificates(self) -> bool:
+        """The operator makes the mesh's CA and certificates: mutual TLS on, no Secret of the user's."""
+        return self.security.mtls and not self.security.mtls_secret_name
+
+    @property
+    def tls(self) -> bool:
+        """Every gRPC hop (frontend to stage, stage to stage) is mutual TLS."""
+        return self.security.mtls or bool(self.security.mtls_secret_name)
 
 
 def parse_spec(spec: dict) -> MeshSpec:

@@ -1,0 +1,149 @@
+"""Stage traffic is authenticated by default: the operator issues each mesh's CA and a certificate per
+stage and per frontend, the stages accept only this mesh's certificates, the frontend serves over
+mutual TLS with the operator's certificates, and the certificates rotate (a shortened lifetime).
+
+The probes run inside the mesh's own frontend pod (`kubectl exec`), where the stage Services resolve
+and the pod's certificate is mounted. "Another mesh" is a real second InferenceMesh with no pods
+(its only stage is embedded in a frontend scaled to 0): the operator still issues its certificates.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+
+import pytest
+from imesh_e2e import (
+    PROMPTS,
+    apply,
+    delete_mesh,
+    exec_python,
+    frontend_pod,
+    get_json,
+    greedy,
+    kubectl,
+    mesh_doc,
+    port_forward,
+    wait_for,
+    wait_ready,
+)
+
+openai = pytest.importorskip("openai")
+TLS_MOUNT = "/etc/inferencemesh/tls"
+OTHER_MESH = "e2e-other"
+
+# Run in a mesh pod: try one stage with no TLS, with the pod's own certificate, and with another
+# certificate and key (argv: address, server name, base64 cert, base64 key, base64 trust roots or "-"
+# for the pod's own). Prints {"plaintext": bool, "own": bool, "other": bool} (True: let in, SERVING).
+PROBE = r"""
+import base64, json, sys
+from inferencemesh.stage.healthprobe import check
+from inferencemesh.tls import TlsMaterial
+address, name, cert, key, roots = sys.argv[1:6]
+own = TlsMaterial.from_dir("/etc/inferencemesh/tls")
+other = TlsMaterial(base64.b64decode(cert), base64.b64decode(key), own.ca if roots == "-" else base64.b64decode(roots))
+print(json.dumps({"plaintext": check(address), "own": check(address, tls=own, server_name=name),
+                  "other": check(address, tls=other, server_name=name)}))
+"""
+
+
+def secret_data(ns: str, name: str) -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in get_json("secret", name, "-n", ns)["data"].items()}
+
+
+def tls_hashes(ns: str, name: str) -> dict[str, str]:
+    """Each Deployment of the mesh -> the certificate hash on its pod template."""
+    items = get_json("deployments", "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["inferencemesh.io/tls-hash"]
+            for d in items}
+
+
+def probe(ns: str, pod: str, address: str, cert: bytes, key: bytes, roots: bytes | None) -> dict[str, bool]:
+    enc = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    proc = exec_python(ns, pod, PROBE, address, address.rsplit(":", 1)[0], enc(cert), enc(key),
+                       enc(roots) if roots else "-")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def other_mesh(settings: dict, shared_mesh: dict) -> Iterator[dict[str, bytes]]:
+    """A second mesh's frontend certificate (tls.crt, tls.key, ca.crt), issued by the operator."""
+    ns = shared_mesh["namespace"]
+    doc = mesh_doc(settings, OTHER_MESH, small=True)
+    doc["spec"]["stages"]["count"] = 1
+    doc["spec"]["frontend"].update(embedFirstStage=True, replicas=0)
+    apply(ns, doc)
+    try:
+        yield wait_for(lambda: secret_data(ns, f"{OTHER_MESH}-frontend-tls"), 120,  # type: ignore[misc]
+                       "the other mesh's certificate")
+    finally:
+        delete_mesh(ns, OTHER_MESH)
+
+
+def test_stages_refuse_plaintext_and_another_meshs_certificate(shared_mesh: dict,
+                                                               other_mesh: dict[str, bytes]) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    ours = secret_data(ns, f"{name}-ca")
+    assert other_mesh["ca.crt"] != ours["ca.crt"]  # each mesh has a CA of its own
+    pod = frontend_pod(ns, name)["metadata"]["name"]
+    for stage in (0, 1):
+        address = f"{name}-stage-{stage}.{ns}.svc:50051"
+        # the other mesh's certificate, trusting this mesh's CA (as an attacker who read the CA would)
+        seen = probe(ns, pod, address, other_mesh["tls.crt"], other_mesh["tls.key"], None)
+        assert seen == {"plaintext": False, "own": True, "other": False}, (address, seen)
+        # the other mesh's certificate with its own CA: neither end trusts the other
+        seen = probe(ns, pod, address, other_mesh["tls.crt"], other_mesh["tls.key"], other_mesh["ca.crt"])
+        assert seen["other"] is False, (address, seen)
+
+
+def test_the_frontend_serves_over_mtls_with_the_operators_certificates(shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    frontend = get_json("deployment", f"{name}-frontend", "-n", ns)["spec"]["template"]
+    volumes = {v["name"]: v for v in frontend["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == f"{name}-frontend-tls"
+    args = frontend["spec"]["containers"][0]["args"]
+    assert args[args.index("--tls-dir") + 1] == TLS_MOUNT
+    # the running pod holds exactly the operator's certificate
+    pod = frontend_pod(ns, name)["metadata"]["name"]
+    mounted = exec_python(ns, pod, "import sys; sys.stdout.write(open(sys.argv[1]).read())", f"{TLS_MOUNT}/tls.crt")
+    assert mounted.stdout.encode() == secret_data(ns, f"{name}-frontend-tls")["tls.crt"], mounted.stderr
+    # and answers through stages that let in nothing but this mesh's certificates (previous test)
+    with port_forward(ns, f"svc/{name}-frontend", shared_mesh["doc"]["spec"]["frontend"]["service"]["port"]) as base:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=0)
+        assert greedy(client, PROMPTS[0], max_tokens=8)
+
+
+def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_mesh: dict) -> None:
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    lifetime = 180  # seconds: renewed every 120 s, time enough for the pods to roll in between
+    components = [f"{name}-stage-0", f"{name}-stage-1", f"{name}-frontend"]
+    before = {c: secret_data(ns, f"{c}-tls")["tls.crt"] for c in components}
+    hashes = tls_hashes(ns, name)
+    patch = {"spec": {"security": {"certificateLifetime": f"{lifetime}s"}}}
+    kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    try:
+        for round_ in (1, 2):  # at once (the old ones outlive the policy), then two thirds into the new lifetime
+            wait_for(lambda b=before: all(secret_data(ns, f"{c}-tls")["tls.crt"] != b[c] for c in components),
+                     lifetime, f"renewal {round_}")
+            wait_for(lambda h=hashes: all(tls_hashes(ns, name)[c] != h[c] for c in components), 60,
+                     f"the pod templates to roll onto renewal {round_}")
+            before = {c: secret_data(ns, f"{c}-tls")["tls.crt"] for c in components}
+            hashes = tls_hashes(ns, name)
+            wait_ready(ns, name, settings["timeout"])
+            with port_forward(ns, f"svc/{name}-frontend",
+                              shared_mesh["doc"]["spec"]["frontend"]["service"]["port"]) as base:
+                from openai import OpenAI
+
+                client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300, max_retries=3)
+                assert greedy(client, PROMPTS[0], max_tokens=8)
+    finally:
+        # back to the default lifetime: one more renewal and rollout, then the shared mesh is as it was
+        kubectl("patch", "inferencemesh", name, "-n", ns, "--type=json",
+                "-p", '[{"op": "remove", "path": "/spec/security/certificateLifetime"}]')
+        wait_for(lambda: all(tls_hashes(ns, name)[c] != hashes[c] for c in components), 120,
+                 "the default lifetime's certificates")
+        wait_ready(ns, name, settings["timeout"])
