@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -11,10 +12,11 @@ from hypothesis import strategies as st
 
 from inferencemesh.checkpoint import CheckpointError, read_local
 from inferencemesh.operator import modelfacts
-from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable, PackageDraft
+from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable
 from inferencemesh.operator.planning import make_plan, plan_layers, resolve_speculative
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.planner import PlanError, PlanInputs, plan_stages
+from inferencemesh.speculation import choose_for_model
 
 
 def spec(**fields: object) -> object:
@@ -139,8 +141,11 @@ def test_hub_reads_are_cached_and_outages_are_retryable(monkeypatch: pytest.Monk
 def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: object) -> None:
     with_draft = make_model(tmp_path / "with-draft", package_draft="../the-draft")
     info = ModelFacts().info(parse_spec({"model": {"name": str(with_draft)}}))
-    assert info.package_draft == PackageDraft("tiny-draft", "../the-draft")
-    plain = ModelInfo(info.inputs, "local", None)
+    assert info.model_dir == with_draft
+    # the package's draft, read by the frontend's own rule: a relative path is resolved against the package
+    choice = resolve_speculative(spec(), info)
+    assert choice.draft == str(tmp_path / "the-draft") and "(tiny-draft)" in choice.message
+    plain = ModelInfo(info.inputs, "local")
 
     def choose(info: ModelInfo, **speculative: object) -> tuple[str, str]:
         c = resolve_speculative(spec(speculative=speculative), info)
@@ -157,7 +162,25 @@ def test_package_draft_and_speculative_resolution(tmp_path: Path, make_model: ob
     assert choose(plain, draft="org/d") == ("draft", "Requested")
     assert choose(plain, strategy="draft") == ("none", "DraftUnresolved")
     assert choose(plain) == ("auto", "Auto")
-    assert choose(ModelInfo(info.inputs, "hub", None)) == ("auto", "Auto")
+    assert choose(ModelInfo(info.inputs, "hub")) == ("auto", "Auto")
+
+
+def test_a_package_declaring_ngram_plans_ngram_as_the_frontend_runs_it(tmp_path: Path, make_model: object) -> None:
+    """The operator reads model-package.json with the frontend's own rule (speculation.choose_for_model):
+    an n-gram declaration shows as n-gram in the plan and status, not as auto."""
+    model = make_model(tmp_path / "ngram-model")
+    (model / "model-package.json").write_text(json.dumps({"generation": {"speculative_decoding": {
+        "default": "lookup", "strategies": {"lookup": {"type": "ngram", "window_policy": {"initial_window": 3}}}}}}))
+    s = parse_spec({"model": {"name": str(model)}, "stages": {"count": 2, "gpus": 0, "device": "cpu"}})
+    plan = make_plan(s, ModelFacts().info(s), ModelFacts())
+    assert (plan.speculative.strategy, plan.speculative.reason) == ("ngram", "PackageDefault")
+    assert plan.to_dict()["speculative"] == {"strategy": "ngram", "reason": "PackageDefault"}
+    assert choose_for_model(model, strategy=None) == plan.speculative  # what the frontend decides
+    # an explicit setting still wins; a broken package is ignored, and the message says why
+    assert resolve_speculative(spec(speculative={"strategy": "none"}), ModelFacts().info(s)).strategy == "none"
+    (model / "model-package.json").write_text("{")
+    broken = resolve_speculative(s, ModelFacts().info(s))
+    assert broken.strategy == "auto" and "model package ignored" in broken.message
 
 
 def test_a_cpu_stages_memory_limit_is_its_budget() -> None:
@@ -203,7 +226,7 @@ def test_an_embedded_first_stage_holds_the_packages_draft(tmp_path: Path, make_m
     assert want > 0 and separate.stages[0].reserved_bytes == 0
     assert embedded.embedded_first_stage and embedded.stages[0].reserved_bytes == want
     assert embedded.stages[1].reserved_bytes == 0 and embedded.hash != separate.hash
-    assert "with its draft ../draft" in embedded.note and "embeddedFirstStage" in embedded.to_dict()
+    assert f"with its draft {tmp_path / 'draft'}" in embedded.note and "embeddedFirstStage" in embedded.to_dict()
     assert "embeddedFirstStage" not in separate.to_dict()
     # no draft runs: nothing reserved; an unreadable draft: nothing reserved, and the note says why
     assert plan_for(frontend=embed, speculative={"strategy": "ngram"}).stages[0].reserved_bytes == 0

@@ -1,4 +1,5 @@
-"""What the operator knows about a mesh's model: the planner's inputs and the package's declared draft.
+"""What the operator knows about a mesh's model: the planner's inputs and where it read the model
+(whose model-package.json the shared rule in inferencemesh.speculation reads, as the frontend does).
 
 Sources, in order (documented in the CRD's model description):
   1. spec.model.layout        numbers carried in the spec (required for PVC models): no I/O at all
@@ -11,7 +12,6 @@ Hub answers are cached for a while, so reconciles do not hit the network each ti
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -36,19 +36,11 @@ class ModelUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
-class PackageDraft:
-    """A draft strategy the model package declares (model-package.json)."""
-
-    name: str
-    draft_model: str | None
-
-
-@dataclass(frozen=True)
 class ModelInfo:
     inputs: PlanInputs
     source: str  # "layout" | "bundled" | "local" | "hub"
-    package_draft: PackageDraft | None = None
-    model_dir: Path | None = None  # where the operator read a bundled or local model (a package's relative draft)
+    # Where the operator read a bundled or local model: its model-package.json, and a package's relative draft.
+    model_dir: Path | None = None
 
 
 def resolve_bundled(name: str) -> Path:
@@ -77,23 +69,6 @@ def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
     )
 
 
-def read_package_draft(model_dir: Path) -> PackageDraft | None:
-    """The default draft strategy of model-package.json, if the package declares one."""
-    path = model_dir / "model-package.json"
-    if not path.is_file():
-        return None
-    try:
-        package = json.loads(path.read_text())
-        decl = package["generation"]["speculative_decoding"]
-        name = decl["default"]
-        strategy = decl["strategies"][name]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if not isinstance(strategy, dict) or strategy.get("type") != "draft-model":
-        return None
-    return PackageDraft(str(name), strategy.get("draft_model"))
-
-
 class ModelFacts:
     """Reads and caches model facts; one instance per operator process."""
 
@@ -109,13 +84,13 @@ class ModelFacts:
             return ModelInfo(inputs_from_layout(spec), "layout")
         if model.name.startswith(BUNDLED_PREFIX):
             path = resolve_bundled(model.name)
-            return ModelInfo(self._local_inputs(path, spec), "bundled", read_package_draft(path), path)
+            return ModelInfo(self._local_inputs(path, spec), "bundled", path)
         if model.name.startswith("/"):
             path = Path(model.name)
             if not path.is_dir():
                 raise CheckpointError(f"{model.name}: not a directory the operator can read; "
                                       "give model.layout, or use a hub id or bundled://NAME")
-            return ModelInfo(self._local_inputs(path, spec), "local", read_package_draft(path), path)
+            return ModelInfo(self._local_inputs(path, spec), "local", path)
         if not HUB_ID.fullmatch(model.name):
             raise CheckpointError(f"{model.name!r} is not a hub id (org/name), bundled://NAME or an absolute path")
         facts = self._hub_facts(model.name, model.revision)

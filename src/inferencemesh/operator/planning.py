@@ -28,7 +28,7 @@ from inferencemesh.planner import (
     plan_explicit,
     plan_stages,
 )
-from inferencemesh.speculation import DeclaredStrategy, SpeculativeChoice, choose_speculation
+from inferencemesh.speculation import SpeculativeChoice, choose_for_model
 
 # The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
 MAX_PLAN_LAYERS = 256
@@ -101,14 +101,11 @@ def _cached_plan(inputs: PlanInputs, count: int | str, ranges: tuple, memory: tu
 
 
 def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
-    """What the frontend will run: the same decision the frontend makes (inferencemesh.speculation),
-    from the spec and the model package's declaration where the operator can read it."""
+    """What the frontend will run: the decision the frontend makes, with the same reading of the model
+    package (inferencemesh.speculation), where the operator can read the model (bundled or a path)."""
     sp = spec.speculative
-    pkg = info.package_draft
-    declared = DeclaredStrategy(pkg.name, "draft-model", pkg.draft_model) if pkg else None
-    return choose_speculation(strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft,
-                              window=sp.window.flag() if sp.window else None,
-                              declared=declared)
+    return choose_for_model(info.model_dir, strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft,
+                            window=sp.window.flag() if sp.window else None)
 
 
 def first_stage_reserve(spec: MeshSpec, info: ModelInfo, choice: SpeculativeChoice,
