@@ -42,8 +42,6 @@ from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
 
-API_GROUP = "inferencemesh.io"
-API_VERSION = "v1alpha1"
 MODELS_MOUNT = "/models"
 TLS_MOUNT = "/etc/inferencemesh/tls"  # the mTLS Secret: tls.crt, tls.key, ca.crt
 CACHE_MOUNT = "/cache"

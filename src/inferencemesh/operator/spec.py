@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 MAX_STAGES = 64
-MAX_LAYERS = 256
 
 # Messages are copied verbatim from the CRD's x-kubernetes-validations.
 MSG_COUNT = "stages.count must be a number or 'auto'"

@@ -60,11 +60,6 @@ def deployment_ready(dep: dict | None) -> bool:
     )
 
 
-def pod_ready(pod: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 def pod_problem(pod: dict) -> str | None:
     """Why a pod is failing, or None: what Degraded reports."""
     st = pod.get("status") or {}
