@@ -289,6 +289,20 @@ def test_certificates_are_given_exactly_when_the_operator_issues_them() -> None:
     assert sorted(subjects) == ["code-frontend", "code-stage-0", "code-stage-1"]
 
 
+@pytest.mark.parametrize(("frontend", "stages", "want"), [
+    ({}, {}, "256"),  # the frontend's default
+    ({"maxBatchTokens": 1024}, {}, "1024"),
+    ({}, {"maxBatchTokens": 64}, "64"),  # the deprecated place still works
+    ({"maxBatchTokens": 1024}, {"maxBatchTokens": 64}, "1024"),  # the new one wins
+])
+def test_max_batch_tokens_is_the_frontends_and_the_old_field_still_works(frontend: dict, stages: dict,
+                                                                         want: str) -> None:
+    objs = children({"model": {"name": "bundled://imesh-code-target"}, "frontend": frontend, "stages": stages})
+    assert arg(container(objs[("Deployment", "code-frontend")])["args"], "--max-batch-tokens") == want
+    for i in range(3):
+        assert "--max-batch-tokens" not in container(objs[("Deployment", f"code-stage-{i}")])["args"]
+
+
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b

@@ -208,6 +208,16 @@ def test_security_modes_and_the_certificate_lifetime() -> None:
             S.parse_spec({"model": {"name": "m"}, "security": {"certificateLifetime": bad}})
 
 
+def test_max_batch_tokens_moved_to_the_frontend_and_the_old_place_is_deprecated() -> None:
+    props = SPEC_SCHEMA["properties"]
+    assert props["stages"]["properties"]["maxBatchTokens"]["description"].startswith("Deprecated: use frontend.")
+    assert "default" not in props["stages"]["properties"]["maxBatchTokens"]  # so that a set value can be told apart
+    assert S.parse_spec({"model": {"name": "m"}}).max_batch_tokens == 256
+    assert S.parse_spec({"model": {"name": "m"}, "stages": {"maxBatchTokens": 64}}).max_batch_tokens == 64
+    both = {"model": {"name": "m"}, "stages": {"maxBatchTokens": 64}, "frontend": {"maxBatchTokens": 1024}}
+    assert S.parse_spec(both).max_batch_tokens == 1024
+
+
 def test_every_cel_rule_has_its_message_in_python() -> None:
     messages = {v for k, v in vars(S).items() if k.startswith("MSG_")}
     in_crd = set()

@@ -415,7 +415,7 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
                 if plan.embedded_first_stage else {})
     config = FrontendConfig(
         **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
-        port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.stages.max_batch_tokens, **embedded,
+        port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.max_batch_tokens, **embedded,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None,
         **({} if sp.disable_by_batch_size is None else {"speculative_disable_by_batch_size": sp.disable_by_batch_size}),

@@ -18,6 +18,8 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
+
 MAX_STAGES = 64
 
 # Messages are copied verbatim from the CRD's x-kubernetes-validations.
@@ -90,7 +92,7 @@ class StagesSpec(_Spec):
     ranges: tuple[LayerRange, ...] | None = None  # None: absent (an empty list is present, and wrong)
     gpus: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_batch_tokens: int = 256
+    max_batch_tokens: int | None = None  # deprecated: FrontendSpec.max_batch_tokens (MeshSpec.max_batch_tokens)
     resources: dict[str, Any] = {}
     node_selector: dict[str, str] = {}
     tolerations: tuple[dict[str, Any], ...] = ()
@@ -108,6 +110,7 @@ class SecretKeyRef(_Spec):
 
 
 class FrontendSpec(_Spec):
+    max_batch_tokens: int | None = None  # unset: stages.maxBatchTokens (deprecated), else DEFAULT_MAX_BATCH_TOKENS
     embed_first_stage: bool = False  # stage 0 runs in the frontend pod, which takes stage 0's place
     replicas: int = 1
     service: ServiceSpec = ServiceSpec()
@@ -204,6 +207,15 @@ class MeshSpec(_Spec):
     @property
     def debug_tracing(self) -> bool:
         return self.telemetry.debug_tracing
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The frontend's microbatch budget: frontend.maxBatchTokens, else the deprecated
+        stages.maxBatchTokens (meshes written before it moved), else the frontend's default."""
+        for value in (self.frontend.max_batch_tokens, self.stages.max_batch_tokens):
+            if value is not None:
+                return value
+        return DEFAULT_MAX_BATCH_TOKENS
 
     @property
     def mtls_secret(self) -> str | None:
