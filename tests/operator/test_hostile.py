@@ -10,7 +10,7 @@ import pytest
 import yaml
 from imesh_k8s import ControlPlane, OperatorProcess, wait_for
 
-from inferencemesh.operator.render import base_name
+from inferencemesh.operator.names import base_name
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 NS = "hostile"

@@ -11,7 +11,9 @@ import re
 import pytest
 
 from inferencemesh.config import FrontendConfig, from_args
+from inferencemesh.operator import names as N
 from inferencemesh.operator import render as R
+from inferencemesh.operator import resources
 from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
@@ -77,8 +79,8 @@ def test_the_children_of_a_three_stage_mesh() -> None:
         assert meta["ownerReferences"] == [{"apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh",
                                              "name": "code", "uid": "uid-123", "controller": True,
                                              "blockOwnerDeletion": True}]
-        assert meta["labels"][R.LABEL_MESH] == "code" and meta["labels"]["team"] == "search"
-        assert re.fullmatch(r"[0-9a-f]{20}", meta["annotations"][R.HASH_ANNOTATION])
+        assert meta["labels"][N.LABEL_MESH] == "code" and meta["labels"]["team"] == "search"
+        assert re.fullmatch(r"[0-9a-f]{20}", meta["annotations"][N.HASH_ANNOTATION])
 
 
 def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_real_cli() -> None:
@@ -146,11 +148,11 @@ def test_network_policy_admits_only_the_frontend_and_the_previous_stage() -> Non
     objs = children()
     for i in range(3):
         pol = objs[("NetworkPolicy", f"code-stage-{i}")]["spec"]
-        assert pol["podSelector"]["matchLabels"] == R.stage_selector("code", i)
+        assert pol["podSelector"]["matchLabels"] == N.stage_selector("code", i)
         assert pol["policyTypes"] == ["Ingress"]
         grpc_rule, metrics_rule = pol["ingress"]
         sources = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
-        expected = [R.frontend_selector("code")] + ([R.stage_selector("code", i - 1)] if i else [])
+        expected = [N.frontend_selector("code")] + ([N.stage_selector("code", i - 1)] if i else [])
         assert sources == expected
         assert grpc_rule["ports"] == [{"protocol": "TCP", "port": R.STAGE_GRPC_PORT}]
         assert "from" not in metrics_rule and metrics_rule["ports"][0]["port"] == R.STAGE_METRICS_PORT
@@ -213,7 +215,7 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     assert env[R.API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
     svc = objs[("Service", "code-frontend")]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 443
-    assert R.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"
+    assert N.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"
 
 
 def test_old_clusters_get_an_exec_health_probe() -> None:
@@ -256,7 +258,7 @@ def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() ->
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == f"{component}-tls"  # its own key, no other pod's
         assert parser.parse_args(container(objs[("Deployment", component)])["args"]).tls_dir == R.TLS_MOUNT
-        assert re.fullmatch(r"[0-9a-f]{20}", pod["metadata"]["annotations"][R.TLS_HASH_ANNOTATION])
+        assert re.fullmatch(r"[0-9a-f]{20}", pod["metadata"]["annotations"][N.TLS_HASH_ANNOTATION])
     ca = objs[("Secret", "code-ca")]
     assert ca["type"] == "Opaque" and base64.b64decode(ca["data"]["ca.key"]) == certificates.ca.signing.key
     mounted = {v["secret"]["secretName"] for (kind, _), o in objs.items() if kind == "Deployment"
@@ -271,7 +273,7 @@ def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() ->
         MESH, parsed, plan, R.RenderOptions(), dataclasses.replace(
             certificates, leaves={**certificates.leaves, "code-stage-1": renewed.leaves["code-stage-1"]}))}
     tls_hash = lambda objs, name: objs[("Deployment", name)]["spec"]["template"]["metadata"][  # noqa: E731
-        "annotations"][R.TLS_HASH_ANNOTATION]
+        "annotations"][N.TLS_HASH_ANNOTATION]
     assert tls_hash(again, "code-stage-1") != tls_hash(objs, "code-stage-1")
     assert tls_hash(again, "code-stage-0") == tls_hash(objs, "code-stage-0")
 
@@ -307,7 +309,7 @@ def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b
     c = children(ranges=[(0, 2), (2, 6), (6, 8)])
-    h = lambda objs, key: objs[key]["metadata"]["annotations"][R.HASH_ANNOTATION]  # noqa: E731
+    h = lambda objs, key: objs[key]["metadata"]["annotations"][N.HASH_ANNOTATION]  # noqa: E731
     assert h(a, ("Deployment", "code-stage-0")) != h(c, ("Deployment", "code-stage-0"))
     assert h(a, ("Deployment", "code-stage-2")) == h(c, ("Deployment", "code-stage-2"))
     assert h(a, ("Service", "code-stage-0")) == h(c, ("Service", "code-stage-0"))
@@ -316,17 +318,17 @@ def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
 
 @pytest.mark.parametrize("name", ["code", "a" * 40, "a" * 41, "x.y.z", "9lives", "-", "UPPER", "a" * 253, "..."])
 def test_base_names_are_dns_1035_and_stable(name: str) -> None:
-    base = R.base_name(name)
+    base = N.base_name(name)
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", base) and len(base) <= 40
-    assert len(R.stage_name(base, 63)) <= 63 and len(R.frontend_name(base)) <= 63
-    assert R.base_name(name) == base
+    assert len(N.stage_name(base, 63)) <= 63 and len(N.frontend_name(base)) <= 63
+    assert N.base_name(name) == base
     if len(name) <= 40 and re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
         assert base == name
 
 
 def test_base_names_do_not_collide_when_folding() -> None:
     names = ["a.b", "a-b", "a_b", "A-B", "a" * 50, "a" * 51]
-    assert len({R.base_name(n) for n in names}) == len(names)
+    assert len({N.base_name(n) for n in names}) == len(names)
 
 
 def test_plan_configmap_holds_the_ranges() -> None:
@@ -442,8 +444,8 @@ def test_stage_1_admits_the_frontend_as_its_upstream_and_nothing_else() -> None:
         grpc_rule = objs[("NetworkPolicy", f"code-stage-{i}")]["spec"]["ingress"][0]
         return [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
 
-    assert sources(1) == [R.frontend_selector("code")]  # no selector for stage-0 pods that do not exist
-    assert sources(2) == [R.frontend_selector("code"), R.stage_selector("code", 1)]
+    assert sources(1) == [N.frontend_selector("code")]  # no selector for stage-0 pods that do not exist
+    assert sources(2) == [N.frontend_selector("code"), N.stage_selector("code", 1)]
 
 
 def test_a_one_stage_plan_embedded_has_no_stage_objects_at_all() -> None:
@@ -470,7 +472,7 @@ def test_the_embedded_stage_threads_follow_stage_0s_cpu(resources: dict, threads
 
 
 def test_sum_resources() -> None:
-    assert R.sum_resources({"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"nvidia.com/gpu": 2}},
+    assert resources.sum_resources({"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"nvidia.com/gpu": 2}},
                            {"requests": {"cpu": "1", "memory": "1G"}, "limits": {"cpu": "250m"}}) == {
         "requests": {"cpu": "1500m", "memory": "1536870912"}, "limits": {"nvidia.com/gpu": "2", "cpu": "250m"}}
-    assert R.sum_resources({}, {}) == {}
+    assert resources.sum_resources({}, {}) == {}

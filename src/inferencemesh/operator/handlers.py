@@ -24,16 +24,9 @@ import kopf
 
 from inferencemesh.operator import metrics
 from inferencemesh.operator.kube import Kube, load_api_client
+from inferencemesh.operator.names import LABEL_MANAGED_BY, LABEL_MESH, MANAGED_BY, base_name
 from inferencemesh.operator.reconcile import Reconciler
-from inferencemesh.operator.render import (
-    DEFAULT_FRONTEND_IMAGE,
-    DEFAULT_STAGE_IMAGE,
-    LABEL_MANAGED_BY,
-    LABEL_MESH,
-    MANAGED_BY,
-    RenderOptions,
-    base_name,
-)
+from inferencemesh.operator.render import DEFAULT_FRONTEND_IMAGE, DEFAULT_STAGE_IMAGE, RenderOptions
 
 log = logging.getLogger("inferencemesh.operator")
 MESHES = ("inferencemesh.io", "v1alpha1", "inferencemeshes")

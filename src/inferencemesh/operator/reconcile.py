@@ -25,19 +25,17 @@ from inferencemesh.operator.frontend_probe import observed_strategy
 from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.kube import Kube, Write
 from inferencemesh.operator.modelfacts import ModelFacts, ModelUnavailable
-from inferencemesh.operator.planning import Plan, make_plan
-from inferencemesh.operator.render import (
+from inferencemesh.operator.names import (
     HASH_ANNOTATION,
     LABEL_MESH,
-    RenderOptions,
     base_name,
     ca_secret_name,
-    certificate_subjects,
     frontend_metrics_url,
     frontend_name,
-    render_children,
     tls_secret_name,
 )
+from inferencemesh.operator.planning import Plan, make_plan
+from inferencemesh.operator.render import RenderOptions, certificate_subjects, render_children
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
 from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status, deployment_ready
 from inferencemesh.planner import PlanError

@@ -10,7 +10,8 @@ Deployment + Service <base>-frontend. With operator-issued certificates (the def
 settled (issuing.py); each pod mounts its own and rolls when it changes. With
 spec.frontend.embedFirstStage, stage 0 runs inside the frontend pod: no stage-0 objects, and the
 frontend pod takes stage 0's resources and placement. All carry an owner reference to the mesh
-(kopf.adopt), so deleting the mesh garbage-collects them.
+(kopf.adopt), so deleting the mesh garbage-collects them. Their names and labels come from names.py,
+their container resources from resources.py.
 """
 
 from __future__ import annotations
@@ -19,13 +20,9 @@ import base64
 import copy
 import hashlib
 import json
-import math
-import re
 from dataclasses import dataclass
-from decimal import Decimal
 
 import kopf
-from kubernetes.utils.quantity import parse_quantity
 
 from inferencemesh.bundled import served_name
 from inferencemesh.config import (
@@ -38,7 +35,23 @@ from inferencemesh.config import (
     to_argv,
 )
 from inferencemesh.operator.issuing import MeshCertificates
+from inferencemesh.operator.names import (
+    HASH_ANNOTATION,
+    LABEL_COMPONENT,
+    TLS_HASH_ANNOTATION,
+    base_name,
+    ca_secret_name,
+    frontend_name,
+    frontend_selector,
+    mesh_labels,
+    plan_name,
+    stage_address,
+    stage_name,
+    stage_selector,
+    tls_secret_name,
+)
 from inferencemesh.operator.planning import Plan
+from inferencemesh.operator.resources import stage_resources, stage_threads, sum_resources
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
 
@@ -48,96 +61,14 @@ CACHE_MOUNT = "/cache"
 DEFAULT_STAGE_IMAGE = "ghcr.io/inferencemesh/stage:0.1.0"
 DEFAULT_FRONTEND_IMAGE = "ghcr.io/inferencemesh/frontend:0.1.0"
 
-MANAGED_BY = "inferencemesh-operator"
-LABEL_MESH = "inferencemesh.io/mesh"
-LABEL_STAGE = "inferencemesh.io/stage"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-HASH_ANNOTATION = "inferencemesh.io/spec-hash"
-# On a pod template: a hash of the certificate and trust bundle it mounts, so a renewal rolls the pods
-# (a process reads its certificate once, at start).
-TLS_HASH_ANNOTATION = "inferencemesh.io/tls-hash"
-
-GPU_RESOURCE = "nvidia.com/gpu"
 # Loading a large range can take minutes: a pod that loads layers holds liveness off this long (30 min).
 LAYERS_STARTUP_PROBE = {"periodSeconds": 10, "failureThreshold": 180}
-
-_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_BASE_MAX = 40  # leaves room for "-stage-63" / "-frontend" within a 63-character Service name
-
 
 @dataclass(frozen=True)
 class RenderOptions:
     stage_image: str = DEFAULT_STAGE_IMAGE
     frontend_image: str = DEFAULT_FRONTEND_IMAGE
     grpc_probes: bool = True  # native gRPC probes need Kubernetes >= 1.24; else an exec probe
-
-
-def base_name(mesh_name: str) -> str:
-    """A DNS-1035 prefix for child names and label values, stable for a given mesh name.
-
-    A mesh may be named like any DNS subdomain (253 characters, dots, a leading digit); Service
-    names and label values may not, so such names are folded and suffixed with a short hash.
-    """
-    if len(mesh_name) <= _BASE_MAX and _DNS1035.fullmatch(mesh_name):
-        return mesh_name
-    folded = re.sub(r"[^a-z0-9-]+", "-", mesh_name.lower()).strip("-")
-    if not folded or not folded[0].isalpha():
-        folded = "m-" + folded
-    digest = hashlib.sha256(mesh_name.encode()).hexdigest()[:8]
-    return f"{folded[:_BASE_MAX - 9].rstrip('-')}-{digest}"
-
-
-def stage_name(base: str, index: int) -> str:
-    return f"{base}-stage-{index}"
-
-
-def frontend_name(base: str) -> str:
-    return f"{base}-frontend"
-
-
-def plan_name(base: str) -> str:
-    return f"{base}-plan"
-
-
-def ca_secret_name(base: str) -> str:
-    return f"{base}-ca"
-
-
-def tls_secret_name(component: str) -> str:
-    """The Secret with a stage's or the frontend's certificate (component: its Deployment's name)."""
-    return f"{component}-tls"
-
-
-def mesh_labels(base: str) -> dict[str, str]:
-    """Labels every child carries; the operator finds its children with LABEL_MESH."""
-    return {
-        "app.kubernetes.io/name": "inferencemesh",
-        "app.kubernetes.io/instance": base,
-        "app.kubernetes.io/part-of": "inferencemesh",
-        LABEL_MANAGED_BY: MANAGED_BY,
-        LABEL_MESH: base,
-    }
-
-
-def stage_selector(base: str, index: int) -> dict[str, str]:
-    return {LABEL_MESH: base, LABEL_COMPONENT: "stage", LABEL_STAGE: str(index)}
-
-
-def frontend_selector(base: str) -> dict[str, str]:
-    return {LABEL_MESH: base, LABEL_COMPONENT: "frontend"}
-
-
-def stage_address(base: str, namespace: str, index: int) -> str:
-    return f"{stage_name(base, index)}.{namespace}.svc:{STAGE_GRPC_PORT}"
-
-
-def endpoint_url(base: str, namespace: str, spec: MeshSpec) -> str:
-    return f"http://{frontend_name(base)}.{namespace}.svc:{spec.frontend.service_port}/v1"
-
-
-def frontend_metrics_url(base: str, namespace: str, spec: MeshSpec) -> str:
-    return f"http://{frontend_name(base)}.{namespace}.svc:{spec.frontend.service_port}/metrics"
 
 
 def served_model_name(spec: MeshSpec) -> str:
@@ -259,58 +190,9 @@ def _meta(name: str, namespace: str, labels: dict[str, str], annotations: dict |
 
 # ---- the children --------------------------------------------------------------------------
 
-def stage_threads(spec: MeshSpec, *, shares_pod: bool = False) -> int:
-    """A stage's compute threads. With a CPU limit, 0: the stage reads its cgroup quota, unless it
-    shares its pod (the embedded first stage: the pod's quota is the stage's plus the frontend's),
-    then the limit rounded up. Without one, its CPU request rounded up: torch would otherwise size
-    its team by the node's cores, and stage pods sharing a node would preempt each other mid-kernel."""
-    resources = spec.stages.resources or {}
-    limit = (resources.get("limits") or {}).get("cpu")
-    if limit:
-        return max(1, math.ceil(parse_quantity(str(limit)))) if shares_pod else 0
-    request = (resources.get("requests") or {}).get("cpu")
-    return max(1, math.ceil(parse_quantity(str(request)))) if request else 0
-
-
 def _stage_compute(spec: MeshSpec, *, shares_pod: bool = False) -> dict:
     """How a stage computes (StageConfig fields, and FrontendConfig's for the embedded first stage)."""
     return {"device": spec.stages.device, "threads": stage_threads(spec, shares_pod=shares_pod)}
-
-
-def _stage_resources(spec: MeshSpec) -> dict:
-    """The container resources of a stage: stages.resources with the stages.gpus GPU limit."""
-    resources = copy.deepcopy(spec.stages.resources)
-    if spec.stages.gpus:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.stages.gpus
-    return resources
-
-
-def _format_quantity(value: Decimal) -> str:
-    if value == value.to_integral_value():
-        n = int(value)
-        for suffix, size in (("Ti", 1024**4), ("Gi", 1024**3), ("Mi", 1024**2), ("Ki", 1024)):
-            if n >= size and n % size == 0:
-                return f"{n // size}{suffix}"
-        return str(n)
-    millis = value * 1000
-    return f"{int(millis)}m" if millis == millis.to_integral_value() else str(value)
-
-
-def sum_resources(*parts: dict) -> dict:
-    """Container resources of one container doing the work of several: each requests/limits entry
-    summed over the parts that set it (a limit only one part sets is that part's)."""
-    total: dict = {}
-    for part in parts:
-        for section, amounts in (part or {}).items():
-            if not isinstance(amounts, dict):  # e.g. `claims`: not a quantity map, kept as given
-                total.setdefault(section, copy.deepcopy(amounts))
-                continue
-            into = total.setdefault(section, {})
-            for name, amount in amounts.items():
-                into[name] = (parse_quantity(str(into[name])) if name in into else Decimal(0)) \
-                    + parse_quantity(str(amount))
-    return {section: {k: _format_quantity(v) for k, v in amounts.items()} if isinstance(amounts, dict) else amounts
-            for section, amounts in total.items()}
 
 
 def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, opts: RenderOptions,
@@ -324,7 +206,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
         downstream=stage_address(base, ns, index + 1) if index + 1 < n else None, **_stage_compute(spec),
     ).check()
     args = ["stage", *to_argv(config)]
-    resources = _stage_resources(spec)
+    resources = stage_resources(spec)
     ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"}]
     if spec.metrics:
         ports.append({"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"})
@@ -443,7 +325,7 @@ def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: Ren
         "ports": [{"name": "http", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # The embedded first stage's pod does stage 0's work and the frontend's.
-        "resources": (sum_resources(_stage_resources(spec), spec.frontend.resources) if embedded
+        "resources": (sum_resources(stage_resources(spec), spec.frontend.resources) if embedded
                       else copy.deepcopy(spec.frontend.resources)),
         "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
         "startupProbe": {**health, **(LAYERS_STARTUP_PROBE if embedded else {"periodSeconds": 5,

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inferencemesh.operator.planning import Plan
-from inferencemesh.operator.render import (
+from inferencemesh.operator.names import (
     LABEL_COMPONENT,
     LABEL_STAGE,
     base_name,
@@ -28,6 +27,7 @@ from inferencemesh.operator.render import (
     stage_address,
     stage_name,
 )
+from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.speculation import SpeculativeChoice
 
