@@ -11,11 +11,16 @@ Conditions (each with reason and message):
                  lost without a spec change; clears by itself when the pods are back.
 lastTransitionTime only moves when a condition's status changes, so recomputing an unchanged
 world yields an identical status and the operator writes nothing.
+
+Each condition is decided by one function (planned_condition, stages_condition, frontend_condition,
+ready_condition, degraded_condition) from an Observed view of the children; compute_status puts
+them together with the phase and the other fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from inferencemesh.operator.names import (
     LABEL_COMPONENT,
@@ -90,18 +95,138 @@ def _newest(pods: list[dict]) -> dict | None:
     return max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "", default=None)
 
 
-def _condition(ctype: str, status: str, reason: str, message: str, generation: int,
-               previous: dict[str, dict], now: str) -> dict:
+class Verdict(NamedTuple):
+    """One condition's status, reason and message."""
+
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+    message: str
+
+
+def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str, dict], now: str) -> dict:
+    """A condition object; its lastTransitionTime moves only when its status does."""
     old = previous.get(ctype)
-    changed = old is None or old.get("status") != status
+    changed = old is None or old.get("status") != verdict.status
     return {
         "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message,
+        "status": verdict.status,
+        "reason": verdict.reason,
+        "message": verdict.message,
         "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
         "observedGeneration": generation,
     }
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a status is computed from: the plan outcome and the mesh's children, by role."""
+
+    base: str
+    namespace: str
+    spec: MeshSpec | None
+    outcome: PlanOutcome
+    deployments: dict[str, dict]  # by name
+    stage_pods: dict[str, list[dict]]  # by stage index (the label's text)
+    frontend_pods: list[dict]
+    problems: list[str]  # pod_problem of every pod of the mesh
+
+    @classmethod
+    def of(cls, mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
+           pods: list[dict]) -> Observed:
+        stage_pods: dict[str, list[dict]] = {}
+        frontend_pods: list[dict] = []
+        for pod in pods:
+            labels = pod["metadata"].get("labels") or {}
+            if labels.get(LABEL_COMPONENT) == "stage":
+                stage_pods.setdefault(labels.get(LABEL_STAGE, ""), []).append(pod)
+            elif labels.get(LABEL_COMPONENT) == "frontend":
+                frontend_pods.append(pod)
+        problems = [p for p in (pod_problem(pod) for pod in pods) if p]
+        meta = mesh["metadata"]
+        return cls(base_name(meta["name"]), meta["namespace"], spec, outcome, deployments, stage_pods,
+                   frontend_pods, problems)
+
+    @property
+    def frontend(self) -> dict | None:
+        return self.deployments.get(frontend_name(self.base))
+
+
+def stage_entries(obs: Observed, plan: Plan) -> tuple[list[dict], list[str]]:
+    """status.stages for a plan, and a short account of each stage that is not ready."""
+    entries, not_ready = [], []
+    for s in plan.stages:
+        embedded = plan.embedded_first_stage and s.index == 0
+        # The embedded first stage lives and is ready in the frontend's pods (whose /ready needs it SERVING).
+        name = frontend_name(obs.base) if embedded else stage_name(obs.base, s.index)
+        ready = deployment_ready(obs.deployments.get(name))
+        mine = obs.frontend_pods if embedded else obs.stage_pods.get(str(s.index), [])
+        newest = _newest(mine)
+        entries.append({
+            "index": s.index, "layerStart": s.layer_start, "layerEnd": s.layer_end,
+            "layers": f"{s.layer_start}:{s.layer_end}", "plannedBytes": s.total_bytes,
+            **({"memoryBytes": s.memory_bytes} if s.memory_bytes else {}),
+            # No pod: leave the key out. An empty string here made kube-apiserver 1.20's merge patch
+            # store null and refuse the whole status (seen, and reproduced, in the cluster tests).
+            "ready": ready, **({"pod": newest["metadata"]["name"]} if newest else {}),
+            **({"embedded": True} if embedded else {"address": stage_address(obs.base, obs.namespace, s.index)}),
+        })
+        if not ready:
+            where = "in the frontend: " if embedded else ""
+            not_ready.append(f"stage {s.index} ({where}{_pending_reason(mine)})")
+    return entries, not_ready
+
+
+def planned_condition(outcome: PlanOutcome) -> Verdict:
+    return Verdict(outcome.planned_status, outcome.reason, outcome.message)
+
+
+def stages_condition(outcome: PlanOutcome, entries: list[dict], not_ready: list[str]) -> Verdict:
+    """entries: status.stages (without a plan, the last known ones)."""
+    if outcome.plan is None:
+        return Verdict("Unknown" if not entries else "False", "NotPlanned", "no plan: " + outcome.message)
+    n = len(outcome.plan.stages)
+    if not not_ready:
+        return Verdict("True", "AllStagesReady", f"{n} of {n} stages ready")
+    return Verdict("False", "StagesNotReady", f"{n - len(not_ready)} of {n} stages ready; " + "; ".join(not_ready[:4]))
+
+
+def frontend_condition(obs: Observed) -> Verdict:
+    if deployment_ready(obs.frontend):
+        return Verdict("True", "FrontendReady", "the frontend answers /ready")
+    if obs.frontend is None:
+        return Verdict("False", "NoFrontend", "the frontend Deployment does not exist yet")
+    if obs.spec is not None and obs.spec.frontend.replicas == 0:
+        return Verdict("False", "ScaledToZero", "frontend.replicas is 0")
+    return Verdict("False", "FrontendNotReady", "frontend not ready: " + _pending_reason(obs.frontend_pods))
+
+
+def ready_condition(planned: Verdict, stages: Verdict, frontend: Verdict) -> Verdict:
+    """Ready when the other three are; else the first that is not says why."""
+    first = next((v for v in (planned, stages, frontend) if v.status != "True"), None)
+    if first is None:
+        return Verdict("True", "Ready", "the OpenAI endpoint is serving")
+    return Verdict("False", first.reason, first.message)
+
+
+def degraded_condition(obs: Observed, ready: Verdict, previous: dict[str, dict], same_generation: bool) -> Verdict:
+    """A pod failing, or readiness lost without a spec change (kept until the mesh is ready again)."""
+    if obs.problems:
+        return Verdict("True", "PodsFailing", "; ".join(obs.problems[:4]))
+    was_ready = previous.get("Ready", {}).get("status") == "True"
+    was_lost = previous.get("Degraded", {}).get("reason") == "ReadinessLost"
+    if ready.status != "True" and obs.outcome.plan is not None and same_generation and (was_ready or was_lost):
+        return Verdict("True", "ReadinessLost", "the mesh was ready and is not any more: " + ready.message)
+    return Verdict("False", "AsExpected", "no pod of the mesh is failing")
+
+
+def phase_of(outcome: PlanOutcome, ready: Verdict, degraded: Verdict) -> str:
+    if outcome.planned_status == "False":
+        return "Failed"
+    if outcome.planned_status == "Unknown":
+        return "Pending"
+    if degraded.status == "True":
+        return "Degraded"
+    return "Ready" if ready.status == "True" else "Progressing"
 
 
 def speculative_status(planned: SpeculativeChoice, observed: tuple[str, str] | None) -> dict:
@@ -120,115 +245,34 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     """The whole status object. deployments: by name; pods: every pod carrying the mesh label;
     spec: None when it does not parse (then outcome says why and there is no plan);
     observed_speculative: the (strategy, reason) the running frontend reports, if it could be read."""
-    meta = mesh["metadata"]
-    base, ns = base_name(meta["name"]), meta["namespace"]
-    generation = int(meta.get("generation", 0))
+    obs = Observed.of(mesh, spec, outcome, deployments, pods)
+    generation = int(mesh["metadata"].get("generation", 0))
     old_status = mesh.get("status") or {}
     previous = {c.get("type"): c for c in old_status.get("conditions") or [] if isinstance(c, dict)}
     plan = outcome.plan
 
-    def cond(ctype: str, status: str, reason: str, message: str) -> dict:
-        return _condition(ctype, status, reason, message, generation, previous, now)
-
-    stage_pods: dict[str, list[dict]] = {}
-    frontend_pods: list[dict] = []
-    for pod in pods:
-        labels = pod["metadata"].get("labels") or {}
-        if labels.get(LABEL_COMPONENT) == "stage":
-            stage_pods.setdefault(labels.get(LABEL_STAGE, ""), []).append(pod)
-        elif labels.get(LABEL_COMPONENT) == "frontend":
-            frontend_pods.append(pod)
-
-    status: dict = {"observedGeneration": generation}
-    conditions = [cond("Planned", outcome.planned_status, outcome.reason, outcome.message)]
-    problems = [p for p in (pod_problem(pod) for pod in pods) if p]
-
-    if plan is None:
-        status["stages"] = old_status.get("stages") or []
-        stages_ok = False
-        conditions.append(cond("StagesReady", "Unknown" if not status["stages"] else "False",
-                               "NotPlanned", "no plan: " + outcome.message))
-    else:
-        entries, not_ready = [], []
-        for s in plan.stages:
-            embedded = plan.embedded_first_stage and s.index == 0
-            # The embedded first stage lives and is ready in the frontend's pods (whose /ready needs it SERVING).
-            name = frontend_name(base) if embedded else stage_name(base, s.index)
-            ready = deployment_ready(deployments.get(name))
-            mine = frontend_pods if embedded else stage_pods.get(str(s.index), [])
-            newest = _newest(mine)
-            entries.append({
-                "index": s.index, "layerStart": s.layer_start, "layerEnd": s.layer_end,
-                "layers": f"{s.layer_start}:{s.layer_end}", "plannedBytes": s.total_bytes,
-                **({"memoryBytes": s.memory_bytes} if s.memory_bytes else {}),
-                # No pod: leave the key out. An empty string here made kube-apiserver 1.20's merge patch
-                # store null and refuse the whole status (seen, and reproduced, in the cluster tests).
-                "ready": ready, **({"pod": newest["metadata"]["name"]} if newest else {}),
-                **({"embedded": True} if embedded else {"address": stage_address(base, ns, s.index)}),
-            })
-            if not ready:
-                where = "in the frontend: " if embedded else ""
-                not_ready.append(f"stage {s.index} ({where}{_pending_reason(mine)})")
-        status["stages"] = entries
-        stages_ok = not not_ready
-        n = len(plan.stages)
-        status["stagesSummary"] = f"{n - len(not_ready)}/{n}"
-        if stages_ok:
-            conditions.append(cond("StagesReady", "True", "AllStagesReady", f"{n} of {n} stages ready"))
-        else:
-            conditions.append(cond("StagesReady", "False", "StagesNotReady",
-                                   f"{n - len(not_ready)} of {n} stages ready; " + "; ".join(not_ready[:4])))
-
-    front = deployments.get(frontend_name(base))
-    front_ok = deployment_ready(front)
-    if front_ok:
-        conditions.append(cond("FrontendReady", "True", "FrontendReady", "the frontend answers /ready"))
-    elif front is None:
-        conditions.append(cond("FrontendReady", "False", "NoFrontend", "the frontend Deployment does not exist yet"))
-    elif spec is not None and spec.frontend.replicas == 0:
-        conditions.append(cond("FrontendReady", "False", "ScaledToZero", "frontend.replicas is 0"))
-    else:
-        conditions.append(cond("FrontendReady", "False", "FrontendNotReady",
-                               "frontend not ready: " + _pending_reason(frontend_pods)))
-
-    ready = outcome.planned_status == "True" and stages_ok and front_ok
-    if ready:
-        conditions.append(cond("Ready", "True", "Ready", "the OpenAI endpoint is serving"))
-    else:
-        first = next(c for c in conditions if c["status"] != "True")
-        conditions.append(cond("Ready", "False", first["reason"], first["message"]))
-
-    # Readiness lost without a spec change is degradation too; it stays until the mesh is ready again.
-    was_ready = previous.get("Ready", {}).get("status") == "True"
-    was_lost = previous.get("Degraded", {}).get("reason") == "ReadinessLost"
-    same_gen = int(old_status.get("observedGeneration", -1)) == generation
-    if problems:
-        conditions.append(cond("Degraded", "True", "PodsFailing", "; ".join(problems[:4])))
-    elif not ready and plan is not None and same_gen and (was_ready or was_lost):
-        conditions.append(cond("Degraded", "True", "ReadinessLost",
-                               "the mesh was ready and is not any more: " + conditions[-1]["message"]))
-    else:
-        conditions.append(cond("Degraded", "False", "AsExpected", "no pod of the mesh is failing"))
-    status["conditions"] = conditions
-
-    degraded = conditions[-1]["status"] == "True"
-    if outcome.planned_status == "False":
-        status["phase"] = "Failed"
-    elif outcome.planned_status == "Unknown":
-        status["phase"] = "Pending"
-    elif degraded:
-        status["phase"] = "Degraded"
-    else:
-        status["phase"] = "Ready" if ready else "Progressing"
+    entries, not_ready = stage_entries(obs, plan) if plan is not None else (old_status.get("stages") or [], [])
+    status: dict = {"observedGeneration": generation, "stages": entries}
+    if plan is not None:
+        status["stagesSummary"] = f"{len(plan.stages) - len(not_ready)}/{len(plan.stages)}"
+    planned = planned_condition(outcome)
+    stages = stages_condition(outcome, entries, not_ready)
+    frontend = frontend_condition(obs)
+    ready = ready_condition(planned, stages, frontend)
+    same_generation = int(old_status.get("observedGeneration", -1)) == generation
+    degraded = degraded_condition(obs, ready, previous, same_generation)
+    verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, ready, degraded), strict=True))
+    status["conditions"] = [_condition(t, v, generation, previous, now) for t, v in verdicts.items()]
+    status["phase"] = phase_of(outcome, ready, degraded)
 
     if plan is not None and spec is not None:
         status["planHash"] = plan.hash
         status["speculative"] = speculative_status(plan.speculative, observed_speculative)
-        status["endpoint"] = endpoint_url(base, ns, spec)
+        status["endpoint"] = endpoint_url(obs.base, obs.namespace, spec)
     else:
         for key in ("planHash", "speculative", "endpoint", "stagesSummary"):
             if key in old_status:
                 status[key] = old_status[key]
-    status["frontendReplicas"] = int(((front or {}).get("status") or {}).get("replicas", 0))
-    status["frontendSelector"] = ",".join(f"{k}={v}" for k, v in frontend_selector(base).items())
+    status["frontendReplicas"] = int(((obs.frontend or {}).get("status") or {}).get("replicas", 0))
+    status["frontendSelector"] = ",".join(f"{k}={v}" for k, v in frontend_selector(obs.base).items())
     return status
