@@ -103,7 +103,7 @@ def _key_matches(cert_pem: bytes, key_pem: bytes) -> bool:
     return cert.public_key() == key.public_key()
 
 
-def renewal_due(cert_pem: bytes, lifetime: datetime.timedelta, now: datetime.datetime) -> datetime.datetime:
+def renewal_time(cert_pem: bytes, lifetime: datetime.timedelta, now: datetime.datetime) -> datetime.datetime:
     """When a certificate meant to live `lifetime` is renewed: at two thirds of its life, or now if
     it is valid for longer than `lifetime` (the policy was shortened since it was issued)."""
     end = _expiry(cert_pem, now)
@@ -124,7 +124,7 @@ def _leaf_usable(material: TlsMaterial | None, ca: Authority, dns_names: list[st
     except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
     return (sorted(names.get_values_for_type(x509.DNSName)) == sorted(dns_names)
-            and renewal_due(material.cert, lifetime, now) > now)
+            and renewal_time(material.cert, lifetime, now) > now)
 
 
 def _ca_step(ca: CaState | None, ca_name: str, lifetime: datetime.timedelta,
@@ -167,5 +167,5 @@ def settle(ca_data: dict[str, bytes] | None, leaf_data: dict[str, dict[str, byte
         if have is None or not _leaf_usable(have, ca.signing, dns_names, lifetime, now):
             have = replace(issue(ca.signing, component, dns_names, lifetime), ca=bundle)
         leaves[component] = have
-        renew_at.append(renewal_due(have.cert, lifetime, now))
+        renew_at.append(renewal_time(have.cert, lifetime, now))
     return MeshCertificates(ca, leaves, min(renew_at))
