@@ -82,9 +82,10 @@ def other_mesh(settings: dict, shared_mesh: dict) -> Iterator[dict[str, bytes]]:
         delete_mesh(ns, OTHER_MESH)
 
 
-def test_stages_refuse_plaintext_and_another_meshs_certificate(shared_mesh: dict,
+def test_stages_refuse_plaintext_and_another_meshs_certificate(settings: dict, shared_mesh: dict,
                                                                other_mesh: dict[str, bytes]) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    wait_ready(ns, name, settings["timeout"])  # an earlier test may have left it rolling
     ours = secret_data(ns, f"{name}-ca")
     assert other_mesh["ca.crt"] != ours["ca.crt"]  # each mesh has a CA of its own
     pod = frontend_pod(ns, name)["metadata"]["name"]
@@ -98,8 +99,9 @@ def test_stages_refuse_plaintext_and_another_meshs_certificate(shared_mesh: dict
         assert seen["other"] is False, (address, seen)
 
 
-def test_the_frontend_serves_over_mtls_with_the_operators_certificates(shared_mesh: dict) -> None:
+def test_the_frontend_serves_over_mtls_with_the_operators_certificates(settings: dict, shared_mesh: dict) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    wait_ready(ns, name, settings["timeout"])
     frontend = get_json("deployment", f"{name}-frontend", "-n", ns)["spec"]["template"]
     volumes = {v["name"]: v for v in frontend["spec"]["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == f"{name}-frontend-tls"
@@ -121,6 +123,7 @@ def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_me
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
     lifetime = 180  # seconds: renewed every 120 s, time enough for the pods to roll in between
     components = [f"{name}-stage-0", f"{name}-stage-1", f"{name}-frontend"]
+    wait_ready(ns, name, settings["timeout"])
     before = {c: secret_data(ns, f"{c}-tls")["tls.crt"] for c in components}
     hashes = tls_hashes(ns, name)
     patch = {"spec": {"security": {"certificateLifetime": f"{lifetime}s"}}}
