@@ -178,6 +178,12 @@ class StageConfig(ModelOptions, RuntimeOptions):
         _check_positive(self)
         return self
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port this program listens on (0: none or any)."""
+        # The stage's /metrics binds every interface (prometheus_client's default).
+        return [("stage gRPC (--port)", self.host, self.port),
+                ("stage metrics (--metrics-port)", "", self.metrics_port)]
+
 
 @dataclass(frozen=True, kw_only=True)
 class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
@@ -220,6 +226,10 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     def num_stages(self) -> int:
         return len(self.stage_addresses) + (self.first_stage_layers is not None)
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port this program listens on."""
+        return [("OpenAI endpoint (--port)", self.host, self.port)]
+
     def first_stage(self) -> StageConfig | None:
         """The embedded first stage's own config: this frontend's model and runtime settings, stage
         0 of num_stages, sending to the first stage process; no port of its own (no process)."""
@@ -258,6 +268,17 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
         first = self.stage_metrics_port or self.port + SERVE_STAGE_METRICS_OFFSET
         return [first + i for i in range(count)]
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every fixed port the mesh listens on (stage gRPC ports are picked
+        free unless --base-stage-port); stage processes are 1.. with the first stage embedded."""
+        first = int(self.embed_first_stage)
+        own = [("OpenAI endpoint (--port)", self.host, self.port)]
+        if self.base_stage_port:
+            own += [(f"stage {i} gRPC (--base-stage-port)", "127.0.0.1", self.base_stage_port + i - first)
+                    for i in range(first, self.stages)]
+        metrics = self.stage_metrics_ports(self.stages)
+        return own + [(f"stage {i} metrics (--stage-metrics-port)", "", metrics[i]) for i in range(first, self.stages)]
+
 
 @dataclass(frozen=True, kw_only=True)
 class OperatorConfig:
@@ -268,6 +289,10 @@ class OperatorConfig:
     standalone: bool = _switch("no peering (a single replica)")
     liveness: str = option("http://0.0.0.0:8080/healthz", "kopf's liveness endpoint (empty: off)")
     metrics_port: int = option(9090, "Prometheus /metrics port (0: off)", parse=int)
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of the ports this program listens on (kopf's liveness: its own URL)."""
+        return [("operator metrics (--metrics-port)", "", self.metrics_port)]
 
 
 def _check_positive(config: Any) -> None:

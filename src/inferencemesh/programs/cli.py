@@ -30,6 +30,8 @@ from inferencemesh.config import (
     add_arguments,
     from_args,
 )
+from inferencemesh.planner import PlanError
+from inferencemesh.programs.process import check_ports, exit_on_stop_signals, relay_hangup_as_terminate, watch_lifeline
 
 PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig}
 
@@ -91,16 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    watch_lifeline()  # started by serve or bench: die with that parent
     try:
         return _run(args)
-    except (ConfigError, CheckpointError) as err:  # a user's mistake: one line, not a traceback
+    except (ConfigError, CheckpointError, PlanError) as err:  # a user's mistake (a taken port too): one line
         parser.exit(2, f"inferencemesh {args.command}: error: {err}\n")
+    except KeyboardInterrupt:  # Ctrl-C while a program had no handler of its own (plan, bench)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
     # Imports are per command: `inferencemesh plan` must not pay for torch's start-up.
     if args.command in PROGRAMS:
         config = from_args(PROGRAMS[args.command], args)
+        check_ports(config.ports())  # before anything loads: a taken port is one line, not minutes later
         if args.command == "serve":
             from inferencemesh.programs.serve import run_serve
 
@@ -115,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
             return run_operator(config)
         from inferencemesh.programs.frontend import run_frontend
 
+        relay_hangup_as_terminate()  # uvicorn handles SIGTERM (and SIGINT) itself, SIGHUP not
         return run_frontend(config)
     if args.command == "plan":
         from inferencemesh.programs.plan import run_plan
@@ -123,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from inferencemesh.programs.bench import run_bench
 
+        exit_on_stop_signals()  # its meshes' `finally` stops their stage processes
         return run_bench(args)
     raise AssertionError(args.command)
 

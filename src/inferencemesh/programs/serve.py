@@ -3,7 +3,9 @@
 The same plan the operator would make, the same `inferencemesh stage` / `inferencemesh
 frontend` programs the pods run. Stages start first and the frontend only once every stage
 reports SERVING, downstream first; a stage that dies is restarted (as its Deployment would
-be); Ctrl-C stops everything. LocalStages is also what the benchmarks and tests start.
+be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this process
+whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
+and tests start.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, deriv
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import StagePlan, render_plan
 from inferencemesh.programs.plan import plan_from_settings
+from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwargs
 
 RESTART_BACKOFF_S = 2.0
 CLI = [sys.executable, "-m", "inferencemesh"]
@@ -49,7 +52,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         env = {**os.environ, **self.env} if self.env else None
-        self.process = subprocess.Popen(self.argv, env=env, start_new_session=True)  # Ctrl-C is ours to relay
+        self.process = subprocess.Popen(self.argv, **supervised_popen_kwargs(env))
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -179,6 +182,16 @@ def scrape_config(frontend: str, stages: list[str]) -> str:
     return yaml.safe_dump({"scrape_configs": jobs}, sort_keys=False)
 
 
+def accepting(host: str, port: int) -> bool:
+    """Whether something listens on host:port now (a wildcard host: asked on loopback)."""
+    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - compared
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def run_serve(config: ServeConfig) -> int:
     planned = plan_from_settings(config)
     if planned is None:
@@ -199,8 +212,7 @@ def run_serve(config: ServeConfig) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    on_stop_signals(request_stop)
     try:
         stages.start()
         try:
@@ -211,14 +223,13 @@ def run_serve(config: ServeConfig) -> int:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
         frontend.start()
-        host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
-        print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
-              + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
-        if embed:
-            print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)",
-                  flush=True)
-        print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)
+        announced = False
         while not stopping:
+            # The endpoint is announced once the frontend listens on it, never before: a user (or a
+            # script) that reads the line may connect at once.
+            if not announced and frontend.alive() and accepting(config.host, config.port):
+                announced = True
+                announce(config, stages)
             time.sleep(0.5)
             if stopping:
                 break
@@ -233,3 +244,13 @@ def run_serve(config: ServeConfig) -> int:
         frontend.stop()
         stages.stop()
         print("inferencemesh: stopped", flush=True)
+
+
+def announce(config: ServeConfig, stages: LocalStages) -> None:
+    """What a user needs once the mesh serves: Prometheus targets and the endpoint."""
+    host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
+    print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
+          + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
+    if stages.first_index:
+        print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)", flush=True)
+    print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)

@@ -37,7 +37,12 @@ from pathlib import Path
 import torch
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.config import DEFAULT_DRAFT_THREADS, DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, SpeculativeOptions
+from inferencemesh.config import (
+    DEFAULT_DRAFT_THREADS,
+    DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
+    ConfigError,
+    SpeculativeOptions,
+)
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.modeling.attention import FORM_ENV
 
@@ -126,7 +131,7 @@ def make_shape_model(shape: str, dtype: str) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape not in SHAPES:
-        raise SystemExit(f"unknown --shape {shape!r}; presets: {', '.join(SHAPES)}")
+        raise ConfigError(f"unknown --shape {shape!r}; presets: {', '.join(SHAPES)}")
     out = Path.home() / ".cache" / "inferencemesh" / "bench" / f"{shape}-{dtype}"
     if (out / "config.json").exists():
         return out
@@ -232,6 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.checkpoint import read_local
+    from inferencemesh.planner import PlanInputs, plan_stages
     from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
 
@@ -241,6 +247,8 @@ def run_bench(args: argparse.Namespace) -> int:
     facts = read_local(model_dir)
     dtype = getattr(torch, dtype_name if dtype_name != "auto" else facts.checkpoint_dtype)
     stage_counts = [int(s) for s in str(args.stages).split(",")]
+    for count in stage_counts:  # a count the model cannot split into fails here, before anything loads
+        plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
     strategies = [s.strip() for s in args.speculative.split(",") if s.strip()]
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -332,7 +340,7 @@ def _first_stage_forms(args: argparse.Namespace) -> list[str]:
     forms = [f.strip() for f in args.first_stage.split(",") if f.strip()]
     unknown = [f for f in forms if f not in FIRST_STAGE_FORMS]
     if unknown or not forms:
-        raise SystemExit(f"bench: --first-stage {args.first_stage!r}: use {', '.join(FIRST_STAGE_FORMS)}")
+        raise ConfigError(f"--first-stage {args.first_stage!r}: use {', '.join(FIRST_STAGE_FORMS)}")
     return forms
 
 
