@@ -24,6 +24,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
+# What `bench` can compare (its prompt sets, modeling.attention.FORMS, where a mesh's first stage
+# runs); named here, beside the flags, so that a typo is a usage error before anything loads.
+BENCH_PROMPT_SETS = ("code", "prose")
+ATTENTION_FORMS = ("auto", "padded", "per-session")
+FIRST_STAGE_FORMS = ("embedded", "process")
 
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_SESSIONS = 16
@@ -64,6 +69,7 @@ class Flag:
     required: bool = False
     switch: bool = False  # a boolean flag present or absent (store_true)
     repeat: bool = False  # a flag given once per item of a tuple (action="append")
+    listed: bool = False  # a tuple given as one comma-separated value; parse and choices apply to each item
 
 
 _MISSING = dataclasses.MISSING
@@ -88,6 +94,28 @@ def _layers(text: str) -> tuple[int, int]:
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _listed(flag: Flag) -> Callable[[str], tuple]:
+    """The argparse `type` of a comma-separated flag: each item parsed and checked against choices."""
+    def parse(text: str) -> tuple:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        unknown = [item for item in items if flag.choices and item not in flag.choices]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list"
+                                             + (f" of {', '.join(flag.choices)}" if flag.choices else ""))
+        try:
+            return tuple(flag.parse(item) for item in items)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from err
+
+    return parse
+
+
+def _threads_or_default(text: str) -> str:
+    if text != "default" and not (text.isdigit() and int(text) > 0):
+        raise ValueError(f"{text!r} is neither default nor a thread count")
+    return text
 
 
 # ---- field groups shared by several programs ----------------------------------------------------
@@ -281,6 +309,64 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+    """`inferencemesh plan`: the memory-planned layer ranges (the speculative options say which
+    draft the frontend loads, for --embed-first-stage)."""
+
+    stages: str = option("2", "a number, or auto (needs --stage-memory)")
+    stage_memory: str | None = option(None, "per-stage memory, e.g. 16GiB,24GiB (one for all)")
+    device: str | None = option(None, "where the stages run (a CPU stage keeps its KV cache in float32)",
+                                choices=DEVICES)
+    embed_first_stage: bool = _switch("plan for a frontend that holds the first stage (serve's default; "
+                                      "spec.frontend.embedFirstStage): stage 0's memory then holds the "
+                                      "frontend's draft model too")
+    json: bool = _switch("print the plan as JSON")
+
+    def check(self) -> PlanConfig:
+        _check_positive(self)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(ModelOptions):
+    """`inferencemesh bench`: tokens/s, TPOT, TTFT, per-hop overhead; with --concurrency, bursts of
+    concurrent streams. Comma-separated flags compare their values within one run."""
+
+    shape: str | None = option(None, "random-weight model of a preset shape (e.g. llama-150m)")
+    stages: tuple[int, ...] = option((1, 2, 4), "stage counts", parse=int, render=str, listed=True)
+    speculative: tuple[str, ...] = option(("none",), "speculation strategies", choices=SPECULATIVE_STRATEGIES,
+                                          listed=True)
+    prompts: tuple[str, ...] = option(("code",), "prompt sets", choices=BENCH_PROMPT_SETS, listed=True)
+    new_tokens: int = option(64, "tokens each request generates", parse=int)
+    repeats: int = option(3, "measured rounds (after one warm-up)", parse=int)
+    concurrency: tuple[int, ...] | None = option(
+        None, "stream counts (e.g. 1,8,32): bursts of concurrent streams per stage count, aggregate tok/s, "
+        "TTFT and ITL percentiles, and the hf-generate-batch peer", parse=int, render=str, listed=True)
+    attention: tuple[str, ...] = option(("auto",), "with --concurrency, batched attention forms of the stages "
+                                        "to compare", choices=ATTENTION_FORMS, listed=True)
+    stage_threads: tuple[str, ...] = option(
+        ("default",), "with --concurrency, OpenMP threads of the stage processes to compare (default: as serve "
+        "starts them, each its share of the cores), e.g. default,1", parse=_threads_or_default, listed=True)
+    first_stage: tuple[str, ...] = option(
+        ("embedded",), "where a mesh's first stage runs: embedded (in the frontend, here the bench process: "
+        "serve's default) and/or process (a stage process of its own)", choices=FIRST_STAGE_FORMS, listed=True)
+    speculative_disable_by_batch_size: int = option(
+        DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, "with --concurrency, no speculation while this many streams "
+        "run, as the frontend (0: always speculate)", parse=int)
+    json: str | None = option(None, "write the results here")
+
+    def check(self) -> BenchConfig:
+        _check_positive(self)
+        for name in ("new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
+        for name in ("stages", "concurrency"):
+            if any(n < 1 for n in getattr(self, name) or ()):
+                raise ConfigError(f"{flag_name(name)} counts must be at least 1")
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
 class OperatorConfig:
     """`inferencemesh operator`: the kopf operator (what the chart's Deployment runs)."""
 
@@ -296,13 +382,15 @@ class OperatorConfig:
 
 
 def _check_positive(config: Any) -> None:
+    """The counts every program shares; a field of another type under the same name (plan's
+    `--stages auto`, bench's comma-separated lists) is its own type's to check."""
     for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages"):
         value = getattr(config, name, 1)
-        if value < 1:
+        if isinstance(value, int) and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     for name in ("threads", "stage_threads", "speculative_disable_by_batch_size"):  # 0: automatic / off
         value = getattr(config, name, 0)
-        if value < 0:
+        if isinstance(value, int) and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
 
 
@@ -330,10 +418,11 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
         if flag.repeat:
             parser.add_argument(flag_name(f.name), action="append", type=flag.parse, help=flag.help)
             continue
-        kwargs: dict[str, Any] = {"help": flag.help, "type": flag.parse, "required": flag.required}
+        kwargs: dict[str, Any] = {"help": flag.help, "type": _listed(flag) if flag.listed else flag.parse,
+                                  "required": flag.required}
         if not flag.required:
             kwargs["default"] = f.default
-        if flag.choices:
+        if flag.choices and not flag.listed:
             kwargs["choices"] = flag.choices
         parser.add_argument(flag_name(f.name), **kwargs)
 
@@ -360,6 +449,8 @@ def to_argv(config: Any) -> list[str]:
         elif flag.repeat:
             for item in value:
                 argv += [flag_name(f.name), flag.render(item)]
+        elif flag.listed and value is not None:
+            argv += [flag_name(f.name), ",".join(flag.render(item) for item in value)]
         elif value is not None:
             argv += [flag_name(f.name), flag.render(value)]
     return argv

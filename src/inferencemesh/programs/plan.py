@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointError, read_checkpoint
-from inferencemesh.config import ServeConfig
+from inferencemesh.config import PlanConfig, ServeConfig
 from inferencemesh.planner import (
     PlanError,
     PlanInputs,
@@ -56,16 +55,15 @@ def _kv_dtype(device: str | None) -> str | None:
     return "float32" if _on_cpu(device) else None
 
 
-def first_stage_reserve(settings: ServeConfig | argparse.Namespace, model: str) -> int:
+def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
     """Bytes the first stage's process holds beside its layers: with the first stage embedded in the
     frontend (settings.embed_first_stage), the draft model the frontend will load, if it speculates
     with one (the frontend's own decision, inferencemesh.speculation); else 0. `model`: the resolved
     model. A draft that cannot be read reserves nothing: the frontend then serves without it."""
-    if not getattr(settings, "embed_first_stage", False):
+    if not settings.embed_first_stage:
         return 0
-    choice = choose_for_model(Path(model) if Path(model).is_dir() else None,
-                              strategy=getattr(settings, "speculative", None), draft=getattr(settings, "draft", None),
-                              no_draft=getattr(settings, "no_draft", False))
+    choice = choose_for_model(Path(model) if Path(model).is_dir() else None, strategy=settings.speculative,
+                              draft=settings.draft, no_draft=settings.no_draft)
     if choice.strategy != "draft" or not choice.draft:
         return 0
     try:
@@ -78,10 +76,8 @@ def first_stage_reserve(settings: ServeConfig | argparse.Namespace, model: str) 
                                context_length=settings.max_context, max_sessions=settings.max_sessions)
 
 
-def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
-    """The model (resolved) and its plan for `serve`'s config or `plan`'s arguments (the same
-    fields: model, revision, dtype, max_context, max_sessions, stages, stage_memory, device, and
-    where present embed_first_stage and the speculative options, for first_stage_reserve);
+def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]] | None:
+    """The model (resolved) and its plan for `serve`'s or `plan`'s config (the same fields);
     None after printing why not."""
     model = resolve_model(settings.model)
     try:
@@ -95,12 +91,12 @@ def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str,
         return None
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    planned = plan_from_settings(args)
+def run_plan(config: PlanConfig) -> int:
+    planned = plan_from_settings(config)
     if planned is None:
         return 2
     model, plan = planned
-    if args.json:
+    if config.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:
         print(f"model: {model}")
