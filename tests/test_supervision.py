@@ -78,7 +78,10 @@ def serve_started(*flags: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
 @pytest.mark.slow
 def test_serve_killed_by_sigkill_leaves_no_process() -> None:
     with serve_started() as (proc, lines):
-        assert len(session_members(proc.pid)) == 3, "".join(lines)  # serve, stage 1, frontend
+        members = session_members(proc.pid)
+        assert len(members) == 3, "".join(lines)  # serve, stage 1, frontend
+        for pid in set(members) - {proc.pid}:  # the children's spinning is serve's (process.prepare_process)
+            assert b"GOMP_SPINCOUNT=10000\0" in Path(f"/proc/{pid}/environ").read_bytes()
         proc.kill()  # serve alone: nothing of it runs to stop the children
         proc.wait(10)
         left = wait_until_gone(proc.pid)
@@ -184,3 +187,22 @@ def test_the_lifeline_alone_stops_a_child_whose_parent_was_killed() -> None:
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_one_set_up_for_every_program() -> None:
+    """process.prepare_process and set_up_process: the spin default before torch loads (a value
+    given wins), grad mode off and the threads a program asks for."""
+    script = textwrap.dedent("""
+        import os
+        from inferencemesh.programs.process import prepare_process, set_up_process
+        prepare_process()
+        import torch
+        set_up_process("stage", threads=1)
+        print(os.environ["GOMP_SPINCOUNT"], torch.is_grad_enabled(), torch.get_num_threads())
+    """)
+    env = {k: v for k, v in ENV.items() if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["10000", "False", "1"], done.stderr
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          env={**env, "GOMP_SPINCOUNT": "0"})
+    assert done.stdout.split()[0] == "0"

@@ -29,7 +29,13 @@ from inferencemesh.config import (
     from_args,
 )
 from inferencemesh.planner import PlanError
-from inferencemesh.programs.process import check_ports, exit_on_stop_signals, relay_hangup_as_terminate, watch_lifeline
+from inferencemesh.programs.process import (
+    check_ports,
+    exit_on_stop_signals,
+    prepare_process,
+    relay_hangup_as_terminate,
+    set_up_process,
+)
 
 # Each command, its config type and its one-line help.
 PROGRAMS: dict[str, tuple[type, str]] = {
@@ -53,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    watch_lifeline()  # started by serve or bench: die with that parent
+    prepare_process()  # before torch loads; started by serve or bench: die with that parent
     try:
         return _run(args)
     except (ConfigError, CheckpointError, PlanError) as err:  # a user's mistake (a taken port too): one line
@@ -67,6 +73,8 @@ def _run(args: argparse.Namespace) -> int:
     ports = getattr(config, "ports", None)
     if ports is not None:
         check_ports(ports())  # before anything loads: a taken port is one line, not minutes later
+    set_up_process(args.command, threads=_torch_threads(args.command, config),
+                   debug=getattr(config, "debug_telemetry", False))
     # Imports are per command: `inferencemesh plan` must not pay for torch's start-up.
     if args.command == "serve":
         from inferencemesh.programs.serve import run_serve
@@ -95,6 +103,20 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_operator(config)
     raise AssertionError(args.command)
+
+
+def _torch_threads(command: str, config: object) -> int | None:
+    """The torch threads of a program that computes: a stage's from its config, the frontend's
+    from its embedded stage or draft; None leaves torch's own (bench sets its per configuration)."""
+    if command == "stage":
+        from inferencemesh.cpus import compute_threads
+
+        return compute_threads(config.threads)
+    if command == "frontend":
+        from inferencemesh.programs.frontend import compute_threads_of
+
+        return compute_threads_of(config)
+    return None
 
 
 if __name__ == "__main__":

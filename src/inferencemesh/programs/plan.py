@@ -13,12 +13,12 @@ from inferencemesh.planner import (
     PlanError,
     PlanInputs,
     StagePlan,
-    draft_reserve_bytes,
     parse_bytes,
     plan_auto,
     plan_stages,
     render_plan,
 )
+from inferencemesh.planner import first_stage_reserve as planner_first_stage_reserve
 from inferencemesh.speculation import choose_for_model
 
 
@@ -56,24 +56,17 @@ def _kv_dtype(device: str | None) -> str | None:
 
 
 def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
-    """Bytes the first stage's process holds beside its layers: with the first stage embedded in the
-    frontend (settings.embed_first_stage), the draft model the frontend will load, if it speculates
-    with one (the frontend's own decision, inferencemesh.speculation); else 0. `model`: the resolved
-    model. A draft that cannot be read reserves nothing: the frontend then serves without it."""
-    if not settings.embed_first_stage:
-        return 0
+    """Bytes the first stage's process holds beside its layers (planner.first_stage_reserve, the
+    rule the operator applies too), for the resolved `model`; an unreadable draft is noted on stderr."""
     choice = choose_for_model(Path(model) if Path(model).is_dir() else None, strategy=settings.speculative,
                               draft=settings.draft, no_draft=settings.no_draft)
-    if choice.strategy != "draft" or not choice.draft:
-        return 0
-    try:
-        draft = read_checkpoint(resolve_model(choice.draft))
-    except Exception as err:  # noqa: BLE001 - whatever stops the frontend loading it stops the reserve
-        print(f"note: draft model {choice.draft} is unreadable ({type(err).__name__}: {err}); the plan holds "
-              "no room for it", file=sys.stderr)
-        return 0
-    return draft_reserve_bytes(draft, dtype=settings.dtype, on_cpu=_on_cpu(settings.device),
-                               context_length=settings.max_context, max_sessions=settings.max_sessions)
+    reserve = planner_first_stage_reserve(
+        choice, lambda draft: read_checkpoint(resolve_model(draft)), embed_first_stage=settings.embed_first_stage,
+        dtype=settings.dtype, on_cpu=_on_cpu(settings.device), context_length=settings.max_context,
+        max_sessions=settings.max_sessions)
+    if reserve.draft_unreadable:
+        print(f"note: {reserve.note}", file=sys.stderr)
+    return reserve.bytes
 
 
 def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]] | None:

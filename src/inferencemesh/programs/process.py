@@ -1,4 +1,9 @@
-"""Process plumbing every program shares: children that die with their parent, signals, ports.
+"""Process plumbing every program shares: set-up, children that die with their parent, signals, ports.
+
+Set-up. Every program (`inferencemesh serve|stage|frontend|plan|bench|operator`) is set up by the
+same two calls from the CLI, so that no program decides its logging, torch threads, grad mode
+or OpenMP spinning on its own: `prepare_process()` before torch is imported, then
+`set_up_process(program, ...)` with what the program's config says (PROFILES: what differs).
 
 Supervision. `serve` and `bench` start stage and frontend processes; those must not outlive
 their parent, whatever kills it (Ctrl-C, a closed terminal, `kill -9`). Two mechanisms, because
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import signal
 import socket
@@ -24,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from inferencemesh.config import ConfigError
@@ -40,6 +47,69 @@ _lifeline_lock = threading.Lock()
 
 class PortInUse(ConfigError):
     """A port a program would listen on is taken; the message names it and its flag."""
+
+
+# ---- set-up ---------------------------------------------------------------------------------
+
+# How long an idle OpenMP worker spins before it sleeps. libgomp's default spin steals the
+# cores of whichever process on the machine is computing: on 2 cores, llama-150m, 2 stages,
+# the split ran at 0.41x one stage with the default and 0.78x with 10000 (BRIEF section 4;
+# earlier 0.92x against 0.83x). Every program gets it, so bench, serve and pods measure and run
+# alike; a value in the environment wins.
+SPIN_ENV = "GOMP_SPINCOUNT"
+DEFAULT_SPINCOUNT = "10000"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+@dataclass(frozen=True)
+class ProcessProfile:
+    """What a program's process needs beyond the common set-up."""
+
+    logs: bool  # timestamped INFO lines of every logger on stderr (a server's, a pod's log)
+    tensors: bool  # computes with torch: no autograd, and its thread count set
+    inferencemesh_level: int | None = None  # the project's loggers at this level, where `logs` is off
+    quiet: tuple[str, ...] = ()  # loggers held to warnings
+
+
+PROFILES = {
+    "stage": ProcessProfile(logs=True, tensors=True),
+    "frontend": ProcessProfile(logs=True, tensors=True),
+    "bench": ProcessProfile(logs=False, tensors=True),  # prints its own results; torch threads per configuration
+    "serve": ProcessProfile(logs=False, tensors=False),  # prints; its children log
+    "plan": ProcessProfile(logs=False, tensors=False),
+    # kopf logs through its own handler (kopf.configure); one line per watch event and per probe
+    # drowns what matters, and errors still show.
+    "operator": ProcessProfile(logs=False, tensors=False, inferencemesh_level=logging.INFO,
+                               quiet=("kopf.objects", "aiohttp.access", "kopf.activities.probe")),
+}
+
+
+def prepare_process() -> None:
+    """First thing in every program, before torch (and with it libgomp, which reads its
+    environment once, when it loads) is imported: the OpenMP spin default, for this process and
+    every child it starts; and, in a child of serve or bench, the watch on its parent."""
+    os.environ.setdefault(SPIN_ENV, DEFAULT_SPINCOUNT)
+    watch_lifeline()
+
+
+def set_up_process(program: str, *, threads: int | None = None, debug: bool = False) -> None:
+    """Logging, grad mode and torch threads of `program` (a PROFILES key); threads None: leave
+    torch's own count (OMP_NUM_THREADS, else the machine's cores)."""
+    profile = PROFILES[program]
+    if profile.logs:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if profile.inferencemesh_level is not None:
+        logging.getLogger("inferencemesh").setLevel(profile.inferencemesh_level)
+    if debug:
+        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
+    for name in profile.quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if profile.tensors:
+        import torch
+
+        torch.set_grad_enabled(False)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 # ---- the parent's side ----------------------------------------------------------------------

@@ -10,7 +10,6 @@ and tests start.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -25,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from inferencemesh import tls
 from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import StagePlan, render_plan
@@ -93,10 +93,9 @@ class LocalStages:
             ).check()
             for i, stage in enumerate(own)
         ]
-        # Idle stages on a shared CPU must not spin long in OpenMP barriers (the default spin
-        # steals cores from the stage that is computing): measured on 2 cores, llama-150m, 2 stages,
-        # 10k spins gave 0.92x the 1-stage tokens/s where the default gave 0.83x.
-        self.env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **(env or {})}
+        # Beside the environment they inherit; their OpenMP spinning is every program's
+        # (process.prepare_process, in the child's own CLI).
+        self.env = dict(env or {})
         self.processes = [ManagedProcess(f"stage-{c.stage_index}", CLI + ["stage", *to_argv(c)], self.env)
                           for c in self.configs]
 
@@ -121,14 +120,18 @@ class LocalStages:
     def wait_ready(self, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False,
                    on_ready: Callable[[int], None] | None = None) -> None:
         """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
+        from inferencemesh.stage.healthprobe import check  # the stage's health, asked as its probes ask
+
         deadline = time.monotonic() + timeout
+        credentials = tls.load(self.tls_dir)
         for index in reversed(range(len(self.processes))):
-            while not asyncio.run(_serving(self.addresses[index], 1.0, self.tls_dir)):
+            while not check(self.addresses[index], timeout=1.0, tls=credentials):
                 proc = self.processes[index]
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
                 if stopping() or time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} not ready after {timeout:.0f}s")
+                time.sleep(0.25)  # a refused connection answers at once
             if on_ready is not None:
                 on_ready(index)
 
@@ -146,17 +149,6 @@ class LocalStages:
         for proc in self.processes:
             with contextlib.suppress(Exception):
                 proc.stop()
-
-
-async def _serving(address: str, deadline: float, tls_dir: str | None = None) -> bool:
-    from inferencemesh import tls
-    from inferencemesh.frontend.pipeline import GrpcPipeline
-
-    pipeline = GrpcPipeline([address], tls=tls.load(tls_dir))
-    try:
-        return await pipeline.wait_ready(deadline)
-    finally:
-        await pipeline.close()
 
 
 def stage_template(model: str, source: ServeConfig | None = None, **fields: Any) -> StageConfig:

@@ -12,12 +12,9 @@ import queue
 import threading
 from concurrent.futures import Executor, Future
 
-import torch
-
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import check_source
 from inferencemesh.config import StageConfig
-from inferencemesh.cpus import compute_threads
 from inferencemesh.programs.process import PortInUse, on_stop_signals
 from inferencemesh.stage.server import start_stage_server
 
@@ -81,14 +78,8 @@ async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Eve
 
 
 def run_stage(config: StageConfig) -> int:
+    """The process is set up by the CLI (process.set_up_process): logging, grad mode, threads."""
     check_source(resolve_model(config.model))  # a path that names nothing: refuse before serving
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if config.debug_telemetry:
-        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
-    torch.set_grad_enabled(False)
-    threads = compute_threads(config.threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
     compute = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()

@@ -26,8 +26,7 @@ def run_bench(config: BenchConfig) -> int:
     from inferencemesh.programs.bench.concurrency import run_concurrency
     from inferencemesh.programs.bench.latency import run_latency
 
-    torch.set_grad_enabled(False)
-    model = load_bench_model(config)
+    model = load_bench_model(config)  # the process is set up by the CLI (process.set_up_process)
     print(f"bench: {model.model_dir} ({model.facts.num_layers} layers, {model.dtype}), {config.new_tokens} new "
           f"tokens, {config.repeats} repeats x {sum(len(p) for p in model.prompts.values())} prompts, torch "
           f"threads {torch.get_num_threads()}", flush=True)
