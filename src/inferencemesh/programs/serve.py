@@ -6,19 +6,27 @@ reports SERVING, downstream first; a stage that dies is restarted (as its Deploy
 be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this process
 whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
 and tests start.
+
+Stage traffic is mutual TLS even here: the stages listen on loopback only, but any local user
+could reach a plaintext port (free compute, the model path, every session slot). Unless
+--tls-dir brings certificates, each run makes its own (run_certificates): a CA and one leaf per
+stage process and the frontend, in a private temporary directory removed at exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,11 +83,13 @@ class LocalStages:
     `template` holds what every stage shares (model, dtype, runtime settings); each stage's
     own fields (layers, index, ports, downstream) are filled in from the plan. With
     `embed_first`, stage 0 runs inside the frontend (FrontendConfig.first_stage_layers) and the
-    processes here are stages 1 and after.
+    processes here are stages 1 and after. `tls_dirs`: each stage process's own certificates,
+    by stage index (else the template's tls_dir, if any, for all).
     """
 
     def __init__(self, template: StageConfig, plan: list[StagePlan], env: dict[str, str] | None = None,
-                 base_port: int = 0, metrics_ports: list[int] | None = None, embed_first: bool = False) -> None:
+                 base_port: int = 0, metrics_ports: list[int] | None = None, embed_first: bool = False,
+                 tls_dirs: dict[int, str] | None = None) -> None:
         self.plan = plan
         self.first_index = int(embed_first)
         own = plan[self.first_index:]
@@ -90,6 +100,7 @@ class LocalStages:
                 template, layers=(stage.layer_start, stage.layer_end), stage_index=self.first_index + i,
                 num_stages=len(plan), host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
                 downstream=self.addresses[i + 1] if i + 1 < len(own) else None,
+                tls_dir=tls_dirs[self.first_index + i] if tls_dirs else template.tls_dir,
             ).check()
             for i, stage in enumerate(own)
         ]
@@ -158,12 +169,36 @@ def stage_template(model: str, source: ServeConfig | None = None, **fields: Any)
     return derive(StageConfig, source, **placeholders) if source else StageConfig(**placeholders)
 
 
-def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0) -> FrontendConfig:
+def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0,
+                    tls_dir: str | None = None) -> FrontendConfig:
     """The frontend of a local mesh: in front of `stages`, holding stage 0 itself (on `threads`)
-    when they embed it."""
+    when they embed it; `tls_dir`: its own certificates (else serve's --tls-dir)."""
     embedded = stages.first_stage_layers
     return derive(FrontendConfig, config, model=model, stage_addresses=tuple(stages.addresses),
-                  first_stage_layers=embedded, threads=threads if embedded else 0).check()
+                  first_stage_layers=embedded, threads=threads if embedded else 0,
+                  tls_dir=tls_dir or config.tls_dir).check()
+
+
+# A run's certificates outlive any run; they are removed when it ends (a `kill -9` leaves the
+# private directory behind, with keys that only this run's processes trusted).
+RUN_CERTIFICATE_LIFETIME = datetime.timedelta(days=365)
+
+
+@contextlib.contextmanager
+def run_certificates(names: list[str]) -> Iterator[dict[str, str]]:
+    """A CA for this run and a leaf for each of `names` (issued for 127.0.0.1 and localhost,
+    where the stages listen), each a tls dir (tls.crt, tls.key, ca.crt) inside a private temporary
+    directory (0700); yields name -> its dir, and removes everything on the way out."""
+    from inferencemesh.certificates import issue, make_ca, write_tls_dir
+
+    root = tempfile.mkdtemp(prefix="inferencemesh-tls-")  # made 0700: only this user reads the keys
+    try:
+        authority = make_ca(f"inferencemesh serve {os.getpid()}", RUN_CERTIFICATE_LIFETIME)
+        yield {name: str(write_tls_dir(os.path.join(root, name),
+                                       issue(authority, name, ["127.0.0.1", "localhost"], RUN_CERTIFICATE_LIFETIME)))
+               for name in names}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def scrape_config(frontend: str, stages: list[str]) -> str:
@@ -190,13 +225,25 @@ def run_serve(config: ServeConfig) -> int:
         return 2
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
+    if config.tls_dir:  # brought by the user: every process presents it
+        return _serve_mesh(config, model, plan, None, None)
+    processes = range(int(config.embed_first_stage), len(plan))  # the stages that run as processes
+    with run_certificates([*(f"stage-{i}" for i in processes), "frontend"]) as dirs:
+        return _serve_mesh(config, model, plan, {i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"])
+
+
+def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], stage_tls: dict[int, str] | None,
+                frontend_tls: str | None) -> int:
+    """The mesh's processes, until a stop signal or the frontend's exit; `stage_tls` and
+    `frontend_tls`: their certificates (None: serve's --tls-dir, if any, for all)."""
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
     # (with the first stage embedded, the frontend process is the one that computes stage 0)
     threads = config.stage_threads or share_of_cpus(len(plan))
     embed = config.embed_first_stage
     stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
-                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed)
-    frontend_settings = frontend_config(config, model, stages, threads=threads)
+                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed,
+                         tls_dirs=stage_tls)
+    frontend_settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls)
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 
