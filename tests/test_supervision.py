@@ -97,6 +97,49 @@ def test_sighup_stops_serve_cleanly() -> None:
         assert "inferencemesh: stopped" in "".join(lines) and "Traceback" not in "".join(lines), "".join(lines)
 
 
+@pytest.mark.slow
+def test_sighup_stops_the_frontend_as_sigterm_does() -> None:
+    """uvicorn handles SIGTERM only; the frontend relays SIGHUP to it, so it shuts down gracefully
+    and ends as SIGTERM ends it (uvicorn re-raises the signal it stopped for), instead of dying of
+    the SIGHUP at once."""
+    with serve_started() as (proc, lines):
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        frontend = next(int(pid) for pid in children
+                        if b"\0frontend\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(frontend, signal.SIGHUP)
+        assert proc.wait(60) == 1, "".join(lines)  # serve stops once its frontend is gone
+        text = "".join(lines)
+        assert "Application shutdown complete" in text and f"frontend exited (-{signal.SIGTERM:d})" in text, text
+        assert not wait_until_gone(proc.pid), "".join(lines)
+
+
+@pytest.mark.slow
+def test_bench_stopped_by_sigterm_stops_its_stage_processes(tmp_path: Path) -> None:
+    env = {**ENV, "HOME": str(tmp_path)}  # the shape's checkpoint is cached under ~/.cache
+    proc = subprocess.Popen([*CLI, "bench", "--shape", "llama-tiny", "--dtype", "float32", "--stages", "2",
+                             "--first-stage", "process", "--concurrency", "1", "--new-tokens", "2000",
+                             "--repeats", "50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while not any("interleaved rounds" in line for line in lines):  # its stage processes serve
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        assert len(session_members(proc.pid)) == 3, "".join(lines)  # bench and two stage processes
+        proc.terminate()
+        assert proc.wait(60) == 128 + signal.SIGTERM, "".join(lines)
+        assert not wait_until_gone(proc.pid), "".join(lines)
+        assert "Traceback" not in "".join(lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in session_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     """The command in a session of its own; afterwards, nothing of that session may run."""
     proc = subprocess.Popen([*CLI, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

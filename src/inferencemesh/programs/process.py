@@ -125,11 +125,19 @@ def _lifeline_read_end() -> int:
         return _lifeline[0]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: between fork and exec in the child, ask the kernel for SIGTERM when the
-    parent dies. Only async-signal-safe work here (one prctl call)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+def _die_with_parent_fn() -> Callable[[], None] | None:
+    """A preexec_fn that, between fork and exec in the child, asks the kernel for SIGTERM when the
+    parent dies; None off Linux. libc's prctl is looked up here, in the parent: the child, forked
+    from a process with threads, does one foreign call and nothing that allocates."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    signum = int(signal.SIGTERM)
+
+    def die_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+    return die_with_parent
 
 
 def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -147,8 +155,8 @@ def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]
         "pass_fds": (read_end,),
         "process_group": 0,
     }
-    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-        kwargs["preexec_fn"] = _die_with_parent
+    if threading.current_thread() is threading.main_thread():
+        kwargs["preexec_fn"] = _die_with_parent_fn()
     return kwargs
 
 
