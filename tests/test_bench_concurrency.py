@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from inferencemesh.programs import cli
-from inferencemesh.programs.bench import percentile
+from inferencemesh.programs.bench.report import percentile
 
 
 def test_concurrency_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:

@@ -43,3 +43,14 @@ def test_an_unreachable_hub_model(command: str, tmp_path: Path) -> None:
     lines = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(lines) == 1, done.stderr
     assert "local model directory" in lines[0] and "HF_HUB_OFFLINE" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("model", ["bundled://../../etc", "bundled://no-such-model"])
+def test_a_bad_bundled_name(model: str, tmp_path: Path) -> None:
+    """bundled:// is read in one place (bundled.resolve_model): a name out of the package, or one
+    no bundled model has, is one line."""
+    done = run("plan", model, tmp_path)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "bundled" in lines[0], done.stderr

@@ -10,9 +10,11 @@ import pytest
 
 from inferencemesh import config as cfg
 from inferencemesh.config import (
+    BenchConfig,
     ConfigError,
     FrontendConfig,
     OperatorConfig,
+    PlanConfig,
     ServeConfig,
     StageConfig,
     derive,
@@ -22,7 +24,8 @@ from inferencemesh.config import (
 from inferencemesh.programs.cli import build_parser
 from inferencemesh.programs.serve import frontend_config, stage_template
 
-PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig}
+PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig,
+            "plan": PlanConfig, "bench": BenchConfig}
 
 
 def parse(command: str, argv: list[str]):
@@ -35,12 +38,20 @@ def off_default(f: dataclasses.Field, cls: type):
     hint = typing.get_type_hints(cls)[f.name]
     if flag.switch:
         return not f.default
+    if flag.listed:  # a comma-separated tuple: two items, not the default
+        if flag.choices:
+            return tuple(c for c in flag.choices if c not in (f.default or ()))[:2]
+        if f.name == "stage_threads":
+            return ("default", "1")
+        return (2, 3)
     if flag.choices:
         return next(c for c in reversed(flag.choices) if c != f.default)
     if f.name in ("layers", "first_stage_layers"):
         return (3, 7)
     if f.name == "namespace":
         return ("team-a", "team-b")
+    if f.name == "stages" and cls is PlanConfig:
+        return "auto"
     if f.name == "stage_addresses":
         return ("a.ns.svc:50051", "b.ns.svc:50051")
     if hint in (int, int | None):
@@ -174,3 +185,27 @@ def test_every_process_names_the_model_as_clients_do() -> None:
     serve = ServeConfig(served_model_name="coder")
     stage = derive(StageConfig, serve, layers=(0, 1), stage_index=0, num_stages=1, model="m")
     assert stage.served_model_name == "coder"
+
+
+def test_comma_separated_flags_are_checked_item_by_item(capsys) -> None:
+    """bench's lists are parsed where they are declared: a typo is a usage error before anything loads."""
+    bench = parse("bench", ["--stages", "1,2", "--speculative", "none,ngram", "--concurrency", "1,8",
+                            "--stage-threads", "default,1"])
+    assert (bench.stages, bench.speculative, bench.concurrency, bench.stage_threads) == (
+        (1, 2), ("none", "ngram"), (1, 8), ("default", "1"))
+    for argv in (["--stages", "two"], ["--speculative", "none,magic"], ["--first-stage", "remote"],
+                 ["--stage-threads", "0"], ["--attention", ""]):
+        with pytest.raises(SystemExit):
+            parse("bench", argv)
+    with pytest.raises(ConfigError, match="--stages counts must be at least 1"):
+        parse("bench", ["--stages", "0,2"])
+
+
+def test_the_bench_choices_are_what_the_bench_runs() -> None:
+    from inferencemesh.modeling.attention import FORMS
+    from inferencemesh.programs.bench.mesh import FIRST_STAGE_LABELS
+    from inferencemesh.programs.bench.models import PROMPTS
+
+    assert set(cfg.ATTENTION_FORMS) == set(FORMS)
+    assert tuple(PROMPTS) == cfg.BENCH_PROMPT_SETS
+    assert tuple(FIRST_STAGE_LABELS) == cfg.FIRST_STAGE_FORMS

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +20,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferencemesh.programs.serve import free_port
+from inferencemesh.stage.healthprobe import check
+from inferencemesh.tls import TlsMaterial
 
 pytestmark = pytest.mark.slow
 
@@ -126,12 +129,37 @@ def test_a_separate_first_stage_answers_as_the_embedded_one(served) -> None:
         assert greedy(base) == embedded
 
 
+def tls_dirs_of_children(pid: int) -> dict[str, str]:
+    """The --tls-dir each child of `pid` was started with, by its command (stage, frontend)."""
+    dirs = {}
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        dirs[argv[argv.index("-m") + 2]] = argv[argv.index("--tls-dir") + 1]
+    return dirs
+
+
+def test_stages_refuse_plaintext_and_take_the_runs_certificates(served) -> None:
+    """serve's stages listen on loopback with mutual TLS from a per-run CA: a plaintext client is
+    refused, a client with the run's certificate is answered; the keys sit in a private directory."""
+    _, proc, lines = served
+    address = re.search(r"stage 1 ready on (\S+)", "".join(lines)).group(1)
+    assert address.startswith("127.0.0.1:")
+    assert not check(address, timeout=5)  # plaintext: the TLS handshake fails
+    dirs = tls_dirs_of_children(proc.pid)
+    assert set(dirs) == {"stage", "frontend"} and dirs["stage"] != dirs["frontend"]
+    assert check(address, timeout=5, tls=TlsMaterial.from_dir(dirs["frontend"]))
+    root = Path(dirs["stage"]).parent
+    assert root == Path(dirs["frontend"]).parent and root.stat().st_mode & 0o777 == 0o700
+
+
 def test_ctrl_c_stops_every_process(served) -> None:
     _, proc, lines = served
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
     assert len(children.split()) == 2  # stage 1 and the frontend, which holds stage 0
+    certificates = Path(tls_dirs_of_children(proc.pid)["stage"]).parent
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, "".join(lines)
     time.sleep(1)
     for pid in children.split():
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert not certificates.exists()  # the run's keys go with it

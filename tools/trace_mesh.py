@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.programs.bench import EngineUnderTest, make_shape_model, prompt_ids, start_mesh
+from inferencemesh.programs.bench.mesh import start_mesh
+from inferencemesh.programs.bench.models import make_shape_model, prompt_ids
+from inferencemesh.programs.bench.runners import EngineUnderTest
 
 # (category, test on the stack's frames, root first). First match wins, so the specific come first.
 CATEGORIES: list[tuple[str, object]] = [
@@ -151,7 +153,7 @@ def main() -> None:
     prompts = [flat[i % len(flat)] for i in range(args.streams)]
     max_context = 1024
     env = {"OMP_NUM_THREADS": str(args.stage_threads)} if args.stage_threads else None
-    mesh = start_mesh(model_dir, getattr(torch, args.dtype), args.stages, max_context, env=env,
+    mesh = start_mesh(model_dir, args.dtype, args.stages, max_context, env=env,
                       first_stage=args.first_stage)
     stages, pipeline = mesh.stages, mesh.pipeline
     torch.set_num_threads(mesh.threads)  # this process plays the frontend

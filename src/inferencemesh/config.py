@@ -24,6 +24,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
+# What `bench` can compare (its prompt sets, modeling.attention.FORMS, where a mesh's first stage
+# runs); named here, beside the flags, so that a typo is a usage error before anything loads.
+BENCH_PROMPT_SETS = ("code", "prose")
+ATTENTION_FORMS = ("auto", "padded", "per-session")
+FIRST_STAGE_FORMS = ("embedded", "process")
 
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_SESSIONS = 16
@@ -64,6 +69,7 @@ class Flag:
     required: bool = False
     switch: bool = False  # a boolean flag present or absent (store_true)
     repeat: bool = False  # a flag given once per item of a tuple (action="append")
+    listed: bool = False  # a tuple given as one comma-separated value; parse and choices apply to each item
 
 
 _MISSING = dataclasses.MISSING
@@ -88,6 +94,28 @@ def _layers(text: str) -> tuple[int, int]:
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _listed(flag: Flag) -> Callable[[str], tuple]:
+    """The argparse `type` of a comma-separated flag: each item parsed and checked against choices."""
+    def parse(text: str) -> tuple:
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        unknown = [item for item in items if flag.choices and item not in flag.choices]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list"
+                                             + (f" of {', '.join(flag.choices)}" if flag.choices else ""))
+        try:
+            return tuple(flag.parse(item) for item in items)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from err
+
+    return parse
+
+
+def _threads_or_default(text: str) -> str:
+    if text != "default" and not (text.isdigit() and int(text) > 0):
+        raise ValueError(f"{text!r} is neither default nor a thread count")
+    return text
 
 
 # ---- field groups shared by several programs ----------------------------------------------------
@@ -178,6 +206,12 @@ class StageConfig(ModelOptions, RuntimeOptions):
         _check_positive(self)
         return self
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port this program listens on (0: none or any)."""
+        # The stage's /metrics binds every interface (prometheus_client's default).
+        return [("stage gRPC (--port)", self.host, self.port),
+                ("stage metrics (--metrics-port)", "", self.metrics_port)]
+
 
 @dataclass(frozen=True, kw_only=True)
 class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
@@ -220,6 +254,10 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     def num_stages(self) -> int:
         return len(self.stage_addresses) + (self.first_stage_layers is not None)
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port this program listens on."""
+        return [("OpenAI endpoint (--port)", self.host, self.port)]
+
     def first_stage(self) -> StageConfig | None:
         """The embedded first stage's own config: this frontend's model and runtime settings, stage
         0 of num_stages, sending to the first stage process; no port of its own (no process)."""
@@ -258,6 +296,75 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
         first = self.stage_metrics_port or self.port + SERVE_STAGE_METRICS_OFFSET
         return [first + i for i in range(count)]
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every fixed port the mesh listens on (stage gRPC ports are picked
+        free unless --base-stage-port); stage processes are 1.. with the first stage embedded."""
+        first = int(self.embed_first_stage)
+        own = [("OpenAI endpoint (--port)", self.host, self.port)]
+        if self.base_stage_port:
+            own += [(f"stage {i} gRPC (--base-stage-port)", "127.0.0.1", self.base_stage_port + i - first)
+                    for i in range(first, self.stages)]
+        metrics = self.stage_metrics_ports(self.stages)
+        return own + [(f"stage {i} metrics (--stage-metrics-port)", "", metrics[i]) for i in range(first, self.stages)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+    """`inferencemesh plan`: the memory-planned layer ranges (the speculative options say which
+    draft the frontend loads, for --embed-first-stage)."""
+
+    stages: str = option("2", "a number, or auto (needs --stage-memory)")
+    stage_memory: str | None = option(None, "per-stage memory, e.g. 16GiB,24GiB (one for all)")
+    device: str | None = option(None, "where the stages run (a CPU stage keeps its KV cache in float32)",
+                                choices=DEVICES)
+    embed_first_stage: bool = _switch("plan for a frontend that holds the first stage (serve's default; "
+                                      "spec.frontend.embedFirstStage): stage 0's memory then holds the "
+                                      "frontend's draft model too")
+    json: bool = _switch("print the plan as JSON")
+
+    def check(self) -> PlanConfig:
+        _check_positive(self)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(ModelOptions):
+    """`inferencemesh bench`: tokens/s, TPOT, TTFT, per-hop overhead; with --concurrency, bursts of
+    concurrent streams. Comma-separated flags compare their values within one run."""
+
+    shape: str | None = option(None, "random-weight model of a preset shape (e.g. llama-150m)")
+    stages: tuple[int, ...] = option((1, 2, 4), "stage counts", parse=int, render=str, listed=True)
+    speculative: tuple[str, ...] = option(("none",), "speculation strategies", choices=SPECULATIVE_STRATEGIES,
+                                          listed=True)
+    prompts: tuple[str, ...] = option(("code",), "prompt sets", choices=BENCH_PROMPT_SETS, listed=True)
+    new_tokens: int = option(64, "tokens each request generates", parse=int)
+    repeats: int = option(3, "measured rounds (after one warm-up)", parse=int)
+    concurrency: tuple[int, ...] | None = option(
+        None, "stream counts (e.g. 1,8,32): bursts of concurrent streams per stage count, aggregate tok/s, "
+        "TTFT and ITL percentiles, and the hf-generate-batch peer", parse=int, render=str, listed=True)
+    attention: tuple[str, ...] = option(("auto",), "with --concurrency, batched attention forms of the stages "
+                                        "to compare", choices=ATTENTION_FORMS, listed=True)
+    stage_threads: tuple[str, ...] = option(
+        ("default",), "with --concurrency, OpenMP threads of the stage processes to compare (default: as serve "
+        "starts them, each its share of the cores), e.g. default,1", parse=_threads_or_default, listed=True)
+    first_stage: tuple[str, ...] = option(
+        ("embedded",), "where a mesh's first stage runs: embedded (in the frontend, here the bench process: "
+        "serve's default) and/or process (a stage process of its own)", choices=FIRST_STAGE_FORMS, listed=True)
+    speculative_disable_by_batch_size: int = option(
+        DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, "with --concurrency, no speculation while this many streams "
+        "run, as the frontend (0: always speculate)", parse=int)
+    json: str | None = option(None, "write the results here")
+
+    def check(self) -> BenchConfig:
+        _check_positive(self)
+        for name in ("new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
+        for name in ("stages", "concurrency"):
+            if any(n < 1 for n in getattr(self, name) or ()):
+                raise ConfigError(f"{flag_name(name)} counts must be at least 1")
+        return self
+
 
 @dataclass(frozen=True, kw_only=True)
 class OperatorConfig:
@@ -269,15 +376,21 @@ class OperatorConfig:
     liveness: str = option("http://0.0.0.0:8080/healthz", "kopf's liveness endpoint (empty: off)")
     metrics_port: int = option(9090, "Prometheus /metrics port (0: off)", parse=int)
 
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of the ports this program listens on (kopf's liveness: its own URL)."""
+        return [("operator metrics (--metrics-port)", "", self.metrics_port)]
+
 
 def _check_positive(config: Any) -> None:
+    """The counts every program shares; a field of another type under the same name (plan's
+    `--stages auto`, bench's comma-separated lists) is its own type's to check."""
     for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages"):
         value = getattr(config, name, 1)
-        if value < 1:
+        if isinstance(value, int) and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     for name in ("threads", "stage_threads", "speculative_disable_by_batch_size"):  # 0: automatic / off
         value = getattr(config, name, 0)
-        if value < 0:
+        if isinstance(value, int) and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
 
 
@@ -305,10 +418,11 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
         if flag.repeat:
             parser.add_argument(flag_name(f.name), action="append", type=flag.parse, help=flag.help)
             continue
-        kwargs: dict[str, Any] = {"help": flag.help, "type": flag.parse, "required": flag.required}
+        kwargs: dict[str, Any] = {"help": flag.help, "type": _listed(flag) if flag.listed else flag.parse,
+                                  "required": flag.required}
         if not flag.required:
             kwargs["default"] = f.default
-        if flag.choices:
+        if flag.choices and not flag.listed:
             kwargs["choices"] = flag.choices
         parser.add_argument(flag_name(f.name), **kwargs)
 
@@ -335,6 +449,8 @@ def to_argv(config: Any) -> list[str]:
         elif flag.repeat:
             for item in value:
                 argv += [flag_name(f.name), flag.render(item)]
+        elif flag.listed and value is not None:
+            argv += [flag_name(f.name), ",".join(flag.render(item) for item in value)]
         elif value is not None:
             argv += [flag_name(f.name), flag.render(value)]
     return argv

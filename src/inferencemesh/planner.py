@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointFacts
+from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointError, CheckpointFacts
 from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
-from inferencemesh.speculation import draft_dtype
+from inferencemesh.speculation import SpeculativeChoice, draft_dtype
 
 GIB = 1024**3
 DEFAULT_OVERHEAD_BYTES = 256 * 1024**2  # allocator slack, activations, runtime
@@ -131,6 +132,38 @@ def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bo
     if not draft.group_bytes("head"):  # tied: stage_bytes counted the embedding again as the head
         weights -= inputs.embed_bytes
     return weights + kv
+
+
+@dataclass(frozen=True)
+class FirstStageReserve:
+    """What stage 0's process holds beside its layers, and the sentence that says why."""
+
+    bytes: int
+    note: str  # empty: the first stage is a process of its own
+    draft_unreadable: bool = False
+
+
+def first_stage_reserve(choice: SpeculativeChoice, read_draft: Callable[[str], CheckpointFacts], *,
+                        embed_first_stage: bool, dtype: str | None, on_cpu: bool, context_length: int,
+                        max_sessions: int) -> FirstStageReserve:
+    """The one rule for stage 0's reserve, for `plan`/`serve` and the operator alike: with the first
+    stage embedded in the frontend, the draft model the frontend will load (`choice`, the
+    frontend's own decision, inferencemesh.speculation), read by `read_draft` (each caller reads
+    models its own way: a local process from disk or the hub, the operator from what it can
+    reach); else nothing. A draft that cannot be read reserves nothing, and the note says so:
+    the frontend then serves without it. Errors that mean "try again later" propagate."""
+    if not embed_first_stage:
+        return FirstStageReserve(0, "")
+    if choice.strategy != "draft" or not choice.draft:
+        return FirstStageReserve(0, "stage 0 runs in the frontend")
+    try:
+        reserved = draft_reserve_bytes(read_draft(choice.draft), dtype=dtype, on_cpu=on_cpu,
+                                       context_length=context_length, max_sessions=max_sessions)
+    except (CheckpointError, PlanError, OSError, ValueError, KeyError) as exc:
+        return FirstStageReserve(0, f"stage 0 runs in the frontend; its draft {choice.draft} is unreadable here "
+                                    f"({type(exc).__name__}: {exc}), so stage 0's plan holds no room for it", True)
+    return FirstStageReserve(reserved, f"stage 0 runs in the frontend, with its draft {choice.draft} "
+                                       f"({format_bytes(reserved)})")
 
 
 def parse_bytes(text: str) -> int:

@@ -6,12 +6,18 @@ speculative draft, declared in the target's model-package.json.
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
+
+from inferencemesh.checkpoint import CheckpointError
 
 DEFAULT_MODEL = "imesh-code-target"
 DRAFT_MODEL = "imesh-code-draft"
 SCHEME = "bundled://"
+# A folder of more models that bundled://NAME also names, searched before the package's own
+# (tests give the operator small models this way).
+EXTRA_DIR_ENV = "INFERENCEMESH_BUNDLED_DIR"
 
 
 def bundled_path(name: str = DEFAULT_MODEL) -> Path:
@@ -37,13 +43,25 @@ def served_name(source: str | None, served_model_name: str | None = None) -> str
 
 
 def resolve_model(source: str | None) -> str:
-    """A model argument as given by a user -> a local path or hub id.
+    """A model argument as given by a user -> a local path or hub id: the one place that reads
+    `bundled://`.
 
     None means the bundled default; `bundled://NAME` names a bundled model (the operator and
-    the images use that form, since the package path differs between machines).
+    the images use that form, since the package path differs between machines). NAME is one
+    folder name: a path out of the package (`bundled://../../etc`) is refused, as is a name no
+    bundled model has (CheckpointError, which the programs report in one line).
     """
     if source is None:
         return str(bundled_path())
-    if source.startswith(SCHEME):
-        return str(bundled_path(source[len(SCHEME) :]))
-    return source
+    if not source.startswith(SCHEME):
+        return source
+    name = source[len(SCHEME):]
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise CheckpointError(f"{source!r}: a bundled model is named bundled://NAME")
+    extra = os.environ.get(EXTRA_DIR_ENV)
+    if extra and (Path(extra) / name).is_dir():
+        return str(Path(extra) / name)
+    try:
+        return str(bundled_path(name))
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{source!r}: no bundled model {name!r} in this package") from err

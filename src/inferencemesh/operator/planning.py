@@ -14,20 +14,18 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 
-from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo
 from inferencemesh.operator.spec import MAX_STAGES, MeshSpec
 from inferencemesh.planner import (
     PlanError,
     PlanInputs,
     StagePlan,
-    draft_reserve_bytes,
-    format_bytes,
     parse_bytes,
     plan_auto,
     plan_explicit,
     plan_stages,
 )
+from inferencemesh.planner import first_stage_reserve as shared_first_stage_reserve
 from inferencemesh.speculation import SpeculativeChoice, choose_for_model
 
 # The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
@@ -110,22 +108,14 @@ def resolve_speculative(spec: MeshSpec, info: ModelInfo) -> SpeculativeChoice:
 
 def first_stage_reserve(spec: MeshSpec, info: ModelInfo, choice: SpeculativeChoice,
                         facts: ModelFacts) -> tuple[int, str]:
-    """What stage 0's process holds beside its layers, and a note for the Planned message: with the
-    first stage embedded, the draft the frontend will load (plan_command.first_stage_reserve is the
-    same rule for `serve`). A draft the operator cannot read reserves nothing, and the note says so;
-    a hub outage raises ModelUnavailable (retried, like the model's own)."""
-    if not spec.frontend.embed_first_stage:
-        return 0, ""
-    if choice.strategy != "draft" or not choice.draft:
-        return 0, "stage 0 runs in the frontend"
-    try:
-        draft = facts.draft_facts(choice.draft, info)
-        reserved = draft_reserve_bytes(draft, dtype=spec.model.dtype, on_cpu=stages_on_cpu(spec),
-                                       context_length=spec.context_length, max_sessions=spec.max_sessions)
-    except (CheckpointError, PlanError, OSError, ValueError, KeyError) as exc:
-        return 0, (f"stage 0 runs in the frontend; its draft {choice.draft} is unreadable here "
-                   f"({type(exc).__name__}: {exc}), so stage 0's plan holds no room for it")
-    return reserved, f"stage 0 runs in the frontend, with its draft {choice.draft} ({format_bytes(reserved)})"
+    """What stage 0's process holds beside its layers, and a note for the Planned message
+    (planner.first_stage_reserve: the rule `serve` and `plan` apply too), the draft read as the
+    operator reads models; a hub outage raises ModelUnavailable (retried, like the model's own)."""
+    reserve = shared_first_stage_reserve(
+        choice, lambda draft: facts.draft_facts(draft, info), embed_first_stage=spec.frontend.embed_first_stage,
+        dtype=spec.model.dtype, on_cpu=stages_on_cpu(spec), context_length=spec.context_length,
+        max_sessions=spec.max_sessions)
+    return reserve.bytes, reserve.note
 
 
 def make_plan(spec: MeshSpec, info: ModelInfo, facts: ModelFacts | None = None) -> Plan:

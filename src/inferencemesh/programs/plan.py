@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointError, read_checkpoint
-from inferencemesh.config import ServeConfig
+from inferencemesh.config import PlanConfig, ServeConfig
 from inferencemesh.planner import (
     PlanError,
     PlanInputs,
     StagePlan,
-    draft_reserve_bytes,
     parse_bytes,
     plan_auto,
     plan_stages,
     render_plan,
 )
+from inferencemesh.planner import first_stage_reserve as planner_first_stage_reserve
 from inferencemesh.speculation import choose_for_model
 
 
@@ -56,32 +55,22 @@ def _kv_dtype(device: str | None) -> str | None:
     return "float32" if _on_cpu(device) else None
 
 
-def first_stage_reserve(settings: ServeConfig | argparse.Namespace, model: str) -> int:
-    """Bytes the first stage's process holds beside its layers: with the first stage embedded in the
-    frontend (settings.embed_first_stage), the draft model the frontend will load, if it speculates
-    with one (the frontend's own decision, inferencemesh.speculation); else 0. `model`: the resolved
-    model. A draft that cannot be read reserves nothing: the frontend then serves without it."""
-    if not getattr(settings, "embed_first_stage", False):
-        return 0
-    choice = choose_for_model(Path(model) if Path(model).is_dir() else None,
-                              strategy=getattr(settings, "speculative", None), draft=getattr(settings, "draft", None),
-                              no_draft=getattr(settings, "no_draft", False))
-    if choice.strategy != "draft" or not choice.draft:
-        return 0
-    try:
-        draft = read_checkpoint(resolve_model(choice.draft))
-    except Exception as err:  # noqa: BLE001 - whatever stops the frontend loading it stops the reserve
-        print(f"note: draft model {choice.draft} is unreadable ({type(err).__name__}: {err}); the plan holds "
-              "no room for it", file=sys.stderr)
-        return 0
-    return draft_reserve_bytes(draft, dtype=settings.dtype, on_cpu=_on_cpu(settings.device),
-                               context_length=settings.max_context, max_sessions=settings.max_sessions)
+def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
+    """Bytes the first stage's process holds beside its layers (planner.first_stage_reserve, the
+    rule the operator applies too), for the resolved `model`; an unreadable draft is noted on stderr."""
+    choice = choose_for_model(Path(model) if Path(model).is_dir() else None, strategy=settings.speculative,
+                              draft=settings.draft, no_draft=settings.no_draft)
+    reserve = planner_first_stage_reserve(
+        choice, lambda draft: read_checkpoint(resolve_model(draft)), embed_first_stage=settings.embed_first_stage,
+        dtype=settings.dtype, on_cpu=_on_cpu(settings.device), context_length=settings.max_context,
+        max_sessions=settings.max_sessions)
+    if reserve.draft_unreadable:
+        print(f"note: {reserve.note}", file=sys.stderr)
+    return reserve.bytes
 
 
-def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str, list[StagePlan]] | None:
-    """The model (resolved) and its plan for `serve`'s config or `plan`'s arguments (the same
-    fields: model, revision, dtype, max_context, max_sessions, stages, stage_memory, device, and
-    where present embed_first_stage and the speculative options, for first_stage_reserve);
+def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]] | None:
+    """The model (resolved) and its plan for `serve`'s or `plan`'s config (the same fields);
     None after printing why not."""
     model = resolve_model(settings.model)
     try:
@@ -95,12 +84,12 @@ def plan_from_settings(settings: ServeConfig | argparse.Namespace) -> tuple[str,
         return None
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    planned = plan_from_settings(args)
+def run_plan(config: PlanConfig) -> int:
+    planned = plan_from_settings(config)
     if planned is None:
         return 2
     model, plan = planned
-    if args.json:
+    if config.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:
         print(f"model: {model}")

@@ -3,30 +3,41 @@
 The same plan the operator would make, the same `inferencemesh stage` / `inferencemesh
 frontend` programs the pods run. Stages start first and the frontend only once every stage
 reports SERVING, downstream first; a stage that dies is restarted (as its Deployment would
-be); Ctrl-C stops everything. LocalStages is also what the benchmarks and tests start.
+be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this process
+whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
+and tests start.
+
+Stage traffic is mutual TLS even here: the stages listen on loopback only, but any local user
+could reach a plaintext port (free compute, the model path, every session slot). Unless
+--tls-dir brings certificates, each run makes its own (run_certificates): a CA and one leaf per
+stage process and the frontend, in a private temporary directory removed at exit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
+import datetime
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from inferencemesh import tls
 from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import StagePlan, render_plan
 from inferencemesh.programs.plan import plan_from_settings
+from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwargs
 
 RESTART_BACKOFF_S = 2.0
 CLI = [sys.executable, "-m", "inferencemesh"]
@@ -49,7 +60,7 @@ class ManagedProcess:
 
     def start(self) -> None:
         env = {**os.environ, **self.env} if self.env else None
-        self.process = subprocess.Popen(self.argv, env=env, start_new_session=True)  # Ctrl-C is ours to relay
+        self.process = subprocess.Popen(self.argv, **supervised_popen_kwargs(env))
         self.started_at = time.monotonic()
 
     def alive(self) -> bool:
@@ -72,11 +83,13 @@ class LocalStages:
     `template` holds what every stage shares (model, dtype, runtime settings); each stage's
     own fields (layers, index, ports, downstream) are filled in from the plan. With
     `embed_first`, stage 0 runs inside the frontend (FrontendConfig.first_stage_layers) and the
-    processes here are stages 1 and after.
+    processes here are stages 1 and after. `tls_dirs`: each stage process's own certificates,
+    by stage index (else the template's tls_dir, if any, for all).
     """
 
     def __init__(self, template: StageConfig, plan: list[StagePlan], env: dict[str, str] | None = None,
-                 base_port: int = 0, metrics_ports: list[int] | None = None, embed_first: bool = False) -> None:
+                 base_port: int = 0, metrics_ports: list[int] | None = None, embed_first: bool = False,
+                 tls_dirs: dict[int, str] | None = None) -> None:
         self.plan = plan
         self.first_index = int(embed_first)
         own = plan[self.first_index:]
@@ -87,13 +100,13 @@ class LocalStages:
                 template, layers=(stage.layer_start, stage.layer_end), stage_index=self.first_index + i,
                 num_stages=len(plan), host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
                 downstream=self.addresses[i + 1] if i + 1 < len(own) else None,
+                tls_dir=tls_dirs[self.first_index + i] if tls_dirs else template.tls_dir,
             ).check()
             for i, stage in enumerate(own)
         ]
-        # Idle stages on a shared CPU must not spin long in OpenMP barriers (the default spin
-        # steals cores from the stage that is computing): measured on 2 cores, llama-150m, 2 stages,
-        # 10k spins gave 0.92x the 1-stage tokens/s where the default gave 0.83x.
-        self.env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"), **(env or {})}
+        # Beside the environment they inherit; their OpenMP spinning is every program's
+        # (process.prepare_process, in the child's own CLI).
+        self.env = dict(env or {})
         self.processes = [ManagedProcess(f"stage-{c.stage_index}", CLI + ["stage", *to_argv(c)], self.env)
                           for c in self.configs]
 
@@ -118,14 +131,18 @@ class LocalStages:
     def wait_ready(self, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False,
                    on_ready: Callable[[int], None] | None = None) -> None:
         """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
+        from inferencemesh.stage.healthprobe import check  # the stage's health, asked as its probes ask
+
         deadline = time.monotonic() + timeout
+        credentials = tls.load(self.tls_dir)
         for index in reversed(range(len(self.processes))):
-            while not asyncio.run(_serving(self.addresses[index], 1.0, self.tls_dir)):
+            while not check(self.addresses[index], timeout=1.0, tls=credentials):
                 proc = self.processes[index]
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
                 if stopping() or time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} not ready after {timeout:.0f}s")
+                time.sleep(0.25)  # a refused connection answers at once
             if on_ready is not None:
                 on_ready(index)
 
@@ -145,17 +162,6 @@ class LocalStages:
                 proc.stop()
 
 
-async def _serving(address: str, deadline: float, tls_dir: str | None = None) -> bool:
-    from inferencemesh import tls
-    from inferencemesh.frontend.pipeline import GrpcPipeline
-
-    pipeline = GrpcPipeline([address], tls=tls.load(tls_dir))
-    try:
-        return await pipeline.wait_ready(deadline)
-    finally:
-        await pipeline.close()
-
-
 def stage_template(model: str, source: ServeConfig | None = None, **fields: Any) -> StageConfig:
     """What every stage of a local mesh shares (from `serve`'s config, or fields); LocalStages
     fills in each stage's own layers, index, ports and downstream."""
@@ -163,12 +169,36 @@ def stage_template(model: str, source: ServeConfig | None = None, **fields: Any)
     return derive(StageConfig, source, **placeholders) if source else StageConfig(**placeholders)
 
 
-def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0) -> FrontendConfig:
+def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0,
+                    tls_dir: str | None = None) -> FrontendConfig:
     """The frontend of a local mesh: in front of `stages`, holding stage 0 itself (on `threads`)
-    when they embed it."""
+    when they embed it; `tls_dir`: its own certificates (else serve's --tls-dir)."""
     embedded = stages.first_stage_layers
     return derive(FrontendConfig, config, model=model, stage_addresses=tuple(stages.addresses),
-                  first_stage_layers=embedded, threads=threads if embedded else 0).check()
+                  first_stage_layers=embedded, threads=threads if embedded else 0,
+                  tls_dir=tls_dir or config.tls_dir).check()
+
+
+# A run's certificates outlive any run; they are removed when it ends (a `kill -9` leaves the
+# private directory behind, with keys that only this run's processes trusted).
+RUN_CERTIFICATE_LIFETIME = datetime.timedelta(days=365)
+
+
+@contextlib.contextmanager
+def run_certificates(names: list[str]) -> Iterator[dict[str, str]]:
+    """A CA for this run and a leaf for each of `names` (issued for 127.0.0.1 and localhost,
+    where the stages listen), each a tls dir (tls.crt, tls.key, ca.crt) inside a private temporary
+    directory (0700); yields name -> its dir, and removes everything on the way out."""
+    from inferencemesh.certificates import issue, make_ca, write_tls_dir
+
+    root = tempfile.mkdtemp(prefix="inferencemesh-tls-")  # made 0700: only this user reads the keys
+    try:
+        authority = make_ca(f"inferencemesh serve {os.getpid()}", RUN_CERTIFICATE_LIFETIME)
+        yield {name: str(write_tls_dir(os.path.join(root, name),
+                                       issue(authority, name, ["127.0.0.1", "localhost"], RUN_CERTIFICATE_LIFETIME)))
+               for name in names}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def scrape_config(frontend: str, stages: list[str]) -> str:
@@ -179,19 +209,41 @@ def scrape_config(frontend: str, stages: list[str]) -> str:
     return yaml.safe_dump({"scrape_configs": jobs}, sort_keys=False)
 
 
+def accepting(host: str, port: int) -> bool:
+    """Whether something listens on host:port now (a wildcard host: asked on loopback)."""
+    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - compared
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def run_serve(config: ServeConfig) -> int:
     planned = plan_from_settings(config)
     if planned is None:
         return 2
     model, plan = planned
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
+    if config.tls_dir:  # brought by the user: every process presents it
+        return _serve_mesh(config, model, plan, None, None)
+    processes = range(int(config.embed_first_stage), len(plan))  # the stages that run as processes
+    with run_certificates([*(f"stage-{i}" for i in processes), "frontend"]) as dirs:
+        return _serve_mesh(config, model, plan, {i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"])
+
+
+def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], stage_tls: dict[int, str] | None,
+                frontend_tls: str | None) -> int:
+    """The mesh's processes, until a stop signal or the frontend's exit; `stage_tls` and
+    `frontend_tls`: their certificates (None: serve's --tls-dir, if any, for all)."""
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
     # (with the first stage embedded, the frontend process is the one that computes stage 0)
     threads = config.stage_threads or share_of_cpus(len(plan))
     embed = config.embed_first_stage
     stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
-                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed)
-    frontend_settings = frontend_config(config, model, stages, threads=threads)
+                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed,
+                         tls_dirs=stage_tls)
+    frontend_settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls)
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 
@@ -199,8 +251,7 @@ def run_serve(config: ServeConfig) -> int:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    on_stop_signals(request_stop)
     try:
         stages.start()
         try:
@@ -211,14 +262,13 @@ def run_serve(config: ServeConfig) -> int:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
         frontend.start()
-        host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
-        print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
-              + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
-        if embed:
-            print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)",
-                  flush=True)
-        print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)
+        announced = False
         while not stopping:
+            # The endpoint is announced once the frontend listens on it, never before: a user (or a
+            # script) that reads the line may connect at once.
+            if not announced and frontend.alive() and accepting(config.host, config.port):
+                announced = True
+                announce(config, stages)
             time.sleep(0.5)
             if stopping:
                 break
@@ -233,3 +283,13 @@ def run_serve(config: ServeConfig) -> int:
         frontend.stop()
         stages.stop()
         print("inferencemesh: stopped", flush=True)
+
+
+def announce(config: ServeConfig, stages: LocalStages) -> None:
+    """What a user needs once the mesh serves: Prometheus targets and the endpoint."""
+    host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
+    print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
+          + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
+    if stages.first_index:
+        print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)", flush=True)
+    print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)

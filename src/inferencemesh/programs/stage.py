@@ -9,16 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import signal
 import threading
 from concurrent.futures import Executor, Future
-
-import torch
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import check_source
 from inferencemesh.config import StageConfig
-from inferencemesh.cpus import compute_threads
+from inferencemesh.programs.process import PortInUse, on_stop_signals
 from inferencemesh.stage.server import start_stage_server
 
 log = logging.getLogger("inferencemesh.stage")
@@ -64,7 +61,13 @@ class MainThreadExecutor(Executor):
 async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Event) -> None:
     server, service, port = await start_stage_server(options, compute=compute)
     if options.metrics_port:
-        service.metrics.serve(options.metrics_port)
+        try:
+            service.metrics.serve(options.metrics_port)
+        except OSError as err:  # taken since the CLI checked it: the same one line, after a clean stop
+            await server.stop(grace=None)
+            await service.close()
+            raise PortInUse(f"stage metrics (--metrics-port) port {options.metrics_port} is not available "
+                            f"({err.strerror})") from err
     log.info("stage %d/%d serving gRPC on %s:%d (layers [%d, %d), downstream %s)", options.stage_index,
              options.num_stages, options.host, port, options.layer_start, options.layer_end,
              options.downstream or "none: last stage")
@@ -75,32 +78,30 @@ async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Eve
 
 
 def run_stage(config: StageConfig) -> int:
+    """The process is set up by the CLI (process.set_up_process): logging, grad mode, threads."""
     check_source(resolve_model(config.model))  # a path that names nothing: refuse before serving
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if config.debug_telemetry:
-        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
-    torch.set_grad_enabled(False)
-    threads = compute_threads(config.threads)
-    if threads is not None:
-        torch.set_num_threads(threads)
     compute = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
+    failed: list[PortInUse] = []
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(serve_stage(config, compute, stop))
+        except PortInUse as err:  # raised again on the main thread, where the CLI makes it one line
+            failed.append(err)
         finally:
             compute.shutdown()
 
     def request_stop(signum, _frame) -> None:
         loop.call_soon_threadsafe(stop.set)
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    on_stop_signals(request_stop)
     server_thread = threading.Thread(target=serve, name="stage-io")
     server_thread.start()
     compute.run()  # until the server shuts down
     server_thread.join()
+    if failed:
+        raise failed[0]
     return 0

@@ -1,0 +1,100 @@
+"""What every benchmark measures on: the model (a preset random-weight shape or a real
+checkpoint), its dtype, tokenizer and prompt sets, loaded once per run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inferencemesh.bundled import resolve_model
+from inferencemesh.checkpoint import CheckpointFacts, read_local
+from inferencemesh.config import BenchConfig, ConfigError
+from inferencemesh.planner import PlanInputs, plan_stages
+
+SHAPES = {
+    # A few hundred thousand parameters: the bench's own tests.
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+    # ~155M parameters: Llama architecture at GPT-2-small width.
+    "llama-150m": dict(hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False),
+}
+
+PROMPTS = {
+    "code": [
+        "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n"
+        "    if len(argv) < 2:\n",
+        "class LRUCache:\n    def __init__(self, capacity):\n        self.capacity = capacity\n"
+        "        self.data = {}\n\n    def get(self, key):\n",
+        "def read_config(path):\n    with open(path) as f:\n        lines = f.readlines()\n    result = {}\n"
+        "    for line in lines:\n",
+        "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__, self.name)\n\n"
+        "    def __eq__(self, other):\n",
+    ],
+    "prose": [
+        "The history of the city begins with a small settlement on the river, where traders stopped on their way",
+        "She walked into the kitchen, looked at the empty table, and wondered why nobody had told her that",
+        "In the summer of that year the weather was unusually warm, and the farmers in the valley",
+        "Our team believes that good documentation is as important as good software, because",
+    ],
+}
+
+# Longest session any benchmark opens: prompts of a few dozen tokens plus --new-tokens.
+MAX_CONTEXT = 1024
+
+
+def make_shape_model(shape: str, dtype: str) -> Path:
+    """A random-weight checkpoint of a preset shape, cached under ~/.cache/inferencemesh/bench."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown --shape {shape!r}; presets: {', '.join(SHAPES)}")
+    out = Path.home() / ".cache" / "inferencemesh" / "bench" / f"{shape}-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096))
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    bundled = Path(resolve_model(None))  # any tokenizer will do for random weights: token ids are what count
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (bundled / name).exists():
+            (out / name).write_bytes((bundled / name).read_bytes())
+    return out
+
+
+def prompt_ids(tokenizer, sets: list[str] | tuple[str, ...], vocab: int) -> dict[str, list[list[int]]]:
+    return {name: [[t % vocab for t in tokenizer(p).input_ids] for p in PROMPTS[name]] for name in sets}
+
+
+@dataclass
+class BenchModel:
+    """The model a run measures, and its prompts (token ids, per prompt set)."""
+
+    model_dir: Path
+    facts: CheckpointFacts
+    dtype: torch.dtype
+    tokenizer: object
+    prompts: dict[str, list[list[int]]]
+    requested_dtype: str  # --dtype, bfloat16 for a shape; "auto" stays auto (a draft then loads in its own)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def load_bench_model(config: BenchConfig) -> BenchModel:
+    """--shape (random weights, bfloat16 unless --dtype) or --model; ConfigError/PlanError for a
+    stage count the model cannot be split into, before anything heavy loads."""
+    from transformers import AutoTokenizer
+
+    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if config.shape else "auto")
+    model_dir = make_shape_model(config.shape, dtype_name) if config.shape else Path(resolve_model(config.model))
+    facts = read_local(model_dir)
+    dtype = getattr(torch, dtype_name if dtype_name != "auto" else facts.checkpoint_dtype)
+    for count in config.stages:
+        plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return BenchModel(model_dir, facts, dtype, tokenizer, prompt_ids(tokenizer, config.prompts, facts.vocab_size),
+                      dtype_name)

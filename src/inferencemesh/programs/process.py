@@ -1,0 +1,235 @@
+"""Process plumbing every program shares: set-up, children that die with their parent, signals, ports.
+
+Set-up. Every program (`inferencemesh serve|stage|frontend|plan|bench|operator`) is set up by the
+same two calls from the CLI, so that no program decides its logging, torch threads, grad mode
+or OpenMP spinning on its own: `prepare_process()` before torch is imported, then
+`set_up_process(program, ...)` with what the program's config says (PROFILES: what differs).
+
+Supervision. `serve` and `bench` start stage and frontend processes; those must not outlive
+their parent, whatever kills it (Ctrl-C, a closed terminal, `kill -9`). Two mechanisms, because
+neither alone covers every case:
+- a parent-death signal (Linux prctl PR_SET_PDEATHSIG, set in the child between fork and exec):
+  the kernel sends the child SIGTERM when the parent dies, SIGKILL included;
+- a lifeline pipe: the parent holds the write end, the child gets the read end (its fd in
+  LIFELINE_ENV) and a thread that waits for EOF, which comes when the parent is gone, on any OS.
+  It also backs the signal up: a child whose graceful stop hangs exits anyway after STOP_GRACE_S.
+
+Ports. A port that is taken is found before anything loads, and reported in one line that
+names it (PortInUse), instead of after minutes of loading as a traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from inferencemesh.config import ConfigError
+
+# The child's end of its parent's lifeline: the fd number, in the child's environment.
+LIFELINE_ENV = "INFERENCEMESH_LIFELINE_FD"
+# How long a child whose parent died may take to stop gracefully before it exits hard.
+STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_lifeline: tuple[int, int] | None = None  # (read end, write end), made once per parent process
+_lifeline_lock = threading.Lock()
+
+
+class PortInUse(ConfigError):
+    """A port a program would listen on is taken; the message names it and its flag."""
+
+
+# ---- set-up ---------------------------------------------------------------------------------
+
+# How long an idle OpenMP worker spins before it sleeps. libgomp's default spin steals the
+# cores of whichever process on the machine is computing: on 2 cores, llama-150m, 2 stages,
+# the split ran at 0.41x one stage with the default and 0.78x with 10000 (BRIEF section 4;
+# earlier 0.92x against 0.83x). Every program gets it, so bench, serve and pods measure and run
+# alike; a value in the environment wins.
+SPIN_ENV = "GOMP_SPINCOUNT"
+DEFAULT_SPINCOUNT = "10000"
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+@dataclass(frozen=True)
+class ProcessProfile:
+    """What a program's process needs beyond the common set-up."""
+
+    logs: bool  # timestamped INFO lines of every logger on stderr (a server's, a pod's log)
+    tensors: bool  # computes with torch: no autograd, and its thread count set
+    inferencemesh_level: int | None = None  # the project's loggers at this level, where `logs` is off
+    quiet: tuple[str, ...] = ()  # loggers held to warnings
+
+
+PROFILES = {
+    "stage": ProcessProfile(logs=True, tensors=True),
+    "frontend": ProcessProfile(logs=True, tensors=True),
+    "bench": ProcessProfile(logs=False, tensors=True),  # prints its own results; torch threads per configuration
+    "serve": ProcessProfile(logs=False, tensors=False),  # prints; its children log
+    "plan": ProcessProfile(logs=False, tensors=False),
+    # kopf logs through its own handler (kopf.configure); one line per watch event and per probe
+    # drowns what matters, and errors still show.
+    "operator": ProcessProfile(logs=False, tensors=False, inferencemesh_level=logging.INFO,
+                               quiet=("kopf.objects", "aiohttp.access", "kopf.activities.probe")),
+}
+
+
+def prepare_process() -> None:
+    """First thing in every program, before torch (and with it libgomp, which reads its
+    environment once, when it loads) is imported: the OpenMP spin default, for this process and
+    every child it starts; and, in a child of serve or bench, the watch on its parent."""
+    os.environ.setdefault(SPIN_ENV, DEFAULT_SPINCOUNT)
+    watch_lifeline()
+
+
+def set_up_process(program: str, *, threads: int | None = None, debug: bool = False) -> None:
+    """Logging, grad mode and torch threads of `program` (a PROFILES key); threads None: leave
+    torch's own count (OMP_NUM_THREADS, else the machine's cores)."""
+    profile = PROFILES[program]
+    if profile.logs:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if profile.inferencemesh_level is not None:
+        logging.getLogger("inferencemesh").setLevel(profile.inferencemesh_level)
+    if debug:
+        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
+    for name in profile.quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if profile.tensors:
+        import torch
+
+        torch.set_grad_enabled(False)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+# ---- the parent's side ----------------------------------------------------------------------
+
+
+def _lifeline_read_end() -> int:
+    """The read end of this process's lifeline pipe (one for all its children). The write end
+    stays open here, non-inheritable, until this process dies: that is the signal."""
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None:
+            _lifeline = os.pipe()  # both ends O_CLOEXEC: no child holds the write end
+        return _lifeline[0]
+
+
+def _die_with_parent_fn() -> Callable[[], None] | None:
+    """A preexec_fn that, between fork and exec in the child, asks the kernel for SIGTERM when the
+    parent dies; None off Linux. libc's prctl is looked up here, in the parent: the child, forked
+    from a process with threads, does one foreign call and nothing that allocates."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    signum = int(signal.SIGTERM)
+
+    def die_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+    return die_with_parent
+
+
+def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """subprocess.Popen arguments for a child that dies with this process.
+
+    The child gets its own process group (a terminal's Ctrl-C reaches only the parent, which
+    relays it) but stays in the parent's session, so the whole mesh is one session to look at.
+    The parent-death signal is set only when the main thread starts the child: the kernel sends
+    it when the *thread* that forked exits, and a helper thread (a test restarting a stage) ends
+    long before its parent; such children rely on the lifeline alone.
+    """
+    read_end = _lifeline_read_end()
+    kwargs: dict[str, Any] = {
+        "env": {**(os.environ if env is None else env), LIFELINE_ENV: str(read_end)},
+        "pass_fds": (read_end,),
+        "process_group": 0,
+    }
+    if threading.current_thread() is threading.main_thread():
+        kwargs["preexec_fn"] = _die_with_parent_fn()
+    return kwargs
+
+
+# ---- the child's side -----------------------------------------------------------------------
+
+
+def watch_lifeline() -> None:
+    """In a child started with supervised_popen_kwargs: stop (SIGTERM to itself, then a hard exit
+    after STOP_GRACE_S) once the parent's lifeline reaches EOF. No-op for a process nobody
+    supervises (a pod, a user's shell)."""
+    fd_text = os.environ.pop(LIFELINE_ENV, None)  # popped: this process's own children are not ours to watch
+    if not fd_text:
+        return
+    try:
+        fd = int(fd_text)
+        os.set_inheritable(fd, False)
+    except (ValueError, OSError):
+        return
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 1):  # EOF: every write end closed, the parent is gone
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(STOP_GRACE_S)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+def on_stop_signals(handler: Callable[[int, Any], None]) -> None:
+    """Install `handler` for every signal that asks a program to stop: SIGINT, SIGTERM, and
+    SIGHUP (a closed terminal), which stops a program as SIGTERM does."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handler)
+
+
+def exit_on_stop_signals() -> None:
+    """For a program with nothing to stop but its own frames (bench): SIGTERM and SIGHUP raise
+    SystemExit as Ctrl-C raises KeyboardInterrupt, so `finally` blocks stop its children."""
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)
+
+
+def relay_hangup_as_terminate() -> None:
+    """For a program whose server installs its own SIGTERM handler later (uvicorn does, when it
+    starts serving): a SIGHUP becomes a SIGTERM to this process, and meets whatever handles
+    SIGTERM by then (before that, the default: exit)."""
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: os.kill(os.getpid(), signal.SIGTERM))
+
+
+# ---- ports ----------------------------------------------------------------------------------
+
+
+def check_ports(ports: Iterable[tuple[str, str, int]]) -> None:
+    """PortInUse for the first (what, host, port) that cannot be listened on now; port 0 (pick
+    one) is skipped. Bound with SO_REUSEADDR, as the servers bind, so a port in TIME_WAIT is free."""
+    for what, host, port in ports:
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host or "0.0.0.0", port))  # noqa: S104 - probed, closed at once
+            except OSError as err:
+                reason = "already in use" if err.errno == errno.EADDRINUSE else err.strerror
+                raise PortInUse(f"{what} port {port} on {host or '0.0.0.0'} is not available ({reason})") from err
