@@ -17,7 +17,7 @@
 ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 ARG OPERATOR_BASE_IMAGE=python:3.11.11-slim-bookworm
 ARG WHEEL_BASE_IMAGE=python:3.11.11-slim-bookworm
-ARG OPERATOR_REQUIREMENTS="kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 PyYAML==6.0.3 pydantic==2.14.3 huggingface_hub==2.4.0 grpcio==1.85.1 grpcio-health-checking==1.85.1"
+ARG OPERATOR_REQUIREMENTS="kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 PyYAML==6.0.3 pydantic==2.14.3 huggingface_hub==2.4.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 cryptography==48.0.0"
 
 FROM ${WHEEL_BASE_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
