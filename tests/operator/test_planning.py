@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inferencemesh import bundled
 from inferencemesh.checkpoint import CheckpointError, read_local
 from inferencemesh.operator import modelfacts
 from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable
@@ -113,7 +114,7 @@ def test_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_mod
     with pytest.raises(CheckpointError, match="not a hub id"):
         facts.info(parse_spec({"model": {"name": "a/b/c d"}}))
     # bundled models outside the package: $INFERENCEMESH_BUNDLED_DIR/NAME
-    monkeypatch.setenv(modelfacts.BUNDLED_DIR_ENV, str(tiny_model.parent))
+    monkeypatch.setenv(bundled.EXTRA_DIR_ENV, str(tiny_model.parent))
     info = facts.info(parse_spec({"model": {"name": f"bundled://{tiny_model.name}"}}))
     assert info.source == "bundled" and len(info.inputs.layer_bytes) == 4
 

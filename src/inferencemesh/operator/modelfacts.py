@@ -12,21 +12,17 @@ Hub answers are cached for a while, so reconciles do not hit the network each ti
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferencemesh.bundled import bundled_path
+from inferencemesh.bundled import SCHEME, resolve_model
 from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, hub_errors, read_hub, read_local
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
 
-BUNDLED_PREFIX = "bundled://"
-# Bundled models kept outside the package (a custom operator image, the tests) are looked up here first.
-BUNDLED_DIR_ENV = "INFERENCEMESH_BUNDLED_DIR"
 HUB_CACHE_SECONDS = 600.0
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
@@ -41,20 +37,6 @@ class ModelInfo:
     source: str  # "layout" | "bundled" | "local" | "hub"
     # Where the operator read a bundled or local model: its model-package.json, and a package's relative draft.
     model_dir: Path | None = None
-
-
-def resolve_bundled(name: str) -> Path:
-    """bundled://NAME -> the directory inside the installed package."""
-    short = name[len(BUNDLED_PREFIX):]
-    if not short or "/" in short or short.startswith("."):
-        raise CheckpointError(f"{name!r}: a bundled model is named bundled://NAME")
-    extra = os.environ.get(BUNDLED_DIR_ENV)
-    if extra and (Path(extra) / short).is_dir():
-        return Path(extra) / short
-    try:
-        return bundled_path(short)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{name!r}: no bundled model {short!r} in this operator's package") from exc
 
 
 def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
@@ -82,8 +64,8 @@ class ModelFacts:
         model = spec.model
         if model.layout is not None:
             return ModelInfo(inputs_from_layout(spec), "layout")
-        if model.name.startswith(BUNDLED_PREFIX):
-            path = resolve_bundled(model.name)
+        if model.name.startswith(SCHEME):
+            path = Path(resolve_model(model.name))
             return ModelInfo(self._local_inputs(path, spec), "bundled", path)
         if model.name.startswith("/"):
             path = Path(model.name)
@@ -100,8 +82,8 @@ class ModelFacts:
         """The checkpoint facts of a draft model the frontend will load: bundled://NAME, an absolute
         path, a path relative to the model package (as model-package.json names it), or a hub id.
         Raises CheckpointError (the operator cannot read it) or ModelUnavailable (retry)."""
-        if draft.startswith(BUNDLED_PREFIX):
-            return read_local(resolve_bundled(draft))
+        if draft.startswith(SCHEME):
+            return read_local(Path(resolve_model(draft)))
         if draft.startswith("/"):
             return read_local(draft)
         if info.model_dir is not None and (draft.startswith(".") or (info.model_dir / draft).exists()):
