@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
+from inferencemesh.frontend.admission import Admission, Lease, Slot
 from inferencemesh.frontend.engine_api import (
     Choice,
     ContextLengthExceeded,
@@ -39,6 +40,7 @@ from inferencemesh.frontend.speculative import Proposer
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
+from inferencemesh.sampling import INT32_MAX, UINT32_MAX, unsafe_field
 
 log = logging.getLogger("inferencemesh.engine")
 READY_TRUST_S = 5.0
@@ -61,6 +63,18 @@ class EngineOptions:
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT  # how long an in-flight request waits for a lost stage
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
     speculative_disable_by_batch_size: int = 0  # no proposals while this many requests run (0: always)
+    vocab_size: int | None = None  # the target's: token ids at or beyond it are refused (None: int32's range)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt's choices, checked and converted for the wire before admission."""
+
+    request: GenerationRequest  # as checked: its seed drawn (or read) as the wire's 64 bits
+    tokens: list[int]
+    budget: int  # tokens each choice may generate: max_tokens, within the context
+    choices: list[GenerationRequest]  # choice j samples with choice_seed(seed, j)
+    samplings: list[pb.Sampling]
 
 
 class _Connection:
@@ -89,10 +103,8 @@ class PipelineEngine:
         self.max_context = options.max_context
         self.proposer_for = proposer_for or (lambda request: None)
         self._describe = describe or {}
-        self._slots = asyncio.Semaphore(options.max_sessions)
-        self._admission = asyncio.Lock()
-        self.waiting = 0
-        self.running = 0
+        self.admission = Admission(options.max_sessions, max_waiting=options.max_waiting,
+                                   timeout_s=options.queue_timeout_s)
         self.recoveries = 0  # in-flight requests carried over a lost stage
         self._ready_at = 0.0
 
@@ -113,6 +125,19 @@ class PipelineEngine:
     async def close(self) -> None:
         await self.pipeline.close()
 
+    @property
+    def free_slots(self) -> int:
+        """Pipeline sessions free for new requests (max_sessions when nothing runs)."""
+        return self.admission.free
+
+    @property
+    def running(self) -> int:
+        return self.admission.running
+
+    @property
+    def waiting(self) -> int:
+        return self.admission.waiting
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         return single_choice(self, request)
 
@@ -121,83 +146,98 @@ class PipelineEngine:
         session prefills it; the others fork that session (FORK at every stage) at the prompt's
         last token, which each computes with its own seed, so that each samples exactly as a
         request alone with its seed would."""
+        if n > self.options.max_sessions:
+            raise InvalidRequest(f"n is {n}; this server runs at most {self.options.max_sessions} sequences at once",
+                                 param="n")
+        prompt = self._checked(request, n)  # before admission: a refusal holds no slot
+        async with self.admission.lease(n, what=f"n={n}") as lease:
+            return await self._started(prompt, lease)
+
+    def _checked(self, request: GenerationRequest, n: int) -> _Prompt:
+        """The request's n choices, checked and converted for the wire, or InvalidRequest saying why."""
         prompt = list(request.prompt_ids)
         if not prompt:
-            raise EngineError("empty prompt")
+            raise InvalidRequest("the prompt is empty", param="prompt")
         if len(prompt) >= self.max_context:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context} tokens"
             )
-        if n > self.options.max_sessions:
-            raise InvalidRequest(f"n is {n}; this server runs at most {self.options.max_sessions} sequences at once",
-                                 param="n")
-        budget = min(request.max_tokens, self.max_context - len(prompt))
-        await self._admit(n)
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
-        requests = [replace(request, seed=choice_seed(seed, j)) for j in range(n)]
-        samplings = [params.to_wire(r.sampling_params(r.seed), r.logprobs) for r in requests]
-        conns: list[_Connection] = []
+        if n < 1:
+            raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
+        ids_below = self.options.vocab_size or INT32_MAX + 1
+        bad = next((t for t in prompt if not 0 <= t < ids_below), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside [0, {ids_below})", param="prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(request, name)
+            if value is not None and not 0 <= value <= UINT32_MAX:
+                raise InvalidRequest(f"{name} must be within [0, 2^32), got {value}", param=name)
+        # The wire carries the seed as 64 unsigned bits: a negative seed is the same 64 bits read
+        # unsigned (the sampler's streams depend on the seed modulo 2^63 anyway). A top_k beyond
+        # int32 exceeds any vocabulary: it means no top-k restriction, as INT32_MAX does.
+        seed = (request.seed if request.seed is not None else secrets.randbits(63)) % 2**64
+        base = replace(request, seed=seed, top_k=min(request.top_k, INT32_MAX))
+        choices = [replace(base, seed=choice_seed(seed, j)) for j in range(n)]
+        problem = unsafe_field(base.sampling_params(seed), self.options.vocab_size)
+        if problem is not None:
+            raise InvalidRequest(problem[1], param=problem[0])
         try:
-            conns.append(_Connection(self.pipeline, request.request_id))
-            prediction, prompt_logprobs = await self._admitted_prefill(conns[0], prompt, samplings[0],
-                                                                      request.prompt_logprobs is not None)
-            conns += [_Connection(self.pipeline, f"{request.request_id}/{j}") for j in range(1, n)]
+            samplings = [params.to_wire(r.sampling_params(r.seed), r.logprobs) for r in choices]
+        except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
+            raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
+        budget = min(request.max_tokens, self.max_context - len(prompt))
+        return _Prompt(base, prompt, budget, choices, samplings)
+
+    async def _started(self, prompt: _Prompt, lease: Lease) -> list[Choice]:
+        """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
+        choice its slot. Anything raised here leaves the slots in the lease, which gives them back."""
+        conns: list[_Connection] = []
+        proposers: list[Proposer | None] = []
+        try:
+            conns.append(_Connection(self.pipeline, prompt.request.request_id))
+            prediction, prompt_logprobs = await self._admitted_prefill(
+                conns[0], prompt.tokens, prompt.samplings[0], prompt.request.prompt_logprobs is not None)
+            conns += [_Connection(self.pipeline, f"{prompt.request.request_id}/{j}")
+                      for j in range(1, len(prompt.choices))]
             parent = conns[0].session.session_id
-            forks = await asyncio.gather(*(self._fork(conn, parent, prompt, sampling)
-                                           for conn, sampling in zip(conns[1:], samplings[1:], strict=True)),
+            forks = await asyncio.gather(*(self._fork(conn, parent, prompt.tokens, sampling)
+                                           for conn, sampling in zip(conns[1:], prompt.samplings[1:], strict=True)),
                                          return_exceptions=True)
             failure = next((f for f in forks if isinstance(f, BaseException)), None)
             if failure is not None:
                 raise failure
+            for request in prompt.choices:
+                proposers.append(self.proposer_for(request))
         except BaseException as err:
+            for proposer in proposers:
+                if proposer is not None:
+                    proposer.close()
             for conn in conns:
                 await conn.close()
-            self._leave(n)
             if isinstance(err, PipelineError):
                 raise self._failed(err) from err
             raise
+        # Nothing below raises: every choice owns its session, proposer and slot from here on.
         choices = []
-        for j, (conn, req, sampling) in enumerate(zip(conns, requests, samplings, strict=True)):
-            proposer = self.proposer_for(req)
-            steps = self._decode(conn, req, sampling, prompt, budget, proposer, prediction if j == 0 else None,
-                                 prompt_logprobs)
-            choices.append(Choice(steps, lambda conn=conn, proposer=proposer: self._release(conn, proposer)))
+        for j, (conn, request, sampling, proposer) in enumerate(
+                zip(conns, prompt.choices, prompt.samplings, proposers, strict=True)):
+            steps = self._decode(conn, request, sampling, prompt.tokens, prompt.budget, proposer,
+                                 prediction if j == 0 else None, prompt_logprobs)
+            slot = lease.hand_over()
+            choices.append(Choice(steps, lambda conn=conn, proposer=proposer, slot=slot:
+                                  self._release(conn, proposer, slot)))
         return choices
 
-    async def _release(self, conn: _Connection, proposer: Proposer | None) -> None:
-        """A choice is over: its pipeline session, proposer and slot are free."""
+    async def _release(self, conn: _Connection, proposer: Proposer | None, slot: Slot) -> None:
+        """A choice is over: its pipeline session, proposer and slot are free, whatever fails on the way."""
         try:
             await conn.close()
         finally:
-            if proposer is not None:
-                proposer.close()
-            self._leave(1)
-
-    async def _admit(self, count: int) -> None:
-        """Take `count` of this frontend's max_sessions pipeline sessions, waiting up to queue_timeout_s."""
-        if self.waiting >= self.options.max_waiting:
-            raise EngineOverloaded(f"{self.waiting} requests are already waiting; retry later")
-        self.waiting += 1
-        taken = 0
-        try:
-            async with asyncio.timeout(self.options.queue_timeout_s):
-                async with self._admission:  # a request takes its n together: two cannot each hold a part and wait
-                    while taken < count:
-                        await self._slots.acquire()
-                        taken += 1
-        except TimeoutError as err:
-            raise EngineOverloaded("timed out waiting for a free pipeline session") from err
-        finally:
-            self.waiting -= 1
-            if taken < count:
-                for _ in range(taken):
-                    self._slots.release()
-        self.running += count
-
-    def _leave(self, count: int) -> None:
-        self.running -= count
-        for _ in range(count):
-            self._slots.release()
+            try:
+                if proposer is not None:
+                    proposer.close()
+            finally:
+                slot.give_back()
 
     def _failed(self, err: PipelineError) -> PipelineFailed:
         self._ready_at = 0.0
