@@ -208,3 +208,59 @@ def test_over_http_the_server_answers_and_reports_free_slots_after_an_odd_reques
         assert 'inferencemesh_num_requests_running{model_name="t"} 0.0' in metrics
         assert engine.free_slots == SLOTS
 
+
+
+# --- batches that fit or queue ---------------------------------------------------------------
+
+
+async def drain_all(choices) -> list[list[int]]:
+    async def one(choice) -> list[int]:
+        out: list[int] = []
+        async for step in choice:
+            out.extend(step)
+        return out
+
+    return list(await asyncio.gather(*(one(c) for c in choices)))
+
+
+def test_a_batch_larger_than_the_server_is_refused_at_once_and_holds_nothing(mesh) -> None:
+    async def go() -> None:
+        engine = new_engine(mesh)
+        try:
+            requests = [GenerationRequest(f"p{i}", PROMPT, 4, temperature=0.0) for i in range(64)]
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(Exception) as refused:
+                await engine.generate_batch(requests, 2)
+            assert asyncio.get_running_loop().time() - started < 1.0
+            assert refused.value.status_code == 400 and f"at most {SLOTS}" in str(refused.value)
+            await answers_at_once(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(go())
+
+
+def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(mesh) -> None:
+    async def go() -> None:
+        engine = new_engine(mesh)
+        try:
+            # One long request holds a slot; a batch of all the slots then waits, holding none.
+            long = asyncio.create_task(drain_all(await engine.generate_n(
+                GenerationRequest("long", PROMPT, 60, temperature=0.0), 1)))
+            batch = asyncio.create_task(engine.generate_batch(
+                [GenerationRequest(f"p{i}", PROMPT, 4, temperature=0.0) for i in range(SLOTS // 2)], 2))
+            await asyncio.sleep(0.2)
+            assert not batch.done() and engine.free_slots == SLOTS - 1 and engine.waiting == 1
+            # A normal request right after the batch queues behind it (first come, first served)
+            # and is answered as soon as the batch's choices end: no deadlock, no queue timeout.
+            normal = asyncio.create_task(asyncio.wait_for(
+                tokens_of(engine, GenerationRequest("normal", PROMPT, 4, temperature=0.0)), 4.0))
+            assert len((await long)[0]) == 60
+            outputs = await drain_all(await batch)
+            assert len(outputs) == SLOTS and len({tuple(o) for o in outputs}) == 1
+            assert len(await normal) == 4
+            assert engine.free_slots == SLOTS
+        finally:
+            await engine.close()
+
+    asyncio.run(go())

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import grpc
@@ -149,9 +149,31 @@ class PipelineEngine:
         if n > self.options.max_sessions:
             raise InvalidRequest(f"n is {n}; this server runs at most {self.options.max_sessions} sequences at once",
                                  param="n")
-        prompt = self._checked(request, n)  # before admission: a refusal holds no slot
-        async with self.admission.lease(n, what=f"n={n}") as lease:
-            return await self._started(prompt, lease)
+        return await self.generate_batch([request], n)
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[Choice]:
+        """Every request's n choices, request i's choice j at i * n + j (engine_api.Engine.generate_batch).
+
+        The batch's sessions are admitted together, in arrival order, once that many are free: it
+        never holds some while it waits for more. A batch larger than this server's sessions can
+        never run, so it is refused at once (400) rather than left waiting."""
+        total = len(requests) * n
+        if total > self.options.max_sessions:
+            raise InvalidRequest(f"{len(requests)} prompt(s) with n={n} need {total} concurrent sequences; this server "
+                                 f"runs at most {self.options.max_sessions} at once: send fewer prompts per request",
+                                 param="prompt" if len(requests) > 1 else "n")
+        prompts = [self._checked(request, n) for request in requests]  # before admission: a refusal holds no slot
+        async with self.admission.lease(total, what=f"{len(requests)} prompt(s) with n={n}") as lease:
+            started = await asyncio.gather(*(self._started(prompt, lease) for prompt in prompts),
+                                           return_exceptions=True)
+            failure = next((s for s in started if isinstance(s, BaseException)), None)
+            if failure is not None:  # the prompts that did start give their sessions and slots back
+                for choices in started:
+                    if not isinstance(choices, BaseException):
+                        for choice in choices:
+                            await choice.aclose()
+                raise failure
+            return [choice for choices in started for choice in choices]
 
     def _checked(self, request: GenerationRequest, n: int) -> _Prompt:
         """The request's n choices, checked and converted for the wire, or InvalidRequest saying why."""

@@ -7,7 +7,7 @@ this small lets the same HTTP layer drive an in-process pipeline or a remote one
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -177,6 +177,14 @@ class Engine(Protocol):
         that seed (each with the prompt's logprobs, when asked, on its first Step). Admission
         errors are raised here; the caller closes every iterator (aclose), started or not, which
         releases its session.
+        """
+        ...
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[Choice]:
+        """generate_n for several prompts at once (a completions request's prompt list): request
+        i's choice j at i * n + j. Its sessions are admitted together, in arrival order, never
+        part of them while waiting for the rest; a batch larger than the engine's concurrent
+        sessions is refused at once (InvalidRequest), never left waiting.
         """
         ...
 
