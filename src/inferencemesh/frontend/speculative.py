@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,7 +237,10 @@ class DraftProposer(WindowedProposer):
         self._rows: list[torch.Tensor] = []
 
     def propose(self, history: list[int]) -> Proposal | None:
-        return draft_together([(self, history)])[0]
+        outcome = draft_together([(self, history)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     async def propose_async(self, history: list[int]) -> Proposal | None:
         if self.batcher is None:
@@ -271,7 +275,12 @@ class DraftProposer(WindowedProposer):
         else:
             q = probabilities(logits[None], self.params)[0]
             gen = generator_for(self.params.seed ^ _SALT_DRAFT, position, _SALT_DRAFT)
-            token = int(torch.multinomial(q, 1, generator=gen))
+            try:
+                token = int(torch.multinomial(q, 1, generator=gen))
+            except RuntimeError:
+                # q holds inf or NaN, or no mass (extreme penalties): nothing to draw a proposal from.
+                # The proposal ends here; the target decides the next token on its own.
+                return None
             self._rows.append(q)
         self._tokens.append(token)
         if len(self._tokens) == self._k:
@@ -284,30 +293,64 @@ class DraftProposer(WindowedProposer):
         probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
         return Proposal(self._tokens, probs)
 
+    def _forget(self) -> None:
+        """After a failure the draft's cache may hold half-written positions: start again from
+        nothing (the next proposal feeds the whole history)."""
+        self.fed = []
+        self.cache.length = 0
+
     def close(self) -> None:
         self.cache.release()
 
 
-def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal | None]:
-    """Proposals for several requests, step by step, each step one forward pass for all of them."""
+_Feed = tuple[DraftCache, int, list[int]]
+
+
+def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal | Exception | None]:
+    """Proposals for several requests, step by step, each step one forward pass for all of them.
+
+    Per request: its Proposal, None (no room to propose), or the exception that its proposal met.
+    A failure stays with the request that caused it. A request's own steps (its sampling of a
+    draft token, with its parameters) fail it alone. A failure of the shared forward pass cannot
+    be told apart, so each of its requests is drafted again alone, from nothing: only the request
+    that causes it meets it again.
+    """
     draft = jobs[0][0].draft
-    feeds, active = [], []
-    for proposer, history in jobs:
-        feed = proposer._begin(history)
+    outcomes: list[Proposal | Exception | None] = [None] * len(jobs)
+    feeds: dict[int, _Feed] = {}
+
+    def own_step(index: int, feed_or_error: Callable[[], _Feed | None], *, begun: bool) -> None:
+        proposer = jobs[index][0]
+        try:
+            feed = feed_or_error()
+        except Exception as err:
+            proposer._forget()
+            outcomes[index] = err
+            return
         if feed is not None:
-            feeds.append(feed)
-            active.append(proposer)
-    started = list(active)
+            feeds[index] = feed
+        elif begun:
+            outcomes[index] = proposer._proposal()
+
+    for index, (proposer, history) in enumerate(jobs):
+        own_step(index, lambda proposer=proposer, history=history: proposer._begin(history), begun=False)
     while feeds:
-        logits = draft.forward_packed(feeds)
-        feeds, still = [], []
-        for proposer, row in zip(active, logits, strict=True):
-            feed = proposer._next(row)
-            if feed is not None:
-                feeds.append(feed)
-                still.append(proposer)
-        active = still
-    return [proposer._proposal() if proposer in started else None for proposer, _ in jobs]
+        order = list(feeds)
+        try:
+            logits = draft.forward_packed([feeds[i] for i in order])
+        except Exception as err:
+            for i in order:
+                jobs[i][0]._forget()
+            if len(order) == 1:
+                outcomes[order[0]] = err
+            else:
+                for i in order:
+                    outcomes[i] = draft_together([jobs[i]])[0]
+            break
+        feeds = {}
+        for i, row in zip(order, logits, strict=True):
+            own_step(i, lambda proposer=jobs[i][0], row=row: proposer._next(row), begun=True)
+    return outcomes
 
 
 class DraftBatcher:
@@ -333,14 +376,12 @@ class DraftBatcher:
         self._pending = []
         if not jobs:
             return
-        try:
-            proposals = draft_together([(proposer, history) for proposer, history, _ in jobs])
-        except Exception as err:  # delivered to every waiting request
-            for _, _, future in jobs:
-                future.set_exception(err)
-            return
-        for (_, _, future), proposal in zip(jobs, proposals, strict=True):
-            future.set_result(proposal)
+        outcomes = draft_together([(proposer, history) for proposer, history, _ in jobs])
+        for (_, _, future), outcome in zip(jobs, outcomes, strict=True):  # each request gets its own
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
 
 # ---- building what the decision names -----------------------------------------------------------
