@@ -36,7 +36,7 @@ from inferencemesh.frontend.engine_api import (
     single_choice,
 )
 from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.speculative import Proposer
+from inferencemesh.frontend.proposers.base import Proposer
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
