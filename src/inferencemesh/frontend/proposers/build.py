@@ -10,10 +10,11 @@ each request's proposer.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
-from inferencemesh.checkpoint import fetch_config_dir
+from inferencemesh.checkpoint import CheckpointFacts, fetch_config_dir
 from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.frontend.proposers.base import Proposer
@@ -92,18 +93,32 @@ def resolve_speculation(options: SpeculativeOptions, model_dir: Path, tokenizer,
     draft = None
     if choice.strategy == "draft":
         try:
-            draft = _load_draft(choice.draft, tokenizer, dtype=dtype, device=device, max_context=max_context)
+            draft = _load_draft(choice.draft, tokenizer, dtype=dtype, device=device, max_context=max_context,
+                                vocab_size=_vocab_size(model_dir))
         except Exception as err:  # serve without speculation, and say why
             log.warning("draft model %s unusable, serving without speculation: %s", choice.draft, err)
             choice = choice.without_draft(f"{type(err).__name__}: {err}")
     return Speculation(choice, draft, metrics, tokenizer)
 
 
-def _load_draft(source: str, tokenizer, *, dtype: str, device: str, max_context: int) -> DraftModel:
+def _vocab_size(model_dir: Path) -> int | None:
+    """The target's padded vocabulary (config.json's vocab_size), or None when it cannot be read."""
+    try:
+        return CheckpointFacts(json.loads((Path(model_dir) / "config.json").read_text())).vocab_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _load_draft(source: str, tokenizer, *, dtype: str, device: str, max_context: int,
+                vocab_size: int | None) -> DraftModel:
     draft_dir = Path(source)
     if not draft_dir.exists():
         draft_dir = fetch_config_dir(source)
     mismatch = same_vocabulary(tokenizer, draft_dir)
     if mismatch:
         raise ValueError(mismatch)
-    return DraftModel(str(draft_dir), dtype=dtype, device=device, max_context=max_context)
+    draft = DraftModel(str(draft_dir), dtype=dtype, device=device, max_context=max_context, vocab_size=vocab_size)
+    if draft.embedding_rows != draft.vocab_size:
+        log.info("draft %s pads its embedding to %d rows, the target to %d: its proposals are fitted to the "
+                 "target's", source, draft.embedding_rows, draft.vocab_size)
+    return draft

@@ -60,6 +60,8 @@ class DraftProposer(WindowedProposer):
                 break
             agree += 1
         agree = min(agree, len(history) - 1)  # always feed at least the last token
+        if self.draft.embedding_rows < self.draft.vocab_size and max(history[agree:]) >= self.draft.embedding_rows:
+            return None  # a token the smaller draft has no embedding for: it cannot follow this history
         self.fed = history[:]
         self._first_position, self._tokens, self._rows = len(history), [], []
         return self.cache, agree, history[agree:]
