@@ -85,15 +85,14 @@ async def async_raising(*_args, **_kwargs):
     raise Injected("injected")
 
 
-# Each step after admission, as (what to patch, where, replacement). The engine's own steps are
-# patched on the instance; a session's close on its class (after really closing, so that the
-# stages do not keep it).
+# Each step after admission, as (whose, which, replacement), patched on the instance; a
+# session's close is patched on its class (after really closing, so that the stages do not keep it).
 STEPS = {
     "open a session": ("pipeline", "open", raising),
-    "prefill": ("engine", "_prefill", async_raising),
-    "fork": ("engine", "_fork", async_raising),
+    "prefill": ("frames", "prefill", async_raising),
+    "fork": ("frames", "fork", async_raising),
     "make a proposer": ("engine", "proposer_for", raising),
-    "decode": ("engine", "_step", async_raising),
+    "decode": ("frames", "send_step", async_raising),
 }
 
 
@@ -119,7 +118,7 @@ def test_every_step_after_admission_gives_the_slots_back_when_it_raises(mesh, st
 
     async def go() -> None:
         engine = new_engine(mesh)
-        target = engine if owner == "engine" else engine.pipeline
+        target = engine if owner == "engine" else getattr(engine, owner)
         original = getattr(target, name)
         try:
             setattr(target, name, replacement)
@@ -135,9 +134,9 @@ def test_every_step_after_admission_gives_the_slots_back_when_it_raises(mesh, st
 
 
 def test_a_session_close_that_raises_gives_the_slot_back(mesh, monkeypatch) -> None:
-    from inferencemesh.frontend import engine as engine_module
+    from inferencemesh.frontend.session import Connection
 
-    close = engine_module._Connection.close
+    close = Connection.close
 
     async def close_then_raise(self) -> None:
         await close(self)
@@ -146,7 +145,7 @@ def test_a_session_close_that_raises_gives_the_slot_back(mesh, monkeypatch) -> N
     async def go() -> None:
         engine = new_engine(mesh)
         try:
-            monkeypatch.setattr(engine_module._Connection, "close", close_then_raise)
+            monkeypatch.setattr(Connection, "close", close_then_raise)
             failure = await drive(engine, 3)
             assert isinstance(failure, Injected), repr(failure)
             assert engine.free_slots == SLOTS
@@ -162,7 +161,7 @@ def test_a_request_cancelled_during_its_prefill_gives_its_slots_back(mesh) -> No
     async def go() -> None:
         engine = new_engine(mesh)
         entered = asyncio.Event()
-        prefill = engine._prefill
+        prefill = engine.frames.prefill
 
         async def slow_prefill(*args, **kwargs):
             entered.set()
@@ -170,7 +169,7 @@ def test_a_request_cancelled_during_its_prefill_gives_its_slots_back(mesh) -> No
             return await prefill(*args, **kwargs)
 
         try:
-            engine._prefill = slow_prefill
+            engine.frames.prefill = slow_prefill
             task = asyncio.create_task(drive(engine, 5))
             await asyncio.wait_for(entered.wait(), 10)
             assert engine.free_slots == SLOTS - 5
@@ -178,7 +177,7 @@ def test_a_request_cancelled_during_its_prefill_gives_its_slots_back(mesh) -> No
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert engine.free_slots == SLOTS
-            del engine._prefill
+            del engine.frames.prefill
             await answers_at_once(engine)
         finally:
             await engine.close()

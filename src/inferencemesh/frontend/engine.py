@@ -1,13 +1,11 @@
-"""The generation engine: turns a GenerationRequest into frames through the pipeline.
+"""The generation engine: turns GenerationRequests into sessions in the pipeline, and decides
+when each choice stops and why.
 
-Prefill goes in chunks; each decode step is one frame through every stage. With a
-proposer (speculative decoding) a step carries [last token, d_1..d_k] as a VERIFY frame and
-may yield several tokens for the same round trip. Rollback after a rejected proposal is
-just the next frame's pos_start: the stages truncate their caches themselves.
-
-n continuations of one prompt (generate_n) prefill it once: the other n - 1 sessions FORK the
-first one's cache at every stage, up to the prompt's last token, which each computes itself
-with its own seed; from there every choice is a request of its own.
+A request is checked and converted for the wire, then admitted (frontend.admission: its slots
+are held by one context manager), then its prompt is prefilled once: the other n - 1 choices
+FORK the first one's session at every stage, up to the prompt's last token, which each computes
+itself with its own seed; from there every choice is a request of its own. The frames a
+session sends, and its recovery, are frontend.session's.
 """
 
 from __future__ import annotations
@@ -16,10 +14,9 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-
-import grpc
+from typing import Generic, TypeVar
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.admission import Admission, Lease, Slot
@@ -27,7 +24,6 @@ from inferencemesh.frontend.engine_api import (
     Choice,
     ContextLengthExceeded,
     EngineError,
-    EngineOverloaded,
     GenerationRequest,
     InvalidRequest,
     Step,
@@ -37,6 +33,7 @@ from inferencemesh.frontend.engine_api import (
 )
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.proposers.base import Proposer
+from inferencemesh.frontend.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
@@ -44,6 +41,7 @@ from inferencemesh.sampling import INT32_MAX, UINT32_MAX, unsafe_field
 
 log = logging.getLogger("inferencemesh.engine")
 READY_TRUST_S = 5.0
+PipelineT = TypeVar("PipelineT", bound=Pipeline)
 
 
 class PipelineFailed(EngineError):
@@ -77,27 +75,13 @@ class _Prompt:
     samplings: list[pb.Sampling]
 
 
-class _Connection:
-    """A request's current pipeline session and its reusable frame envelope."""
+class PipelineEngine(Generic[PipelineT]):
+    """engine_api.Engine over a Pipeline (typed as the caller's own, e.g. GrpcPipeline)."""
 
-    def __init__(self, pipeline, request_id: str) -> None:
-        self.pipeline, self.request_id = pipeline, request_id
-        self.open()
-
-    def open(self) -> None:
-        self.session = self.pipeline.open()
-        self.frame = pb.Frame(session_id=self.session.session_id, request_id=self.request_id)
-
-    async def close(self) -> None:
-        await self.session.close()
-
-
-class PipelineEngine:
-    def __init__(self, pipeline, options: EngineOptions, *,
+    def __init__(self, pipeline: PipelineT, options: EngineOptions, *,
                  proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
                  describe: dict | None = None, metrics: FrontendMetrics | None = None) -> None:
         self.pipeline = pipeline
-        self.metrics = metrics  # where each step's time goes (proposal vs pipeline)
         self.options = options
         self.model_name = options.model_name
         self.max_context = options.max_context
@@ -105,8 +89,17 @@ class PipelineEngine:
         self._describe = describe or {}
         self.admission = Admission(options.max_sessions, max_waiting=options.max_waiting,
                                    timeout_s=options.queue_timeout_s)
-        self.recoveries = 0  # in-flight requests carried over a lost stage
+        self.frames = SessionFrames(pipeline, max_context=options.max_context, prefill_chunk=options.prefill_chunk,
+                                    queue_timeout_s=options.queue_timeout_s,
+                                    recovery_timeout_s=options.recovery_timeout_s,
+                                    debug_telemetry=options.debug_telemetry, metrics=metrics,
+                                    may_speculate=self._may_speculate)
         self._ready_at = 0.0
+
+    @property
+    def recoveries(self) -> int:
+        """In-flight sessions carried over a lost stage."""
+        return self.frames.recoveries
 
     async def is_ready(self) -> bool:
         """Every stage SERVING. A recent yes is trusted for READY_TRUST_S: under heavy load a health
@@ -213,16 +206,16 @@ class PipelineEngine:
     async def _started(self, prompt: _Prompt, lease: Lease) -> list[Choice]:
         """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
         choice its slot. Anything raised here leaves the slots in the lease, which gives them back."""
-        conns: list[_Connection] = []
+        conns: list[Connection] = []
         proposers: list[Proposer | None] = []
         try:
-            conns.append(_Connection(self.pipeline, prompt.request.request_id))
-            prediction, prompt_logprobs = await self._admitted_prefill(
+            conns.append(Connection(self.pipeline, prompt.request.request_id))
+            prediction, prompt_logprobs = await self.frames.first_prefill(
                 conns[0], prompt.tokens, prompt.samplings[0], prompt.request.prompt_logprobs is not None)
-            conns += [_Connection(self.pipeline, f"{prompt.request.request_id}/{j}")
+            conns += [Connection(self.pipeline, f"{prompt.request.request_id}/{j}")
                       for j in range(1, len(prompt.choices))]
             parent = conns[0].session.session_id
-            forks = await asyncio.gather(*(self._fork(conn, parent, prompt.tokens, sampling)
+            forks = await asyncio.gather(*(self.frames.fork(conn, parent, prompt.tokens, sampling)
                                            for conn, sampling in zip(conns[1:], prompt.samplings[1:], strict=True)),
                                          return_exceptions=True)
             failure = next((f for f in forks if isinstance(f, BaseException)), None)
@@ -250,7 +243,7 @@ class PipelineEngine:
                                   self._release(conn, proposer, slot)))
         return choices
 
-    async def _release(self, conn: _Connection, proposer: Proposer | None, slot: Slot) -> None:
+    async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
         """A choice is over: its pipeline session, proposer and slot are free, whatever fails on the way."""
         try:
             await conn.close()
@@ -265,148 +258,6 @@ class PipelineEngine:
         self._ready_at = 0.0
         return PipelineFailed(f"generation failed in the pipeline: {err}")
 
-    async def _decode(self, conn: _Connection, request: GenerationRequest, sampling: pb.Sampling, prompt: list[int],
-                      budget: int, proposer: Proposer | None, prediction: pb.Prediction | None,
-                      prompt_logprobs: list[TokenLogprob | None] | None) -> AsyncIterator[Step]:
-        """Generation in a session that holds the prompt: all of it, with `prediction` (its
-        prefill's), or all but its last token (a fork), which the first step computes."""
-        try:
-            if prediction is None:
-                prediction = await self._resilient(conn, sampling, prompt[:-1],
-                                                   lambda: self._step(conn, prompt, proposer))
-            history = prompt + list(prediction.tokens)
-            emitted = 0
-            while True:
-                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
-                emitted += count
-                if count or prompt_logprobs is not None:
-                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
-                               prompt_logprobs)
-                    prompt_logprobs = None
-                if stopped or count < len(prediction.tokens) or emitted >= budget:
-                    return
-                # Everything but the last token is in the stages' caches; a replacement stage
-                # gets exactly that prefix again.
-                prediction = await self._resilient(conn, sampling, history[:-1],
-                                                   lambda: self._step(conn, history, proposer))
-                history.extend(prediction.tokens)
-        except PipelineError as err:
-            raise self._failed(err) from err
-
-    async def _admitted(self, conn: _Connection, operation: Callable[[], Awaitable]):
-        """A session's first operation. A stage at its session limit (another frontend shares it,
-        or a release is still on its way) is capacity, not failure: the request waits for room,
-        as it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
-        deadline = time.monotonic() + self.options.queue_timeout_s
-        delay = 0.02
-        while True:
-            try:
-                return await operation()
-            except PipelineError as err:
-                if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise EngineOverloaded(f"the stages have no free session: {err}") from err
-                await conn.close()
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 0.5)
-                conn.open()
-
-    async def _admitted_prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling,
-                                prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
-        """The first prefill (admitted and resilient)."""
-        return await self._admitted(conn, lambda: self._resilient(
-            conn, sampling, [], lambda: self._prefill(conn, prompt, sampling, True, prompt_logprobs)))
-
-    async def _fork(self, conn: _Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
-        """conn's session starts as the parent's first len(prompt) - 1 positions at every stage,
-        sampling with `sampling`. Without the parent (a stage was lost meanwhile, or the parent
-        expired) the child computes those positions itself, as any recovering session does."""
-
-        async def send() -> None:
-            frame = conn.frame
-            frame.kind, frame.parent_session_id = pb.FORK, parent
-            frame.pos_start, frame.token_count = len(prompt) - 1, 0
-            frame.sampling.CopyFrom(sampling)
-            frame.seq += 1
-            try:
-                await conn.session.send(frame)
-            finally:
-                frame.parent_session_id = ""
-                frame.ClearField("sampling")
-
-        try:
-            await self._admitted(conn, send)
-        except PipelineError as err:
-            if not err.retryable or self.options.recovery_timeout_s <= 0:
-                raise
-            log.warning("request %s could not fork its prompt (%s); prefilling it", conn.request_id, err)
-            await self._reconnect(conn, sampling, prompt[:-1], time.monotonic() + self.options.recovery_timeout_s,
-                                  err)
-
-    async def _resilient(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], operation):
-        """Run one pipeline operation; if a stage was lost, wait for it to come back (up to
-        recovery_timeout_s), prefill `prefix` into a new session, and run the operation again."""
-        deadline = None
-        while True:
-            try:
-                return await operation()
-            except PipelineError as err:
-                if not err.retryable or self.options.recovery_timeout_s <= 0:
-                    raise
-                started = time.monotonic()
-                deadline = deadline or started + self.options.recovery_timeout_s
-                log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
-                await self._reconnect(conn, sampling, prefix, deadline, err)
-                self.recoveries += 1
-                log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
-                         time.monotonic() - started, len(prefix))
-
-    async def _reconnect(self, conn: _Connection, sampling: pb.Sampling, prefix: list[int], deadline: float,
-                         cause: PipelineError) -> None:
-        await conn.close()
-        while time.monotonic() < deadline:
-            if await self.pipeline.is_ready():
-                conn.open()
-                try:
-                    if prefix:
-                        await self._prefill(conn, prefix, sampling, want_prediction=False)
-                    else:  # the session's next frame is its first: it carries the sampling
-                        conn.frame.sampling.CopyFrom(sampling)
-                    return
-                except PipelineError as err:
-                    if not err.retryable:
-                        raise
-                    await conn.close()
-            await asyncio.sleep(0.1)
-        raise PipelineError(cause.code, f"the pipeline did not recover within {self.options.recovery_timeout_s:.0f}s "
-                                        f"after: {cause}")
-
-    async def _prefill(self, conn: _Connection, prompt: list[int], sampling: pb.Sampling, want_prediction: bool = True,
-                       prompt_logprobs: bool = False) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
-        """Feed the prompt in chunks; the last chunk's prediction holds the first new token.
-        With prompt_logprobs every chunk asks for its tokens' logprobs (a Prediction each)."""
-        session, frame = conn.session, conn.frame
-        chunk = self.options.prefill_chunk
-        frame.kind = pb.PREFILL
-        frame.sampling.CopyFrom(sampling)
-        frame.prompt_logprobs = prompt_logprobs
-        prediction = None
-        scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            frame.pos_start = start
-            frame.token_count = len(piece)
-            frame.token_ids[:] = piece
-            frame.want_prediction = want_prediction and (prompt_logprobs or start + chunk >= len(prompt))
-            frame.seq += 1
-            prediction = await session.send(frame)
-            frame.ClearField("sampling")  # stages keep the parameters they saw last
-            if scored is not None:
-                scored.extend(_converted(prediction.prompt_logprobs))
-        frame.want_prediction = frame.prompt_logprobs = False
-        return prediction, scored
-
     def _may_speculate(self) -> bool:
         """Under load the stages already batch every session's decode step: a verify window then
         costs compute the other sessions need, and a rejected draft wastes it (vLLM's
@@ -414,47 +265,35 @@ class PipelineEngine:
         limit = self.options.speculative_disable_by_batch_size
         return limit <= 0 or self.running < limit
 
-    async def _step(self, conn: _Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
-        """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
-        session, frame = conn.session, conn.frame
-        # Proposals are computed on the event loop's thread, draft models included: a second
-        # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
-        started = time.perf_counter()
-        proposal = await proposer.propose_async(history) if proposer is not None and self._may_speculate() else None
-        proposed = time.perf_counter()
-        frame.pos_start = len(history) - 1
-        frame.seq += 1
-        if self.options.debug_telemetry:
-            frame.sent_ns = time.time_ns()
-        if proposal is None or not proposal.tokens:
-            frame.kind = pb.DECODE
-            frame.token_count = 1
-            frame.token_ids[:] = history[-1:]
-            frame.draft_probs = b""
-            prediction = await session.send(frame)
-            frame.ClearField("sampling")
-            round_trip = time.perf_counter() - proposed
-            if proposer is not None:
-                proposer.observe(0, 0, proposed - started, round_trip)
-            if self.metrics is not None:
-                self.metrics.record_step("decode", None if proposer is None else proposed - started, round_trip)
-            return prediction
-        room = self.max_context - len(history)
-        drafts = proposal.tokens[: max(0, room - 1)]
-        frame.kind = pb.VERIFY
-        frame.token_count = 1 + len(drafts)
-        frame.token_ids[:] = history[-1:] + drafts
-        frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
-        prediction = await session.send(frame)
-        frame.ClearField("sampling")
-        round_trip = time.perf_counter() - proposed
-        proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
-        if self.metrics is not None:
-            self.metrics.record_step("verify", proposed - started, round_trip)
-        if self.options.debug_telemetry:
-            log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
-                      len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
-        return prediction
+    async def _decode(self, conn: Connection, request: GenerationRequest, sampling: pb.Sampling, prompt: list[int],
+                      budget: int, proposer: Proposer | None, prediction: pb.Prediction | None,
+                      prompt_logprobs: list[TokenLogprob | None] | None) -> AsyncIterator[Step]:
+        """Generation in a session that holds the prompt: all of it, with `prediction` (its
+        prefill's), or all but its last token (a fork), which the first step computes.
+
+        The engine alone decides when a choice stops, and says why on its last Step: "stop" (a
+        stop token) or "length" (max_tokens, or the model's context, reached)."""
+        try:
+            if prediction is None:
+                prediction = await self.frames.step(conn, sampling, prompt, proposer)
+            history = prompt + list(prediction.tokens)
+            emitted = 0
+            while True:
+                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
+                emitted += count
+                finish = "stop" if stopped else "length" if emitted >= budget else None
+                if count or prompt_logprobs is not None or finish is not None:
+                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
+                               prompt_logprobs, finish_reason=finish)
+                    prompt_logprobs = None
+                if finish is not None:
+                    return
+                # Everything but the last token is in the stages' caches; a replacement stage
+                # gets exactly that prefix again.
+                prediction = await self.frames.step(conn, sampling, history, proposer)
+                history.extend(prediction.tokens)
+        except PipelineError as err:
+            raise self._failed(err) from err
 
 
 def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tuple[int, bool]:
@@ -466,9 +305,5 @@ def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tupl
     return min(len(tokens), room), False
 
 
-def _converted(entries) -> list[TokenLogprob]:
-    return [TokenLogprob(e.token, e.logprob, tuple(zip(e.top_tokens, e.top_logprobs, strict=True))) for e in entries]
-
-
 def _logprobs(entries, request: GenerationRequest) -> list[TokenLogprob] | None:
-    return _converted(entries) if request.logprobs is not None else None
+    return converted(entries) if request.logprobs is not None else None
