@@ -263,3 +263,43 @@ def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(m
             await engine.close()
 
     asyncio.run(go())
+
+
+# --- the admission rule alone ----------------------------------------------------------------
+
+
+def test_admission_is_first_come_first_served_and_all_or_nothing() -> None:
+    from inferencemesh.frontend.admission import Admission
+    from inferencemesh.frontend.engine_api import EngineOverloaded, InvalidRequest
+
+    async def go() -> None:
+        admission = Admission(4, max_waiting=8, timeout_s=0.3)
+        order: list[str] = []
+
+        async def hold(name: str, count: int, seconds: float) -> None:
+            async with admission.lease(count):
+                order.append(name)
+                await asyncio.sleep(seconds)
+
+        first = asyncio.create_task(hold("a", 3, 0.1))
+        await asyncio.sleep(0)
+        big = asyncio.create_task(hold("big", 4, 0))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(hold("small", 1, 0))  # one slot is free, but it may not barge
+        await asyncio.sleep(0.01)
+        assert admission.free == 1 and admission.waiting == 2
+        await asyncio.gather(first, big, small)
+        assert order == ["a", "big", "small"] and admission.free == 4
+        with pytest.raises(InvalidRequest):
+            async with admission.lease(5):
+                pass
+        blocker = asyncio.create_task(hold("blocker", 4, 1.0))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineOverloaded):  # timed out in the queue: it leaves, holding nothing
+            async with admission.lease(2):
+                pass
+        assert admission.waiting == 0 and admission.free == 0
+        await blocker
+        assert admission.free == 4
+
+    asyncio.run(go())
