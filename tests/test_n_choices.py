@@ -31,7 +31,7 @@ from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine_api import GenerationRequest, choice_seed
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.speculative import resolve_speculation
+from inferencemesh.frontend.proposers.build import resolve_speculation
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from inferencemesh.frontend.ngram import ngram_lookup
+from inferencemesh.frontend.proposers.ngram import ngram_lookup
 
 
 def reference_lookup(history: list[int], k: int, min_ngram: int = 2, max_ngram: int = 4) -> list[int]:
-    """The original pure-Python scan (frontend/speculative.py), kept verbatim as the specification."""
+    """The original pure-Python scan (once in frontend/speculative.py), kept verbatim as the specification."""
     n = len(history)
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
         suffix = history[n - size :]

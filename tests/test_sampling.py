@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inferencemesh import sampling
@@ -156,3 +157,28 @@ def test_speculative_sampling_matches_the_penalised_distribution() -> None:
     p_second = probabilities(adjust(target_logits[1:2], PENALISED, context + [often]), PENALISED)[0]
     stat, dof = chi_square(seconds, p_second)
     assert len(seconds) > 300 and stat < CHI2_CRITICAL_P001[dof], f"second token: chi2={stat:.1f}"
+
+
+@pytest.mark.parametrize(("field", "params"), [
+    ("repetition_penalty", SamplingParams(1.0, repetition_penalty=5e-324)),
+    ("temperature", SamplingParams(float("nan"))),
+    ("top_p", SamplingParams(1.0, top_p=float("inf"))),
+    ("presence_penalty", SamplingParams(1.0, presence_penalty=float("-inf"))),
+    ("top_k", SamplingParams(1.0, top_k=2**31)),
+    ("seed", SamplingParams(1.0, seed=-1)),
+    ("logit_bias", SamplingParams(1.0, logit_bias=((2**31 - 1, 1.0),))),
+    ("logit_bias", SamplingParams(1.0, logit_bias=((3, float("nan")),))),
+    ("stop_token_ids", SamplingParams(1.0, stop_token_ids=(-1,))),
+])
+def test_unsafe_field_names_what_the_wire_or_kernels_cannot_carry(field, params) -> None:
+    from inferencemesh.sampling import unsafe_field
+
+    found = unsafe_field(params, vocab_size=1000)
+    assert found is not None and found[0] == field
+
+
+def test_ordinary_parameters_are_safe() -> None:
+    from inferencemesh.sampling import unsafe_field
+
+    assert unsafe_field(SamplingParams(0.7, 0.9, 40, 2**63, 0.5, 0.5, 1.2, ((5, -100.0),), 3, (2,), 4), 1000) is None
+    assert unsafe_field(SamplingParams(repetition_penalty=0.0)) is None  # 0: off, as on the wire

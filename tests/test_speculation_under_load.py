@@ -11,7 +11,8 @@ from tiny_models import write_tiny_model
 from inferencemesh.config import ConfigError, FrontendConfig
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.speculative import NgramProposer, Proposal
+from inferencemesh.frontend.proposers.base import Proposal
+from inferencemesh.frontend.proposers.ngram import NgramProposer
 from inferencemesh.speculation import WindowPolicy
 
 REPEATING = [5, 6, 7, 8, 9] * 6  # n-gram lookup finds continuations in it from the start

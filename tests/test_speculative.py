@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.ngram import ngram_lookup
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.speculative import AutoProposer, favourable_prompt, resolve_speculation
+from inferencemesh.frontend.proposers.build import resolve_speculation
+from inferencemesh.frontend.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
 from inferencemesh.speculation import WindowPolicy
 from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime

@@ -11,6 +11,7 @@ same numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,48 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+# What the wire (stage.proto's Sampling) and the kernels can carry. A value outside these makes a
+# transform meet inf or NaN (a repetition penalty of 5e-324 divides logits into infinity) or an
+# index fall outside the vocabulary, so it is refused before it reaches a kernel.
+MAX_MAGNITUDE = 1e6  # penalties, biases, temperature: far inside float32, so sums stay finite
+MIN_REPETITION_PENALTY = 1e-6  # bounded away from the denormals (0 itself means off)
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+
+def unsafe_field(params: SamplingParams, vocab_size: int | None = None) -> tuple[str, str] | None:
+    """(field, why) for the first parameter the wire or the kernels cannot carry, else None.
+
+    The frontend's engine checks every request with this before admitting it, and a stage can
+    check what it receives the same way. vocab_size bounds token ids when it is known (else int32)."""
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(params, name)
+        if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+            return name, f"{name} must be a finite number of magnitude at most {MAX_MAGNITUDE:g}, got {value!r}"
+    if params.temperature < 0:
+        return "temperature", f"temperature must be >= 0, got {params.temperature!r}"
+    if not 0.0 <= params.top_p <= 1.0:
+        return "top_p", f"top_p must be within [0, 1], got {params.top_p!r}"
+    if params.repetition_penalty != 0.0 and params.repetition_penalty < MIN_REPETITION_PENALTY:
+        return "repetition_penalty", (f"repetition_penalty must be at least {MIN_REPETITION_PENALTY:g} "
+                                      f"(or 0: off), got {params.repetition_penalty!r}")
+    if not -INT32_MAX - 1 <= params.top_k <= INT32_MAX:
+        return "top_k", f"top_k must fit in 32 bits, got {params.top_k}"
+    if not 0 <= params.seed <= 2**64 - 1:
+        return "seed", f"seed must be within [0, 2^64), got {params.seed}"
+    if not 0 <= params.min_tokens <= UINT32_MAX:
+        return "min_tokens", f"min_tokens must be within [0, 2^32), got {params.min_tokens}"
+    ids_below = vocab_size if vocab_size is not None else INT32_MAX + 1
+    for token, bias in params.logit_bias:
+        if not 0 <= token < ids_below:
+            return "logit_bias", f"logit_bias token id {token} is outside [0, {ids_below})"
+        if not math.isfinite(bias) or abs(bias) > MAX_MAGNITUDE:
+            return "logit_bias", f"logit_bias for token {token} must be finite, at most {MAX_MAGNITUDE:g}, got {bias!r}"
+    bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < ids_below), None)
+    if bad_stop is not None:
+        return "stop_token_ids", f"stop token id {bad_stop} is outside [0, {ids_below})"
+    return None
 
 
 def generator_for(seed: int, position: int, salt: int) -> torch.Generator:

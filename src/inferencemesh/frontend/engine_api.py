@@ -7,9 +7,9 @@ this small lets the same HTTP layer drive an in-process pipeline or a remote one
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from inferencemesh.sampling import SamplingParams
 
@@ -65,16 +65,25 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
 
+FinishReason = Literal["stop", "length"]
+
+
 class Step(list):
     """What the engine yields: newly decided token ids (a list[int], as always) and, when the
     request asked, their logprobs (one per token) and, on the first step, the prompt's (None
-    for its first token, which nothing predicts)."""
+    for its first token, which nothing predicts).
+
+    The last Step of a choice says why it ended (finish_reason): "stop" when a stop token ended
+    it, "length" when max_tokens or the model's context did; None on every other Step. The
+    engine alone decides this; the HTTP layer only adds its own "stop" for a stop string."""
 
     def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
-                 prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+                 prompt_logprobs: list[TokenLogprob | None] | None = None,
+                 finish_reason: FinishReason | None = None) -> None:
         super().__init__(tokens)
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.finish_reason = finish_reason
 
 
 class Choice:
@@ -162,10 +171,11 @@ class Engine(Protocol):
     model_name: str
     max_context: int
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        """Yield newly decided token ids (one or more per step) until max_tokens or a stop token.
-        A request for prompt logprobs gets them on the first Step, which may hold no tokens
-        (max_tokens 0: prompt scoring only).
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        """Yield newly decided token ids (one or more per step) until max_tokens or a stop token;
+        the last Step carries the finish_reason. A request for prompt logprobs gets them on the
+        first Step, which may hold no tokens (max_tokens 0: prompt scoring only). Called without
+        await: admission errors come with the first step.
 
         Closing the iterator early (aclose) cancels the request and releases its session.
         """
@@ -177,6 +187,14 @@ class Engine(Protocol):
         that seed (each with the prompt's logprobs, when asked, on its first Step). Admission
         errors are raised here; the caller closes every iterator (aclose), started or not, which
         releases its session.
+        """
+        ...
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[Choice]:
+        """generate_n for several prompts at once (a completions request's prompt list): request
+        i's choice j at i * n + j. Its sessions are admitted together, in arrival order, never
+        part of them while waiting for the rest; a batch larger than the engine's concurrent
+        sessions is refused at once (InvalidRequest), never left waiting.
         """
         ...
 

@@ -7,7 +7,7 @@ FrontendMetrics owns its CollectorRegistry: several apps in one process (tests) 
 and /metrics shows exactly one frontend's series.
 
 The HTTP layer updates the request metrics; the engine updates the speculative-decoding ones
-through the same object (main.py hands one instance to both).
+through the same object (programs/frontend.py hands one instance to both).
 """
 
 from __future__ import annotations

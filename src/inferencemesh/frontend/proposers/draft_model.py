@@ -93,7 +93,13 @@ class DraftCache:
 class DraftModel:
     """A small Llama-family model run whole in this process to propose tokens."""
 
-    def __init__(self, source: str, *, dtype: str = "auto", device: str = "auto", max_context: int = 2048) -> None:
+    def __init__(self, source: str, *, dtype: str = "auto", device: str = "auto", max_context: int = 2048,
+                 vocab_size: int | None = None) -> None:
+        """vocab_size: the target's (its padded embedding size), which the draft's logits are fitted
+        to: a checkpoint family's small and large models may pad their embeddings differently (as
+        Qwen2.5's do) while sharing the tokenizer, and the stages verify distributions of the
+        target's width. Rows the target lacks are dropped (nothing can propose them); rows the
+        draft lacks get -inf (it never proposes them). None: the draft's own size."""
         facts = read_checkpoint(source)
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu), device=device)
@@ -103,14 +109,17 @@ class DraftModel:
         self.source = source
         self.dtype, self.device = stage.dtype, stage.device
         self.max_context = max_context
-        self.vocab_size = facts.vocab_size
+        self.embedding_rows = facts.vocab_size  # token ids the draft can read
+        self.vocab_size = vocab_size or facts.vocab_size  # the width of its logits
         self.hidden_size = facts.hidden_size
         self.heads, self.kv_heads = int(config.num_attention_heads), facts.num_kv_heads
         self.head_dim = int(getattr(config, "head_dim", None) or facts.head_dim)
         self.layers = [self._layer(config, layer, index) for index, layer in enumerate(stage.layers)]
         self.norm, self.norm_eps = stage.norm.weight.detach().to(self.dtype), stage.norm.variance_epsilon
         tied = stage.lm_head.weight is stage.embed.weight
-        self.head = _t(stage.lm_head, self.dtype)  # [hidden, vocab]
+        # [hidden, vocab], cut to the target's width once here rather than per step.
+        self.head = _t(stage.lm_head, self.dtype)[:, : self.vocab_size].contiguous()
+        self._missing_rows = max(0, self.vocab_size - self.embedding_rows)
         # A tied embedding is read from the head's columns rather than held twice.
         self.embedding = None if tied else stage.embed.weight.detach().to(self.dtype)
         self.rotary = stage.rotary
@@ -208,7 +217,10 @@ class DraftModel:
             end += count
             lasts.append(end - 1)
         last = F.rms_norm(x[lasts], hidden_shape, self.norm, self.norm_eps)
-        return list(torch.mm(last, self.head).float())
+        logits = torch.mm(last, self.head).float()
+        if self._missing_rows:
+            logits = F.pad(logits, (0, self._missing_rows), value=float("-inf"))
+        return list(logits)
 
     def _rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos is not None:

@@ -1,0 +1,269 @@
+"""One request's pipeline session: the frames it sends, and how it survives trouble.
+
+A session prefills its prompt in chunks (or forks another session's prompt at every stage),
+then sends one frame per step: a DECODE of its last token, or a VERIFY of that token with a
+proposal behind it, which may decide several tokens in one round trip. Rollback after a
+rejected proposal is the next frame's pos_start: the stages truncate their caches themselves.
+
+Recovery is three named steps, each around one operation:
+- `waiting_for_room`: a stage at its session limit is capacity, not failure: back off and retry
+  the session's first operation, up to queue_timeout_s (admission back-off);
+- `replaying_after_stage_loss`: a lost stage is waited for (recovery_timeout_s), the session's
+  tokens so far are prefilled into a new session, and the operation runs again;
+- `fork_or_prefill`: a fork whose parent is gone (a stage was lost, the parent expired)
+  computes the prompt itself, as a recovering session does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Protocol, TypeVar
+
+import grpc
+
+from inferencemesh.frontend.engine_api import EngineOverloaded, TokenLogprob
+from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.proposers.base import Proposer
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import PipelineError
+
+log = logging.getLogger("inferencemesh.engine")
+T = TypeVar("T")
+
+
+class PipelineSession(Protocol):
+    """What the engine uses of one session in the stages (frontend.pipeline.GrpcSession)."""
+
+    session_id: str
+
+    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
+        """Send one frame (the session copies it); its Prediction when it asks for one."""
+        ...
+
+    async def close(self) -> None:
+        """RELEASE the session at every stage."""
+        ...
+
+
+class Pipeline(Protocol):
+    """What the engine uses of the stages (frontend.pipeline.GrpcPipeline)."""
+
+    def open(self) -> PipelineSession: ...
+
+    async def is_ready(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class Connection:
+    """A request's current pipeline session and its reusable frame envelope."""
+
+    def __init__(self, pipeline: Pipeline, request_id: str) -> None:
+        self.pipeline, self.request_id = pipeline, request_id
+        self.open()
+
+    def open(self) -> None:
+        self.session = self.pipeline.open()
+        self.frame = pb.Frame(session_id=self.session.session_id, request_id=self.request_id)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class SessionFrames:
+    """The frames of every session of one engine, and their recovery (see the module's doc)."""
+
+    def __init__(self, pipeline: Pipeline, *, max_context: int, prefill_chunk: int, queue_timeout_s: float,
+                 recovery_timeout_s: float, debug_telemetry: bool, metrics: FrontendMetrics | None,
+                 may_speculate: Callable[[], bool]) -> None:
+        self.pipeline = pipeline
+        self.max_context, self.prefill_chunk = max_context, prefill_chunk
+        self.queue_timeout_s, self.recovery_timeout_s = queue_timeout_s, recovery_timeout_s
+        self.debug_telemetry = debug_telemetry
+        self.metrics = metrics  # where each step's time goes (proposal vs pipeline)
+        self.may_speculate = may_speculate
+        self.recoveries = 0  # in-flight sessions carried over a lost stage
+
+    # ---- what the engine calls -------------------------------------------------------------------
+
+    async def first_prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling,
+                            prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
+        """The prompt into a new session: it waits for room, and survives a lost stage."""
+        prefill = partial(self.prefill, conn, prompt, sampling, True, prompt_logprobs)
+        replayable = partial(self.replaying_after_stage_loss, conn, sampling, [], prefill)
+        return await self.waiting_for_room(conn, replayable)
+
+    async def fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
+        """conn's session starts as the parent's first len(prompt) - 1 positions at every stage,
+        sampling with `sampling`; or computes them itself (fork_or_prefill)."""
+        send_fork = partial(self._send_fork, conn, parent, prompt, sampling)
+        admitted_fork = partial(self.waiting_for_room, conn, send_fork)
+        await self.fork_or_prefill(conn, admitted_fork, sampling, prompt)
+
+    async def step(self, conn: Connection, sampling: pb.Sampling, history: list[int],
+                   proposer: Proposer | None) -> pb.Prediction:
+        """The next step of a session whose stages hold all of `history` but its last token."""
+        return await self.replaying_after_stage_loss(conn, sampling, history[:-1],
+                                                     partial(self.send_step, conn, history, proposer))
+
+    # ---- recovery, as named steps -----------------------------------------------------------------
+
+    async def waiting_for_room(self, conn: Connection, operation: Callable[[], Awaitable[T]]) -> T:
+        """A session's first operation. A stage at its session limit (another frontend shares it,
+        or a release is still on its way) is capacity, not failure: the request waits for room,
+        as it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        delay = 0.02
+        while True:
+            try:
+                return await operation()
+            except PipelineError as err:
+                if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise EngineOverloaded(f"the stages have no free session: {err}") from err
+                await conn.close()
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.5)
+                conn.open()
+
+    async def replaying_after_stage_loss(self, conn: Connection, sampling: pb.Sampling, prefix: list[int],
+                                         operation: Callable[[], Awaitable[T]]) -> T:
+        """Run `operation`; if a stage was lost, wait for it to come back (up to
+        recovery_timeout_s), prefill `prefix` into a new session, and run it again."""
+        deadline = None
+        while True:
+            try:
+                return await operation()
+            except PipelineError as err:
+                if not err.retryable or self.recovery_timeout_s <= 0:
+                    raise
+                started = time.monotonic()
+                deadline = deadline or started + self.recovery_timeout_s
+                log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
+                await self._reconnect(conn, sampling, prefix, deadline, err)
+                self.recoveries += 1
+                log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
+                         time.monotonic() - started, len(prefix))
+
+    async def fork_or_prefill(self, conn: Connection, fork: Callable[[], Awaitable[None]], sampling: pb.Sampling,
+                              prompt: list[int]) -> None:
+        """Fork; without the parent (a stage was lost meanwhile, or the parent expired) the child
+        computes the prompt but its last token itself, as any recovering session does."""
+        try:
+            await fork()
+        except PipelineError as err:
+            if not err.retryable or self.recovery_timeout_s <= 0:
+                raise
+            log.warning("request %s could not fork its prompt (%s); prefilling it", conn.request_id, err)
+            await self._reconnect(conn, sampling, prompt[:-1], time.monotonic() + self.recovery_timeout_s, err)
+
+    async def _reconnect(self, conn: Connection, sampling: pb.Sampling, prefix: list[int], deadline: float,
+                         cause: PipelineError) -> None:
+        await conn.close()
+        while time.monotonic() < deadline:
+            if await self.pipeline.is_ready():
+                conn.open()
+                try:
+                    if prefix:
+                        await self.prefill(conn, prefix, sampling, want_prediction=False)
+                    else:  # the session's next frame is its first: it carries the sampling
+                        conn.frame.sampling.CopyFrom(sampling)
+                    return
+                except PipelineError as err:
+                    if not err.retryable:
+                        raise
+                    await conn.close()
+            await asyncio.sleep(0.1)
+        raise PipelineError(cause.code, f"the pipeline did not recover within {self.recovery_timeout_s:.0f}s "
+                                        f"after: {cause}")
+
+    # ---- the frames ------------------------------------------------------------------------------
+
+    async def prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling, want_prediction: bool = True,
+                      prompt_logprobs: bool = False) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
+        """Feed the prompt in chunks; the last chunk's prediction holds the first new token.
+        With prompt_logprobs every chunk asks for its tokens' logprobs (a Prediction each)."""
+        session, frame = conn.session, conn.frame
+        chunk = self.prefill_chunk
+        frame.kind = pb.PREFILL
+        frame.sampling.CopyFrom(sampling)
+        frame.prompt_logprobs = prompt_logprobs
+        prediction = None
+        scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start : start + chunk]
+            frame.pos_start = start
+            frame.token_count = len(piece)
+            frame.token_ids[:] = piece
+            frame.want_prediction = want_prediction and (prompt_logprobs or start + chunk >= len(prompt))
+            frame.seq += 1
+            prediction = await session.send(frame)
+            frame.ClearField("sampling")  # stages keep the parameters they saw last
+            if scored is not None:
+                scored.extend(converted(prediction.prompt_logprobs))
+        frame.want_prediction = frame.prompt_logprobs = False
+        return prediction, scored
+
+    async def _send_fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
+        frame = conn.frame
+        frame.kind, frame.parent_session_id = pb.FORK, parent
+        frame.pos_start, frame.token_count = len(prompt) - 1, 0
+        frame.sampling.CopyFrom(sampling)
+        frame.seq += 1
+        try:
+            await conn.session.send(frame)
+        finally:
+            frame.parent_session_id = ""
+            frame.ClearField("sampling")
+
+    async def send_step(self, conn: Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
+        """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
+        session, frame = conn.session, conn.frame
+        # Proposals are computed on the event loop's thread, draft models included: a second
+        # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
+        started = time.perf_counter()
+        proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
+        proposed = time.perf_counter()
+        frame.pos_start = len(history) - 1
+        frame.seq += 1
+        if self.debug_telemetry:
+            frame.sent_ns = time.time_ns()
+        if proposal is None or not proposal.tokens:
+            frame.kind = pb.DECODE
+            frame.token_count = 1
+            frame.token_ids[:] = history[-1:]
+            frame.draft_probs = b""
+            prediction = await session.send(frame)
+            frame.ClearField("sampling")
+            round_trip = time.perf_counter() - proposed
+            if proposer is not None:
+                proposer.observe(0, 0, proposed - started, round_trip)
+            if self.metrics is not None:
+                self.metrics.record_step("decode", None if proposer is None else proposed - started, round_trip)
+            return prediction
+        room = self.max_context - len(history)
+        drafts = proposal.tokens[: max(0, room - 1)]
+        frame.kind = pb.VERIFY
+        frame.token_count = 1 + len(drafts)
+        frame.token_ids[:] = history[-1:] + drafts
+        frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
+        prediction = await session.send(frame)
+        frame.ClearField("sampling")
+        round_trip = time.perf_counter() - proposed
+        proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
+        if self.metrics is not None:
+            self.metrics.record_step("verify", proposed - started, round_trip)
+        if self.debug_telemetry:
+            log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
+                      len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
+        return prediction
+
+
+def converted(entries) -> list[TokenLogprob]:
+    """Logprob entries from the wire as TokenLogprobs."""
+    return [TokenLogprob(e.token, e.logprob, tuple(zip(e.top_tokens, e.top_logprobs, strict=True))) for e in entries]
