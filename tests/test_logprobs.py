@@ -17,7 +17,7 @@ from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.speculative import resolve_speculation
+from inferencemesh.frontend.proposers.build import resolve_speculation
 
 TARGET = bundled_path(DEFAULT_MODEL)
 CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \

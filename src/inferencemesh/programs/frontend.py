@@ -34,7 +34,7 @@ def build_pipeline(config: FrontendConfig, first_stage_runtime=None, metrics=Non
 
 def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
     from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-    from inferencemesh.frontend.speculative import resolve_speculation
+    from inferencemesh.frontend.proposers.build import resolve_speculation
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)

@@ -98,7 +98,7 @@ class EngineUnderTest:
 
 def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer, dtype: str, max_context: int) -> dict:
     """Each strategy other than none, resolved as the frontend resolves it."""
-    from inferencemesh.frontend.speculative import resolve_speculation
+    from inferencemesh.frontend.proposers.build import resolve_speculation
 
     setups = {}
     for strategy in strategies:
