@@ -18,8 +18,8 @@ from wire import exchange, failures
 
 from inferencemesh.config import StageConfig
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
 from inferencemesh.stage.server import start_stage_server
 
@@ -63,7 +63,7 @@ def servers(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("fuzz") / "m", "llama", num_layers=2, shards=1,
                              hidden_size=32, intermediate_size=64)
     s = TwoStageServers(model)
-    s.expected = generate(LocalPipeline(s.runtimes), PROMPT, 30, temperature=0.0)
+    s.expected = generate(in_process_pipeline(s.runtimes), PROMPT, 30, temperature=0.0)
     yield s
     s.close()
 

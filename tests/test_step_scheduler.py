@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from inferencemesh.frontend.pipeline import next_microbatch
+from inferencemesh.frontend.scheduler import next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb
 
 

@@ -13,6 +13,16 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
 ]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """The options of every channel into a stage (the frontend's and a stage's to the next)."""
+    return list(GRPC_OPTIONS)
+
+
+def server_options() -> list[tuple[str, int]]:
+    """The options of a stage's gRPC server."""
+    return list(GRPC_OPTIONS)
 # The last stage acknowledges RELEASE once every stage has freed the session; the frontend
 # waits this long for it (a stage that is gone frees its sessions itself when its stream
 # breaks). The acknowledgement is what lets the frontend hand a freed slot to the next request

@@ -2,9 +2,9 @@
 session's tokens, which the penalties look at.
 
 A session exists from its first frame until RELEASE, the end of the stream that opened it, an
-idle TTL, or the stage's restart. A FORK
-frame makes a new session a copy of another's first positions (fork_refusal, fork): the gRPC
-server and the in-process pipeline both go through these two functions.
+idle TTL, or the stage's restart. A FORK frame makes a new session a copy of another's first
+positions (fork_refusal, fork). The stage's worker (worker.py) holds the table and is the only
+code that changes a session.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.stage.inprocess import LocalPipeline
+    from inferencemesh.programs.mesh import in_process_pipeline
     from inferencemesh.stage.runtime import StageRuntime
 
     torch.set_grad_enabled(False)
@@ -284,8 +284,8 @@ def run_bench(args: argparse.Namespace) -> int:
         pipelines = []  # (label, stage count, pipeline, this process's threads while it runs)
         for count in stage_counts:
             if count == 1:  # one process: the whole model in-process, whatever the form
-                whole = LocalPipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
-                                                    max_context=max_context)])
+                whole = in_process_pipeline([StageRuntime(model_dir, 0, facts.num_layers, dtype=dtype_name,
+                                                          max_context=max_context)])
                 pipelines.append(("in-process-1-stage", 1, whole, threads))
                 # The split's baseline: one stage with the compute each stage of the split has (its
                 # share of the cores), as one GPU against one GPU per stage.
