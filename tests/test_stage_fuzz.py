@@ -4,7 +4,6 @@ the right tokens."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import grpc
@@ -14,14 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mesh_helpers import generate
 from tiny_models import write_tiny_model
-from wire import exchange, failures
+from wire import StageServers, exchange, failures
 
-from inferencemesh.config import StageConfig
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import start_stage_server
 
 pytestmark = pytest.mark.slow
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
@@ -29,40 +25,11 @@ CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-class TwoStageServers:
-    """Stage 0 and stage 1 of a tiny model, real gRPC servers on loopback, in a background loop."""
-
-    def __init__(self, model) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.runtimes = [StageRuntime(model, 0, 1, max_context=128), StageRuntime(model, 1, 2, max_context=128)]
-        self.servers, self.ports = [], []
-        for index in (1, 0):
-            downstream = f"127.0.0.1:{self.ports[0]}" if index == 0 else None
-            options = StageConfig(model=str(model), layers=(index, index + 1), stage_index=index,
-                                   num_stages=2, host="127.0.0.1", port=0, downstream=downstream, max_sessions=64,
-                                   max_context=128)
-            server, service, port = asyncio.run_coroutine_threadsafe(
-                start_stage_server(options, runtime=self.runtimes[index]), self.loop).result(30)
-            self.servers.append((server, service))
-            self.ports.insert(0, port)
-
-    @property
-    def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.ports]
-
-    def close(self) -> None:
-        for server, service in self.servers:
-            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(10)
-            asyncio.run_coroutine_threadsafe(service.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("fuzz") / "m", "llama", num_layers=2, shards=1,
                              hidden_size=32, intermediate_size=64)
-    s = TwoStageServers(model)
+    s = StageServers(model, [(0, 1), (1, 2)])
     s.expected = generate(in_process_pipeline(s.runtimes), PROMPT, 30, temperature=0.0)
     yield s
     s.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from inferencemesh.protocol.transport import RELEASE_ACK_TIMEOUT_S, expects_ack,
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
+
+log = logging.getLogger("inferencemesh.frontend.scheduler")
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -74,7 +77,21 @@ class StepScheduler:
         self.failure: PipelineError | None = None  # the stream broke: every session on it is lost
         self._seq = 0
         self._wake = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._send_batches()), asyncio.create_task(self._read_results())]
+        self._tasks = [asyncio.create_task(self._send_batches(), name="step-scheduler-sender"),
+                       asyncio.create_task(self._read_results(), name="step-scheduler-reader")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        """Either task ends only through _break (which cancels both) or with the stream: one that
+        ends otherwise (a bug) would leave every session waiting out its step timeout with
+        nothing said. It is logged, and the stream breaks: its sessions fail now and replay."""
+        if task.cancelled() or self.failure is not None:
+            return
+        err = task.exception()
+        log.error("the step scheduler's %s ended unexpectedly", task.get_name(), exc_info=err)
+        self._break(PipelineError(grpc.StatusCode.INTERNAL, f"the step scheduler's {task.get_name()} ended "
+                                  f"unexpectedly: {type(err).__name__ if err else 'returned'}: {err}"))
 
     def submit(self, waiting: _Waiting) -> None:
         if self.failure is not None:

@@ -10,6 +10,7 @@ rest on the event loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSessio
 
 if TYPE_CHECKING:
     from inferencemesh.stage.runtime import StageRuntime
+
+log = logging.getLogger("inferencemesh.stage")
 
 Job = tuple[StageSession, pb.Frame, torch.Tensor]  # a frame to compute, with its session and input rows
 
@@ -195,6 +198,10 @@ class StageWorker:
                 results[index] = decide(session, frame, out, rt.vocab_size) if self.is_last and out is not None else out
             except Fault as fault:
                 results[index] = fault
+            except Exception as err:  # whatever else deciding one frame raises is that frame's alone too
+                log.exception("session %s: deciding a %s frame failed", frame.session_id, KIND_NAMES[frame.kind])
+                results[index] = Fault(grpc.StatusCode.INTERNAL, f"deciding the frame failed: {type(err).__name__}: "
+                                                                 f"{err}")
         return results
 
     def _count(self, jobs: list[Job], runnable: list[int], seconds: float) -> None:

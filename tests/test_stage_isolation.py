@@ -1,0 +1,53 @@
+"""A stage keeps one frame's trouble to that frame: whatever makes its pass or its decision fail
+fails it alone, over real gRPC, and the good frames of the same batch get their answers."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tiny_models import write_tiny_model
+from wire import StageServers, exchange, failures
+
+from inferencemesh.protocol import stage_pb2 as pb
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("iso") / "m", "llama", num_layers=2, shards=1,
+                            hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def one_stage(model):
+    servers = StageServers(model, [(0, 2)])
+    yield servers
+    servers.close()
+
+
+def prefill(session: str, **sampling) -> pb.Frame:
+    frame = pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
+                     want_prediction=True, seq=1)
+    if sampling:
+        frame.sampling.CopyFrom(pb.Sampling(**sampling))
+    return frame
+
+
+def answer_alone(address: str, good: pb.Frame) -> list[int]:
+    results, status = exchange(address, [{"frames": [good]}])
+    assert status == grpc.StatusCode.OK and not results[0].failures
+    return list(results[0].predictions[0].tokens)
+
+
+def test_a_frame_whose_decision_raises_fails_alone(one_stage) -> None:
+    """An out-of-vocabulary logit_bias id makes the last stage's sampling raise (not a Fault): the
+    frame beside it in the same batch still gets its token, the same as alone."""
+    address = one_stage.addresses[0]
+    good = prefill("good", temperature=0.0)
+    alone = answer_alone(address, good)
+    bad = prefill("bad", temperature=0.7, seed=1, logit_bias={2 ** 31 - 1: 1.0})
+    results, status = exchange(address, [{"frames": [bad, prefill("good2", temperature=0.0)]}])
+    assert status == grpc.StatusCode.OK
+    assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good2", alone)]
+    assert [f.session_id for f in results[0].failures] == ["bad"], failures(results[0])
