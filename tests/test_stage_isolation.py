@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 from tiny_models import write_tiny_model
 from wire import StageServers, exchange, failures
 
@@ -51,3 +52,46 @@ def test_a_frame_whose_decision_raises_fails_alone(one_stage) -> None:
     assert status == grpc.StatusCode.OK
     assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good2", alone)]
     assert [f.session_id for f in results[0].failures] == ["bad"], failures(results[0])
+
+
+POISONS = {  # sampling that the kernels cannot take (each made a pass raise, failing its whole batch)
+    "temperature": {"temperature": float("nan")},
+    "presence_penalty": {"temperature": 0.7, "presence_penalty": float("inf")},
+    "repetition_penalty": {"temperature": 0.7, "repetition_penalty": 1e-40},  # a float32 denormal
+    "logit_bias id": {"temperature": 0.7, "logit_bias": {2 ** 31 - 1: 1.0}},
+    "stop_token_ids": {"temperature": 0.7, "min_tokens": 4, "stop_token_ids": [10 ** 6]},
+    "top_p": {"temperature": 0.7, "top_p": float("nan")},
+    "top_k": {"temperature": 0.7, "top_k": -3},
+}
+
+
+@pytest.mark.parametrize("field", POISONS)
+def test_the_stage_refuses_sampling_it_cannot_take_and_the_frame_beside_it_goes_on(one_stage, field) -> None:
+    address = one_stage.addresses[0]
+    alone = answer_alone(address, prefill("alone", temperature=0.0))
+    bad = prefill("bad", seed=1, **POISONS[field])
+    results, status = exchange(address, [{"frames": [prefill("good", temperature=0.0), bad]}])
+    assert status == grpc.StatusCode.OK
+    assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good", alone)]
+    (code, message), = failures(results[0])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field.split()[0] in message, message
+
+
+def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_alone(one_stage) -> None:
+    address = one_stage.addresses[0]
+    vocab = one_stage.runtimes[0].vocab_size
+    sampled = {"temperature": 0.8, "seed": 3}
+    start = [{"frames": [prefill("v-good", **sampled), prefill("v-bad", **sampled)]}]
+
+    def verify(session: str, probs: torch.Tensor) -> pb.Frame:
+        return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=2, token_ids=[5, 6],
+                        draft_probs=probs.numpy().tobytes(), seq=2)
+
+    fine = torch.full((1, vocab), 1.0 / vocab)
+    poisoned = fine.clone()
+    poisoned[0, 3] = float("nan")
+    results, status = exchange(address, start + [{"frames": [verify("v-good", fine), verify("v-bad", poisoned)]}])
+    assert status == grpc.StatusCode.OK and not results[0].failures
+    assert [p.session_id for p in results[1].predictions] == ["v-good"]
+    (code, message), = failures(results[1])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_probs" in message

@@ -209,9 +209,16 @@ class StageService:
             return await self._on_compute_thread(run)
         except Fault as fault:
             return [fault] * len(jobs)
-        except Exception as err:  # the pass itself failed: every frame in it fails, the stage goes on
+        except Exception as err:
+            if len(jobs) > 1:
+                # The frames were checked before the pass, yet it failed: compute each alone, so
+                # that only the frame that makes it fail fails (pos_start is authoritative: a
+                # frame computed again overwrites what the failed pass left in its cache).
+                log.warning("stage %d: a pass of %d frames failed (%s: %s); computing them one by one",
+                            self.index, len(jobs), type(err).__name__, err)
+                return [out for job in jobs for out in await self._compute([job])]
             log.exception("stage %d: a forward pass failed", self.index)
-            return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")] * len(jobs)
+            return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")]
 
     async def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) where this stage computes. A stage inside another process computes inline, on

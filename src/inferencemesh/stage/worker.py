@@ -65,6 +65,7 @@ class StageWorker:
     def begin_fork(self, frame: pb.Frame) -> tuple[StageSession, StageSession]:
         """(parent, new child) of a FORK frame; a refused fork creates nothing (and leaves the
         parent and any session of that id alone). finish_fork copies the parent into the child."""
+        self.check_payload(frame)
         parent = self.sessions.get(frame.parent_session_id)
         refusal = fork_refusal(frame, parent, self.sessions.get(frame.session_id))
         if refusal is not None:
@@ -133,14 +134,24 @@ class StageWorker:
                         f"frame has {len(frame.token_ids)} token ids but token_count {n}")
         if frame.kind == pb.VERIFY and n < 2:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "a VERIFY frame holds the last token and at least one draft")
+        self.check_payload(frame)
         if self.is_first:
-            ids = torch.tensor(frame.token_ids, dtype=torch.long)
-            if int(ids.min()) < 0 or int(ids.max()) >= rt.vocab_size:
-                raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary [0, {rt.vocab_size})")
-            return ids
+            return torch.tensor(frame.token_ids, dtype=torch.long)
         if hidden is None:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "a stage after the first needs the frame's hidden states")
         return hidden
+
+    def check_payload(self, frame: pb.Frame) -> None:
+        """A stage trusts no sender: every id a frame carries indexes the vocabulary (the embedding,
+        the penalties' counts, the verified drafts) and its sampling is one the kernels can take.
+        Checked before the pass, so that no frame's values can make the pass itself raise."""
+        vocab = self.runtime.vocab_size
+        if frame.token_ids and (min(frame.token_ids) < 0 or max(frame.token_ids) >= vocab):
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"token id outside the vocabulary [0, {vocab})")
+        if frame.HasField("sampling"):
+            refusal = params.refusal(frame.sampling, vocab)
+            if refusal is not None:
+                raise Fault(grpc.StatusCode.INVALID_ARGUMENT, refusal)
 
     def pack(self, seq: int, failures: list[pb.Failure], computed: list[tuple[pb.Frame, object]],
              carried: list[pb.Frame]) -> pb.Batch | pb.BatchResult:
