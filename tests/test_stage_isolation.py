@@ -1,15 +1,19 @@
-"""A stage keeps one frame's trouble to that frame: whatever makes its pass or its decision fail
-fails it alone, over real gRPC, and the good frames of the same batch get their answers."""
+"""A stage keeps one frame's trouble to that frame, over real gRPC: whatever makes its pass or its
+decision fail fails it alone, the good frames of the same batch get their answers, and a
+stream's sessions are its own."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 import torch
 from tiny_models import write_tiny_model
-from wire import StageServers, exchange, failures
+from wire import RawStream, StageServers, exchange, failures
 
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
@@ -95,3 +99,34 @@ def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_
     assert [p.session_id for p in results[1].predictions] == ["v-good"]
     (code, message), = failures(results[1])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_probs" in message
+
+
+def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:
+    """Another stream that knows its id can neither compute in it, overwrite, fork nor release it."""
+    async def go() -> tuple[list[tuple[grpc.StatusCode, str]], int]:
+        async with grpc.aio.insecure_channel(one_stage.addresses[0]) as channel:
+            stub = pb_grpc.StageStub(channel)
+            owner, intruder = RawStream(stub), RawStream(stub)
+            opened = await owner.exchange(prefill("mine", temperature=0.0))
+            assert not opened.failures
+            position = len(PROMPT) + 1
+            attempts = [
+                pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT), token_count=1, token_ids=[5], seq=2),
+                prefill("mine", temperature=0.0),  # a new prompt over it
+                pb.Frame(session_id="theirs", parent_session_id="mine", kind=pb.FORK, pos_start=3, seq=1),
+                pb.Frame(session_id="mine", kind=pb.RELEASE, seq=3),
+            ]
+            refused = []
+            for frame in attempts:
+                refused += failures(await intruder.exchange(frame))
+            # the owner's session is untouched: it decodes on from where it was
+            going_on = await owner.exchange(pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT),
+                                                     token_count=1, token_ids=[5], want_prediction=True, seq=2))
+            assert not going_on.failures and going_on.predictions[0].pos_start == position
+            await intruder.close()
+            await owner.close()
+            return refused, len(attempts)
+
+    refused, attempts = asyncio.run(go())
+    assert [code for code, _ in refused] == [grpc.StatusCode.PERMISSION_DENIED] * attempts, refused
+    assert all("belongs to another stream" in message for _, message in refused)

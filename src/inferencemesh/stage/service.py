@@ -31,6 +31,7 @@ from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
 from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
 from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import Owner
 from inferencemesh.stage.worker import Job, StageWorker
 
 log = logging.getLogger("inferencemesh.stage")
@@ -147,8 +148,8 @@ class StageService:
 
     # ---- per batch -------------------------------------------------------------------------
 
-    async def step(self, batch: pb.Batch, owned: set[str]) -> pb.Batch | pb.BatchResult:
-        """Carry out one batch of the stream whose sessions are `owned` (which it updates).
+    async def step(self, batch: pb.Batch, owner: Owner) -> pb.Batch | pb.BatchResult:
+        """Carry out one batch of `owner`'s stream (its sessions, and the ones it opens here).
         Returns what goes on: the batch for the next stage, or on the last stage the BatchResult."""
         worker = self.worker
         if worker is None:
@@ -166,23 +167,21 @@ class StageService:
                                 f"two frames of session {frame.session_id!r} in one batch")
                 seen.add(frame.session_id)
                 if frame.kind == pb.RELEASE:
-                    self.release(frame.session_id, owned)
+                    worker.release(frame.session_id, owner)
                     carried.append(frame)
                 elif frame.kind == pb.FORK:
-                    await self._fork(frame)
-                    owned.add(frame.session_id)
+                    await self._fork(frame, owner)
                     carried.append(frame)
                 else:
-                    session = worker.bind(frame)
-                    owned.add(frame.session_id)
+                    session = worker.bind(frame, owner)
                     jobs.append((session, frame, worker.inputs(frame, hidden)))
             except Fault as fault:
-                failures.append(self._failed(frame, fault, owned))
+                failures.append(self._failed(frame, fault, owner))
         outs = await self._compute(jobs)
         computed = []
         for (_, frame, _), out in zip(jobs, outs, strict=True):
             if isinstance(out, Fault):
-                failures.append(self._failed(frame, out, owned))
+                failures.append(self._failed(frame, out, owner))
             else:
                 computed.append((frame, out))
             if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
@@ -227,17 +226,15 @@ class StageService:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
-    async def _fork(self, frame: pb.Frame) -> None:
-        parent, child = self.worker.begin_fork(frame)
+    async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
+        parent, child = self.worker.begin_fork(frame, owner)
         # a copy is device work: on the compute thread, between passes
         await self._on_compute_thread(self.worker.finish_fork, parent, child, frame)
         self.metrics.frames_by_kind[KIND_NAMES[pb.FORK]].inc()
 
-    def _failed(self, frame: pb.Frame, fault: Fault, owned: set[str]) -> pb.Failure:
+    def _failed(self, frame: pb.Frame, fault: Fault, owner: Owner) -> pb.Failure:
         self.metrics.error(fault.code.name)
-        if fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            owned.discard(frame.session_id)
-        return self.worker.failure(frame, fault, self.index)
+        return self.worker.failure(frame, fault, self.index, owner)
 
     def _trace(self, frame: pb.Frame) -> None:
         waited_ms = (time.time_ns() - frame.sent_ns) / 1e6 if frame.sent_ns else float("nan")
@@ -246,15 +243,10 @@ class StageService:
 
     # ---- sessions beyond one batch ---------------------------------------------------------
 
-    def release(self, session_id: str, owned: set[str]) -> None:
-        owned.discard(session_id)
-        if self.worker is not None:
-            self.worker.release(session_id)
-
-    def release_all(self, owned: set[str]) -> None:
+    def release_all(self, owner: Owner) -> None:
         """A stream ended: free the sessions it opened."""
-        for session_id in list(owned):
-            self.release(session_id, owned)
+        if self.worker is not None:
+            self.worker.release_all(owner)
         self.publish_totals()
 
     def publish_totals(self) -> None:
@@ -284,7 +276,7 @@ class StageService:
                 continue
             for session_id in self.worker.sessions.expired():
                 log.info("dropping idle session %s after %.0fs", session_id, self.options.session_ttl)
-                self.worker.release(session_id)
+                self.worker.sessions.release(session_id)
             self.publish_totals()
 
     async def close(self) -> None:

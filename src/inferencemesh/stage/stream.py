@@ -21,6 +21,7 @@ from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault, PipelineError
 from inferencemesh.protocol.streams import BatchStream
 from inferencemesh.stage.service import StageService
+from inferencemesh.stage.sessions import Owner
 
 Emit = Callable[[pb.BatchResult], Awaitable[None]]  # sends a result up the upstream stream
 
@@ -91,7 +92,7 @@ class StageStream:
         self.emit = emit
         self.next_stage = next_stage
         self.inbox: asyncio.Queue = asyncio.Queue()  # batches, _END, and a broken link's Fault
-        self.owned: set[str] = set()  # the sessions this stream opened
+        self.owner = Owner()  # the sessions this stream opened are its alone
 
     def put(self, batch: pb.Batch) -> None:
         self.inbox.put_nowait(batch)
@@ -111,7 +112,7 @@ class StageStream:
                     return
                 if isinstance(item, Fault):
                     raise item
-                out = await service.step(item, self.owned)
+                out = await service.step(item, self.owner)
                 if service.is_last:
                     await self.emit(out)
                     continue
@@ -130,6 +131,6 @@ class StageStream:
         finally:
             # the sender went away: free what it held (before any await: a cancelled stream may
             # not get past one)
-            service.release_all(self.owned)
+            service.release_all(self.owner)
             if link is not None:
                 await link.close()

@@ -24,7 +24,7 @@ from inferencemesh.protocol.errors import Fault
 from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
 from inferencemesh.stage.decide import decide
 from inferencemesh.stage.metrics import StageMetrics
-from inferencemesh.stage.sessions import SessionsFull, SessionTable, StageSession, fork, fork_refusal
+from inferencemesh.stage.sessions import Owner, SessionsFull, SessionTable, StageSession, fork, fork_refusal
 
 if TYPE_CHECKING:
     from inferencemesh.stage.runtime import StageRuntime
@@ -46,32 +46,41 @@ class StageWorker:
 
     # ---- sessions --------------------------------------------------------------------------
 
-    def bind(self, frame: pb.Frame) -> StageSession:
-        """The session a computing frame runs in: its own, or a new one at position 0."""
+    def _session_of(self, session_id: str, owner: Owner) -> StageSession | None:
+        """The session of this id if `owner` opened it, None if there is none; another stream's
+        is a Fault (and stays as it is)."""
+        session = self.sessions.get(session_id)
+        if session is not None and session.owner is not owner:
+            raise Fault(grpc.StatusCode.PERMISSION_DENIED, f"session {session_id!r} belongs to another stream")
+        return session
+
+    def bind(self, frame: pb.Frame, owner: Owner) -> StageSession:
+        """The session a computing frame runs in: its stream's own, or a new one at position 0."""
         if not frame.session_id:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "frame without session_id")
         if frame.kind not in KIND_NAMES:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
-        existing = self.sessions.get(frame.session_id)
+        existing = self._session_of(frame.session_id, owner)
         if (existing is None or existing.kv is None) and frame.pos_start != 0:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
                         f"unknown session {frame.session_id!r} at position {frame.pos_start} (expired, released or "
                         "the stage restarted): prefill it again from position 0")
         try:
-            return self.sessions.open(frame.session_id)
+            return self.sessions.open(frame.session_id, owner)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
 
-    def begin_fork(self, frame: pb.Frame) -> tuple[StageSession, StageSession]:
-        """(parent, new child) of a FORK frame; a refused fork creates nothing (and leaves the
-        parent and any session of that id alone). finish_fork copies the parent into the child."""
+    def begin_fork(self, frame: pb.Frame, owner: Owner) -> tuple[StageSession, StageSession]:
+        """(parent, new child) of a FORK frame, both the stream's; a refused fork creates nothing
+        (and leaves the parent and any session of that id alone). finish_fork copies the parent."""
         self.check_payload(frame)
-        parent = self.sessions.get(frame.parent_session_id)
-        refusal = fork_refusal(frame, parent, self.sessions.get(frame.session_id))
+        target = self._session_of(frame.session_id, owner)
+        parent = self._session_of(frame.parent_session_id, owner) if frame.parent_session_id else None
+        refusal = fork_refusal(frame, parent, target)
         if refusal is not None:
             raise refusal
         try:
-            return parent, self.sessions.open(frame.session_id)
+            return parent, self.sessions.open(frame.session_id, owner)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FORK refused: {err}") from err
 
@@ -80,17 +89,26 @@ class StageWorker:
         try:
             fork(parent, child, frame, self.runtime.new_session)
         except BaseException:
-            self.release(child.session_id)
+            self.sessions.release(child.session_id)
             raise
 
-    def release(self, session_id: str) -> None:
-        self.sessions.release(session_id)
+    def release(self, session_id: str, owner: Owner) -> None:
+        """RELEASE: free the stream's session (one it does not hold: nothing to do)."""
+        if self._session_of(session_id, owner) is not None:
+            self.sessions.release(session_id)
 
-    def failure(self, frame: pb.Frame, fault: Fault, stage_index: int) -> pb.Failure:
+    def release_all(self, owner: Owner) -> None:
+        """The stream ended: free every session it opened."""
+        for session_id in list(owner.sessions):
+            self.sessions.release(session_id)
+
+    def failure(self, frame: pb.Frame, fault: Fault, stage_index: int, owner: Owner) -> pb.Failure:
         """A frame's failure. Its session is dropped here (the frontend replays it as a new one),
-        unless the stage only had no room for it yet: the frontend then waits and retries."""
-        if fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.release(frame.session_id)
+        unless the stage only had no room for it yet (the frontend then waits and retries) or the
+        session is another stream's."""
+        session = self.sessions.get(frame.session_id)
+        if fault.code != grpc.StatusCode.RESOURCE_EXHAUSTED and session is not None and session.owner is owner:
+            self.sessions.release(frame.session_id)
         return pb.Failure(session_id=frame.session_id, seq=frame.seq, kind=frame.kind, code=fault.code.value[0],
                           message=fault.message, stage_index=stage_index)
 
