@@ -38,6 +38,11 @@ class Pipeline:
         self.metrics = metrics
         self._scheduler: StepScheduler | None = None
 
+    @property
+    def scheduler(self) -> StepScheduler | None:
+        """The step scheduler of the current stream into stage 0 (None before the first session)."""
+        return self._scheduler
+
     def connect(self) -> None:
         """What reaching the stages takes belongs to the event loop that makes it: made on first
         use (or call this on the serving loop at start-up: a stage in this process then begins
