@@ -56,7 +56,7 @@ class StageService:
                  compute: Executor | None = None) -> None:
         self.options = options
         self.metrics = metrics or StageMetrics(served_name(options.model, options.served_model_name),
-                                               options.stage_index)
+                                               options.stage_index, host=options.host)
         self.index = options.stage_index
         self.is_first = options.stage_index == 0
         self.is_last = options.stage_index == options.num_stages - 1
@@ -285,4 +285,6 @@ class StageService:
             self._sweeper = None
         for closer in self.on_close:
             await closer()
+        if self.metrics.endpoint is not None:
+            self.metrics.endpoint.close()
         self.compute.shutdown(wait=False, cancel_futures=True)
