@@ -36,11 +36,11 @@ def embedded_pipeline(model_dir: Path, mesh: LocalStages, *, max_context: int = 
     """The frontend's pipeline for a mesh started with embed_first: stage 0 in this process (built
     from a FrontendConfig as `inferencemesh frontend` builds it), then the mesh's processes."""
     from inferencemesh.config import FrontendConfig
-    from inferencemesh.programs.frontend import build_pipeline
+    from inferencemesh.programs.mesh import frontend_pipeline
 
     config = FrontendConfig(model=str(model_dir), stage_addresses=tuple(mesh.addresses), max_context=max_context,
                             first_stage_layers=mesh.first_stage_layers, **settings).check()
-    return build_pipeline(config)
+    return frontend_pipeline(config)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], new_tokens: int) -> list[int]:

@@ -13,7 +13,7 @@ from tiny_models import FAMILIES, write_tiny_model
 from inferencemesh.config import StageConfig
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.stage.inprocess import LocalPipeline
+from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.stage.runtime import Segment, StageRuntime
 from inferencemesh.stage.server import start_stage_server
 
@@ -66,7 +66,7 @@ def test_concurrent_sessions_are_batched_and_exact(models) -> None:
     exactly the tokens it gets alone."""
     model = models["llama"]
     prompts = [[(13 * i + 7 * j) % 250 for j in range(5 + 3 * i)] for i in range(6)]
-    alone = [generate(LocalPipeline([StageRuntime(model, 0, 3, max_context=128)]), p, 20, max_context=128,
+    alone = [generate(in_process_pipeline([StageRuntime(model, 0, 3, max_context=128)]), p, 20, max_context=128,
                       temperature=0.0) for p in prompts]
 
     async def go():

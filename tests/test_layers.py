@@ -5,10 +5,8 @@ blind to each other's internals, the programs over everything.
     stage | frontend | operator                  (none imports another, nor the top)
     protocol, modeling, planner, checkpoint, sampling, config, speculation, tls, bundled
 
-A module's layer is its path under src/inferencemesh (import names are paths).
-
-One declared exception: the frontend may import inferencemesh.stage.embedded, the stage's entry
-point for running the first stage inside the frontend process (and nothing else of the stage).
+A module's layer is its path under src/inferencemesh (import names are paths). There is no
+exception: a stage in the frontend's process is joined to it by a program (programs/mesh.py).
 """
 
 from __future__ import annotations
@@ -24,13 +22,8 @@ LIBRARIES = {"stage", "frontend", "operator"}
 TOP = {"programs", "__main__"}
 
 
-EMBEDDED_STAGE = "inferencemesh.stage.embedded"
-
-
 def layer_of(module: str) -> str:
     """'inferencemesh.stage.server' -> 'stage'; bottom modules -> 'bottom'."""
-    if module == EMBEDDED_STAGE or module.startswith(EMBEDDED_STAGE + "."):
-        return "embedded-stage"
     parts = module.split(".")
     if parts[0] != "inferencemesh" or len(parts) == 1:
         return "external" if parts[0] != "inferencemesh" else "bottom"
@@ -62,8 +55,8 @@ def sources() -> list[tuple[str, Path]]:
 
 ALLOWED = {
     "bottom": {"bottom", "external"},
-    "stage": {"bottom", "external", "stage", "embedded-stage"},
-    "frontend": {"bottom", "external", "frontend", "embedded-stage"},
+    "stage": {"bottom", "external", "stage"},
+    "frontend": {"bottom", "external", "frontend"},
     "operator": {"bottom", "external", "operator"},
 }
 

@@ -12,9 +12,9 @@ from wire import STATUS, exchange, failures, hidden_batch
 
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
-from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -57,7 +57,7 @@ def test_four_stages_and_chunked_prefill_equal_unsplit(tiny) -> None:
 
 
 def test_seeded_sampling_same_through_two_stages_as_one(tiny, mesh2) -> None:
-    local = LocalPipeline([StageRuntime(tiny, 0, 4)])
+    local = in_process_pipeline([StageRuntime(tiny, 0, 4)])
     params = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     one = generate(local, PROMPT, 20, **params)
     two = generate(GrpcPipeline(mesh2.addresses), PROMPT, 20, **params)

@@ -15,8 +15,8 @@ from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.frontend.proposers.build import resolve_speculation
 from inferencemesh.frontend.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
+from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.speculation import WindowPolicy
-from inferencemesh.stage.inprocess import LocalPipeline
 from inferencemesh.stage.runtime import StageRuntime
 
 TARGET = bundled_path(DEFAULT_MODEL)
@@ -50,7 +50,7 @@ def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
     assert setups["draft"].strategy == "draft", setups["draft"].reason
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     for text in (CODE, PROSE):
-        outputs = run_all(lambda: LocalPipeline([runtime]), setups, tokenizer(text).input_ids)
+        outputs = run_all(lambda: in_process_pipeline([runtime]), setups, tokenizer(text).input_ids)
         assert all(out == outputs["none"] for out in outputs.values()), outputs
 
 
@@ -59,7 +59,7 @@ def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
 def test_every_strategy_is_exact_across_stages(tokenizer, setups, stages: int) -> None:
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     prompt = tokenizer(CODE).input_ids
-    expected = generate(LocalPipeline([runtime]), prompt, 40, max_context=512, temperature=0.0)
+    expected = generate(in_process_pipeline([runtime]), prompt, 40, max_context=512, temperature=0.0)
     mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32")
     try:
         outputs = run_all(lambda: GrpcPipeline(mesh.addresses), setups, prompt)
@@ -136,7 +136,7 @@ def test_every_strategy_is_exact_for_concurrent_streams_with_the_first_stage_emb
 
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     prompts = [tokenizer(text).input_ids for text in (CODE, PROSE, CODE[40:], PROSE[10:])]
-    expected = [generate(LocalPipeline([runtime]), p, 24, max_context=512, temperature=0.0) for p in prompts]
+    expected = [generate(in_process_pipeline([runtime]), p, 24, max_context=512, temperature=0.0) for p in prompts]
     mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32", embed_first=True)
 
     async def together(setup) -> list[list[int]]:

@@ -1,10 +1,11 @@
 """Property-based fuzzing of stage batches: every bad frame gets a clean gRPC status of its own
 (the stream stays up), and a well-formed session running at the same time still gets exactly
-the right tokens."""
+the right tokens. Frames carry random sampling (NaN, infinities, denormals, ids outside the
+vocabulary), FORKs name parents that exist, sequences of batches share one stream, and batches
+carry forged failures, which a stage relays as they are."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import grpc
@@ -14,89 +15,129 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mesh_helpers import generate
 from tiny_models import write_tiny_model
-from wire import exchange, failures
+from wire import StageServers, exchange, failures, hidden_batch
 
-from inferencemesh.config import StageConfig
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.stage.inprocess import LocalPipeline
-from inferencemesh.stage.runtime import StageRuntime
-from inferencemesh.stage.server import start_stage_server
 
 pytestmark = pytest.mark.slow
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
+         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED}
 PROMPT = [3, 14, 15, 92, 65, 35]
-
-
-class TwoStageServers:
-    """Stage 0 and stage 1 of a tiny model, real gRPC servers on loopback, in a background loop."""
-
-    def __init__(self, model) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.runtimes = [StageRuntime(model, 0, 1, max_context=128), StageRuntime(model, 1, 2, max_context=128)]
-        self.servers, self.ports = [], []
-        for index in (1, 0):
-            downstream = f"127.0.0.1:{self.ports[0]}" if index == 0 else None
-            options = StageConfig(model=str(model), layers=(index, index + 1), stage_index=index,
-                                   num_stages=2, host="127.0.0.1", port=0, downstream=downstream, max_sessions=64,
-                                   max_context=128)
-            server, service, port = asyncio.run_coroutine_threadsafe(
-                start_stage_server(options, runtime=self.runtimes[index]), self.loop).result(30)
-            self.servers.append((server, service))
-            self.ports.insert(0, port)
-
-    @property
-    def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.ports]
-
-    def close(self) -> None:
-        for server, service in self.servers:
-            asyncio.run_coroutine_threadsafe(server.stop(0), self.loop).result(10)
-            asyncio.run_coroutine_threadsafe(service.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     model = write_tiny_model(tmp_path_factory.mktemp("fuzz") / "m", "llama", num_layers=2, shards=1,
                              hidden_size=32, intermediate_size=64)
-    s = TwoStageServers(model)
-    s.expected = generate(LocalPipeline(s.runtimes), PROMPT, 30, temperature=0.0)
+    s = StageServers(model, [(0, 1), (1, 2)])
+    s.expected = generate(in_process_pipeline(s.runtimes), PROMPT, 30, temperature=0.0)
     yield s
     s.close()
 
 
+SESSION_IDS = st.sampled_from(["fz-a", "fz-b", ""]) | st.text(max_size=8)
+INT32 = st.integers(-2 ** 31, 2 ** 31 - 1)
+FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)  # NaN, ±inf and denormals too
+sampling = st.builds(
+    pb.Sampling,
+    temperature=FLOAT32 | st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=FLOAT32 | st.sampled_from([0.0, 0.9, 1.0]),
+    top_k=INT32 | st.integers(0, 10),
+    seed=st.integers(0, 2 ** 64 - 1),
+    presence_penalty=FLOAT32,
+    frequency_penalty=FLOAT32,
+    repetition_penalty=FLOAT32 | st.sampled_from([0.0, 1.0, 1.2]),
+    logit_bias=st.dictionaries(INT32 | st.integers(0, 400), FLOAT32, max_size=3),
+    min_tokens=st.integers(0, 2 ** 32 - 1),
+    stop_token_ids=st.lists(INT32 | st.integers(0, 400), max_size=3),
+    prompt_tokens=st.integers(0, 2 ** 32 - 1),
+    logprobs=st.booleans(),
+    top_logprobs=st.integers(0, 2 ** 32 - 1),
+)
 frames = st.builds(
     pb.Frame,
-    session_id=st.sampled_from(["fz-a", "fz-b", ""]) | st.text(max_size=8),
+    session_id=SESSION_IDS,
     kind=st.integers(-1, 6),
     pos_start=st.integers(0, 300),
     token_count=st.integers(0, 40),
     token_ids=st.lists(st.integers(-5, 400), max_size=40),
     want_prediction=st.booleans(),
+    prompt_logprobs=st.booleans(),
     draft_probs=st.binary(max_size=64),
+    sampling=st.none() | sampling,
+    parent_session_id=st.just("") | SESSION_IDS,  # FORKs name parents, sometimes their own stream's
+    seq=st.integers(0, 2 ** 64 - 1),
 )
+
+
+@st.composite
+def plausible_frames(draw) -> pb.Frame:
+    """Frames that pass the header checks (ids as many as token_count, positions a prefilled
+    session can take, real parents), so that their sampling and payload reach the pass."""
+    count = draw(st.integers(1, 3))
+    kind = draw(st.sampled_from([pb.PREFILL, pb.DECODE, pb.VERIFY, pb.FORK]))
+    count = max(count, 2) if kind == pb.VERIFY else count
+    return pb.Frame(session_id=draw(st.sampled_from(["fz-a", "fz-b", "fz-c"])), kind=kind,
+                    pos_start=draw(st.sampled_from([0, 3, len(PROMPT)])), token_count=0 if kind == pb.FORK else count,
+                    token_ids=[] if kind == pb.FORK else draw(st.lists(st.integers(0, 300), min_size=count,
+                                                                       max_size=count)),
+                    want_prediction=True, sampling=draw(st.none() | sampling),
+                    parent_session_id="fz-a" if kind == pb.FORK else "", seq=draw(st.integers(0, 9)),
+                    draft_probs=draw(st.just(b"") | st.binary(min_size=4, max_size=16)))
+
+
+frames = frames | plausible_frames()
+# Failures an upstream claims: a stage relays them as they are, whatever they say.
+forged_failures = st.lists(st.builds(pb.Failure, session_id=SESSION_IDS, seq=st.integers(0, 2 ** 64 - 1),
+                                     kind=st.integers(-1, 6), code=st.integers(0, 2 ** 32 - 1),
+                                     message=st.just("forged"), stage_index=st.integers(0, 2 ** 32 - 1)),
+                           max_size=2)
 batches = st.fixed_dictionaries({
     "frames": st.lists(frames, min_size=1, max_size=3),
     "dtype": st.integers(-1, 4),
     "hidden_size": st.integers(0, 64),
     "activations": st.binary(max_size=512),
+    "failures": forged_failures,
 })
 
 
-def _send(address: str, batch: dict) -> set[grpc.StatusCode]:
-    """The statuses of the batch's failed frames. The stream itself must stay up: bad frames fail alone."""
-    results, status = exchange(address, [batch], timeout=10)
-    assert status == grpc.StatusCode.OK and len(results) == 1, status
-    return {code for code, _ in failures(results[0])}
+def _send(address: str, sequence: list[dict]) -> set[grpc.StatusCode]:
+    """The statuses of the sequence's failed frames, sent as batches on one stream. The stream
+    itself must stay up (bad frames fail alone), and forged failures come back as they went."""
+    results, status = exchange(address, sequence, timeout=20)
+    assert status == grpc.StatusCode.OK and len(results) == len(sequence), status
+    codes = set()
+    for batch, result in zip(sequence, results, strict=True):
+        own = [f for f in result.failures if f.message != "forged"]
+        assert [f for f in result.failures if f.message == "forged"] == list(batch.get("failures", []))
+        codes |= {code for code, _ in failures(pb.BatchResult(failures=own))}
+    return codes
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=batches, target=st.sampled_from([0, 1]))
 def test_random_frames_get_clean_statuses(servers, batch, target) -> None:
-    codes = _send(servers.addresses[target], batch)
+    codes = _send(servers.addresses[target], [batch])
+    assert codes <= CLEAN, codes
+
+
+def _prefill(session: str) -> pb.Frame:
+    return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
+                    want_prediction=True, seq=1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sequence=st.lists(batches, min_size=1, max_size=4), target=st.sampled_from([0, 1]))
+def test_random_batch_sequences_on_one_stream_with_real_parents_get_clean_statuses(servers, sequence,
+                                                                                   target) -> None:
+    """Sessions that exist (prefilled first, so FORKs find their parents and later frames their
+    caches), then random batches on the same stream."""
+    opening = {"frames": [_prefill("fz-a"), _prefill("fz-b")]}
+    if target == 1:
+        opening = hidden_batch(opening["frames"], 32)
+    codes = _send(servers.addresses[target], [opening, *sequence])
     assert codes <= CLEAN, codes
 
 
@@ -110,7 +151,7 @@ def test_well_formed_session_stays_exact_under_fuzzing(servers) -> None:
             junk = {"frames": [pb.Frame(session_id="junk", kind=pb.PREFILL, pos_start=0, token_count=n)],
                     "dtype": pb.F32, "hidden_size": 32,
                     "activations": bytes(int(torch.randint(0, 400, (1,), generator=rng)))}
-            assert _send(servers.addresses[1], junk) <= CLEAN
+            assert _send(servers.addresses[1], [junk]) <= CLEAN
 
     worker = threading.Thread(target=fuzz, daemon=True)
     worker.start()

@@ -1,11 +1,20 @@
-"""The frontend's step scheduler: how waiting frames become microbatches."""
+"""The frontend's step scheduler: how waiting frames become microbatches (its pure rule), and the
+class itself over a stream: its in-flight limit, a broken stream, and either of its tasks dying."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from inferencemesh.frontend.pipeline import next_microbatch
+import grpc
+import pytest
+
+from inferencemesh.frontend.scheduler import PipelineSession, StepScheduler, next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import PipelineError
+from inferencemesh.protocol.transport import expects_ack, expects_prediction
 
 
 def waiting(session: str, kind: int, tokens: int) -> SimpleNamespace:
@@ -31,3 +40,140 @@ def test_decodes_always_ride_prompt_chunks_share_a_budget_and_a_session_waits_it
     batch, rest = next_microbatch(rest, budget=8)
     assert names(batch) == ["q:PREFILL", "a:DECODE", "p:RELEASE"] and names(rest) == ["q:PREFILL"]
     assert next_microbatch([], budget=8) == ([], [])
+
+
+# ---- the class: one stream, its two tasks, its in-flight limit ----------------------------------
+
+
+class ScriptedStage:
+    """A BatchStream (inferencemesh.protocol.streams) that answers as a last stage does: a Prediction
+    for each frame that wants one, an Ack for each RELEASE and FORK. While `holding`, answers wait
+    (batches pile up in flight); end() ends the stream, with a status or cleanly."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.Batch] = []
+        self.held: list[pb.Batch] = []
+        self.holding = False
+        self.in_flight = self.most_in_flight = 0
+        self.ended = self.cancelled = False
+        self._results: asyncio.Queue = asyncio.Queue()
+
+    async def send(self, batch: pb.Batch) -> None:
+        if self.ended:
+            raise PipelineError(grpc.StatusCode.UNAVAILABLE, "the stream has ended")
+        self.sent.append(batch)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        (self.held.append if self.holding else self.answer)(batch)
+
+    def answer(self, batch: pb.Batch) -> None:
+        self.in_flight -= 1
+        result = pb.BatchResult(seq=batch.seq)
+        for frame in batch.frames:
+            if expects_ack(frame):
+                result.acks.add(seq=frame.seq, session_id=frame.session_id, kind=frame.kind)
+            elif expects_prediction(frame):
+                result.predictions.add(session_id=frame.session_id, seq=frame.seq, tokens=[7])
+        self._results.put_nowait(result)
+
+    def release(self) -> None:
+        self.holding = False
+        held, self.held = self.held, []
+        for batch in held:
+            self.answer(batch)
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.ended = True
+        self._results.put_nowait(error)
+
+    async def results(self) -> AsyncIterator[pb.BatchResult]:
+        while True:
+            item = await self._results.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def finish(self) -> None:
+        self.end()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def chunk(session: str, seq: int, want: bool = False) -> pb.Frame:
+    return pb.Frame(session_id=session, seq=seq, kind=pb.PREFILL, pos_start=seq, token_count=1, token_ids=[1],
+                    want_prediction=want)
+
+
+def test_no_more_microbatches_in_flight_than_the_limit_and_each_sessions_frames_in_order() -> None:
+    async def go() -> ScriptedStage:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        session = PipelineSession(scheduler, "a", step_timeout=5)
+        stage.holding = True
+        for seq in range(1, 6):  # prompt chunks that want no answer: one session's frames, one per batch
+            await session.send(chunk("a", seq))
+        await asyncio.sleep(0.05)
+        assert [len(b.frames) for b in stage.sent] == [1, 1] and stage.in_flight == 2
+        stage.release()
+        last = await session.send(chunk("a", 6, want=True))
+        assert list(last.tokens) == [7]
+        await scheduler.close()
+        return stage
+
+    stage = asyncio.run(go())
+    assert stage.most_in_flight == 2
+    assert [f.seq for b in stage.sent for f in b.frames] == [1, 2, 3, 4, 5, 6]
+    assert stage.cancelled
+
+
+def test_a_broken_stream_fails_its_sessions_at_once_with_the_stages_status() -> None:
+    async def go() -> None:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        session = PipelineSession(scheduler, "a", step_timeout=30)
+        stage.holding = True
+        waiting = asyncio.create_task(session.send(chunk("a", 1, want=True)))
+        await asyncio.sleep(0.05)
+        stage.end(PipelineError(grpc.StatusCode.UNAVAILABLE, "stage 1 went away"))
+        with pytest.raises(PipelineError, match="stage 1 went away") as lost:
+            await asyncio.wait_for(waiting, 2)
+        assert lost.value.code == grpc.StatusCode.UNAVAILABLE and scheduler.failure is lost.value
+        with pytest.raises(PipelineError):  # and nothing more goes out on it
+            await PipelineSession(scheduler, "b", step_timeout=30).send(chunk("b", 1, want=True))
+
+    asyncio.run(go())
+
+
+class _Bug(Exception):
+    pass
+
+
+class BrokenSender(ScriptedStage):
+    async def send(self, batch: pb.Batch) -> None:
+        raise _Bug("a bug in the send path")
+
+
+@pytest.mark.parametrize("task", ["reader", "sender"])
+def test_a_scheduler_task_that_dies_fails_the_waiting_sessions_at_once_and_says_so(
+        task: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Not after the 30 s step timeout, and not silently."""
+    async def go() -> PipelineError:
+        stage = BrokenSender() if task == "sender" else ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        session = PipelineSession(scheduler, "a", step_timeout=30)
+        stage.holding = True
+        waiting = asyncio.create_task(session.send(chunk("a", 1, want=True)))
+        await asyncio.sleep(0.05)
+        if task == "reader":
+            stage.end(_Bug("a bug in the read path"))
+        with pytest.raises(PipelineError) as lost:
+            await asyncio.wait_for(waiting, 2)
+        return lost.value
+
+    with caplog.at_level(logging.ERROR, logger="inferencemesh.frontend.scheduler"):
+        err = asyncio.run(go())
+    assert err.code == grpc.StatusCode.INTERNAL and f"step-scheduler-{task}" in str(err) and "_Bug" in str(err)
+    assert any(f"step-scheduler-{task} ended unexpectedly" in r.getMessage() for r in caplog.records)

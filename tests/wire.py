@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
 
 import grpc
 import torch
 
+from inferencemesh.config import StageConfig
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -63,3 +66,40 @@ def hidden_batch(frames: list[pb.Frame], hidden: int, dtype: torch.dtype = torch
     rows = sum(f.token_count for f in frames)
     return {"frames": frames, "dtype": codec.WIRE_CODES[dtype], "hidden_size": hidden,
             "activations": codec.encode(torch.zeros(rows, hidden), dtype)}
+
+
+class StageServers:
+    """Real gRPC stage servers on loopback, one per layer range of `splits` (e.g. [(0, 1), (1, 2)]),
+    each sending to the next, served by a background event loop (so that tests may block).
+    `settings` are StageConfig fields every stage shares."""
+
+    def __init__(self, model: Path, splits: list[tuple[int, int]], max_context: int = 128, **settings) -> None:
+        from inferencemesh.stage.runtime import StageRuntime
+        from inferencemesh.stage.server import start_stage_server
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.runtimes = [StageRuntime(model, start, end, max_context=max_context) for start, end in splits]
+        self.servers, self.ports = [], []
+        for index in reversed(range(len(splits))):  # downstream first: each stage is given its next
+            downstream = f"127.0.0.1:{self.ports[0]}" if self.ports else None
+            options = StageConfig(model=str(model), layers=splits[index], stage_index=index, num_stages=len(splits),
+                                  host="127.0.0.1", port=0, downstream=downstream, max_context=max_context,
+                                  **{"max_sessions": 64, **settings})
+            server, service, port = self.run(start_stage_server(options, runtime=self.runtimes[index]))
+            self.servers.append((server, service))
+            self.ports.insert(0, port)
+
+    def run(self, coroutine, timeout: float = 30):
+        """Run a coroutine on the servers' loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def close(self) -> None:
+        for server, service in self.servers:
+            self.run(server.stop(0), 10)
+            self.run(service.close(), 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,286 +1,71 @@
-"""The frontend's view of the stages: open a session, send frames, await predictions.
+"""The frontend's pipeline: the stages in order, each reached through its hop (hops.py), and the
+step scheduler (scheduler.py) that sends every session's frames over the first hop's stream.
 
-GrpcPipeline talks to stage servers over one long-lived stream into stage 0: its step
-scheduler sends the sessions' frames in microbatches, and the last stage's answers come back
-up the same stream. Stage 0 may be embedded in this process
-(inferencemesh.stage.embedded): it is then reached through a local stub of the same shape.
-inferencemesh.stage.inprocess.LocalPipeline runs the stages' own workers in one process with
-the same interface (benchmarks, tests); the engine cannot tell them apart.
+The engine opens a session per request, sends its frames and awaits their predictions; which
+hops carry them (gRPC to stage processes, or a stage in this process called directly) is
+decided by whoever builds the pipeline: the programs (inferencemesh.programs.mesh).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
+from inferencemesh.frontend.hops import Hop
+from inferencemesh.frontend.scheduler import PipelineSession, StepScheduler
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
-from inferencemesh.protocol.errors import PipelineError
-from inferencemesh.protocol.transport import GRPC_OPTIONS, RELEASE_ACK_TIMEOUT_S, expects_ack, expects_prediction
-from inferencemesh.tls import TlsMaterial, aio_channel
+from inferencemesh.protocol.streams import RemoteStage
+from inferencemesh.tls import TlsMaterial
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
-    from inferencemesh.stage.embedded import EmbeddedStage
 
 
-class PipelineSession(Protocol):
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        """Send one frame; return its Prediction when the frame asks for one. A FORK returns
-        (None) once every stage holds the new session."""
-        ...
+class Pipeline:
+    """The stages at `hops`, in pipeline order."""
 
-    async def close(self) -> None: ...
-
-
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-@dataclass
-class _Waiting:
-    """A frame on its way: waiting for a microbatch, then in flight in one."""
-
-    frame: pb.Frame
-    session: GrpcSession
-    answer: asyncio.Future | None  # its Prediction (or None, for an acknowledged frame); None: no answer
-
-
-def next_microbatch(waiting: list[_Waiting], budget: int) -> tuple[list[_Waiting], list[_Waiting]]:
-    """(the next microbatch, what keeps waiting), from the waiting frames in arrival order: at
-    most one frame per session (its later frames wait their turn), every decode and verify frame,
-    and prompt chunks while their tokens stay within the budget (the first chunk always goes): a
-    long prompt shares its steps with the other sessions' decoding, and never stalls them."""
-    batch, rest, prompt_tokens = [], [], 0
-    sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
-    for item in waiting:
-        frame = item.frame
-        chunk = frame.kind == pb.PREFILL
-        fits = not chunk or not prompt_tokens or prompt_tokens + frame.token_count <= budget
-        if frame.session_id in sessions or not fits:
-            rest.append(item)
-        else:
-            batch.append(item)
-            prompt_tokens += frame.token_count if chunk else 0
-        sessions.add(frame.session_id)
-    return batch, rest
-
-
-class StepScheduler:
-    """One long-lived stream into stage 0, and the step scheduler that feeds it.
-
-    Sessions submit their next frame (a prompt chunk, a decode token, a verify window) when they
-    have it. Whenever fewer microbatches than there are stages are in flight, the frames waiting
-    go out together as one Batch: each stage computes them in one forward pass, and with one
-    microbatch in flight per stage, every stage has one to work on. The last stage's BatchResult
-    for it comes back up the same stream.
-    """
-
-    def __init__(self, stub, in_flight_limit: int, token_budget: int, metrics: FrontendMetrics | None = None) -> None:
-        self.call = stub.Pipeline()
-        self._sizes = self._in_flight = None
-        if metrics is not None:
-            self._sizes = metrics.microbatch_frames.labels(metrics.model)
-            self._in_flight = metrics.microbatches_in_flight.labels(metrics.model)
-        self.limit = max(1, in_flight_limit)
-        self.budget = token_budget
-        self.waiting: list[_Waiting] = []
-        self.in_flight: dict[int, list[_Waiting]] = {}
-        self.failure: PipelineError | None = None  # the stream broke: every session on it is lost
-        self._seq = 0
-        self._wake = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._send_batches()), asyncio.create_task(self._read_results())]
-
-    def submit(self, waiting: _Waiting) -> None:
-        if self.failure is not None:
-            raise self.failure
-        self.waiting.append(waiting)
-        self._wake.set()
-
-    async def _settled(self) -> None:
-        """Let the sessions that a result just woke submit their next frames before a batch is
-        cut: each runs until it waits again, within an event-loop turn or two."""
-        count = -1
-        while count != len(self.waiting):
-            count = len(self.waiting)
-            await asyncio.sleep(0)
-
-    async def _send_batches(self) -> None:
-        while True:
-            while not (self.waiting and len(self.in_flight) < self.limit):
-                self._wake.clear()
-                await self._wake.wait()
-            await self._settled()
-            frames, self.waiting = next_microbatch(self.waiting, self.budget)
-            if not frames:  # the stream broke meanwhile (_break took them)
-                continue
-            self._seq += 1
-            self.in_flight[self._seq] = frames
-            if self._sizes is not None:
-                self._sizes.observe(len(frames))
-                self._in_flight.set(len(self.in_flight))
-            try:
-                await self.call.write(pb.Batch(seq=self._seq, frames=[w.frame for w in frames]))
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as err:
-                # the stream already ended: its reader reports the stage's status
-                self._break(PipelineError(grpc.StatusCode.UNAVAILABLE, f"stage 0 stream ended: {err}"))
-                return
-
-    async def _read_results(self) -> None:
-        try:
-            async for result in self.call:
-                self._answer(self.in_flight.pop(result.seq, []), result)
-                if self._in_flight is not None:
-                    self._in_flight.set(len(self.in_flight))
-                self._wake.set()
-            ended = PipelineError(grpc.StatusCode.UNAVAILABLE, "stage 0 ended the stream")
-        except grpc.aio.AioRpcError as err:
-            ended = PipelineError(err.code(), err.details() or str(err.code()))
-        self._break(ended)
-
-    @staticmethod
-    def _answer(frames: list[_Waiting], result: pb.BatchResult) -> None:
-        predictions = {(p.session_id, p.seq): p for p in result.predictions}
-        acks = {(a.session_id, a.seq) for a in result.acks}
-        failures = {(f.session_id, f.seq): f for f in result.failures}
-        for waiting in frames:
-            key = (waiting.frame.session_id, waiting.frame.seq)
-            failure = failures.get(key)
-            if failure is not None:  # this frame alone failed: its session is lost, the others go on
-                waiting.session.fail(PipelineError(_STATUS.get(failure.code, grpc.StatusCode.UNKNOWN),
-                                                   f"stage {failure.stage_index}: {failure.message}"), waiting)
-            elif waiting.answer is not None and not waiting.answer.done():
-                acknowledged = expects_ack(waiting.frame)
-                if key not in (acks if acknowledged else predictions):
-                    waiting.session.fail(PipelineError(grpc.StatusCode.INTERNAL,
-                                                       "the last stage answered the batch without this frame"), waiting)
-                else:
-                    waiting.answer.set_result(None if acknowledged else predictions[key])
-
-    def _break(self, err: PipelineError) -> None:
-        if self.failure is not None:
-            return
-        self.failure = err
-        lost = [w for frames in self.in_flight.values() for w in frames] + self.waiting
-        self.in_flight, self.waiting = {}, []
-        if self._in_flight is not None:
-            self._in_flight.set(0)
-        for waiting in lost:
-            waiting.session.fail(err, waiting)
-        for task in self._tasks:
-            task.cancel()
-        self.call.cancel()
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.call.done_writing()
-        self._break(PipelineError(grpc.StatusCode.CANCELLED, "the pipeline was closed"))
-
-
-class GrpcSession:
-    """One request's session: its frames go out in the scheduler's microbatches."""
-
-    def __init__(self, scheduler: StepScheduler, session_id: str, step_timeout: float) -> None:
-        self.scheduler = scheduler
-        self.session_id = session_id
+    def __init__(self, hops: Sequence[Hop], *, step_timeout: float = 30.0,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, metrics: FrontendMetrics | None = None) -> None:
+        if not hops:
+            raise ValueError("a pipeline needs at least one stage")
+        self.hops = list(hops)
         self.step_timeout = step_timeout
-        self.failure: PipelineError | None = None
-        self._closed = False
-
-    def fail(self, err: PipelineError, waiting: _Waiting) -> None:
-        """One of this session's frames failed: it and every later send fail with that error."""
-        self.failure = self.failure or err
-        if waiting.answer is not None and not waiting.answer.done():
-            waiting.answer.set_exception(err)
-
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        if self.failure is not None:
-            raise self.failure
-        copy = pb.Frame()
-        copy.CopyFrom(frame)  # the engine reuses its envelope
-        wants_answer = expects_prediction(frame) or expects_ack(frame)
-        answer = asyncio.get_running_loop().create_future() if wants_answer else None
-        self.scheduler.submit(_Waiting(copy, self, answer))
-        if answer is None:
-            return None
-        try:
-            return await asyncio.wait_for(answer, self.step_timeout)
-        except asyncio.TimeoutError as err:
-            raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
-
-    async def close(self) -> None:
-        """RELEASE, and wait for its acknowledgement: it comes once every stage has freed the
-        session, so the request's slot is really free when the engine hands it on. (A broken
-        stream needs none: the stages freed its sessions when it ended.)"""
-        if self._closed or self.scheduler.failure is not None:
-            return
-        self._closed = True
-        self.failure = None  # a failed session is still released where it is held
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE)),
-                                   RELEASE_ACK_TIMEOUT_S)
-
-
-class GrpcPipeline:
-    """The stage processes at `addresses`, in pipeline order, after the embedded first stage if any."""
-
-    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
-                 embedded: EmbeddedStage | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 metrics: FrontendMetrics | None = None) -> None:
-        if not addresses and embedded is None:
-            raise ValueError("a pipeline needs at least one stage address")
-        self.addresses = addresses
-        self.step_timeout = step_timeout
-        self.tls = tls
-        self.embedded = embedded
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
-        self._channels: list[grpc.aio.Channel] = []
-        self._stubs: list = []
         self._scheduler: StepScheduler | None = None
 
-    def connect(self) -> None:
-        """Channels belong to the event loop that makes them: make them on first use (or call this
-        on the serving loop at start-up: an embedded first stage then begins loading its layers)."""
-        if not self._stubs:
-            self._channels = [aio_channel(a, self.tls, GRPC_OPTIONS) for a in self.addresses]
-            self._stubs = [pb_grpc.StageStub(c) for c in self._channels]
-            self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
-            if self.embedded is not None:
-                stage, health = self.embedded.stubs()
-                self._stubs.insert(0, stage)
-                self._health.insert(0, health)
+    @property
+    def scheduler(self) -> StepScheduler | None:
+        """The step scheduler of the current stream into stage 0 (None before the first session)."""
+        return self._scheduler
 
-    def open(self) -> GrpcSession:
+    def connect(self) -> None:
+        """What reaching the stages takes belongs to the event loop that makes it: made on first
+        use (or call this on the serving loop at start-up: a stage in this process then begins
+        loading its layers)."""
+        for hop in self.hops:
+            hop.connect()
+
+    def open(self) -> PipelineSession:
         """A new session, on the current stream (a new one if it broke: its sessions replay)."""
         self.connect()
         if self._scheduler is None or self._scheduler.failure is not None:
-            self._scheduler = StepScheduler(self._stubs[0], len(self._stubs), self.max_batch_tokens, self.metrics)
-        return GrpcSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
+            self._scheduler = StepScheduler(self.hops[0].open_stream(), len(self.hops), self.max_batch_tokens,
+                                            self.metrics)
+        return PipelineSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:
-        """True when every stage's grpc.health.v1 says SERVING."""
+        """True when every stage is serving."""
         self.connect()
-        async def serving(stub: health_pb2_grpc.HealthStub) -> bool:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-        return all(await asyncio.gather(*(serving(h) for h in self._health)))
+        return all(await asyncio.gather(*(hop.serving(timeout) for hop in self.hops)))
 
     async def infos(self, timeout: float = 2.0) -> list[pb.StageInfo]:
         self.connect()
-        return list(await asyncio.gather(*(s.Info(pb.InfoRequest(), timeout=timeout) for s in self._stubs)))
+        return list(await asyncio.gather(*(hop.info(timeout) for hop in self.hops)))
 
     async def wait_ready(self, deadline_s: float) -> bool:
         end = time.monotonic() + deadline_s
@@ -294,8 +79,21 @@ class GrpcPipeline:
         if self._scheduler is not None:
             await self._scheduler.close()
             self._scheduler = None
-        for channel in self._channels:
-            await channel.close()
-        self._channels, self._stubs = [], []
-        if self.embedded is not None:
-            await self.embedded.close()
+        for hop in self.hops:
+            await hop.close()
+
+
+class GrpcPipeline(Pipeline):
+    """The stage processes at `addresses`, in pipeline order, after `embedded` (a first stage in
+    this process) if any."""
+
+    def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
+                 embedded: Hop | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 metrics: FrontendMetrics | None = None) -> None:
+        if not addresses and embedded is None:
+            raise ValueError("a pipeline needs at least one stage address")
+        remote: list[Hop] = [RemoteStage(address, tls) for address in addresses]
+        super().__init__(([embedded] if embedded is not None else []) + remote, step_timeout=step_timeout,
+                         max_batch_tokens=max_batch_tokens, metrics=metrics)
+        self.addresses = addresses
+        self.embedded = embedded

@@ -11,25 +11,9 @@ from inferencemesh.bundled import resolve_model, served_name
 from inferencemesh.checkpoint import fetch_config_dir
 from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import compute_threads
+from inferencemesh.programs.mesh import frontend_pipeline
 
 log = logging.getLogger("inferencemesh.frontend")
-
-
-def build_pipeline(config: FrontendConfig, first_stage_runtime=None, metrics=None):
-    """The stages this frontend sends to: the stage processes at --stage-addresses, after the
-    embedded first stage when --first-stage-layers says this process runs one (its layers loaded
-    in the background once the pipeline connects, unless given loaded: benchmarks)."""
-    from inferencemesh import tls
-    from inferencemesh.frontend.pipeline import GrpcPipeline
-
-    first_stage = config.first_stage()
-    embedded = None
-    if first_stage is not None:
-        from inferencemesh.stage.embedded import EmbeddedStage
-
-        embedded = EmbeddedStage(first_stage, runtime=first_stage_runtime)
-    return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded,
-                        max_batch_tokens=config.max_batch_tokens, metrics=metrics)
 
 
 def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
@@ -38,7 +22,7 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)
-    pipeline = build_pipeline(config, metrics=metrics)
+    pipeline = frontend_pipeline(config, metrics=metrics)
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,

@@ -51,4 +51,7 @@ def decode_probs(payload: bytes, rows: int, vocab: int) -> torch.Tensor:
         raise PayloadError(f"draft_probs is {len(payload)} bytes; expected {rows} x {vocab} x 4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(payload, dtype=torch.float32).view(rows, vocab)
+        probs = torch.frombuffer(payload, dtype=torch.float32).view(rows, vocab)
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise PayloadError("draft_probs holds a negative or non-finite probability")
+    return probs

@@ -9,7 +9,9 @@ wall time also adds to `busy_seconds_total`), and its activations are sent downs
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from inferencemesh.stage.metrics_http import MetricsEndpoint
 
 STATES = ("downloading", "loading", "ready", "failed")
 _FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -18,7 +20,9 @@ _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, *_FORWARD_BUCKETS)
 
 
 class StageMetrics:
-    def __init__(self, model: str, stage_index: int) -> None:
+    def __init__(self, model: str, stage_index: int, host: str = "127.0.0.1") -> None:
+        self.host = host  # where /metrics binds: where the stage's gRPC does
+        self.endpoint: MetricsEndpoint | None = None
         self.registry = CollectorRegistry()
         labels = {"model_name": model, "stage": str(stage_index)}
         names = list(labels)
@@ -93,5 +97,8 @@ class StageMetrics:
     def error(self, code: str) -> None:
         self.frame_errors.labels(**self._labels, code=code).inc()
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int) -> tuple[str, int]:
+        """Serve /metrics on `port` at the stage's host, on the running event loop; returns the
+        bound address."""
+        self.endpoint = MetricsEndpoint(self.registry)
+        return self.endpoint.listen(self.host, port)

@@ -2,9 +2,9 @@
 session's tokens, which the penalties look at.
 
 A session exists from its first frame until RELEASE, the end of the stream that opened it, an
-idle TTL, or the stage's restart. A FORK
-frame makes a new session a copy of another's first positions (fork_refusal, fork): the gRPC
-server and the in-process pipeline both go through these two functions.
+idle TTL, or the stage's restart. A FORK frame makes a new session a copy of another's first
+positions (fork_refusal, fork). The stage's worker (worker.py) holds the table and is the only
+code that changes a session.
 """
 
 from __future__ import annotations
@@ -26,9 +26,19 @@ class SessionsFull(Exception):
     """The stage holds max_sessions sessions already."""
 
 
+class Owner:
+    """The stream that opened sessions: only it may compute in them, fork them, release or
+    overwrite them, and they are freed when it ends. A client that learns another stream's
+    session id can do nothing with it."""
+
+    def __init__(self) -> None:
+        self.sessions: set[str] = set()
+
+
 @dataclass
 class StageSession:
     session_id: str
+    owner: Owner | None = None  # the stream that opened it
     kv: Any = None  # SessionKV of the runtime, created on the first frame
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # None: none; else the top alternatives each token's logprob comes with
@@ -56,19 +66,23 @@ class SessionTable:
     def get(self, session_id: str) -> StageSession | None:
         return self._sessions.get(session_id)
 
-    def open(self, session_id: str) -> StageSession:
-        """The session, created if new; SessionsFull when the stage is at capacity."""
+    def open(self, session_id: str, owner: Owner | None = None) -> StageSession:
+        """The session, created for `owner` if new; SessionsFull when the stage is at capacity."""
         session = self._sessions.get(session_id)
         if session is None:
             if len(self._sessions) >= self.max_sessions:
                 raise SessionsFull(f"stage holds its maximum of {self.max_sessions} sessions; retry later")
-            session = self._sessions[session_id] = StageSession(session_id)
+            session = self._sessions[session_id] = StageSession(session_id, owner)
+            if owner is not None:
+                owner.sessions.add(session_id)
         session.last_used = time.monotonic()
         return session
 
     def release(self, session_id: str) -> StageSession | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            if session.owner is not None:
+                session.owner.sessions.discard(session_id)
             if session.kv is not None:
                 session.kv.release()
                 session.kv = None

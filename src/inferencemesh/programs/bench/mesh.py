@@ -17,6 +17,8 @@ from inferencemesh.config import DEFAULT_DRAFT_THREADS, FrontendConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.bench.models import BenchModel
+from inferencemesh.programs.mesh import frontend_pipeline
+from inferencemesh.programs.mesh import in_process_pipeline as in_process_mesh_pipeline
 from inferencemesh.programs.serve import LocalStages, stage_template
 
 # How a mesh's first stage runs: its own process ("process") or inside the frontend, here the
@@ -26,11 +28,10 @@ FIRST_STAGE_LABELS = {"embedded": "embedded", "process": "grpc"}
 
 def in_process_pipeline(model: BenchModel, max_context: int):
     """The whole model as one stage in this process: no network, no other process."""
-    from inferencemesh.stage.inprocess import LocalPipeline
     from inferencemesh.stage.runtime import StageRuntime
 
-    return LocalPipeline([StageRuntime(model.model_dir, 0, model.facts.num_layers, dtype=model.dtype_name,
-                                       max_context=max_context)])
+    return in_process_mesh_pipeline([StageRuntime(model.model_dir, 0, model.facts.num_layers, dtype=model.dtype_name,
+                                                  max_context=max_context)])
 
 
 @dataclass
@@ -47,7 +48,6 @@ class BenchMesh:
 def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, env: dict[str, str] | None = None,
                first_stage: str = "process") -> BenchMesh:
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.programs.frontend import build_pipeline
     from inferencemesh.stage.runtime import StageRuntime
 
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir), dtype=dtype_name), count)
@@ -70,7 +70,7 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
         runtime = StageRuntime(model_dir, *stages.first_stage_layers, dtype=dtype_name, max_context=max_context)
     own_threads = int(env["OMP_NUM_THREADS"]) if env and "OMP_NUM_THREADS" in env else share
     label = f"{FIRST_STAGE_LABELS[first_stage]}-{count}-stage" + ("s" if count > 1 else "")
-    return BenchMesh(stages, build_pipeline(frontend, first_stage_runtime=runtime),
+    return BenchMesh(stages, frontend_pipeline(frontend, first_stage_runtime=runtime),
                      own_threads if embed else DEFAULT_DRAFT_THREADS, label)
 
 

@@ -1,0 +1,65 @@
+"""The last stage's decision for one frame: sample the next token, or verify a speculative window,
+with the raw logprobs of what was decided (and of the prompt) when the session asks for them."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import Fault
+from inferencemesh.sampling import logprobs, next_token, verify
+from inferencemesh.stage.sessions import StageSession
+
+
+def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_size: int) -> pb.Prediction:
+    """The Prediction for `frame` from its logits rows (every row for VERIFY, else the last)."""
+    sampling = session.sampling
+    context = session.tokens
+    if len(context) != frame.pos_start + frame.token_count and sampling.adjusts:
+        raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                    "penalties, logit_bias and min_tokens need every frame's token_ids at the last stage")
+    if frame.kind == pb.VERIFY:
+        drafts = list(frame.token_ids[1:])
+        probs = None
+        if frame.draft_probs and not sampling.greedy:
+            try:
+                probs = codec.decode_probs(frame.draft_probs, len(drafts), vocab_size)
+            except codec.PayloadError as err:
+                raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+        accepted, tokens = verify(logits, drafts, sampling, frame.pos_start, probs, context)
+        prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
+                                   tokens=tokens, accepted=accepted)
+        rows = logits[: len(tokens)]  # row i decided tokens[i]: the target's own logprobs, never the draft's
+    else:
+        position = frame.pos_start + frame.token_count
+        tokens = [next_token(logits[-1], sampling, position, context)]
+        prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position, tokens=tokens)
+        rows = logits[-1:]
+    if session.logprobs is not None:
+        prediction.logprobs.extend(_entries(rows, tokens, session.logprobs))
+    if frame.kind == pb.PREFILL and frame.prompt_logprobs:
+        prediction.prompt_logprobs.extend(_prompt_logprobs(session, frame, logits))
+    return prediction
+
+
+def _prompt_logprobs(session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> list[pb.TokenLogprobs]:
+    """Each prompt token of the frame under the logits of the position before it: this frame's
+    rows, and for its first token the previous chunk's last row (position 0 has none)."""
+    ids = list(frame.token_ids)
+    if len(ids) != frame.token_count:
+        raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs needs the frame's token_ids")
+    rows, scored = logits[:-1], ids[1:]
+    if frame.pos_start > 0:
+        if session.prompt_tail is None or session.prompt_tail[0] != frame.pos_start:
+            raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                        "prompt_logprobs of a chunk needs the previous chunk with prompt_logprobs")
+        rows, scored = torch.cat([session.prompt_tail[1], rows]), ids
+    session.prompt_tail = (frame.pos_start + frame.token_count, logits[-1:].clone())
+    return _entries(rows, scored, session.logprobs or 0)
+
+
+def _entries(rows: torch.Tensor, tokens: list[int], top: int) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token=token, logprob=lp, top_tokens=ids, top_logprobs=lps)
+            for token, lp, ids, lps in logprobs(rows, tokens, top)]

@@ -1,0 +1,77 @@
+"""A stage's /metrics endpoint, served on its event loop: no thread per connection.
+
+prometheus_client's own server gives every connection a thread and never times one out: idle
+connections piled up threads (300 made 311). Here a connection is a coroutine; it gets
+READ_TIMEOUT_S to send its request, at most MAX_CONNECTIONS are open at once (more are closed
+at once), and each gets one answer, then is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+READ_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 32
+MAX_REQUEST_BYTES = 8 * 1024
+
+
+class MetricsEndpoint:
+    def __init__(self, registry: CollectorRegistry, read_timeout_s: float = READ_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.registry = registry
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.server: asyncio.Server | None = None
+
+    def listen(self, host: str, port: int) -> tuple[str, int]:
+        """Bind (now: a busy port raises here, not in a task) and serve on the running loop;
+        returns the bound address."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        address = sock.getsockname()[:2]
+        asyncio.get_running_loop().create_task(self._serve(sock))
+        return address
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self.server = await asyncio.start_server(self._answer, sock=sock, limit=MAX_REQUEST_BYTES)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= self.max_connections:
+            writer.close()
+            return
+        self.open_connections += 1
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.read_timeout_s)
+            method, _, rest = head.partition(b" ")
+            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+            if method == b"GET" and path in (b"/", b"/metrics"):
+                status, kind, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), generate_latest(self.registry)
+            else:
+                status, kind, body = b"404 Not Found", b"text/plain", b"not found: /metrics serves the metrics\n"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind + b"\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await asyncio.wait_for(writer.drain(), self.read_timeout_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a silent, slow or broken client: dropped
+        finally:
+            self.open_connections -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()

@@ -1,0 +1,290 @@
+"""The stage service: one layer range of the model, one batch in and one batch out.
+
+It loads the layers (downloading -> loading -> ready | failed), and carries out each batch:
+RELEASE and FORK frames at once, the others in one forward pass, a frame that fails failing
+alone (it travels on as a Failure). Its worker (worker.py) holds the sessions and the codec.
+Transport is not its business: the gRPC servicer (server.py) and the in-process stage
+(local.py) both feed it batches through a StageStream (stream.py).
+
+Device work runs where `compute` says: on a stage process's main thread (programs.stage's
+MainThreadExecutor), or inline on the event loop's thread for a stage inside another process
+(InlineExecutor): one computing thread per process, one OpenMP team.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch
+
+from inferencemesh.bundled import served_name
+from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.config import StageConfig
+from inferencemesh.protocol import codec
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import Fault
+from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
+from inferencemesh.stage.metrics import StageMetrics
+from inferencemesh.stage.sessions import Owner
+from inferencemesh.stage.worker import Job, StageWorker
+
+log = logging.getLogger("inferencemesh.stage")
+
+
+class InlineExecutor(Executor):
+    """Runs submitted work at once, on the submitting thread (here: the event loop's)."""
+
+    inline = True  # StageService calls such work directly instead of awaiting a future
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # delivered to the awaiting coroutine
+            future.set_exception(err)
+        return future
+
+
+class StageService:
+    def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime=None,
+                 compute: Executor | None = None) -> None:
+        self.options = options
+        self.metrics = metrics or StageMetrics(served_name(options.model, options.served_model_name),
+                                               options.stage_index, host=options.host)
+        self.index = options.stage_index
+        self.is_first = options.stage_index == 0
+        self.is_last = options.stage_index == options.num_stages - 1
+        self.debug = options.debug_telemetry
+        self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        # Told on the event loop whether the stage serves: True once the layers are loaded, False
+        # when it stops (the gRPC server's health follows).
+        self.on_serving: list[Callable[[bool], Awaitable[None]]] = []
+        # Called by close(): what its transports hold (a channel to the next stage).
+        self.on_close: list[Callable[[], Awaitable[None]]] = []
+        self._sweeper: asyncio.Task | None = None
+        self.runtime = None
+        self.worker: StageWorker | None = None
+        self.state, self.reason, self.progress = "downloading", "", 0.0
+        self._last_log = 0.0
+        if runtime is not None:
+            self._adopt(runtime)
+        self.metrics.set_state(self.state, self.progress)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load the layer range (on a background thread); the stage is ready once it is done."""
+        from inferencemesh.bundled import resolve_model
+        from inferencemesh.stage.runtime import StageRuntime
+
+        o = self.options
+        try:
+            runtime = StageRuntime(
+                resolve_model(o.model), o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
+                cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
+            )
+        except CheckpointError as err:  # the model cannot be had: say so in one line, stay up, no crash loop
+            log.error("stage %d cannot load its layers: %s", o.stage_index, err)
+            self._set_state("failed", 0.0, str(err))
+            return
+        except Exception as err:  # a stage that cannot load reports why and stays up: no crash loop
+            log.exception("stage %d failed to load", o.stage_index)
+            self._set_state("failed", 0.0, f"{type(err).__name__}: {err}")
+            return
+        asyncio.run_coroutine_threadsafe(self._become_ready(runtime), loop)
+
+    async def _become_ready(self, runtime) -> None:
+        """On the event loop, so no batch sees a half-ready stage: runtime, worker and state at once."""
+        o = self._adopt(runtime).options
+        for listener in self.on_serving:
+            await listener(True)
+        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads)", o.stage_index, o.layer_start,
+                 o.layer_end, runtime.num_layers, runtime.device, runtime.dtype, torch.get_num_threads())
+
+    def _adopt(self, runtime) -> StageService:
+        o = self.options
+        wire_dtype = codec.DTYPE_NAMES[o.wire_dtype] if o.wire_dtype else None
+        self.runtime = runtime
+        self.worker = StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, max_sessions=o.max_sessions,
+                                  session_ttl=o.session_ttl, wire_dtype=wire_dtype, metrics=self.metrics)
+        self._set_state("ready", 1.0)
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def _on_progress(self, state: str, fraction: float) -> None:
+        if state == "ready":  # the runtime is built; the stage is ready once _become_ready has run
+            state = "loading"
+        self._set_state(state, fraction)
+        now = time.monotonic()
+        if now - self._last_log > 2.0 or fraction >= 1.0:
+            self._last_log = now
+            log.info("stage %d %s: %3.0f%%", self.index, state, 100 * fraction)
+
+    def _set_state(self, state: str, progress: float, reason: str = "") -> None:
+        self.state, self.progress, self.reason = state, progress, reason
+        self.metrics.set_state(state, progress)
+
+    def info(self) -> pb.StageInfo:
+        o, rt, worker = self.options, self.runtime, self.worker
+        sessions = worker.sessions.totals()[0] if worker is not None else 0
+        return pb.StageInfo(
+            model=o.model, stage_index=o.stage_index, num_stages=o.num_stages, layer_start=o.layer_start,
+            layer_end=o.layer_end, num_layers=rt.num_layers if rt else 0, is_first=self.is_first,
+            is_last=self.is_last, state=self.state, state_reason=self.reason, progress=self.progress,
+            hidden_size=rt.hidden_size if rt else 0, vocab_size=rt.vocab_size if rt else 0,
+            wire_dtype=codec.WIRE_CODES[worker.wire_dtype] if worker else pb.DTYPE_UNSPECIFIED,
+            active_sessions=sessions, max_sessions=o.max_sessions, max_context=o.max_context,
+            device=str(rt.device) if rt else "",
+        )
+
+    # ---- per batch -------------------------------------------------------------------------
+
+    async def step(self, batch: pb.Batch, owner: Owner) -> pb.Batch | pb.BatchResult:
+        """Carry out one batch of `owner`'s stream (its sessions, and the ones it opens here).
+        Returns what goes on: the batch for the next stage, or on the last stage the BatchResult."""
+        worker = self.worker
+        if worker is None:
+            raise Fault(grpc.StatusCode.UNAVAILABLE, f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
+        failures = list(batch.failures)
+        carried: list[pb.Frame] = []  # RELEASE and FORK frames done here
+        jobs: list[Job] = []
+        rows = worker.unpack(batch)
+        seen: set[str] = set()
+        for frame in batch.frames:
+            hidden = next(rows) if frame.kind in COMPUTE_KINDS else None
+            try:
+                if frame.session_id in seen:
+                    raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"two frames of session {frame.session_id!r} in one batch")
+                seen.add(frame.session_id)
+                if frame.kind == pb.RELEASE:
+                    worker.release(frame.session_id, owner)
+                    carried.append(frame)
+                elif frame.kind == pb.FORK:
+                    await self._fork(frame, owner)
+                    carried.append(frame)
+                else:
+                    session = worker.bind(frame, owner)
+                    jobs.append((session, frame, worker.inputs(frame, hidden)))
+            except Fault as fault:
+                failures.append(self._failed(frame, fault, owner))
+        outs = await self._compute(jobs)
+        computed = []
+        for (_, frame, _), out in zip(jobs, outs, strict=True):
+            if isinstance(out, Fault):
+                failures.append(self._failed(frame, out, owner))
+            else:
+                computed.append((frame, out))
+            if self.debug:  # per-frame detail only when asked for: nothing is formatted otherwise
+                self._trace(frame)
+        self.publish_totals()
+        return worker.pack(batch.seq, failures, computed, carried)
+
+    async def _compute(self, jobs: list[Job]) -> list:
+        """One forward pass over the jobs, on the compute thread; per job its output or Fault."""
+        if not jobs:
+            return []
+        queued = time.perf_counter()
+
+        def run() -> list:  # timed on the compute thread: event-loop delays count as neither
+            started = time.perf_counter()
+            try:
+                return self.worker.compute_batch(jobs)
+            finally:
+                for _ in jobs:
+                    self.metrics.queue_wait.observe(started - queued)
+                self.metrics.observe_pass(time.perf_counter() - started)
+
+        try:
+            return await self._on_compute_thread(run)
+        except Fault as fault:
+            return [fault] * len(jobs)
+        except Exception as err:
+            if len(jobs) > 1:
+                # The frames were checked before the pass, yet it failed: compute each alone, so
+                # that only the frame that makes it fail fails (pos_start is authoritative: a
+                # frame computed again overwrites what the failed pass left in its cache).
+                log.warning("stage %d: a pass of %d frames failed (%s: %s); computing them one by one",
+                            self.index, len(jobs), type(err).__name__, err)
+                return [out for job in jobs for out in await self._compute([job])]
+            log.exception("stage %d: a forward pass failed", self.index)
+            return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")]
+
+    async def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) where this stage computes. A stage inside another process computes inline, on
+        the event loop's own thread (InlineExecutor): called directly, without a future's wake-up."""
+        if getattr(self.compute, "inline", False):
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
+        parent, child = self.worker.begin_fork(frame, owner)
+        # a copy is device work: on the compute thread, between passes
+        await self._on_compute_thread(self.worker.finish_fork, parent, child, frame)
+        self.metrics.frames_by_kind[KIND_NAMES[pb.FORK]].inc()
+
+    def _failed(self, frame: pb.Frame, fault: Fault, owner: Owner) -> pb.Failure:
+        self.metrics.error(fault.code.name)
+        return self.worker.failure(frame, fault, self.index, owner)
+
+    def _trace(self, frame: pb.Frame) -> None:
+        waited_ms = (time.time_ns() - frame.sent_ns) / 1e6 if frame.sent_ns else float("nan")
+        log.debug("session %s %s pos %d x%d: %.2f ms since the frontend sent it", frame.session_id,
+                  KIND_NAMES[frame.kind], frame.pos_start, frame.token_count, waited_ms)
+
+    # ---- sessions beyond one batch ---------------------------------------------------------
+
+    def release_all(self, owner: Owner) -> None:
+        """A stream ended: free the sessions it opened."""
+        if self.worker is not None:
+            self.worker.release_all(owner)
+        self.publish_totals()
+
+    def publish_totals(self) -> None:
+        if self.worker is None:
+            return
+        sessions, cached, kv_bytes = self.worker.sessions.totals()
+        self.metrics.sessions_gauge.set(sessions)
+        self.metrics.cached_gauge.set(cached)
+        self.metrics.kv_gauge.set(kv_bytes)
+
+    async def mark_not_serving(self) -> None:
+        """The stage is stopping: it says so before its server goes."""
+        for listener in self.on_serving:
+            await listener(False)
+
+    def start_sweeping(self) -> None:
+        """On the serving loop: drop sessions idle past the TTL from now on."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        """Drop sessions idle past the TTL (a frontend that died never sends RELEASE)."""
+        period = max(0.05, min(5.0, self.options.session_ttl / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self.worker is None:
+                continue
+            for session_id in self.worker.sessions.expired():
+                log.info("dropping idle session %s after %.0fs", session_id, self.options.session_ttl)
+                self.worker.sessions.release(session_id)
+            self.publish_totals()
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for closer in self.on_close:
+            await closer()
+        if self.metrics.endpoint is not None:
+            self.metrics.endpoint.close()
+        self.compute.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,132 @@
+"""A stage keeps one frame's trouble to that frame, over real gRPC: whatever makes its pass or its
+decision fail fails it alone, the good frames of the same batch get their answers, and a
+stream's sessions are its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from tiny_models import write_tiny_model
+from wire import RawStream, StageServers, exchange, failures
+
+from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("iso") / "m", "llama", num_layers=2, shards=1,
+                            hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def one_stage(model):
+    servers = StageServers(model, [(0, 2)])
+    yield servers
+    servers.close()
+
+
+def prefill(session: str, **sampling) -> pb.Frame:
+    frame = pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
+                     want_prediction=True, seq=1)
+    if sampling:
+        frame.sampling.CopyFrom(pb.Sampling(**sampling))
+    return frame
+
+
+def answer_alone(address: str, good: pb.Frame) -> list[int]:
+    results, status = exchange(address, [{"frames": [good]}])
+    assert status == grpc.StatusCode.OK and not results[0].failures
+    return list(results[0].predictions[0].tokens)
+
+
+def test_a_frame_whose_decision_raises_fails_alone(one_stage) -> None:
+    """An out-of-vocabulary logit_bias id makes the last stage's sampling raise (not a Fault): the
+    frame beside it in the same batch still gets its token, the same as alone."""
+    address = one_stage.addresses[0]
+    good = prefill("good", temperature=0.0)
+    alone = answer_alone(address, good)
+    bad = prefill("bad", temperature=0.7, seed=1, logit_bias={2 ** 31 - 1: 1.0})
+    results, status = exchange(address, [{"frames": [bad, prefill("good2", temperature=0.0)]}])
+    assert status == grpc.StatusCode.OK
+    assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good2", alone)]
+    assert [f.session_id for f in results[0].failures] == ["bad"], failures(results[0])
+
+
+POISONS = {  # sampling that the kernels cannot take (each made a pass raise, failing its whole batch)
+    "temperature": {"temperature": float("nan")},
+    "presence_penalty": {"temperature": 0.7, "presence_penalty": float("inf")},
+    "repetition_penalty": {"temperature": 0.7, "repetition_penalty": 1e-40},  # a float32 denormal
+    "logit_bias id": {"temperature": 0.7, "logit_bias": {2 ** 31 - 1: 1.0}},
+    "stop_token_ids": {"temperature": 0.7, "min_tokens": 4, "stop_token_ids": [10 ** 6]},
+    "top_p": {"temperature": 0.7, "top_p": float("nan")},
+    "top_k": {"temperature": 0.7, "top_k": -3},
+}
+
+
+@pytest.mark.parametrize("field", POISONS)
+def test_the_stage_refuses_sampling_it_cannot_take_and_the_frame_beside_it_goes_on(one_stage, field) -> None:
+    address = one_stage.addresses[0]
+    alone = answer_alone(address, prefill("alone", temperature=0.0))
+    bad = prefill("bad", seed=1, **POISONS[field])
+    results, status = exchange(address, [{"frames": [prefill("good", temperature=0.0), bad]}])
+    assert status == grpc.StatusCode.OK
+    assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good", alone)]
+    (code, message), = failures(results[0])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and field.split()[0] in message, message
+
+
+def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_alone(one_stage) -> None:
+    address = one_stage.addresses[0]
+    vocab = one_stage.runtimes[0].vocab_size
+    sampled = {"temperature": 0.8, "seed": 3}
+    start = [{"frames": [prefill("v-good", **sampled), prefill("v-bad", **sampled)]}]
+
+    def verify(session: str, probs: torch.Tensor) -> pb.Frame:
+        return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=2, token_ids=[5, 6],
+                        draft_probs=probs.numpy().tobytes(), seq=2)
+
+    fine = torch.full((1, vocab), 1.0 / vocab)
+    poisoned = fine.clone()
+    poisoned[0, 3] = float("nan")
+    results, status = exchange(address, start + [{"frames": [verify("v-good", fine), verify("v-bad", poisoned)]}])
+    assert status == grpc.StatusCode.OK and not results[0].failures
+    assert [p.session_id for p in results[1].predictions] == ["v-good"]
+    (code, message), = failures(results[1])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_probs" in message
+
+
+def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:
+    """Another stream that knows its id can neither compute in it, overwrite, fork nor release it."""
+    async def go() -> tuple[list[tuple[grpc.StatusCode, str]], int]:
+        async with grpc.aio.insecure_channel(one_stage.addresses[0]) as channel:
+            stub = pb_grpc.StageStub(channel)
+            owner, intruder = RawStream(stub), RawStream(stub)
+            opened = await owner.exchange(prefill("mine", temperature=0.0))
+            assert not opened.failures
+            position = len(PROMPT) + 1
+            attempts = [
+                pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT), token_count=1, token_ids=[5], seq=2),
+                prefill("mine", temperature=0.0),  # a new prompt over it
+                pb.Frame(session_id="theirs", parent_session_id="mine", kind=pb.FORK, pos_start=3, seq=1),
+                pb.Frame(session_id="mine", kind=pb.RELEASE, seq=3),
+            ]
+            refused = []
+            for frame in attempts:
+                refused += failures(await intruder.exchange(frame))
+            # the owner's session is untouched: it decodes on from where it was
+            going_on = await owner.exchange(pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT),
+                                                     token_count=1, token_ids=[5], want_prediction=True, seq=2))
+            assert not going_on.failures and going_on.predictions[0].pos_start == position
+            await intruder.close()
+            await owner.close()
+            return refused, len(attempts)
+
+    refused, attempts = asyncio.run(go())
+    assert [code for code, _ in refused] == [grpc.StatusCode.PERMISSION_DENIED] * attempts, refused
+    assert all("belongs to another stream" in message for _, message in refused)
