@@ -17,9 +17,10 @@ import hmac
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,7 +37,7 @@ from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationReq
 from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
-from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
+from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 from inferencemesh.frontend.utility_routes import router as utility_router
 
@@ -60,6 +61,24 @@ def _as_api_error(exc: Exception) -> APIError:
         return _from_engine_error(exc)
     log.error("generation failed", exc_info=exc)
     return APIError(500, "Generation failed inside the server.", type="server_error")
+
+
+# pydantic names the branch of a union in an error's location ("function-after[...]", "list[...]",
+# "str"): not a field a client can find in its request.
+_UNION_BRANCH = re.compile(r"[\w-]+\[.*\]|str|int|float|bool|list|dict|none")
+
+
+def invalid_body(errors: Sequence[Any]) -> APIError:
+    """FastAPI's validation errors as OpenAI's 400 invalid_request_error (not FastAPI's 422),
+    naming the field. A value that fits no branch of a union fails every branch: a branch whose
+    type matched ("must be a finite number") says more than the others ("should be a string")."""
+    def path(error: Any) -> str:
+        return ".".join(str(p) for p in error["loc"][1:] if not (isinstance(p, str) and _UNION_BRANCH.fullmatch(p)))
+
+    ranked = sorted(errors, key=lambda e: str(e["type"]).endswith("_type"))  # stable: type mismatches last
+    details = list(dict.fromkeys(f"{path(e) or 'body'}: {e['msg']}" for e in ranked))
+    param = path(ranked[0]) if ranked and ranked[0]["type"] != "json_invalid" else None
+    return APIError(400, f"Invalid request body: {'; '.join(details[:5])}", param=param or None)
 
 
 def _log_server_error(err: APIError, request_id: str | None = None) -> None:
@@ -374,8 +393,11 @@ class _Frontend:
 
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0  # logits / 1e-300 overflow to inf: this close to 0 means greedy
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if temperature < GREEDY_BELOW_TEMPERATURE or top_p == 0.0:
+            # logits / 1e-300 overflow to inf: this close to 0 means greedy; so does top_p 0 (no
+            # probability mass: only the most likely token), which the wire would read as "off"
+            temperature, top_p = 0.0, 1.0
         if body.min_tokens and max_tokens < body.min_tokens:
             raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
                            param="min_tokens")
@@ -389,7 +411,7 @@ class _Frontend:
         gen = GenerationRequest(
             request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+            top_p=top_p, top_k=top_k, seed=None if body.seed is None else wire_seed(body.seed),
             stop_token_ids=self._stop_token_ids(body),
             emit_stop_token=bool(body.include_stop_str_in_output),
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
@@ -701,13 +723,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # OpenAI answers a malformed body with 400 invalid_request_error, not FastAPI's 422.
-        errors = exc.errors()
-        first_loc = [str(p) for p in errors[0]["loc"][1:]] if errors else []
-        param = ".".join(first_loc) if errors and errors[0]["type"] != "json_invalid" else None
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
-        return front.error_response(APIError(400, f"Invalid request body: {details}", param=param or None))
+        return front.error_response(invalid_body(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

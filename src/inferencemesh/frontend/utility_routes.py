@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inferencemesh.frontend.errors import APIError
-from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage
+from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 
 router = APIRouter()
@@ -34,7 +34,7 @@ class _Utility(BaseModel):
     # Strict like the generation bodies; fields nobody has defined are ignored (newer clients work).
     model_config = ConfigDict(strict=True, extra="allow")
 
-    model: str | None = None
+    model: Text | None = None
 
     def refused(self) -> tuple[str, str] | None:
         """A known vLLM field we do not implement, sent with a value."""
@@ -45,7 +45,7 @@ class _Utility(BaseModel):
 
 
 class TokenizeCompletionRequest(_Utility):
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -73,7 +73,7 @@ class TokenizeChatRequest(_Utility):
 
 
 class DetokenizeRequest(_Utility):
-    tokens: list[int]
+    tokens: list[Int]
 
 
 def _parse(model: type[_Utility], body: dict[str, Any]) -> Any:
