@@ -45,6 +45,11 @@ log = logging.getLogger("inferencemesh.frontend")
 
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's time
+BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body: then 408, connection closed
+# While a stream waits on the pipeline (a stalled stage: 40-70 s seen), an SSE comment every few
+# seconds keeps proxies with a read timeout (commonly 60 s) from cutting it; clients ignore comments.
+SSE_KEEPALIVE_S = 5.0
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -99,9 +104,9 @@ class _Guard:
     """
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, exempt: tuple[str, ...], max_body_bytes: int,
-                 reject: Callable[[APIError], Response]) -> None:
+                 body_timeout_s: float, reject: Callable[[APIError], Response]) -> None:
         self.app, self.api_key, self.exempt, self.max_body_bytes = app, api_key, exempt, max_body_bytes
-        self.reject = reject
+        self.body_timeout_s, self.reject = body_timeout_s, reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,7 +124,12 @@ class _Guard:
             return await self._too_large(scope, receive, send)
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_timeout_s):  # a body that stops arriving holds a task
+                    message = await receive()
+            except TimeoutError:
+                return await self._refuse(scope, receive, send, APIError(
+                    408, f"The request body did not arrive within {self.body_timeout_s:g} s.", code="request_timeout"))
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -147,8 +157,10 @@ class _Guard:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = APIError(413, f"Request body exceeds the limit of {self.max_body_bytes} bytes.",
-                       code="request_too_large")
+        await self._refuse(scope, receive, send, APIError(
+            413, f"Request body exceeds the limit of {self.max_body_bytes} bytes.", code="request_too_large"))
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
         response = self.reject(err)
         response.headers["Connection"] = "close"  # the unread rest of the body is not drained
         await response(scope, receive, send)
@@ -182,6 +194,30 @@ class _EventStream(StreamingResponse):
             if hasattr(body, "aclose"):
                 with anyio.CancelScope(shield=True):
                     await body.aclose()
+
+
+async def _with_keepalive(source: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """source's items, with a keep-alive comment whenever none came for interval_s. The pending
+    item is awaited across comments (never cancelled, which would lose it), and source is closed."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE_COMMENT
+                continue
+            item, pending = pending, None
+            try:
+                yield item.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -335,8 +371,9 @@ async def _merged(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 class _Frontend:
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> None:
         self.engine, self.tokenizer, self.model, self.metrics = engine, tokenizer, model, metrics
+        self.sse_keepalive_s = sse_keepalive_s
         self.created = int(time.time())
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
@@ -679,9 +716,9 @@ class _Frontend:
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         jobs = [await self.prepare(body, arrival, prompt) for prompt in prompts]
         jobs = [replace(job, id=jobs[0].id, created=jobs[0].created, index=i) for i, job in enumerate(jobs)]
-        runs = await self.start_all(jobs, body.n or 1)
         if jobs[0].stream:
-            return _EventStream(self.stream(runs), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._start_stream(jobs, body.n or 1)
+        runs = await self.start_all(jobs, body.n or 1)
         try:
             completed, result = await _until_disconnect(request, lambda: self.complete(runs))
         finally:
@@ -689,6 +726,41 @@ class _Frontend:
         if not completed:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(result)
+
+    async def _start_stream(self, jobs: list[_Job], n: int) -> Response:
+        """A stream's response. A start within the keep-alive interval answers as a non-streamed
+        request does (a 429 is a 429); a start that takes longer (a stalled stage) sends the
+        headers and keep-alive comments while it waits, and a failure to start goes in-band."""
+        starting = asyncio.ensure_future(self.start_all(jobs, n))
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=self.sse_keepalive_s)
+        except BaseException:
+            starting.cancel()  # start_all closes whatever it had started
+            raise
+        body = self.stream(starting.result()) if done else self._late_stream(starting, jobs[0])
+        return _EventStream(_with_keepalive(body, self.sse_keepalive_s),
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _late_stream(self, starting: asyncio.Future[list[_Run]], job: _Job) -> AsyncIterator[str]:
+        try:
+            runs = await starting
+        except Exception as exc:  # headers are sent: report in-band, as stream() does
+            err = exc if isinstance(exc, APIError) else _as_api_error(exc)
+            self._count_error(err, job.id)
+            yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            if not starting.done():  # the client left while the engine was starting
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        chunks = self.stream(runs)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+            await self.close(runs)  # a stream closed before its first chunk never ran its own finally
 
     def model_card(self) -> dict[str, Any]:
         try:
@@ -705,9 +777,11 @@ class _Frontend:
 
 def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_model_name: str,
                api_key: str | None = None, auth_exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics"),
-               max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None) -> FastAPI:
+               max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
     """The frontend's ASGI app. api_key None or "": no authentication."""
-    front = _Frontend(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name))
+    front = _Frontend(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name),
+                      sse_keepalive_s)
     app = FastAPI(title="InferenceMesh", description="OpenAI-compatible endpoint of an InferenceMesh.",
                   docs_url=None, redoc_url=None)
     app.state.frontend = front
@@ -771,5 +845,5 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
     app.include_router(utility_router)  # vLLM's /tokenize, /detokenize, /version
 
     app.add_middleware(_Guard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),
-                       max_body_bytes=max_body_bytes, reject=front.error_response)
+                       max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, reject=front.error_response)
     return app
