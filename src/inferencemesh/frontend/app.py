@@ -39,6 +39,17 @@ from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.responses import (
+    COMMON_ERRORS,
+    GENERATION_ERRORS,
+    ChatCompletion,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    openapi_document,
+    streamed,
+)
 from inferencemesh.frontend.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
@@ -808,37 +819,47 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
         log.exception("unhandled error", exc_info=exc)
         return front.error_response(APIError(500, "Internal server error.", type="server_error"))
 
-    @app.get("/health")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/health", responses=COMMON_ERRORS)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"model": ErrorResponse, "description": "The model is not ready yet"},
+                                  **COMMON_ERRORS})
     async def ready() -> Response:
         if await front._ready():
             return JSONResponse({"status": "ready"})
         return front.error_response(APIError(503, "The model is not ready yet.", type="service_unavailable",
                                              code="not_ready"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                                    **COMMON_ERRORS})
     async def metrics_endpoint() -> Response:
         data, content_type = front.metrics.render()
         return Response(data, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **COMMON_ERRORS})
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [front.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None,
+             responses={200: {"model": ModelCard}, 404: GENERATION_ERRORS[404], **COMMON_ERRORS})
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return front.model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**streamed(CompletionResponse), **GENERATION_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**streamed(ChatCompletion), **GENERATION_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
 

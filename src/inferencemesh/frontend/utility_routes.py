@@ -26,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
 from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.responses import GENERATION_ERRORS
+
+_ERRORS = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 
 router = APIRouter()
 
@@ -96,7 +99,7 @@ def _frontend(request: Request, model: str | None) -> Any:
     return front
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=_ERRORS)
 async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     chat = "messages" in body
     parsed = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
@@ -114,7 +117,7 @@ async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) ->
     return out
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=_ERRORS)
 async def detokenize(request: Request, body: Annotated[dict[str, Any], Body()]) -> dict[str, str]:
     parsed = _parse(DetokenizeRequest, body)
     front = _frontend(request, parsed.model)
