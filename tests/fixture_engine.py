@@ -55,6 +55,7 @@ from inferencemesh.frontend.engine_api import (
     choice_seed,
     single_choice,
 )
+from inferencemesh.frontend.http_server import server_config
 from inferencemesh.sampling import logprobs, next_token
 
 # the bundled models' training script, whose tokenizer recipe the tiny fallback reuses
@@ -241,13 +242,15 @@ def build_fixture_model(**engine_kwargs) -> FixtureModel:
 
 
 @contextlib.contextmanager
-def serve(app) -> Iterator[str]:
-    """Run an ASGI app under uvicorn on a free loopback port in a background thread; yield its URL."""
+def serve(app, **limits) -> Iterator[str]:
+    """Run an ASGI app under uvicorn, with the frontend's connection limits (http_server.server_config,
+    `limits` overriding them), on a free loopback port in a background thread; yield its URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(server_config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                          **limits))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}")
     thread.start()
     deadline = time.monotonic() + 30

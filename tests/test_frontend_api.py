@@ -283,10 +283,10 @@ def test_stop_string_matcher() -> None:
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": 5}, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"model": "M", "prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "top_p": 1.5}, "top_p"),  # top_p 0 is greedy: accepted
     ("/v1/completions", {"model": "M", "prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**9]}, "prompt"),
-    ("/v1/completions", {"model": "M"}, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": 5}, "prompt"),  # no prompt: a new document (accepted)
     ("/v1/completions", {"prompt": "x"}, "model"),
     ("/v1/completions", {"model": "M", "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),

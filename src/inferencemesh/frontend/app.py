@@ -17,9 +17,10 @@ import hmac
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,14 +37,30 @@ from inferencemesh.frontend.engine_api import Engine, EngineError, GenerationReq
 from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
-from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
+from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.responses import (
+    COMMON_ERRORS,
+    GENERATION_ERRORS,
+    ChatCompletion,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    openapi_document,
+    streamed,
+)
 from inferencemesh.frontend.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
 
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's time
+BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body: then 408, connection closed
+# While a stream waits on the pipeline (a stalled stage: 40-70 s seen), an SSE comment every few
+# seconds keeps proxies with a read timeout (commonly 60 s) from cutting it; clients ignore comments.
+SSE_KEEPALIVE_S = 5.0
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -60,6 +77,24 @@ def _as_api_error(exc: Exception) -> APIError:
         return _from_engine_error(exc)
     log.error("generation failed", exc_info=exc)
     return APIError(500, "Generation failed inside the server.", type="server_error")
+
+
+# pydantic names the branch of a union in an error's location ("function-after[...]", "list[...]",
+# "str"): not a field a client can find in its request.
+_UNION_BRANCH = re.compile(r"[\w-]+\[.*\]|str|int|float|bool|list|dict|none")
+
+
+def invalid_body(errors: Sequence[Any]) -> APIError:
+    """FastAPI's validation errors as OpenAI's 400 invalid_request_error (not FastAPI's 422),
+    naming the field. A value that fits no branch of a union fails every branch: a branch whose
+    type matched ("must be a finite number") says more than the others ("should be a string")."""
+    def path(error: Any) -> str:
+        return ".".join(str(p) for p in error["loc"][1:] if not (isinstance(p, str) and _UNION_BRANCH.fullmatch(p)))
+
+    ranked = sorted(errors, key=lambda e: str(e["type"]).endswith("_type"))  # stable: type mismatches last
+    details = list(dict.fromkeys(f"{path(e) or 'body'}: {e['msg']}" for e in ranked))
+    param = path(ranked[0]) if ranked and ranked[0]["type"] != "json_invalid" else None
+    return APIError(400, f"Invalid request body: {'; '.join(details[:5])}", param=param or None)
 
 
 def _log_server_error(err: APIError, request_id: str | None = None) -> None:
@@ -80,9 +115,9 @@ class _Guard:
     """
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, exempt: tuple[str, ...], max_body_bytes: int,
-                 reject: Callable[[APIError], Response]) -> None:
+                 body_timeout_s: float, reject: Callable[[APIError], Response]) -> None:
         self.app, self.api_key, self.exempt, self.max_body_bytes = app, api_key, exempt, max_body_bytes
-        self.reject = reject
+        self.body_timeout_s, self.reject = body_timeout_s, reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -100,7 +135,12 @@ class _Guard:
             return await self._too_large(scope, receive, send)
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_timeout_s):  # a body that stops arriving holds a task
+                    message = await receive()
+            except TimeoutError:
+                return await self._refuse(scope, receive, send, APIError(
+                    408, f"The request body did not arrive within {self.body_timeout_s:g} s.", code="request_timeout"))
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -128,8 +168,10 @@ class _Guard:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = APIError(413, f"Request body exceeds the limit of {self.max_body_bytes} bytes.",
-                       code="request_too_large")
+        await self._refuse(scope, receive, send, APIError(
+            413, f"Request body exceeds the limit of {self.max_body_bytes} bytes.", code="request_too_large"))
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
         response = self.reject(err)
         response.headers["Connection"] = "close"  # the unread rest of the body is not drained
         await response(scope, receive, send)
@@ -163,6 +205,30 @@ class _EventStream(StreamingResponse):
             if hasattr(body, "aclose"):
                 with anyio.CancelScope(shield=True):
                     await body.aclose()
+
+
+async def _with_keepalive(source: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """source's items, with a keep-alive comment whenever none came for interval_s. The pending
+    item is awaited across comments (never cancelled, which would lose it), and source is closed."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE_COMMENT
+                continue
+            item, pending = pending, None
+            try:
+                yield item.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await source.aclose()
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -316,8 +382,9 @@ async def _merged(sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 class _Frontend:
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> None:
         self.engine, self.tokenizer, self.model, self.metrics = engine, tokenizer, model, metrics
+        self.sse_keepalive_s = sse_keepalive_s
         self.created = int(time.time())
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
@@ -374,8 +441,11 @@ class _Frontend:
 
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0  # logits / 1e-300 overflow to inf: this close to 0 means greedy
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if temperature < GREEDY_BELOW_TEMPERATURE or top_p == 0.0:
+            # logits / 1e-300 overflow to inf: this close to 0 means greedy; so does top_p 0 (no
+            # probability mass: only the most likely token), which the wire would read as "off"
+            temperature, top_p = 0.0, 1.0
         if body.min_tokens and max_tokens < body.min_tokens:
             raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
                            param="min_tokens")
@@ -389,7 +459,7 @@ class _Frontend:
         gen = GenerationRequest(
             request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=top_k, seed=body.seed,
+            top_p=top_p, top_k=top_k, seed=None if body.seed is None else wire_seed(body.seed),
             stop_token_ids=self._stop_token_ids(body),
             emit_stop_token=bool(body.include_stop_str_in_output),
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
@@ -657,9 +727,9 @@ class _Frontend:
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         jobs = [await self.prepare(body, arrival, prompt) for prompt in prompts]
         jobs = [replace(job, id=jobs[0].id, created=jobs[0].created, index=i) for i, job in enumerate(jobs)]
-        runs = await self.start_all(jobs, body.n or 1)
         if jobs[0].stream:
-            return _EventStream(self.stream(runs), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._start_stream(jobs, body.n or 1)
+        runs = await self.start_all(jobs, body.n or 1)
         try:
             completed, result = await _until_disconnect(request, lambda: self.complete(runs))
         finally:
@@ -667,6 +737,41 @@ class _Frontend:
         if not completed:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(result)
+
+    async def _start_stream(self, jobs: list[_Job], n: int) -> Response:
+        """A stream's response. A start within the keep-alive interval answers as a non-streamed
+        request does (a 429 is a 429); a start that takes longer (a stalled stage) sends the
+        headers and keep-alive comments while it waits, and a failure to start goes in-band."""
+        starting = asyncio.ensure_future(self.start_all(jobs, n))
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=self.sse_keepalive_s)
+        except BaseException:
+            starting.cancel()  # start_all closes whatever it had started
+            raise
+        body = self.stream(starting.result()) if done else self._late_stream(starting, jobs[0])
+        return _EventStream(_with_keepalive(body, self.sse_keepalive_s),
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _late_stream(self, starting: asyncio.Future[list[_Run]], job: _Job) -> AsyncIterator[str]:
+        try:
+            runs = await starting
+        except Exception as exc:  # headers are sent: report in-band, as stream() does
+            err = exc if isinstance(exc, APIError) else _as_api_error(exc)
+            self._count_error(err, job.id)
+            yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            if not starting.done():  # the client left while the engine was starting
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        chunks = self.stream(runs)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+            await self.close(runs)  # a stream closed before its first chunk never ran its own finally
 
     def model_card(self) -> dict[str, Any]:
         try:
@@ -683,9 +788,11 @@ class _Frontend:
 
 def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_model_name: str,
                api_key: str | None = None, auth_exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics"),
-               max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None) -> FastAPI:
+               max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
     """The frontend's ASGI app. api_key None or "": no authentication."""
-    front = _Frontend(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name))
+    front = _Frontend(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name),
+                      sse_keepalive_s)
     app = FastAPI(title="InferenceMesh", description="OpenAI-compatible endpoint of an InferenceMesh.",
                   docs_url=None, redoc_url=None)
     app.state.frontend = front
@@ -701,13 +808,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        # OpenAI answers a malformed body with 400 invalid_request_error, not FastAPI's 422.
-        errors = exc.errors()
-        first_loc = [str(p) for p in errors[0]["loc"][1:]] if errors else []
-        param = ".".join(first_loc) if errors and errors[0]["type"] != "json_invalid" else None
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
-        return front.error_response(APIError(400, f"Invalid request body: {details}", param=param or None))
+        return front.error_response(invalid_body(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -718,42 +819,52 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
         log.exception("unhandled error", exc_info=exc)
         return front.error_response(APIError(500, "Internal server error.", type="server_error"))
 
-    @app.get("/health")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/health", responses=COMMON_ERRORS)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"model": ErrorResponse, "description": "The model is not ready yet"},
+                                  **COMMON_ERRORS})
     async def ready() -> Response:
         if await front._ready():
             return JSONResponse({"status": "ready"})
         return front.error_response(APIError(503, "The model is not ready yet.", type="service_unavailable",
                                              code="not_ready"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                                    **COMMON_ERRORS})
     async def metrics_endpoint() -> Response:
         data, content_type = front.metrics.render()
         return Response(data, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **COMMON_ERRORS})
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [front.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None,
+             responses={200: {"model": ModelCard}, 404: GENERATION_ERRORS[404], **COMMON_ERRORS})
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return front.model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**streamed(CompletionResponse), **GENERATION_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**streamed(ChatCompletion), **GENERATION_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
 
     app.include_router(utility_router)  # vLLM's /tokenize, /detokenize, /version
 
     app.add_middleware(_Guard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),
-                       max_body_bytes=max_body_bytes, reject=front.error_response)
+                       max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, reject=front.error_response)
     return app

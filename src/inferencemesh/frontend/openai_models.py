@@ -9,12 +9,61 @@ not ask. Fields nobody has defined yet are ignored, so newer clients keep workin
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed range (format int64)
+INT32_MAX = 2**31 - 1  # top_k is an int32 on the stage wire
+UINT64_SPAN = 2**64  # the wire's seed is a uint64: a negative seed is taken modulo this (wire_seed)
+# repetition_penalty divides (or multiplies) logits: below this floor a logit overflows to inf
+# on its way through float32 and float64 sampling, so the floor keeps every kernel finite.
+REPETITION_PENALTY_MIN = 1e-6
 MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also accepts "²", which int() refuses
+
+
+# --- the field types: every range check of a request happens here, at the HTTP boundary ---------
+# Each check raises a pydantic error, so FastAPI's handler answers a 400 naming the field.
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer, as OpenAI's schema means it: 4.0 is the integer 4."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities arrive as JSON's NaN / Infinity (Python's json reads them): refused
+    before any range check, whose message ("less than or equal to 2") would mislead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("finite_number", "must be a finite number")
+    return value
+
+
+def _encodable(value: str) -> str:
+    """Text must be UTF-8: a lone surrogate (the JSON escape \\ud800, or the bytes ED A0 80, which
+    Python's json decodes the same way) cannot be tokenized or written back in a response."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("unicode_text", "must be valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Float = Annotated[float, BeforeValidator(_finite)]
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
+def wire_seed(seed: int) -> int:
+    """A request's seed (OpenAI: any int64) as the wire's uint64: two's complement, so every
+    seed maps to one fixed wire seed and distinct seeds stay distinct."""
+    return seed % UINT64_SPAN
 
 # Known fields we do not implement (OpenAI's and vLLM's): refused whenever sent with a value.
 REFUSED: dict[str, str] = {
@@ -52,8 +101,8 @@ FIXED: dict[str, object] = {
     "add_special_tokens": False,  # chat (the template places them); completions declare the field
 }
 # Known fields that only label a request (they change nothing about the answer): accepted.
-LABELS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-          "prompt_cache_options", "service_tier", "request_id")
+# Known fields that only label a request (user, metadata, service_tier, ...) change nothing about
+# the answer: extra="allow" accepts them as it accepts fields nobody has defined yet.
 
 
 class _Body(BaseModel):
@@ -69,25 +118,27 @@ class StreamOptions(_Body):
 class _SamplingRequest(_Body):
     """Fields common to /v1/completions and /v1/chat/completions. None means "the default"."""
 
-    model: str
+    model: Text
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # extension (vLLM's): 0 or -1 = off
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None  # choices per prompt (the engine may allow fewer)
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    user: str | None = None
+    max_tokens: Annotated[Int, Field(ge=0)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # 0: greedy (OpenAI's schema allows it)
+    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None  # extension (vLLM's): 0 or -1 = off
+    seed: Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None  # sent as wire_seed(seed)
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
+    n: Annotated[Int, Field(ge=1, le=128)] | None = None  # choices per prompt (the engine may allow fewer)
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
+    # keys: token ids, checked against the vocabulary by logit_bias_pairs (the vocabulary is the app's)
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Text | None = None
     # vLLM's extra sampling parameters
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[Float, Field(ge=REPETITION_PENALTY_MIN, le=2.0)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    # ids: checked against the vocabulary where the request is prepared (the vocabulary is the app's)
+    stop_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool | None = None
 
     def stop_strings(self) -> list[str]:
@@ -111,7 +162,7 @@ class _SamplingRequest(_Body):
         """logit_bias as (token id, bias); ValueError naming a key that is not a token id."""
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
                 raise ValueError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
             pairs.append((int(key), float(bias)))
         return tuple(sorted(pairs))
@@ -119,12 +170,13 @@ class _SamplingRequest(_Body):
 
 class CompletionRequest(_SamplingRequest):
     # A string, token ids, or a batch of either: one response, n choices per prompt.
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=64)] | list[int] | \
-        Annotated[list[list[int]], Field(min_length=1, max_length=64)]
+    # null or absent: OpenAI generates "as if from the beginning of a new document" (the BOS token alone)
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=64)] | list[Int] | \
+        Annotated[list[list[Int]], Field(min_length=1, max_length=64)] | None = None
     echo: bool | None = None
-    suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI: up to 5; vLLM: 20
+    suffix: Text | None = None
+    best_of: Annotated[Int, Field(ge=1)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI: up to 5; vLLM: 20
     add_special_tokens: bool | None = None  # vLLM: add BOS etc. to a text prompt (default true)
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -138,7 +190,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts (text or token ids): a batch runs them concurrently."""
-        p = self.prompt
+        p = "" if self.prompt is None else self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return list(p)
         return [p]
@@ -146,15 +198,24 @@ class CompletionRequest(_SamplingRequest):
 
 class TextContentPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextContentPart], Field(min_length=1)]
-    name: str | None = None
+    # null only for an assistant turn (OpenAI's schema: one that carried tool calls): it reads as ""
+    content: Text | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
+    name: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "content is required unless the role is assistant")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -166,9 +227,9 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None  # vLLM: only false
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

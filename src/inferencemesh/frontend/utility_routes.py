@@ -24,8 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inferencemesh.frontend.errors import APIError
-from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage
+from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
 from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.responses import GENERATION_ERRORS
+
+_ERRORS = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 
 router = APIRouter()
 
@@ -34,7 +37,7 @@ class _Utility(BaseModel):
     # Strict like the generation bodies; fields nobody has defined are ignored (newer clients work).
     model_config = ConfigDict(strict=True, extra="allow")
 
-    model: str | None = None
+    model: Text | None = None
 
     def refused(self) -> tuple[str, str] | None:
         """A known vLLM field we do not implement, sent with a value."""
@@ -45,7 +48,7 @@ class _Utility(BaseModel):
 
 
 class TokenizeCompletionRequest(_Utility):
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -73,7 +76,7 @@ class TokenizeChatRequest(_Utility):
 
 
 class DetokenizeRequest(_Utility):
-    tokens: list[int]
+    tokens: list[Int]
 
 
 def _parse(model: type[_Utility], body: dict[str, Any]) -> Any:
@@ -96,7 +99,7 @@ def _frontend(request: Request, model: str | None) -> Any:
     return front
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=_ERRORS)
 async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     chat = "messages" in body
     parsed = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
@@ -114,7 +117,7 @@ async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) ->
     return out
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=_ERRORS)
 async def detokenize(request: Request, body: Annotated[dict[str, Any], Body()]) -> dict[str, str]:
     parsed = _parse(DetokenizeRequest, body)
     front = _frontend(request, parsed.model)

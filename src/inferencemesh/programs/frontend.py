@@ -45,6 +45,7 @@ def run_frontend(config: FrontendConfig) -> int:
     from transformers import AutoTokenizer
 
     from inferencemesh.frontend.app import create_app
+    from inferencemesh.frontend.http_server import server_config
     from inferencemesh.frontend.metrics import FrontendMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -64,8 +65,9 @@ def run_frontend(config: FrontendConfig) -> int:
         engine, tokenizer, served_model_name=engine.model_name,
         api_key=os.environ.get(config.api_key_env) or None, max_body_bytes=config.max_body_bytes, metrics=metrics,
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    # header timeout, connection limit, keep-alive: frontend.http_server
+    server = uvicorn.Server(server_config(app, host=config.host, port=config.port, log_level="info",
+                                          timeout_graceful_shutdown=5))
 
     async def serve() -> None:
         engine.pipeline.connect()  # on the serving loop: an embedded first stage starts loading now

@@ -1,0 +1,235 @@
+"""Input validation at the HTTP boundary (issue 20): every value a request can carry is
+range-checked where it enters, with a 400 naming the field, so the engine never sees a value the
+stage wire cannot carry; and what OpenAI's schema accepts is accepted.
+
+Each case runs against the fixture engine and against the real engine over real gRPC (a 2-stage
+mesh of the bundled model), and after each one the server answers a normal request at once with
+every engine slot free: one request never hurts another.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from fixture_engine import build_fixture_model, serve
+from mesh_helpers import start_mesh
+from openai_spec import errors
+from transformers import AutoTokenizer
+
+from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
+from inferencemesh.frontend.app import create_app
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.pipeline import GrpcPipeline
+
+TARGET = bundled_path(DEFAULT_MODEL)
+MAX_SESSIONS = 8
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    engine: Any
+    vocab_size: int
+
+    def free(self) -> bool:
+        """No engine slot is held: the fixture's open sessions, or the pipeline engine's admission."""
+        if isinstance(self.engine, PipelineEngine):
+            return self.engine.running == 0 and self.engine._slots._value == MAX_SESSIONS  # noqa: SLF001
+        return self.engine.open_sessions == 0
+
+
+@pytest.fixture(scope="module", params=["fixture", "mesh"])
+def server(request) -> Iterator[Server]:
+    if request.param == "fixture":
+        fm = build_fixture_model()
+        engine, tokenizer, name = fm.engine, fm.tokenizer, fm.name
+        with serve(create_app(engine, tokenizer, served_model_name=name)) as url:
+            yield Server(url, name, engine, len(tokenizer))
+        return
+    mesh = start_mesh(TARGET, 2, max_context=256, dtype="float32", max_sessions=MAX_SESSIONS)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(TARGET)
+        engine = PipelineEngine(GrpcPipeline(mesh.addresses),
+                                EngineOptions(DEFAULT_MODEL, max_context=256, max_sessions=MAX_SESSIONS))
+        with serve(create_app(engine, tokenizer, served_model_name=DEFAULT_MODEL)) as url:
+            yield Server(url, DEFAULT_MODEL, engine, len(tokenizer))
+    finally:
+        mesh.stop()
+
+
+def post(server: Server, path: str, body: dict[str, Any] | bytes, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=timeout)
+
+
+def completion(server: Server, **fields: Any) -> dict[str, Any]:
+    return {"model": server.model, "prompt": "def f():", "max_tokens": 3, **fields}
+
+
+def assert_healthy(server: Server) -> None:
+    """A normal request is answered at once (no slot was leaked), and every slot is free after it."""
+    r = post(server, "/v1/completions", completion(server), timeout=15)
+    assert r.status_code == 200, r.text
+    assert server.free()
+
+
+def assert_400(r: httpx.Response, param: str, says: str = "") -> None:
+    assert r.status_code == 400, (r.status_code, r.text)
+    body = r.json()
+    assert not errors(body, "ErrorResponse"), body
+    assert body["error"]["param"] == param, body
+    assert says in body["error"]["message"], body
+
+
+# --- values the wire cannot carry --------------------------------------------------------------
+
+
+def test_negative_seeds_map_to_the_wire_deterministically(server: Server) -> None:
+    """OpenAI's seed is any int64; the wire's is a uint64: a negative seed is taken modulo 2^64
+    (its two's complement), with n > 1 too, and the same seed gives the same choices."""
+    body = completion(server, n=4, seed=-1, temperature=1.0, max_tokens=6)
+    first = post(server, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    again = post(server, "/v1/completions", body).json()
+    assert_400(post(server, "/v1/completions", {**body, "seed": 2**63}), "seed")  # beyond OpenAI's int64
+    texts = [c["text"] for c in first.json()["choices"]]
+    assert texts == [c["text"] for c in again["choices"]]
+    assert_healthy(server)
+
+
+def test_top_k_beyond_int32_is_a_400(server: Server) -> None:
+    assert_400(post(server, "/v1/completions", completion(server, top_k=2**31)), "top_k")
+    assert post(server, "/v1/completions", completion(server, top_k=2**31 - 1)).status_code == 200
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("value", [5e-324, 1e-300, 0.0, 1e-7])
+def test_repetition_penalty_below_the_floor_is_a_400(server: Server, value: float) -> None:
+    assert_400(post(server, "/v1/completions", completion(server, repetition_penalty=value)), "repetition_penalty")
+    assert_healthy(server)
+
+
+def test_repetition_penalty_at_the_floor_samples_finite_logits(server: Server) -> None:
+    r = post(server, "/v1/completions", completion(server, repetition_penalty=1e-6, temperature=1.0, seed=3, n=2))
+    assert r.status_code == 200, r.text
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_floats_are_named_as_such(server: Server, field: str, literal: str) -> None:
+    raw = json.dumps(completion(server)).encode()[:-1] + f', "{field}": {literal}}}'.encode()
+    assert_400(post(server, "/v1/completions", raw), field, "must be a finite number")
+    assert_healthy(server)
+
+
+def test_non_finite_logit_bias_is_a_400(server: Server) -> None:
+    raw = json.dumps(completion(server)).encode()[:-1] + b', "logit_bias": {"5": NaN}}'
+    assert_400(post(server, "/v1/completions", raw), "logit_bias.5", "must be a finite number")
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("key", ["2147483647", "99999999999999", "-1", "\u00b2", "\ud800", "1.0"])
+def test_logit_bias_keys_outside_the_vocabulary_are_a_400(server: Server, key: str) -> None:
+    raw = json.dumps(completion(server, logit_bias={key: 1})).encode()
+    assert_400(post(server, "/v1/completions", raw), "logit_bias")
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("ids", [[2**31 - 1], [2**40], [-1]])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(server: Server, ids: list[int]) -> None:
+    r = post(server, "/v1/completions", completion(server, stop_token_ids=ids))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("stop_token_ids")
+    assert_healthy(server)
+
+
+# --- text that is not Unicode ------------------------------------------------------------------
+
+SURROGATE_ESCAPE = b"\\ud800"  # JSON's escape of a lone surrogate
+SURROGATE_BYTES = b"\xed\xa0\x80"  # its raw UTF-8-like bytes (Python's json decodes them the same)
+
+
+def _raw(server: Server, template: bytes, bad: bytes) -> bytes:
+    return template.replace(b"MODEL", server.model.encode()).replace(b"BAD", bad)
+
+
+SURROGATE_CASES = [
+    ("/v1/completions", b'{"model":"MODEL","prompt":"xBAD","max_tokens":2}', "prompt"),
+    ("/v1/completions", b'{"model":"MODEL","prompt":["ok","xBAD"],"max_tokens":2}', "prompt.1"),
+    ("/v1/completions", b'{"model":"MODEL","prompt":"xBAD","max_tokens":2,"stream":true}', "prompt"),
+    ("/v1/completions", b'{"model":"MODEL","prompt":"x","stop":"BAD","max_tokens":2}', "stop"),
+    ("/v1/completions", b'{"model":"aBAD","prompt":"x","max_tokens":2}', "model"),
+    ("/v1/chat/completions", b'{"model":"MODEL","messages":[{"role":"user","content":"BAD"}],"max_tokens":2}',
+     "messages.0.content"),
+    ("/v1/chat/completions",
+     b'{"model":"MODEL","messages":[{"role":"user","content":[{"type":"text","text":"BAD"}]}],"max_tokens":2,'
+     b'"stream":true}', "messages.0.content.0.text"),
+    ("/v1/chat/completions", b'{"model":"aBAD","messages":[{"role":"user","content":"x"}]}', "model"),
+    ("/tokenize", b'{"prompt":"BAD"}', "prompt"),
+    ("/tokenize", b'{"model":"MODEL","messages":[{"role":"user","content":"BAD"}]}', "messages.0.content"),
+    ("/tokenize", b'{"model":"BAD","prompt":"x"}', "model"),
+]
+
+
+@pytest.mark.parametrize("bad", [SURROGATE_ESCAPE, SURROGATE_BYTES], ids=["escape", "bytes"])
+@pytest.mark.parametrize(("path", "template", "param"), SURROGATE_CASES)
+def test_lone_surrogates_are_a_400(server: Server, bad: bytes, path: str, template: bytes, param: str) -> None:
+    assert_400(post(server, path, _raw(server, template, bad)), param, "lone surrogate")
+    assert_healthy(server)
+
+
+def test_invalid_utf8_and_odd_model_paths_are_not_5xx(server: Server) -> None:
+    r = post(server, "/v1/completions", _raw(server, b'{"model":"MODEL","prompt":"xBAD"}', b"\xff\xfe"))
+    assert r.status_code == 400, r.text
+    r = httpx.get(server.url + "/v1/models/a%ED%A0%80", timeout=10)
+    assert r.status_code == 404 and not errors(r.json(), "ErrorResponse"), r.text
+    assert_healthy(server)
+
+
+# --- what OpenAI's schema accepts ------------------------------------------------------------
+
+
+def test_top_p_zero_is_greedy(server: Server) -> None:
+    greedy = post(server, "/v1/completions", completion(server, temperature=0, max_tokens=8)).json()
+    nucleus = post(server, "/v1/completions", completion(server, top_p=0, temperature=1.5, seed=7, max_tokens=8))
+    assert nucleus.status_code == 200, nucleus.text
+    assert nucleus.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+    assert_healthy(server)
+
+
+def test_integral_floats_are_integers(server: Server) -> None:
+    r = post(server, "/v1/completions", completion(server, max_tokens=4.0, n=2.0, seed=5.0, top_k=3.0,
+                                                  ignore_eos=True))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8
+    assert_400(post(server, "/v1/completions", completion(server, max_tokens=4.5)), "max_tokens")
+    assert_healthy(server)
+
+
+def test_prompt_null_starts_a_new_document(server: Server) -> None:
+    for body in (completion(server, prompt=None), {"model": server.model, "max_tokens": 3}):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert not errors(r.json(), "CreateCompletionResponse")
+    assert_healthy(server)
+
+
+def test_assistant_content_null_is_accepted(server: Server) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "again"}]
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": messages, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert not errors(r.json(), "CreateChatCompletionResponse")
+    user_null = [{"role": "user", "content": None}]
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": user_null, "max_tokens": 3})
+    assert_400(r, "messages.0", "content is required")
+    assert_healthy(server)
