@@ -46,7 +46,6 @@ from inferencemesh.frontend.engine_api import (
     Choice,
     ContextLengthExceeded,
     EngineError,
-    EngineNotReady,
     EngineOverloaded,
     GenerationRequest,
     InvalidRequest,
@@ -62,6 +61,14 @@ from inferencemesh.sampling import logprobs, next_token
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 BUNDLED_TARGET = "imesh-code-target"
+
+
+class EngineNotReady(EngineError):
+    """The fixture's not-ready answer (a pipeline engine answers not-ready through is_ready)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "not_ready"
 
 
 class TransformersEngine:
@@ -95,14 +102,32 @@ class TransformersEngine:
         return single_choice(self, request)
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
+        return await self.generate_batch([request], n)
+
+    async def generate_batch(self, requests: list[GenerationRequest], n: int) -> list[Choice]:
+        """Every request's n choices, admitted together or refused (no queue: beyond the limit, 429)."""
         if not self.ready:
             raise EngineNotReady("the engine is not ready")
-        if n > max(1, self.max_sessions):  # never servable (n = 1 beyond the limit is overload: 429)
-            raise InvalidRequest(f"n is {n}; the limit is {self.max_sessions}", param="n")
-        if self.open_sessions + n > self.max_sessions:
+        total = len(requests) * n
+        if total > max(1, self.max_sessions):  # never servable (n = 1 beyond the limit is overload: 429)
+            raise InvalidRequest(f"{total} sequences; the limit is {self.max_sessions}",
+                                 param="n" if len(requests) == 1 else "prompt")
+        if self.open_sessions + total > self.max_sessions:
             raise EngineOverloaded(f"{self.open_sessions} sessions open, the limit is {self.max_sessions}")
-        if len(request.prompt_ids) + request.max_tokens > self.max_context:
-            raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
+        for request in requests:
+            if len(request.prompt_ids) + request.max_tokens > self.max_context:
+                raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
+        started: list[Choice] = []
+        try:
+            for request in requests:
+                started += await self._start(request, n)
+        except BaseException:
+            for choice in started:
+                await choice.aclose()
+            raise
+        return started
+
+    async def _start(self, request: GenerationRequest, n: int) -> list[Choice]:
         self.open_sessions += n
         self.peak_sessions = max(self.peak_sessions, self.open_sessions)
         try:
@@ -137,15 +162,15 @@ class TransformersEngine:
             token = next_token(logits, params, len(history), history) if produced[0] < request.max_tokens else None
             stop = token in request.stop_token_ids
             if token is None or (stop and not request.emit_stop_token):
-                if prompt_logprobs is not None:
-                    yield Step([], None, prompt_logprobs)
+                yield Step([], None, prompt_logprobs, finish_reason="stop" if stop else "length")
                 return
             produced[0] += 1
             history.append(token)
             lps = None if request.logprobs is None else _entries(logits[None], [token], request.logprobs)
-            yield Step([token], lps, prompt_logprobs)
+            finish = "stop" if stop else "length" if produced[0] >= request.max_tokens else None
+            yield Step([token], lps, prompt_logprobs, finish_reason=finish)
             prompt_logprobs = None
-            if stop or produced[0] >= request.max_tokens:
+            if finish is not None:
                 return
             if self.fail_after_tokens is not None and produced[0] >= self.fail_after_tokens:
                 raise EngineError("stage 1 was lost mid-generation")

@@ -209,6 +209,41 @@ def test_over_http_the_server_answers_and_reports_free_slots_after_an_odd_reques
 
 
 
+
+def test_over_http_prompt_lists_beyond_the_free_slots_queue_or_are_refused_and_never_block_others(mesh, model) -> None:
+    """The reported deadlock, end to end: a prompt list whose sessions (prompts x n) exceed the free
+    slots once held every slot for the queue timeout while a normal request waited behind it. Now a
+    list larger than the server is refused at once (400 naming the limit); one that fits the server
+    but not the free slots waits without holding any, and both lists and a normal request sent
+    meanwhile all answer."""
+    import concurrent.futures
+
+    import httpx
+    from fixture_engine import serve
+    from transformers import AutoTokenizer
+
+    from inferencemesh.frontend.app import create_app
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = new_engine(mesh)
+    with serve(create_app(engine, tokenizer, served_model_name="t")) as base, httpx.Client(base_url=base) as http:
+        too_big = http.post("/v1/completions", json={"model": "t", "prompt": ["a"] * 64, "n": 2, "max_tokens": 2},
+                            timeout=10)
+        assert too_big.status_code == 400 and "at most 16" in too_big.json()["error"]["message"], too_big.text
+        assert engine.free_slots == SLOTS
+
+        def post(body: dict) -> httpx.Response:
+            return http.post("/v1/completions", json={"model": "t", "max_tokens": 8, **body}, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(post, {"prompt": ["x"] * 9, "n": 1})  # 9 of 16 slots
+            second = pool.submit(post, {"prompt": ["y"] * 5, "n": 2})  # 10 more: waits for the first
+            normal = http.post("/v1/completions", json={"model": "t", "prompt": "hello", "max_tokens": 2}, timeout=10)
+            assert normal.status_code == 200, normal.text
+            assert [len(f.result().json()["choices"]) for f in (first, second)] == [9, 10]
+        assert engine.free_slots == SLOTS and engine.running == 0
+
+
 # --- batches that fit or queue ---------------------------------------------------------------
 
 

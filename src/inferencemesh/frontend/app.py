@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import inspect
 import json
 import logging
 import re
@@ -54,7 +53,6 @@ from inferencemesh.frontend.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
 
-READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's time
 BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body: then 408, connection closed
 # While a stream waits on the pipeline (a stalled stage: 40-70 s seen), an SSE comment every few
@@ -393,7 +391,6 @@ class _Frontend:
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stop_token_ids = frozenset(stop_ids)
         self.logprobs = LogprobsFormatter(tokenizer)
-        self._ready_until = 0.0  # a positive readiness answer is reused this long (monotonic time)
 
     def _count_error(self, err: APIError, request_id: str | None = None) -> None:
         """Every request answered with an error, once: as a JSON error, or in-band in a stream."""
@@ -417,7 +414,7 @@ class _Frontend:
         refused = body.unsupported()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
-        if not await self._ready(cached=True):
+        if not await self._ready():
             raise APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
 
         if isinstance(body, ChatCompletionRequest):
@@ -485,20 +482,13 @@ class _Frontend:
         except ValueError as err:
             raise APIError(400, str(err), param="logit_bias") from err
 
-    async def _ready(self, cached: bool = False) -> bool:
-        # Per request, a "ready" seen within READY_CACHE_S is trusted: asking every stage's health
-        # service on every request would add round trips to the latency we are trying to save.
-        # "Not ready" is never cached, so recovery is seen at once; /ready always asks.
-        now = time.monotonic()
-        if cached and now < self._ready_until:
-            return True
+    async def _ready(self) -> bool:
+        # The engine decides how long a "ready" is trusted (one place caches it).
         try:
-            ready = bool(await self.engine.is_ready())
+            return bool(await self.engine.is_ready())
         except Exception:
             log.exception("engine.is_ready() failed")
-            ready = False
-        self._ready_until = now + READY_CACHE_S if ready else 0.0
-        return ready
+            return False
 
     async def _prompt(self, body: ChatCompletionRequest | CompletionRequest,
                       prompt: str | list[int] | None) -> tuple[list[int], str]:
@@ -522,18 +512,19 @@ class _Frontend:
 
     # --- running the engine ---
 
-    async def start(self, job: _Job, n: int) -> list[_Run]:
-        """Submit to the engine and wait for each choice's first step, so that errors at admission
-        (overloaded, not ready, context) still get their HTTP status. Choice j of the job's
-        prompt gets index job.index * n + j; the prompt's tokens count once, in choice 0's metrics."""
-        trackers = [self.metrics.track_request(job.arrival, len(job.prompt_ids) if j == 0 else 0) for j in range(n)]
+    async def start_all(self, jobs: list[_Job], n: int) -> list[_Run]:
+        """Every prompt's n choices, admitted together by the engine (it queues the batch until
+        that many sessions are free, or refuses it at once), and each choice's first step, so that
+        errors at admission (overloaded, not ready, context) still get their HTTP status. Choice j
+        of prompt i gets index i * n + j; a prompt's tokens count once, in its choice 0's metrics."""
+        slots = [(job, j) for job in jobs for j in range(n)]
+        trackers = [self.metrics.track_request(job.arrival, len(job.prompt_ids) if j == 0 else 0) for job, j in slots]
         iterators: list[AsyncIterator[Step]] = []
         try:
-            if n == 1:
-                iterator: Any = self.engine.generate(job.request)
-                iterators = [await iterator if inspect.isawaitable(iterator) else iterator]
+            if len(slots) == 1:
+                iterators = [self.engine.generate(jobs[0].request)]
             else:
-                iterators = list(await self.engine.generate_n(job.request, n))
+                iterators = list(await self.engine.generate_batch([job.request for job in jobs], n))
             firsts = await asyncio.gather(*(_first_step(it) for it in iterators), return_exceptions=True)
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None:
@@ -547,20 +538,7 @@ class _Frontend:
                 raise _from_engine_error(exc) from exc
             raise
         return [_Run(replace(job, index=job.index * n + j), it, first, tracker, j == 0)
-                for j, (it, first, tracker) in enumerate(zip(iterators, firsts, trackers, strict=True))]
-
-    async def start_all(self, jobs: list[_Job], n: int) -> list[_Run]:
-        """Every prompt's n choices, started concurrently; a failure closes the others."""
-        if len(jobs) == 1:
-            return await self.start(jobs[0], n)
-        started = await asyncio.gather(*(self.start(job, n) for job in jobs), return_exceptions=True)
-        failure = next((s for s in started if isinstance(s, BaseException)), None)
-        if failure is not None:
-            for runs in started:
-                if not isinstance(runs, BaseException):
-                    await self.close(runs)
-            raise failure
-        return [run for runs in started for run in runs]
+                for (job, j), it, first, tracker in zip(slots, iterators, firsts, trackers, strict=True)]
 
     async def close(self, runs: list[_Run]) -> None:
         """Release every choice's session (a no-op for those done already)."""
@@ -572,17 +550,16 @@ class _Frontend:
                     tracker: RequestTracker, text: OutputText) -> AsyncIterator[_Piece]:
         """The pieces of one generation; sets job.finish_reason and job.completion_tokens at the end."""
         budget = job.request.max_tokens
-        stops = job.request.stop_token_ids if job.request.emit_stop_token else frozenset()
         count = 0
         step = first
-        stopped_by_token = False
+        engine_reason: str | None = None
         while step is not None:
+            engine_reason = step.finish_reason or engine_reason
             ids = list(step[: budget - count])  # a speculative step may overshoot the budget
             logprobs = step.logprobs[: len(ids)] if step.logprobs is not None else None
             if ids:
                 count += len(ids)
                 tracker.on_tokens(len(ids))
-                stopped_by_token = ids[-1] in stops  # an emitted stop token (include_stop_str_in_output)
                 delta = text.add_tokens(ids)
                 if delta or logprobs:
                     yield _Piece(delta, ids, logprobs)
@@ -597,8 +574,9 @@ class _Frontend:
             if tail:
                 yield _Piece(tail, [], None)
         job.completion_tokens = count
-        # The engine ends early only on a stop token; a stop string also ends it: both are "stop".
-        job.finish_reason = "stop" if text.stopped or stopped_by_token or count < budget else "length"
+        # The engine says why a choice ended (a stop token, or its length); a stop string is
+        # found here, in the text, and is a "stop" too.
+        job.finish_reason = "stop" if text.stopped else engine_reason or "length"
 
     def _output_text(self, job: _Job) -> OutputText:
         return OutputText(self.tokenizer, job.prompt_ids, job.stops, min_tokens=job.request.min_tokens,

@@ -139,12 +139,6 @@ class InvalidRequest(EngineError):
         self.param = param
 
 
-class EngineNotReady(EngineError):
-    status_code = 503
-    error_type = "service_unavailable"
-    code = "not_ready"
-
-
 class EngineOverloaded(EngineError):
     status_code = 429
     error_type = "rate_limit_error"

@@ -40,7 +40,6 @@ def compute_threads_of(config: FrontendConfig) -> int | None:
 
 
 def run_frontend(config: FrontendConfig) -> int:
-    import torch
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -48,13 +47,7 @@ def run_frontend(config: FrontendConfig) -> int:
     from inferencemesh.frontend.http_server import server_config
     from inferencemesh.frontend.metrics import FrontendMetrics
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if config.debug_telemetry:
-        logging.getLogger("inferencemesh").setLevel(logging.DEBUG)
-    torch.set_grad_enabled(False)
-    threads = compute_threads_of(config)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    # Logging, grad mode and threads were set by the CLI (programs.process.set_up_process).
     model_dir = fetch_config_dir(resolve_model(config.model), revision=config.revision, cache_dir=config.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     metrics = FrontendMetrics(served_name(config.model, config.served_model_name))
