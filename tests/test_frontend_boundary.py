@@ -40,7 +40,7 @@ class Server:
     def free(self) -> bool:
         """No engine slot is held: the fixture's open sessions, or the pipeline engine's admission."""
         if isinstance(self.engine, PipelineEngine):
-            return self.engine.running == 0 and self.engine._slots._value == MAX_SESSIONS  # noqa: SLF001
+            return self.engine.running == 0 and self.engine.free_slots == MAX_SESSIONS
         return self.engine.open_sessions == 0
 
 
