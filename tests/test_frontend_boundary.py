@@ -25,6 +25,7 @@ from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.sampling import MIN_REPETITION_PENALTY
 
 TARGET = bundled_path(DEFAULT_MODEL)
 MAX_SESSIONS = 8
@@ -116,8 +117,11 @@ def test_repetition_penalty_below_the_floor_is_a_400(server: Server, value: floa
     assert_healthy(server)
 
 
-def test_repetition_penalty_at_the_floor_samples_finite_logits(server: Server) -> None:
-    r = post(server, "/v1/completions", completion(server, repetition_penalty=1e-6, temperature=1.0, seed=3, n=2))
+@pytest.mark.parametrize("value", [MIN_REPETITION_PENALTY, 1e-6])
+def test_repetition_penalty_at_the_floor_samples_finite_logits(server: Server, value: float) -> None:
+    """The floor is one number for the API and the stages: a request at it is served, not refused
+    by a stage after the float32 wire rounded it below a floor written in float64."""
+    r = post(server, "/v1/completions", completion(server, repetition_penalty=value, temperature=1.0, seed=3, n=2))
     assert r.status_code == 200, r.text
     assert_healthy(server)
 
@@ -232,4 +236,72 @@ def test_assistant_content_null_is_accepted(server: Server) -> None:
     user_null = [{"role": "user", "content": None}]
     r = post(server, "/v1/chat/completions", {"model": server.model, "messages": user_null, "max_tokens": 3})
     assert_400(r, "messages.0", "content is required")
+    assert_healthy(server)
+
+
+# --- fuzzing with hostile values, against both engines ------------------------------------------
+
+HOSTILE_FLOATS = [float("nan"), float("inf"), float("-inf"), 5e-324, 1e-310, -0.0, 0.0, 1.0, 2.0, 1e308]
+HOSTILE_INTS = [-(2**63) - 1, -(2**63), -1, 0, 1, 3, 4.0, 2.5, 2**31 - 1, 2**31, 2**63, 2**64]
+TEXTS = ["def f():", "x\ud800y", "\udfff", "<|im_end|>\n<|im_start|>system", "", "ok"]
+
+
+def hostile_completion(server: Server) -> Any:
+    """A completion body a client could send: the right model name (so generation is reached),
+    and hostile values (non-finite and denormal floats, integral floats, ints the wire cannot
+    carry, ids outside the vocabulary, lone surrogates, prompt lists past the free slots) in
+    the fields that reach the engine."""
+    from hypothesis import strategies as st
+
+    vocab = server.vocab_size
+    ids = st.sampled_from([0, 1, vocab - 1, vocab, 2**31 - 1, -1])
+    prompt = st.one_of(st.sampled_from(TEXTS), st.lists(st.sampled_from(TEXTS), min_size=1, max_size=MAX_SESSIONS + 4),
+                       st.lists(ids, min_size=1, max_size=6))
+    optional = {
+        "n": st.sampled_from([1, 2, 3, 2.0, MAX_SESSIONS + 1]),
+        "temperature": st.sampled_from(HOSTILE_FLOATS), "top_p": st.sampled_from(HOSTILE_FLOATS),
+        "presence_penalty": st.sampled_from(HOSTILE_FLOATS), "frequency_penalty": st.sampled_from(HOSTILE_FLOATS),
+        "repetition_penalty": st.sampled_from(HOSTILE_FLOATS), "seed": st.sampled_from(HOSTILE_INTS),
+        "top_k": st.sampled_from(HOSTILE_INTS),
+        "logit_bias": st.dictionaries(ids.map(str), st.sampled_from(HOSTILE_FLOATS + [100, -100]), max_size=2),
+        "stop_token_ids": st.lists(ids, max_size=2), "stop": st.sampled_from(TEXTS),
+        "stream": st.booleans(), "ignore_eos": st.booleans(),
+    }
+    # max_tokens always set and small (or refused): an unset one runs to the context's end
+    max_tokens = st.sampled_from([1, 3, 4.0, 0, -1, 2**31])
+    return st.fixed_dictionaries({"model": st.just(server.model), "prompt": prompt, "max_tokens": max_tokens},
+                                 optional=optional)
+
+
+def test_hostile_bodies_never_5xx_and_leave_every_slot_free(server: Server) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(hostile_completion(server))
+    def run(body: dict[str, Any]) -> None:
+        if body.get("stream"):
+            body.pop("n", None)  # streamed n > 1 is served too, but keeps examples quick
+        # json.dumps writes NaN/Infinity literals and escapes lone surrogates, as a careless client would
+        r = post(server, "/v1/completions", json.dumps(body).encode(), timeout=60)
+        assert r.status_code < 500, (r.status_code, r.text[:300])
+        if r.status_code != 200:
+            assert r.status_code in (400, 429), (r.status_code, r.text[:300])
+            assert not errors(r.json(), "ErrorResponse"), r.text[:300]
+        assert_healthy(server)
+
+    run()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slots(server: Server) -> None:
+    body = completion(server, prompt=["def f():", "class A:"], n=2, max_tokens=64, stream=True, ignore_eos=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk, then hang up
+    import time
+
+    deadline = time.monotonic() + 10
+    while not server.free() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.free()
     assert_healthy(server)

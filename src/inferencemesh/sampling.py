@@ -58,7 +58,10 @@ GREEDY = SamplingParams()
 # transform meet inf or NaN (a repetition penalty of 5e-324 divides logits into infinity) or an
 # index fall outside the vocabulary, so it is refused before it reaches a kernel.
 MAX_MAGNITUDE = 1e6  # penalties, biases, temperature: far inside float32, so sums stay finite
-MIN_REPETITION_PENALTY = 1e-6  # bounded away from the denormals (0 itself means off)
+# Bounded away from the denormals (0 itself means off). The one floor the API, the engine and every
+# stage apply: 2^-20 (about 9.5e-7) is exact in float32, the wire's type, so a request at the floor
+# is the same number on both sides of it (1e-6 arrived as 9.99999997e-07 and a stage refused it).
+MIN_REPETITION_PENALTY = 2.0**-20
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 

@@ -223,10 +223,13 @@ async def _with_keepalive(source: AsyncIterator[str], interval_s: float) -> Asyn
             except StopAsyncIteration:
                 return
     finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await source.aclose()
+        # Shielded: when the client goes away this runs inside a cancelled scope, which would
+        # cancel these awaits too and leave source (and the sessions its choices hold) open.
+        with anyio.CancelScope(shield=True):
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await source.aclose()
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -16,12 +16,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from inferencemesh.sampling import MIN_REPETITION_PENALTY
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed range (format int64)
 INT32_MAX = 2**31 - 1  # top_k is an int32 on the stage wire
 UINT64_SPAN = 2**64  # the wire's seed is a uint64: a negative seed is taken modulo this (wire_seed)
 # repetition_penalty divides (or multiplies) logits: below this floor a logit overflows to inf
 # on its way through float32 and float64 sampling, so the floor keeps every kernel finite.
-REPETITION_PENALTY_MIN = 1e-6
+REPETITION_PENALTY_MIN = MIN_REPETITION_PENALTY  # sampling's floor, which every stage applies
 MAX_LOGPROBS = 20
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only: str.isdigit() also accepts "²", which int() refuses
 

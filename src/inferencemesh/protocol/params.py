@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.sampling import SamplingParams
+from inferencemesh.sampling import MIN_REPETITION_PENALTY, SamplingParams
 
 
 def to_wire(params: SamplingParams, logprobs: int | None = None) -> pb.Sampling:
@@ -37,7 +37,6 @@ def from_wire(s: pb.Sampling) -> tuple[SamplingParams, int | None]:
 # logits, so it stays off (0 or 1) or far from the denormals; every id indexes the vocabulary.
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 100.0  # presence and frequency, either sign; repetition at most this
-MIN_REPETITION_PENALTY = 1e-6
 MAX_LOGIT_BIAS = 1e4
 MAX_TOP_LOGPROBS = 100
 
