@@ -2,8 +2,8 @@
 # The test command (README): installs what the tests need, then runs the unit and integration
 # tests (tests/) and the end-to-end tests (e2e/) on a real Kubernetes cluster.
 #
-#   bash tools/test.sh                   tests/, then e2e/ on a local single-node cluster that this
-#                                        script brings up (tools/cluster/up.sh) and tears down after
+#   bash tools/test.sh                   mypy over src/, tests/, then e2e/ on a local single-node cluster that
+#                                        this script brings up (tools/cluster/up.sh) and tears down after
 #   KUBECONFIG=... bash tools/test.sh    tests/, then e2e/ on that cluster (set IMESH_E2E_* images)
 #   IMESH_E2E=0 bash tools/test.sh       tests/ only
 #   bash tools/test.sh tests/test_x.py   only what you name (no cluster)
@@ -32,6 +32,9 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=15)
 if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
+
+# The type checker over src/ (its settings and the modules not yet typed: pyproject.toml's [tool.mypy]).
+python3 -m mypy
 
 # Two runs, not one: the operator tests point KUBECONFIG at control planes of their own for the
 # whole session, and the unit tests should not share the two cores with a running cluster.
