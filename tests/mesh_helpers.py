@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,6 +15,37 @@ from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine_api import GenerationRequest
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.serve import LocalStages, stage_template
+
+
+def free_ports_at(offsets: Sequence[int]) -> int:
+    """A base port with base + offset free now for every offset, below Linux's ephemeral range
+    (32768+): a port the kernel hands out as free can be taken by another process's outgoing
+    connection before a server binds it, and the ports a program derives from it (serve's stage
+    metrics at --port + 100, --stage-metrics-port + i) were never checked at all."""
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - max(offsets))
+        sockets = [socket.socket() for _ in offsets]
+        try:
+            for offset, sock in zip(offsets, sockets, strict=True):
+                sock.bind(("0.0.0.0", base + offset))  # also fails if 127.0.0.1 holds it
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no free ports at offsets {list(offsets)} in 20000-32000")
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports (a --stage-metrics-port base)."""
+    return free_ports_at(range(count))
+
+
+def free_serve_port(stages: int = 4) -> int:
+    """A --port for `inferencemesh serve` whose default stage metrics ports (+100, +101, ...) are free too."""
+    return free_ports_at([0, *range(100, 100 + stages)])
+
 
 # One compute thread per stage process: several processes share two cores in CI.
 QUIET_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -278,9 +278,9 @@ def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(m
     async def go() -> None:
         engine = new_engine(mesh)
         try:
-            # One long request holds a slot; a batch of all the slots then waits, holding none.
-            long = asyncio.create_task(drain_all(await engine.generate_n(
-                GenerationRequest("long", PROMPT, 60, temperature=0.0), 1)))
+            # One request holds a slot until this test reads it (a choice generates as it is read,
+            # so no timing decides when it ends); a batch of all the slots then waits, holding none.
+            held = await engine.generate_n(GenerationRequest("long", PROMPT, 60, temperature=0.0), 1)
             batch = asyncio.create_task(engine.generate_batch(
                 [GenerationRequest(f"p{i}", PROMPT, 4, temperature=0.0) for i in range(SLOTS // 2)], 2))
             await asyncio.sleep(0.2)
@@ -288,8 +288,10 @@ def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(m
             # A normal request right after the batch queues behind it (first come, first served)
             # and is answered as soon as the batch's choices end: no deadlock, no queue timeout.
             normal = asyncio.create_task(asyncio.wait_for(
-                tokens_of(engine, GenerationRequest("normal", PROMPT, 4, temperature=0.0)), 4.0))
-            assert len((await long)[0]) == 60
+                tokens_of(engine, GenerationRequest("normal", PROMPT, 4, temperature=0.0)), 10.0))
+            await asyncio.sleep(0.2)
+            assert not batch.done() and not normal.done() and engine.waiting == 2
+            assert len((await drain_all(held))[0]) == 60
             outputs = await drain_all(await batch)
             assert len(outputs) == SLOTS and len({tuple(o) for o in outputs}) == 1
             assert len(await normal) == 4

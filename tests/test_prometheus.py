@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from mesh_helpers import free_port_run
 from openai import OpenAI
 
 from inferencemesh.config import ServeConfig
@@ -47,7 +48,7 @@ def _printed_scrape_config(lines: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[tuple[str, list[str], list[int]]]:
-    port, metrics_base = free_port(), free_port()
+    port, metrics_base = free_port(), free_port_run(2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port),
                              "--stage-metrics-port", str(metrics_base), "--max-sessions", "4",

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mesh_helpers import free_serve_port
 from openai import OpenAI
-
-from inferencemesh.programs.serve import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +38,7 @@ def test_readme_quick_start_from_the_clone_root(tmp_path: Path) -> None:
                                cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert str(venv) in installed, f"not the venv's regular install: {installed}"
 
-    port = free_port()
+    port = free_serve_port()
     proc = subprocess.Popen(["inferencemesh", "serve", "--port", str(port)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

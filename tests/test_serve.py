@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mesh_helpers import free_serve_port
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferencemesh.programs.serve import free_port
 from inferencemesh.stage.healthprobe import check
 from inferencemesh.tls import TlsMaterial
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 @contextlib.contextmanager
 def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
     """`inferencemesh serve` as a user starts it (plus flags), ready: (base URL, process, its output)."""
-    port = free_port()
+    port = free_serve_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port),
                              "--max-sessions", "4", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

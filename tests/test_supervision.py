@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from mesh_helpers import free_serve_port
 
 from inferencemesh.programs.serve import free_port
 
@@ -52,7 +53,7 @@ def wait_until_gone(sid: int, timeout: float = 30.0) -> list[int]:
 @contextmanager
 def serve_started(*flags: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
     """`serve` in a session of its own, running until its endpoint line is printed."""
-    port = free_port()
+    port = free_serve_port()
     proc = subprocess.Popen([*CLI, "serve", "--port", str(port), "--max-sessions", "2", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO,
                             start_new_session=True)
