@@ -21,9 +21,10 @@ from openai_spec import errors
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import KEEPALIVE_COMMENT, create_app
+from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.sse import KEEPALIVE_COMMENT
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from inferencemesh.frontend.engine_api import EngineError
+
+log = logging.getLogger("inferencemesh.frontend")
 
 
 class APIError(Exception):
@@ -22,3 +27,26 @@ def _printable(text: str) -> str:
     """text with any lone surrogate replaced by U+FFFD: an error may quote what a client sent
     (a field name, a dict key), and a response body must still encode as UTF-8."""
     return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    """The engine's error as the HTTP layer answers it (its status, type, code and parameter)."""
+    return APIError(exc.status_code, str(exc) or type(exc).__name__, type=exc.error_type, code=exc.code,
+                    param=exc.param)
+
+
+def as_api_error(exc: Exception) -> APIError:
+    """Any failure during generation, as an OpenAI error (unexpected ones are logged, not described)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    log.error("generation failed", exc_info=exc)
+    return APIError(500, "Generation failed inside the server.", type="server_error")
+
+
+def log_server_error(err: APIError, request_id: str | None = None) -> None:
+    """Every 5xx leaves a line in the log: an operator must be able to see what failed."""
+    if err.status >= 500:
+        log.warning("answered %d %s%s: %s", err.status, err.code or err.type,
+                    f" to {request_id}" if request_id else "", err.message)

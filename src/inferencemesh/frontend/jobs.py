@@ -1,0 +1,165 @@
+"""A request becomes jobs: the body checked against this model and its context, the prompt
+tokenized, and the sampling settings turned into the engine's GenerationRequest."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from inferencemesh.frontend.engine_api import Engine, GenerationRequest
+from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
+from inferencemesh.frontend.prompts import chat_ids, text_ids
+
+log = logging.getLogger("inferencemesh.frontend")
+
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
+# End-of-turn markers of common chat templates: generation stops on them as on EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass
+class Job:
+    """One prompt of a validated request, ready for the engine."""
+
+    kind: str  # "chat" | "completion": which endpoint's shapes its answer takes
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    request: GenerationRequest
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    arrival: float  # time.perf_counter() when the request arrived
+    echo_text: str = ""
+    top_logprobs: int = 0  # alternatives per token when job.request.logprobs is set
+    index: int = 0  # the choice's index in the response (prompt index * n + j)
+    # Set as generation goes:
+    text_offset: int = 0  # completions logprobs: where the choice's text so far ends
+    finish_reason: str = "length"
+    completion_tokens: int = 0
+
+
+async def engine_ready(engine: Engine) -> bool:
+    """Whether the engine takes requests (the engine decides how long a "ready" is trusted)."""
+    try:
+        return bool(await engine.is_ready())
+    except Exception:
+        log.exception("engine.is_ready() failed")
+        return False
+
+
+class JobBuilder:
+    """Turns request bodies into jobs for one served model and its tokenizer."""
+
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+        self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.vocab_size = len(tokenizer)
+        vocab = tokenizer.get_vocab()
+        stop_ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        eos = tokenizer.eos_token_id
+        stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.stop_token_ids = frozenset(stop_ids)
+
+    async def job(self, body: Body, arrival: float, prompt: str | list[int] | None = None) -> Job:
+        """The job of a request (of one of its prompts: a completions batch has a job each)."""
+        if body.model != self.model:
+            raise APIError(404, f"The model `{body.model}` does not exist. This server serves `{self.model}`.",
+                           param="model", code="model_not_found")
+        refused = body.unsupported()
+        if refused is not None:
+            raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+        if not await engine_ready(self.engine):
+            raise APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
+
+        if isinstance(body, ChatCompletionRequest):
+            kind, prefix, max_tokens, param = "chat", "chatcmpl-", body.requested_max_tokens(), "messages"
+        else:
+            kind, prefix, max_tokens, param = "completion", "cmpl-", body.max_tokens, "prompt"
+        prompt_ids, echo_text = await self._prompt(body, prompt)
+        if not prompt_ids:
+            if self.tokenizer.bos_token_id is None:
+                raise APIError(400, "The prompt is empty.", param=param)
+            prompt_ids = [self.tokenizer.bos_token_id]
+
+        limit, n = self.engine.max_context, len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = limit - n  # not set: as many as fit
+        scoring = max_tokens == 0 and body.max_tokens == 0  # asked for (echo + logprobs): the prompt only
+        if (max_tokens < 1 and not scoring) or n + max_tokens > limit:
+            asked = f"{n} prompt tokens" + (f" + {max_tokens} max_tokens" if n < limit else "")
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the request has {asked}.",
+                           param=param, code="context_length_exceeded")
+        if body.min_tokens and max_tokens < body.min_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
+                           param="min_tokens")
+
+        request_id = prefix + uuid.uuid4().hex
+        if isinstance(body, ChatCompletionRequest):
+            top, prompt_logprobs = body.top_logprobs, None
+            logprobs = (top or 0) if body.logprobs else None
+        else:
+            logprobs, top = body.logprobs, body.logprobs
+            prompt_logprobs = logprobs if body.echo else None
+        gen = self._generation_request(body, request_id, prompt_ids, max_tokens, logprobs, prompt_logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
+                   bool(body.stream), include_usage, arrival, echo_text, top_logprobs=top or 0)
+
+    def _generation_request(self, body: Body, request_id: str, prompt_ids: list[int], max_tokens: int,
+                            logprobs: int | None, prompt_logprobs: int | None) -> GenerationRequest:
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if temperature < GREEDY_BELOW_TEMPERATURE or top_p == 0.0:
+            # logits / 1e-300 overflow to inf: this close to 0 means greedy; so does top_p 0 (no
+            # probability mass: only the most likely token), which the wire would read as "off"
+            temperature, top_p = 0.0, 1.0
+        return GenerationRequest(
+            request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=None if body.seed is None else wire_seed(body.seed),
+            stop_token_ids=self._stop_token_ids(body),
+            emit_stop_token=bool(body.include_stop_str_in_output),
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, logit_bias=self._logit_bias(body),
+            min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        )
+
+    def _stop_token_ids(self, body: Body) -> frozenset[int]:
+        """EOS and end-of-turn tokens (unless ignore_eos, as vLLM does), plus the request's own."""
+        own = body.stop_token_ids or []
+        bad = next((t for t in own if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary (size {self.vocab_size}).",
+                           param="stop_token_ids")
+        return (frozenset() if body.ignore_eos else self.stop_token_ids) | frozenset(own)
+
+    def _logit_bias(self, body: Body) -> tuple[tuple[int, float], ...]:
+        try:
+            return body.logit_bias_pairs(self.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), param="logit_bias") from err
+
+    async def _prompt(self, body: Body, prompt: str | list[int] | None) -> tuple[list[int], str]:
+        """The prompt's token ids, and the text to echo (completions with echo=true)."""
+        if isinstance(body, ChatCompletionRequest):
+            # off the event loop: prompts can be long
+            return await asyncio.to_thread(chat_ids, self.tokenizer, body.template_messages()), ""
+        prompt = body.prompts()[0] if prompt is None else prompt
+        if isinstance(prompt, str):
+            special = body.add_special_tokens is not False
+            ids = await asyncio.to_thread(text_ids, self.tokenizer, prompt, add_special_tokens=special)
+            return ids, prompt if body.echo else ""
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is outside the vocabulary (size {self.vocab_size}).", param="prompt")
+        return list(prompt), str(self.tokenizer.decode(prompt)) if body.echo else ""

@@ -1,0 +1,190 @@
+"""Serving the two generation endpoints: a request's jobs run on the engine, answered whole
+(JSON) or as a stream (SSE), shaped by the endpoint's shaper, errors counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from inferencemesh.frontend.engine_api import Engine
+from inferencemesh.frontend.errors import APIError, as_api_error, log_server_error
+from inferencemesh.frontend.generation import (
+    Run,
+    close_iterator,
+    close_runs,
+    output_text,
+    pieces,
+    runs_usage,
+    start_runs,
+    until_disconnect,
+)
+from inferencemesh.frontend.jobs import Body, Job, JobBuilder
+from inferencemesh.frontend.logprobs import LogprobsFormatter
+from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.openai_models import CompletionRequest
+from inferencemesh.frontend.shapers import ChatShaper, CompletionShaper, Shaper
+from inferencemesh.frontend.sse import DONE, SSE_KEEPALIVE_S, EventStream, merged, sse, with_keepalive
+
+log = logging.getLogger("inferencemesh.frontend")
+
+RETRY_AFTER_S = 1  # the Retry-After of a 429: queues drain in about a request's time
+
+
+class Serving:
+    """The generation endpoints of one served model, and what the other routes ask of it."""
+
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str,
+                 metrics: FrontendMetrics, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> None:
+        self.engine, self.tokenizer, self.model, self.metrics = engine, tokenizer, model, metrics
+        self.sse_keepalive_s = sse_keepalive_s
+        self.created = int(time.time())
+        self.jobs = JobBuilder(engine, tokenizer, model)
+        self.vocab_size = self.jobs.vocab_size
+        formatter = LogprobsFormatter(tokenizer)
+        self.shapers: dict[str, Shaper] = {"chat": ChatShaper(formatter), "completion": CompletionShaper(formatter)}
+
+    def error_response(self, err: APIError) -> JSONResponse:
+        self._count_error(err)
+        # Overload is temporary: tell clients (the openai client honours it) when to come back.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _count_error(self, err: APIError, request_id: str | None = None) -> None:
+        """Every request answered with an error, once: as a JSON error, or in-band in a stream."""
+        self.metrics.request_errors.labels(self.model, str(err.status)).inc()
+        log_server_error(err, request_id)
+
+    def model_card(self) -> dict[str, Any]:
+        try:
+            described = self.engine.describe()
+        except Exception:
+            log.exception("engine.describe() failed")
+            described = {}
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "inferencemesh",
+                "max_model_len": self.engine.max_context, "inferencemesh": described}
+
+    async def handle(self, request: Request, body: Body) -> Response:
+        """One response for a request's choices: n per prompt (completions may send several
+        prompts), generated concurrently, choice index = prompt index * n + j."""
+        arrival = getattr(request.state, "arrival", time.perf_counter())
+        prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
+        jobs = [await self.jobs.job(body, arrival, prompt) for prompt in prompts]
+        jobs = [replace(job, id=jobs[0].id, created=jobs[0].created, index=i) for i, job in enumerate(jobs)]
+        if jobs[0].stream:
+            return await self._start_stream(jobs, body.n or 1)
+        runs = await start_runs(self.engine, self.metrics, jobs, body.n or 1)
+        try:
+            completed, result = await until_disconnect(request, lambda: self._complete(runs))
+        finally:
+            await close_runs(runs)  # also when _complete() never started (a cancelled task)
+        if not completed:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(result)
+
+    # --- a whole response ---
+
+    async def _complete(self, runs: list[Run]) -> dict[str, Any]:
+        """The whole response: the choices generated concurrently; the first failure fails it
+        (the others are cancelled; the caller releases their sessions)."""
+        tasks = [asyncio.ensure_future(self._choice(run)) for run in runs]
+        try:
+            choices = list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        job = runs[0].job
+        return self.shapers[job.kind].response(job, choices, runs_usage(runs))
+
+    async def _choice(self, run: Run) -> dict[str, Any]:
+        try:
+            generated = [piece async for piece in pieces(run, output_text(run.job, self.tokenizer))]
+        except Exception as exc:
+            run.tracker.finish("error")
+            raise as_api_error(exc) from exc
+        finally:
+            await close_iterator(run.iterator)
+        run.tracker.finish(run.job.finish_reason)
+        return self.shapers[run.job.kind].choice(run, generated)
+
+    # --- a stream ---
+
+    async def _start_stream(self, jobs: list[Job], n: int) -> Response:
+        """A stream's response. A start within the keep-alive interval answers as a non-streamed
+        request does (a 429 is a 429); a start that takes longer (a stalled stage) sends the
+        headers and keep-alive comments while it waits, and a failure to start goes in-band."""
+        starting = asyncio.ensure_future(start_runs(self.engine, self.metrics, jobs, n))
+        try:
+            done, _ = await asyncio.wait({starting}, timeout=self.sse_keepalive_s)
+        except BaseException:
+            starting.cancel()  # start_runs closes whatever it had started
+            raise
+        body = self._stream(starting.result()) if done else self._late_stream(starting, jobs[0])
+        return EventStream(with_keepalive(body, self.sse_keepalive_s),
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _late_stream(self, starting: asyncio.Future[list[Run]], job: Job) -> AsyncIterator[str]:
+        try:
+            runs = await starting
+        except Exception as exc:  # headers are sent: report in-band, as _stream() does
+            for event in self._in_band(exc, job):
+                yield event
+            return
+        finally:
+            if not starting.done():  # the client left while the engine was starting
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        chunks = self._stream(runs)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+            await close_runs(runs)  # a stream closed before its first chunk never ran its own finally
+
+    async def _stream(self, runs: list[Run]) -> AsyncGenerator[str, None]:
+        """The SSE body: every choice's chunks as they come (each carries its index), then usage
+        (when asked) and [DONE]. A failure is reported in-band: the headers are sent already."""
+        first = runs[0].job
+        chunks = merged([self._choice_chunks(run) for run in runs])
+        try:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except Exception as exc:  # headers are sent: report in-band, as OpenAI does
+                for event in self._in_band(exc, first):
+                    yield event
+                return
+            if first.include_usage:
+                yield self.shapers[first.kind].chunk(first, None, runs_usage(runs))
+            yield DONE
+        finally:
+            await chunks.aclose()
+            await close_runs(runs)
+
+    def _in_band(self, exc: Exception, job: Job) -> list[str]:
+        """A failure after the headers went out: the error as an event, then the end."""
+        err = as_api_error(exc)
+        self._count_error(err, job.id)
+        return [sse(err.body()), DONE]
+
+    async def _choice_chunks(self, run: Run) -> AsyncIterator[str]:
+        job, shaper = run.job, self.shapers[run.job.kind]
+        for opening in shaper.opening(run):
+            yield shaper.chunk(job, opening)
+        try:
+            async for piece in pieces(run, output_text(job, self.tokenizer)):
+                yield shaper.chunk(job, shaper.delta(job, piece))
+        except Exception:
+            run.tracker.finish("error")
+            raise
+        yield shaper.chunk(job, shaper.closing(job))
+        run.tracker.finish(job.finish_reason)

@@ -1,0 +1,131 @@
+"""Server-sent events: a response that always releases the engine, keep-alive comments while
+the pipeline is slow, and several choices' chunks merged into one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+# While a stream waits on the pipeline (a stalled stage: 40-70 s seen), an SSE comment every few
+# seconds keeps proxies with a read timeout (commonly 60 s) from cutting it; clients ignore comments.
+SSE_KEEPALIVE_S = 5.0
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One event: the object as compact JSON (non-ASCII text as it is)."""
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """SSE response that watches for the client going away while it waits on the engine, and
+    always closes its body iterator (which closes the engine's iterator: the session is freed)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = self.body_iterator
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client is gone; the finally below cleans up
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def with_keepalive(source: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """source's items, with a keep-alive comment whenever none came for interval_s. The pending
+    item is awaited across comments (never cancelled, which would lose it), and source is closed."""
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEPALIVE_COMMENT
+                continue
+            item, pending = pending, None
+            try:
+                yield item.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        # Shielded: when the client goes away this runs inside a cancelled scope, which would
+        # cancel these awaits too and leave source (and the sessions its choices hold) open.
+        with anyio.CancelScope(shield=True):
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+_EXHAUSTED = object()
+
+
+async def merged(sources: list[AsyncIterator[str]]) -> AsyncGenerator[str, None]:
+    """The items of several async generators as they come, each one's in its own order; the
+    first failure is raised and the others stopped (and closed)."""
+    if len(sources) == 1:
+        try:
+            async for item in sources[0]:
+                yield item
+        finally:
+            await _aclose(sources[0])
+        return
+    queue: asyncio.Queue[tuple[object, Exception | None]] = asyncio.Queue(maxsize=len(sources))
+    # (bounded: a slow client holds the producers back)
+
+    async def pump(source: AsyncIterator[str]) -> None:
+        try:
+            async for item in source:
+                await queue.put((item, None))
+            await queue.put((_EXHAUSTED, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry, failure = await queue.get()
+            if failure is not None:
+                raise failure
+            if entry is _EXHAUSTED:
+                remaining -= 1
+            else:
+                assert isinstance(entry, str)
+                yield entry
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for source in sources:
+            await _aclose(source)
+
+
+async def _aclose(iterator: AsyncIterator[str]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
