@@ -295,6 +295,9 @@ def test_three_stages_replan_and_answer_the_same(settings: dict, shared_mesh: di
         now = stage_pods(ns, name)
         assert len(now) == 3 and all(pod_ready(p) for p in now)
         assert sorted(p["metadata"]["labels"]["inferencemesh.io/stage"] for p in now) == ["0", "1", "2"]
+        # The frontend rolls to the new stage list too; until the old pod is gone, a port-forward
+        # to the Service may still pick it, and it answers for a pipeline that no longer exists.
+        wait_for(lambda: frontends_all_on(ns, name, 3), 300, "every frontend pod to run the 3-stage pipeline")
         with port_forward(ns, *frontend_service(shared_mesh)) as base:
             client = openai_client(base)
             assert {prompt: greedy(client, prompt) for prompt in PROMPTS} == reference
@@ -302,6 +305,17 @@ def test_three_stages_replan_and_answer_the_same(settings: dict, shared_mesh: di
         scale(ns, name, 2)  # put the shared mesh back
         wait_ready(ns, name, settings["timeout"])
     assert len(mesh(ns, name)["status"]["stages"]) == 2
+
+
+def frontends_all_on(ns: str, name: str, stages: int) -> bool:
+    """Every frontend pod, terminating ones included, is ready and names `stages` stages."""
+    fronts = get_json("pods", "-n", ns, "-l", f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend")
+    def stages_of(pod: dict) -> int:
+        args = pod["spec"]["containers"][0]["args"]
+        remote = len(args[args.index("--stage-addresses") + 1].split(",")) if "--stage-addresses" in args else 0
+        return remote + ("--first-stage-layers" in args)
+    return bool(fronts["items"]) and all(pod_ready(p) and not p["metadata"].get("deletionTimestamp")
+                                         and stages_of(p) == stages for p in fronts["items"])
 
 
 def pods_all(ns: str, name: str) -> list[dict]:
