@@ -85,7 +85,7 @@ def test_the_mesh_is_ready_with_its_columns_filled(shared_mesh: dict) -> None:
 
 
 # Stage gRPC is mutual TLS by default: the probe presents the pod's own certificate (the operator's).
-HEALTH = "from inferencemesh.stage.healthprobe import check; from inferencemesh.tls import TlsMaterial; " \
+HEALTH = "from inferencemesh.protocol.health import check; from inferencemesh.tls import TlsMaterial; " \
          "import socket, sys; host = sys.argv[1].rsplit(':', 1)[0]; print(socket.gethostbyname(host)); " \
          "tls = TlsMaterial.from_dir('/etc/inferencemesh/tls'); " \
          "sys.exit(0 if check(sys.argv[1], tls=tls, server_name=host) else 3)"

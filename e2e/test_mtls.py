@@ -38,7 +38,7 @@ OTHER_MESH = "e2e-other"
 # for the pod's own). Prints {"plaintext": bool, "own": bool, "other": bool} (True: let in, SERVING).
 PROBE = r"""
 import base64, json, sys
-from inferencemesh.stage.healthprobe import check
+from inferencemesh.protocol.health import check
 from inferencemesh.tls import TlsMaterial
 address, name, cert, key, roots = sys.argv[1:6]
 own = TlsMaterial.from_dir("/etc/inferencemesh/tls")

@@ -37,7 +37,7 @@ def test_leaf_verifies_against_its_ca_and_not_another() -> None:
 
 
 def test_lifetimes_and_the_tls_dir(tmp_path: Path) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca = make_ca("mesh", 10 * DAY)
     assert abs(expires_at(ca.cert) - (now + 10 * DAY)) < datetime.timedelta(minutes=1)
     leaf = issue(ca, "frontend", ["frontend"], datetime.timedelta(hours=2))

@@ -20,7 +20,7 @@ from mesh_helpers import free_serve_port
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferencemesh.stage.healthprobe import check
+from inferencemesh.protocol.health import check
 from inferencemesh.tls import TlsMaterial
 
 pytestmark = pytest.mark.slow

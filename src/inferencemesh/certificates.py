@@ -33,7 +33,7 @@ class Authority:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _name(common_name: str) -> x509.Name:

@@ -65,7 +65,7 @@ def mesh_doc(name: str, spec: dict) -> dict:
 def set_pod_status(cluster: ControlPlane, pod: dict, *, ready: bool, waiting: str | None = None,
                    restarts: int = 0) -> None:
     """What a kubelet would report for the pod's single container."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     container = pod["spec"]["containers"][0]["name"]
     state = {"waiting": {"reason": waiting}} if waiting else {"running": {"startedAt": now}}
     flag = "True" if ready else "False"

@@ -90,7 +90,7 @@ def test_a_shortened_lifetime_renews_the_certificates_and_rolls_the_pods(cluster
         return now if done else False
 
     first = wait_for(lambda: renewed(before), 60, "certificates reissued for the 60s lifetime")
-    moment = datetime.datetime.now(datetime.timezone.utc)
+    moment = datetime.datetime.now(datetime.UTC)
     for c in COMPONENTS:
         assert expires_at(first[f"{c}-tls"]["tls.crt"]) - moment <= datetime.timedelta(seconds=60)  # type: ignore[index]
     wait_for(lambda: all(tls_hash(cluster, c) != hashes[c] for c in COMPONENTS), 60, "the pod templates to roll")

@@ -35,11 +35,11 @@ def signed_by(leaf: bytes, ca: bytes) -> bool:
 
 
 def sleep_until(moment: datetime.datetime) -> None:
-    time.sleep(max(0.0, (moment - datetime.datetime.now(datetime.timezone.utc)).total_seconds()) + 0.05)
+    time.sleep(max(0.0, (moment - datetime.datetime.now(datetime.UTC)).total_seconds()) + 0.05)
 
 
 def test_first_reconcile_issues_and_the_next_keeps_them() -> None:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     first = settle(None, {}, SUBJECTS, "inferencemesh m", DAY)
     assert sorted(first.leaves) == sorted(SUBJECTS) and first.ca.next is None and first.ca.previous is None
     for leaf in first.leaves.values():
@@ -70,7 +70,7 @@ def test_a_shortened_lifetime_renews_at_once() -> None:
     first = settle(None, {}, SUBJECTS, "inferencemesh m", DAY)
     short = datetime.timedelta(minutes=5)
     renewed = again(first, short)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     for component, leaf in renewed.leaves.items():
         assert leaf.cert != first.leaves[component].cert
         assert expires_at(leaf.cert) - now <= short

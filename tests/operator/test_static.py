@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import helm_python as helm
 import pytest
-import tomllib
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]

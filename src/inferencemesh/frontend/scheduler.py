@@ -208,7 +208,7 @@ class PipelineSession:
             return None
         try:
             return await asyncio.wait_for(answer, self.step_timeout)
-        except asyncio.TimeoutError as err:
+        except TimeoutError as err:
             raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
 

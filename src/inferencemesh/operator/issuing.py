@@ -155,7 +155,7 @@ def settle(ca_data: dict[str, bytes] | None, leaf_data: dict[str, dict[str, byte
     Secret's data, None if absent; leaf_data: each component's Secret data) and the components it
     needs now (subjects: component -> the DNS names its certificate carries). Keeps what is good,
     issues what is missing, wrong or due."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     ca, ca_moves_at = _ca_step(CaState.from_data(ca_data, now) if ca_data else None, ca_name, lifetime, now)
     bundle = ca.trust_bundle()
     leaves: dict[str, TlsMaterial] = {}

@@ -73,7 +73,7 @@ class Result:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _secret_data(secret: dict) -> dict[str, bytes]:
@@ -185,7 +185,7 @@ class Reconciler:
         subjects = certificate_subjects(mesh, plan)
         certificates = settle(held.get(ca_secret_name(base)), {c: held.get(tls_secret_name(c), {}) for c in subjects},
                               subjects, f"inferencemesh {base}", spec.security.lifetime)
-        due_in = (certificates.renew_at - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+        due_in = (certificates.renew_at - datetime.datetime.now(datetime.UTC)).total_seconds()
         result.again_within(max(1.0, due_in))
         return certificates
 

@@ -131,7 +131,7 @@ class LocalStages:
     def wait_ready(self, timeout: float = 300.0, stopping: Callable[[], bool] = lambda: False,
                    on_ready: Callable[[int], None] | None = None) -> None:
         """Block until every stage is SERVING, last stage first; RuntimeError if one exits."""
-        from inferencemesh.stage.healthprobe import check  # the stage's health, asked as its probes ask
+        from inferencemesh.protocol.health import check  # the stage's health, asked as its probes ask
 
         deadline = time.monotonic() + timeout
         credentials = tls.load(self.tls_dir)

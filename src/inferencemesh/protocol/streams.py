@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from inferencemesh.protocol import health
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.protocol.errors import PipelineError
@@ -102,13 +103,13 @@ class RemoteStage:
         return GrpcBatchStream(self._stage.Pipeline(), self.address)
 
     async def serving(self, timeout: float) -> bool:
-        """Whether its grpc.health.v1 says SERVING."""
+        """Whether its grpc.health.v1 says SERVING (asked as protocol.health asks it)."""
         self.connect()
         try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            reply = await self._health.Check(health.REQUEST, timeout=timeout)
         except grpc.aio.AioRpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return health.is_serving(reply)
 
     async def info(self, timeout: float) -> pb.StageInfo:
         self.connect()

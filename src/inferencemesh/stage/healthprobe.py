@@ -1,6 +1,6 @@
 """`python -m inferencemesh.stage.healthprobe HOST:PORT [--tls-dir DIR --server-name NAME]`.
 
-Exits 0 when grpc.health.v1 says SERVING. The stage readiness probe on clusters older than
+Exits 0 when grpc.health.v1 says SERVING (protocol.health.check). The stage readiness probe on clusters older than
 Kubernetes 1.24 (no native gRPC probes) and on meshes with mutual TLS (the kubelet's gRPC
 probe presents no client certificate). Imports only grpcio, never kopf or the operator.
 """
@@ -10,24 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from inferencemesh.protocol.health import check
 from inferencemesh.tls import TlsMaterial
-
-
-def check(address: str, timeout: float = 3.0, tls: TlsMaterial | None = None, server_name: str | None = None) -> bool:
-    if tls is None:
-        channel = grpc.insecure_channel(address)
-    else:
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
-    with channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ class MetricsEndpoint:
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind + b"\r\nContent-Length: "
                          + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
             await asyncio.wait_for(writer.drain(), self.read_timeout_s)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a silent, slow or broken client: dropped
         finally:
             self.open_connections -= 1
