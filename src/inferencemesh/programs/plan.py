@@ -69,9 +69,9 @@ def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
     return reserve.bytes
 
 
-def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]] | None:
-    """The model (resolved) and its plan for `serve`'s or `plan`'s config (the same fields);
-    None after printing why not."""
+def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]]:
+    """The model (resolved) and its plan for `serve`'s or `plan`'s config (the same fields). A
+    model that cannot be planned ends the program: exit status 2, after one line saying why."""
     model = resolve_model(settings.model)
     try:
         return model, plan_for(model, stages=settings.stages, stage_memory=settings.stage_memory,
@@ -81,14 +81,11 @@ def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[St
                                first_stage_reserved_bytes=first_stage_reserve(settings, model))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return None
+        raise SystemExit(2) from None
 
 
 def run_plan(config: PlanConfig) -> int:
-    planned = plan_from_settings(config)
-    if planned is None:
-        return 2
-    model, plan = planned
+    model, plan = plan_from_settings(config)
     if config.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:

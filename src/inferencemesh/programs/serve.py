@@ -220,10 +220,7 @@ def accepting(host: str, port: int) -> bool:
 
 
 def run_serve(config: ServeConfig) -> int:
-    planned = plan_from_settings(config)
-    if planned is None:
-        return 2
-    model, plan = planned
+    model, plan = plan_from_settings(config)
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
     if config.tls_dir:  # brought by the user: every process presents it
         return _serve_mesh(config, model, plan, None, None)
