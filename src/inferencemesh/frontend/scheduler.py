@@ -199,11 +199,9 @@ class PipelineSession:
         (None) once every stage holds the new session."""
         if self.failure is not None:
             raise self.failure
-        copy = pb.Frame()
-        copy.CopyFrom(frame)  # the engine reuses its envelope
         wants_answer = expects_prediction(frame) or expects_ack(frame)
         answer = asyncio.get_running_loop().create_future() if wants_answer else None
-        self.scheduler.submit(_Waiting(copy, self, answer))
+        self.scheduler.submit(_Waiting(frame, self, answer))  # frames are built fresh per send: no copy
         if answer is None:
             return None
         try:

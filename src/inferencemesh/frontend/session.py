@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -60,7 +60,7 @@ class Pipeline(Protocol):
 
 
 class Connection:
-    """A request's current pipeline session and its reusable frame envelope."""
+    """A request's current pipeline session, and the numbering of the frames sent into it."""
 
     def __init__(self, pipeline: Pipeline, request_id: str) -> None:
         self.pipeline, self.request_id = pipeline, request_id
@@ -68,7 +68,18 @@ class Connection:
 
     def open(self) -> None:
         self.session = self.pipeline.open()
-        self.frame = pb.Frame(session_id=self.session.session_id, request_id=self.request_id)
+        self.seq = 0
+        # The sampling parameters the session's next frame carries: stages keep what they saw
+        # last, so only a session's first frame (or one after a change) carries them.
+        self.sampling: pb.Sampling | None = None
+
+    def frame(self, kind: pb.FrameKind.ValueType, *, sampling: pb.Sampling | None = None, **fields: Any) -> pb.Frame:
+        """The session's next frame, built fresh: once sent, nothing changes it (the scheduler
+        holds it until its batch goes out), so no receiver needs a copy."""
+        self.seq += 1
+        carried, self.sampling = sampling or self.sampling, None
+        return pb.Frame(session_id=self.session.session_id, request_id=self.request_id, seq=self.seq, kind=kind,
+                        sampling=carried, **fields)
 
     async def close(self) -> None:
         await self.session.close()
@@ -172,7 +183,7 @@ class SessionFrames:
                     if prefix:
                         await self.prefill(conn, prefix, sampling, want_prediction=False)
                     else:  # the session's next frame is its first: it carries the sampling
-                        conn.frame.sampling.CopyFrom(sampling)
+                        conn.sampling = sampling
                     return
                 except PipelineError as err:
                     if not err.retryable:
@@ -188,58 +199,36 @@ class SessionFrames:
                       prompt_logprobs: bool = False) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
         """Feed the prompt in chunks; the last chunk's prediction holds the first new token.
         With prompt_logprobs every chunk asks for its tokens' logprobs (a Prediction each)."""
-        session, frame = conn.session, conn.frame
         chunk = self.prefill_chunk
-        frame.kind = pb.PREFILL
-        frame.sampling.CopyFrom(sampling)
-        frame.prompt_logprobs = prompt_logprobs
+        conn.sampling = sampling  # the first chunk carries it
         prediction = None
         scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
         for start in range(0, len(prompt), chunk):
             piece = prompt[start : start + chunk]
-            frame.pos_start = start
-            frame.token_count = len(piece)
-            frame.token_ids[:] = piece
-            frame.want_prediction = want_prediction and (prompt_logprobs or start + chunk >= len(prompt))
-            frame.seq += 1
-            prediction = await session.send(frame)
-            frame.ClearField("sampling")  # stages keep the parameters they saw last
+            frame = conn.frame(pb.PREFILL, pos_start=start, token_count=len(piece), token_ids=piece,
+                               prompt_logprobs=prompt_logprobs,
+                               want_prediction=want_prediction and (prompt_logprobs or start + chunk >= len(prompt)))
+            prediction = await conn.session.send(frame)
             if scored is not None:
+                assert prediction is not None
                 scored.extend(converted(prediction.prompt_logprobs))
-        frame.want_prediction = frame.prompt_logprobs = False
         return prediction, scored
 
     async def _send_fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
-        frame = conn.frame
-        frame.kind, frame.parent_session_id = pb.FORK, parent
-        frame.pos_start, frame.token_count = len(prompt) - 1, 0
-        frame.sampling.CopyFrom(sampling)
-        frame.seq += 1
-        try:
-            await conn.session.send(frame)
-        finally:
-            frame.parent_session_id = ""
-            frame.ClearField("sampling")
+        await conn.session.send(conn.frame(pb.FORK, sampling=sampling, parent_session_id=parent,
+                                           pos_start=len(prompt) - 1, token_count=0))
 
     async def send_step(self, conn: Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
-        session, frame = conn.session, conn.frame
         # Proposals are computed on the event loop's thread, draft models included: a second
         # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
         proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
         proposed = time.perf_counter()
-        frame.pos_start = len(history) - 1
-        frame.seq += 1
-        if self.debug_telemetry:
-            frame.sent_ns = time.time_ns()
+        stamp = {"sent_ns": time.time_ns()} if self.debug_telemetry else {}
         if proposal is None or not proposal.tokens:
-            frame.kind = pb.DECODE
-            frame.token_count = 1
-            frame.token_ids[:] = history[-1:]
-            frame.draft_probs = b""
-            prediction = await session.send(frame)
-            frame.ClearField("sampling")
+            frame = conn.frame(pb.DECODE, pos_start=len(history) - 1, token_count=1, token_ids=history[-1:], **stamp)
+            prediction = await self._answer(conn, frame)
             round_trip = time.perf_counter() - proposed
             if proposer is not None:
                 proposer.observe(0, 0, proposed - started, round_trip)
@@ -248,12 +237,10 @@ class SessionFrames:
             return prediction
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]
-        frame.kind = pb.VERIFY
-        frame.token_count = 1 + len(drafts)
-        frame.token_ids[:] = history[-1:] + drafts
-        frame.draft_probs = proposal.probs[: len(drafts) * (len(proposal.probs) // max(1, len(proposal.tokens)))]
-        prediction = await session.send(frame)
-        frame.ClearField("sampling")
+        frame = conn.frame(pb.VERIFY, pos_start=len(history) - 1, token_count=1 + len(drafts),
+                           token_ids=history[-1:] + drafts, **stamp,
+                           draft_probs=proposal.probs[: len(drafts) * (len(proposal.probs) // len(proposal.tokens))])
+        prediction = await self._answer(conn, frame)
         round_trip = time.perf_counter() - proposed
         proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
         if self.metrics is not None:
@@ -261,6 +248,14 @@ class SessionFrames:
         if self.debug_telemetry:
             log.debug("request %s window %d accepted %d: proposed in %.2f ms, verified in %.2f ms", conn.request_id,
                       len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
+        return prediction
+
+
+    @staticmethod
+    async def _answer(conn: Connection, frame: pb.Frame) -> pb.Prediction:
+        """The Prediction of a frame that asks for one (DECODE, VERIFY)."""
+        prediction = await conn.session.send(frame)
+        assert prediction is not None, "a DECODE or VERIFY frame is always answered"
         return prediction
 
 
