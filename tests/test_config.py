@@ -54,6 +54,8 @@ def off_default(f: dataclasses.Field, cls: type):
         return "auto"
     if f.name == "stage_addresses":
         return ("a.ns.svc:50051", "b.ns.svc:50051")
+    if hint == tuple[str, ...]:  # another comma-separated list of names
+        return (f"{f.name}-a", f"{f.name}-b")
     if hint in (int, int | None):
         return (f.default if isinstance(f.default, int) else 0) + 3
     if hint is float:

@@ -85,3 +85,47 @@ def test_mesh_over_mutual_tls_and_refusal_without_a_valid_certificate(tmp_path: 
         assert healthprobe.main([mesh.addresses[1]]) == 1  # no certificate: not let in
     finally:
         mesh.stop()
+
+
+def test_a_stage_serves_only_the_frontend_and_the_stage_before_it(tmp_path: Path) -> None:
+    """Certificates as `serve` issues them (one CA, a leaf per process): every leaf is valid for
+    the mesh, but stage 0 takes calls from the frontend only, stage 1 from the frontend and
+    stage 0; any other process of the mesh (here stage 1 itself) is refused with PERMISSION_DENIED.
+    Health stays open to every certificate of the mesh: it is what the probes ask."""
+    from inferencemesh.checkpoint import read_local
+    from inferencemesh.planner import PlanInputs, plan_stages
+    from inferencemesh.programs.serve import LocalStages, run_certificates, stage_template
+
+    model = write_tiny_model(tmp_path / "tiny", "llama", num_layers=2, shards=1)
+    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model)), 2)
+    with run_certificates(["stage-0", "stage-1", "frontend"]) as dirs:
+        mesh = LocalStages(stage_template(str(model), max_context=256), plan, env={"OMP_NUM_THREADS": "1"},
+                           tls_dirs={0: dirs["stage-0"], 1: dirs["stage-1"]})
+        assert [c.peers for c in mesh.configs] == [("frontend",), ("frontend", "stage-0")]
+        mesh.start()
+        try:
+            mesh.wait_ready(120)
+            as_ = {name: TlsMaterial.from_dir(d) for name, d in dirs.items()}
+            prompt = [10, 20, 30, 40]
+            tokens = generate(GrpcPipeline(mesh.addresses, tls=as_["frontend"]), prompt, 8, temperature=0.0)
+            assert tokens == hf_greedy(model, prompt, 8)  # stage 1 took stage 0's traffic
+
+            def info(address: str, who: str) -> grpc.StatusCode:
+                options = [("grpc.ssl_target_name_override", "localhost")]
+                with grpc.secure_channel(address, as_[who].channel_credentials(), options) as channel:
+                    try:
+                        pb_grpc.StageStub(channel).Info(pb.InfoRequest(), timeout=5)
+                    except grpc.RpcError as err:
+                        assert err.code() != grpc.StatusCode.PERMISSION_DENIED or "may not call" in err.details()
+                        return err.code()
+                return grpc.StatusCode.OK
+
+            stage0, stage1 = mesh.addresses
+            assert info(stage0, "frontend") == grpc.StatusCode.OK
+            assert info(stage1, "frontend") == grpc.StatusCode.OK
+            assert info(stage1, "stage-0") == grpc.StatusCode.OK
+            assert info(stage0, "stage-1") == grpc.StatusCode.PERMISSION_DENIED
+            assert info(stage1, "stage-1") == grpc.StatusCode.PERMISSION_DENIED
+            assert healthprobe.check(stage0, tls=as_["stage-1"], server_name="localhost")
+        finally:
+            mesh.stop()

@@ -92,7 +92,7 @@ def _layers(text: str) -> tuple[int, int]:
     return int(start), int(end)
 
 
-def _addresses(text: str) -> tuple[str, ...]:
+def _comma_separated(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
@@ -185,6 +185,10 @@ class StageConfig(ModelOptions, RuntimeOptions):
     device: str = option("auto", "where the layers run", choices=DEVICES)
     threads: int = option(0, "compute threads (0: OMP_NUM_THREADS if set, else the CPUs this process may "
                              "use, a container's CPU limit included)", parse=int)
+    peers: tuple[str, ...] = option((), "with --tls-dir: the certificate names (common names) that may call "
+                                        "Pipeline and Info, comma-separated: the mesh's frontend and the stage "
+                                        "before this one (empty: any certificate the CA signed)",
+                                    parse=_comma_separated, render=",".join)
 
     @property
     def layer_start(self) -> int:
@@ -203,6 +207,8 @@ class StageConfig(ModelOptions, RuntimeOptions):
                               f"(--num-stages {self.num_stages})")
         if self.downstream is None and self.stage_index + 1 < self.num_stages:
             raise ConfigError(f"stage {self.stage_index} of {self.num_stages} needs --downstream HOST:PORT")
+        if self.peers and not self.tls_dir:
+            raise ConfigError("--peers names certificates: it needs --tls-dir (mutual TLS)")
         _check_positive(self)
         return self
 
@@ -220,7 +226,7 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     model: str = option(help="local model directory, hub id or bundled://NAME")
     stage_addresses: tuple[str, ...] = option(help="comma-separated HOST:PORT of every stage process, in "
                                               "pipeline order (empty: the embedded first stage is the whole model)",
-                                              parse=_addresses, render=",".join)
+                                              parse=_comma_separated, render=",".join)
     # The embedded first stage (the seeds' "stage 0 + OpenAI frontend"): no process and no hop of its own.
     first_stage_layers: tuple[int, int] | None = option(
         None, "START:END: run the first stage's layers in this process (the embedded first stage); "

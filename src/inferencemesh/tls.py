@@ -7,6 +7,7 @@ CA; clients present theirs and check the server's against the same CA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,3 +45,10 @@ def aio_channel(address: str, tls: TlsMaterial | None, options: list) -> grpc.ai
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+
+
+def stage_peers(index: int, first_process: int, frontend: str, stage: Callable[[int], str]) -> tuple[str, ...]:
+    """The certificate names that may call stage `index` (StageConfig.peers), whoever issues the
+    certificates: the mesh's frontend (it feeds the first stage process and asks every stage's
+    Info), and the stage process before this one. `stage(i)` names stage i's certificate."""
+    return (frontend,) if index <= first_process else (frontend, stage(index - 1))

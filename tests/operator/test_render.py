@@ -278,6 +278,23 @@ def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() ->
     assert tls_hash(again, "code-stage-0") == tls_hash(objs, "code-stage-0")
 
 
+@pytest.mark.parametrize("embedded", [False, True])
+def test_each_stage_admits_the_certificates_of_the_frontend_and_the_stage_before(embedded: bool) -> None:
+    """The names in --peers are those the operator's certificates carry (their common name is the
+    component), so a stage takes calls from exactly its frontend and upstream stage; a Secret
+    of the user's names nobody the operator knows: no --peers."""
+    spec = {"model": {"name": "bundled://imesh-code-target"}, "frontend": {"embedFirstStage": embedded}}
+    objs = children(spec)
+    first = int(embedded)
+    for index in range(first, 3):
+        peers = arg(container(objs[("Deployment", f"code-stage-{index}")])["args"], "--peers")
+        want = ["code-frontend"] + ([f"code-stage-{index - 1}"] if index > first else [])
+        assert peers.split(",") == want
+        assert all(name in mesh_certificates(make_plan([(0, 3), (3, 6), (6, 8)], embedded)).leaves for name in want)
+    byo = children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtlsSecretName": "mine"}})
+    assert not arg(container(byo[("Deployment", "code-stage-1")])["args"], "--peers")  # any CA-signed peer
+
+
 def test_certificates_are_given_exactly_when_the_operator_issues_them() -> None:
     plan = make_plan([(0, 4), (4, 8)])
     byo = parse_spec({"model": {"name": "m"}, "security": {"mtlsSecretName": "mine"}})

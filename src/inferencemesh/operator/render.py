@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 
 import kopf
 
@@ -54,6 +55,7 @@ from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.resources import stage_resources, stage_threads, sum_resources
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
+from inferencemesh.tls import stage_peers
 
 MODELS_MOUNT = "/models"
 TLS_MOUNT = "/etc/inferencemesh/tls"  # the mTLS Secret: tls.crt, tls.key, ca.crt
@@ -204,6 +206,10 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
         **_shared_options(spec), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
         port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
         downstream=stage_address(base, ns, index + 1) if index + 1 < n else None, **_stage_compute(spec),
+        # Certificates the operator issues name their component: only the frontend and the
+        # stage before may call (a Secret of the user's names nobody we know).
+        peers=stage_peers(index, remote_stages(plan)[0], frontend_name(base), partial(stage_name, base))
+        if spec.issues_certificates else (),
     ).check()
     args = ["stage", *to_argv(config)]
     resources = stage_resources(spec)

@@ -101,6 +101,10 @@ class LocalStages:
                 num_stages=len(plan), host="127.0.0.1", port=self.ports[i], metrics_port=self.metrics_ports[i],
                 downstream=self.addresses[i + 1] if i + 1 < len(own) else None,
                 tls_dir=tls_dirs[self.first_index + i] if tls_dirs else template.tls_dir,
+                # serve's own certificates (run_certificates) name their process: only the
+                # frontend and the stage before may call; the user's --tls-dir names nobody we know.
+                peers=tls.stage_peers(self.first_index + i, self.first_index, "frontend", lambda j: f"stage-{j}")
+                if tls_dirs else (),
             ).check()
             for i, stage in enumerate(own)
         ]

@@ -54,12 +54,27 @@ class StageServicer(pb_grpc.StageServicer):
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Only the peers this stage serves may call it: with --peers, the caller's certificate
+        (mutual TLS has verified it against the mesh's CA) must carry one of those names: the
+        mesh's frontend or the stage before this one, not any other pod the CA signed."""
+        allowed = self.service.options.peers
+        if not allowed:
+            return
+        names = [n.decode("utf-8", "replace") for n in context.auth_context().get("x509_common_name", [])]
+        if not any(name in allowed for name in names):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"stage {self.service.index}: certificate {', '.join(names) or '(none)'} may not "
+                                f"call this stage; it serves {', '.join(allowed)}")
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.StageInfo:  # noqa: N802
+        await self._admit(context)
         return self.service.info()
 
     async def Pipeline(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         """One upstream connection: its batches in order, each computed in one pass and sent on
         (or, on the last stage, answered); the sessions it opened are freed when it ends."""
+        await self._admit(context)
         stream = StageStream(self.service, context.write, self.next_stage)
         pump = asyncio.create_task(_pump(request_iterator, stream))
         try:
