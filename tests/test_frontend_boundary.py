@@ -275,22 +275,50 @@ def hostile_completion(server: Server) -> Any:
 
 def test_hostile_bodies_never_5xx_and_leave_every_slot_free(server: Server) -> None:
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     @settings(max_examples=60, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(hostile_completion(server))
-    def run(body: dict[str, Any]) -> None:
+    @given(hostile_completion(server), st.one_of(st.none(), st.integers(0, 3)))
+    def run(body: dict[str, Any], hang_up_after: int | None) -> None:
         if body.get("stream"):
             body.pop("n", None)  # streamed n > 1 is served too, but keeps examples quick
         # json.dumps writes NaN/Infinity literals and escapes lone surrogates, as a careless client would
-        r = post(server, "/v1/completions", json.dumps(body).encode(), timeout=60)
-        assert r.status_code < 500, (r.status_code, r.text[:300])
-        if r.status_code != 200:
-            assert r.status_code in (400, 429), (r.status_code, r.text[:300])
-            assert not errors(r.json(), "ErrorResponse"), r.text[:300]
+        content = json.dumps(body).encode()
+        if hang_up_after is not None:
+            disconnect(server, content, hang_up_after)
+            wait_free(server)
+        else:
+            r = post(server, "/v1/completions", content, timeout=60)
+            assert r.status_code < 500, (r.status_code, r.text[:300])
+            if r.status_code != 200:
+                assert r.status_code in (400, 429), (r.status_code, r.text[:300])
+                assert not errors(r.json(), "ErrorResponse"), r.text[:300]
         assert_healthy(server)
 
     run()
+
+
+def disconnect(server: Server, content: bytes, lines: int) -> None:
+    """A client that hangs up: after `lines` lines of a stream, or (a whole response) while it waits."""
+    headers = {"content-type": "application/json"}
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", content=content, headers=headers,
+                          timeout=httpx.Timeout(30, read=0.05 if lines == 0 else 30)) as r:
+            assert r.status_code < 500, r.status_code
+            for _, _line in zip(range(lines), r.iter_lines(), strict=False):
+                pass
+    except httpx.ReadTimeout:
+        pass  # gone before the answer came
+
+
+def wait_free(server: Server, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not server.free() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.free(), "a client that hung up still holds engine slots"
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slots(server: Server) -> None:
@@ -298,10 +326,5 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slots(server: Server) ->
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the first chunk, then hang up
-    import time
-
-    deadline = time.monotonic() + 10
-    while not server.free() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.free()
+    wait_free(server)
     assert_healthy(server)
