@@ -54,10 +54,14 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
-# What the wire (stage.proto's Sampling) and the kernels can carry. A value outside these makes a
-# transform meet inf or NaN (a repetition penalty of 5e-324 divides logits into infinity) or an
-# index fall outside the vocabulary, so it is refused before it reaches a kernel.
-MAX_MAGNITUDE = 1e6  # penalties, biases, temperature: far inside float32, so sums stay finite
+# What the wire (stage.proto's Sampling) and the kernels can carry: the one table the engine checks
+# before admitting a request and every stage checks for every frame it receives. Wider than the
+# OpenAI API's ranges (the HTTP layer checks those), narrow enough that no value makes a transform
+# meet inf or NaN (a repetition penalty of 5e-324 divides logits into infinity) or an index fall
+# outside the vocabulary. A temperature under GREEDY_BELOW means greedy and divides nothing.
+BOUNDS = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "presence_penalty": (-100.0, 100.0),
+          "frequency_penalty": (-100.0, 100.0), "repetition_penalty": (0.0, 100.0)}
+MAX_LOGIT_BIAS = 1e4
 # Bounded away from the denormals (0 itself means off). The one floor the API, the engine and every
 # stage apply: 2^-20 (about 9.5e-7) is exact in float32, the wire's type, so a request at the floor
 # is the same number on both sides of it (1e-6 arrived as 9.99999997e-07 and a stage refused it).
@@ -68,22 +72,16 @@ UINT32_MAX = 2**32 - 1
 
 def unsafe_field(params: SamplingParams, vocab_size: int | None = None) -> tuple[str, str] | None:
     """(field, why) for the first parameter the wire or the kernels cannot carry, else None.
-
-    The frontend's engine checks every request with this before admitting it, and a stage can
-    check what it receives the same way. vocab_size bounds token ids when it is known (else int32)."""
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    vocab_size bounds token ids when it is known (else int32)."""
+    for name, (low, high) in BOUNDS.items():
         value = getattr(params, name)
-        if not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
-            return name, f"{name} must be a finite number of magnitude at most {MAX_MAGNITUDE:g}, got {value!r}"
-    if params.temperature < 0:
-        return "temperature", f"temperature must be >= 0, got {params.temperature!r}"
-    if not 0.0 <= params.top_p <= 1.0:
-        return "top_p", f"top_p must be within [0, 1], got {params.top_p!r}"
+        if not math.isfinite(value) or not low <= value <= high:
+            return name, f"{name} must be a finite number within [{low:g}, {high:g}], got {value!r}"
     if params.repetition_penalty != 0.0 and params.repetition_penalty < MIN_REPETITION_PENALTY:
         return "repetition_penalty", (f"repetition_penalty must be at least {MIN_REPETITION_PENALTY:g} "
                                       f"(or 0: off), got {params.repetition_penalty!r}")
-    if not -INT32_MAX - 1 <= params.top_k <= INT32_MAX:
-        return "top_k", f"top_k must fit in 32 bits, got {params.top_k}"
+    if not 0 <= params.top_k <= INT32_MAX:
+        return "top_k", f"top_k must be within [0, 2^31) (0: off), got {params.top_k}"
     if not 0 <= params.seed <= 2**64 - 1:
         return "seed", f"seed must be within [0, 2^64), got {params.seed}"
     if not 0 <= params.min_tokens <= UINT32_MAX:
@@ -92,8 +90,9 @@ def unsafe_field(params: SamplingParams, vocab_size: int | None = None) -> tuple
     for token, bias in params.logit_bias:
         if not 0 <= token < ids_below:
             return "logit_bias", f"logit_bias token id {token} is outside [0, {ids_below})"
-        if not math.isfinite(bias) or abs(bias) > MAX_MAGNITUDE:
-            return "logit_bias", f"logit_bias for token {token} must be finite, at most {MAX_MAGNITUDE:g}, got {bias!r}"
+        if not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            return "logit_bias", (f"logit_bias for token {token} must be finite, of magnitude at most "
+                                  f"{MAX_LOGIT_BIAS:g}, got {bias!r}")
     bad_stop = next((t for t in params.stop_token_ids if not 0 <= t < ids_below), None)
     if bad_stop is not None:
         return "stop_token_ids", f"stop token id {bad_stop} is outside [0, {ids_below})"

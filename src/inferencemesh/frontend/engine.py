@@ -189,9 +189,10 @@ class PipelineEngine(Generic[PipelineT]):
                 raise InvalidRequest(f"{name} must be within [0, 2^32), got {value}", param=name)
         # The wire carries the seed as 64 unsigned bits: a negative seed is the same 64 bits read
         # unsigned (the sampler's streams depend on the seed modulo 2^63 anyway). A top_k beyond
-        # int32 exceeds any vocabulary: it means no top-k restriction, as INT32_MAX does.
+        # int32 exceeds any vocabulary: it means no top-k restriction, as INT32_MAX does; so does a
+        # negative one (vLLM's -1), as 0 does on the wire.
         seed = (request.seed if request.seed is not None else secrets.randbits(63)) % 2**64
-        base = replace(request, seed=seed, top_k=min(request.top_k, INT32_MAX))
+        base = replace(request, seed=seed, top_k=min(max(request.top_k, 0), INT32_MAX))
         choices = [replace(base, seed=choice_seed(seed, j)) for j in range(n)]
         problem = unsafe_field(base.sampling_params(seed), self.options.vocab_size)
         if problem is not None:
