@@ -26,6 +26,13 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUF
 CLI = [sys.executable, "-m", "inferencemesh"]
 
 
+def program_of(pid: int) -> str | None:
+    """Which `inferencemesh` program a process runs (the word after `-m inferencemesh`): not any
+    argument that happens to say "frontend" (a stage's --peers does)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("inferencemesh") + 1] if "inferencemesh" in argv[:-1] else None
+
+
 def session_members(sid: int) -> list[int]:
     """Live (not zombie) processes of session `sid`, read from /proc: serve's children stay in
     its session (their own process groups), so this finds every process it started."""
@@ -105,8 +112,7 @@ def test_sighup_stops_the_frontend_as_sigterm_does() -> None:
     the SIGHUP at once."""
     with serve_started() as (proc, lines):
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        frontend = next(int(pid) for pid in children
-                        if b"\0frontend\0" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        frontend = next(int(pid) for pid in children if program_of(int(pid)) == "frontend")
         os.kill(frontend, signal.SIGHUP)
         assert proc.wait(60) == 1, "".join(lines)  # serve stops once its frontend is gone
         text = "".join(lines)

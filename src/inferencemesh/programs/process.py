@@ -8,8 +8,11 @@ or OpenMP spinning on its own: `prepare_process()` before torch is imported, the
 Supervision. `serve` and `bench` start stage and frontend processes; those must not outlive
 their parent, whatever kills it (Ctrl-C, a closed terminal, `kill -9`). Two mechanisms, because
 neither alone covers every case:
-- a parent-death signal (Linux prctl PR_SET_PDEATHSIG, set in the child between fork and exec):
-  the kernel sends the child SIGTERM when the parent dies, SIGKILL included;
+- a parent-death signal (Linux prctl PR_SET_PDEATHSIG, which the child asks for first thing
+  when PDEATHSIG_ENV says so): the kernel sends the child SIGTERM when the parent dies, SIGKILL
+  included. Not set between fork and exec (a preexec_fn): that forces a full fork() which runs
+  the at-fork handlers of a parent's gRPC in the child, and a stage child aborted there (SIGABRT,
+  "epoll_wait error: Bad file descriptor") while the parent's channels were busy;
 - a lifeline pipe: the parent holds the write end, the child gets the read end (its fd in
   LIFELINE_ENV) and a thread that waits for EOF, which comes when the parent is gone, on any OS.
   It also backs the signal up: a child whose graceful stop hangs exits anyway after STOP_GRACE_S.
@@ -37,6 +40,8 @@ from inferencemesh.config import ConfigError
 
 # The child's end of its parent's lifeline: the fd number, in the child's environment.
 LIFELINE_ENV = "INFERENCEMESH_LIFELINE_FD"
+# Set in the child's environment when it may ask for the parent-death signal (see supervised_popen_kwargs).
+PDEATHSIG_ENV = "INFERENCEMESH_PARENT_DEATH_SIGNAL"
 # How long a child whose parent died may take to stop gracefully before it exits hard.
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -125,29 +130,14 @@ def _lifeline_read_end() -> int:
         return _lifeline[0]
 
 
-def _die_with_parent_fn() -> Callable[[], None] | None:
-    """A preexec_fn that, between fork and exec in the child, asks the kernel for SIGTERM when the
-    parent dies; None off Linux. libc's prctl is looked up here, in the parent: the child, forked
-    from a process with threads, does one foreign call and nothing that allocates."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    signum = int(signal.SIGTERM)
-
-    def die_with_parent() -> None:
-        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
-
-    return die_with_parent
-
-
 def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]:
     """subprocess.Popen arguments for a child that dies with this process.
 
     The child gets its own process group (a terminal's Ctrl-C reaches only the parent, which
     relays it) but stays in the parent's session, so the whole mesh is one session to look at.
-    The parent-death signal is set only when the main thread starts the child: the kernel sends
-    it when the *thread* that forked exits, and a helper thread (a test restarting a stage) ends
-    long before its parent; such children rely on the lifeline alone.
+    The parent-death signal is asked for only when the main thread starts the child: the kernel
+    sends it when the *thread* that forked exits, and a helper thread (a test restarting a stage)
+    ends long before its parent; such children rely on the lifeline alone.
     """
     read_end = _lifeline_read_end()
     kwargs: dict[str, Any] = {
@@ -156,7 +146,7 @@ def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]
         "process_group": 0,
     }
     if threading.current_thread() is threading.main_thread():
-        kwargs["preexec_fn"] = _die_with_parent_fn()
+        kwargs["env"][PDEATHSIG_ENV] = "1"
     return kwargs
 
 
@@ -167,6 +157,8 @@ def watch_lifeline() -> None:
     """In a child started with supervised_popen_kwargs: stop (SIGTERM to itself, then a hard exit
     after STOP_GRACE_S) once the parent's lifeline reaches EOF. No-op for a process nobody
     supervises (a pod, a user's shell)."""
+    if os.environ.pop(PDEATHSIG_ENV, None) and sys.platform.startswith("linux"):
+        _ask_for_parent_death_signal()
     fd_text = os.environ.pop(LIFELINE_ENV, None)  # popped: this process's own children are not ours to watch
     if not fd_text:
         return
@@ -190,6 +182,14 @@ def watch_lifeline() -> None:
         os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+def _ask_for_parent_death_signal() -> None:
+    """SIGTERM from the kernel when the parent thread that started this process dies. Asked
+    after exec, so a parent that died before this line is not noticed here: its lifeline is
+    at EOF already, and the watcher stops this process."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 def on_stop_signals(handler: Callable[[int, Any], None]) -> None:
