@@ -18,7 +18,10 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
@@ -402,7 +405,7 @@ def _check_positive(config: Any) -> None:
 
 # ---- the generic part ---------------------------------------------------------------------------
 
-C = TypeVar("C")
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def _flag_of(f: dataclasses.Field) -> Flag:
@@ -438,7 +441,8 @@ def from_args(cls: type[C], args: argparse.Namespace) -> C:
     values = {f.name: getattr(args, f.name) for f in fields(cls)}
     for f in fields(cls):
         if _flag_of(f).repeat:  # argparse gives None when the flag never came
-            values[f.name] = tuple(values[f.name] or f.default)
+            given = values[f.name]
+            values[f.name] = tuple(given) if given else f.default
     config = cls(**values)
     check = getattr(config, "check", None)
     return check() if check is not None else config

@@ -96,7 +96,7 @@ class PlanInputs:
         kv_width = TORCH_DTYPE_BYTES[kv_dtype] if kv_dtype else width
         kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * context_length * max_sessions
         return cls(
-            layer_bytes=facts.layer_bytes(width),
+            layer_bytes=tuple(facts.layer_bytes(width)),
             embed_bytes=facts.group_bytes("embed", width),
             tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width),
             kv_bytes_per_layer=kv,

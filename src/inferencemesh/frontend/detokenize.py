@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._rust is not None:  # what tokenizer.decode returns (see _rust_tokenizer), minus its overhead
             return self._rust.decode(ids, skip_special_tokens=True)
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return str(self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def _delta(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix:self._read])

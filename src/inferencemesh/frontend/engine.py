@@ -16,7 +16,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from functools import partial
+from typing import Generic, Literal, TypeVar
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.admission import Admission, Lease, Slot
@@ -166,7 +167,7 @@ class PipelineEngine(Generic[PipelineT]):
                         for choice in choices:
                             await choice.aclose()
                 raise failure
-            return [choice for choices in started for choice in choices]
+            return [choice for choices in started if not isinstance(choices, BaseException) for choice in choices]
 
     def _checked(self, request: GenerationRequest, n: int) -> _Prompt:
         """The request's n choices, checked and converted for the wire, or InvalidRequest saying why."""
@@ -198,7 +199,8 @@ class PipelineEngine(Generic[PipelineT]):
         if problem is not None:
             raise InvalidRequest(problem[1], param=problem[0])
         try:
-            samplings = [params.to_wire(r.sampling_params(r.seed), r.logprobs) for r in choices]
+            samplings = [params.to_wire(r.sampling_params(seed if r.seed is None else r.seed), r.logprobs)
+                         for r in choices]
         except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
             raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
         budget = min(request.max_tokens, self.max_context - len(prompt))
@@ -240,8 +242,7 @@ class PipelineEngine(Generic[PipelineT]):
             steps = self._decode(conn, request, sampling, prompt.tokens, prompt.budget, proposer,
                                  prediction if j == 0 else None, prompt_logprobs)
             slot = lease.hand_over()
-            choices.append(Choice(steps, lambda conn=conn, proposer=proposer, slot=slot:
-                                  self._release(conn, proposer, slot)))
+            choices.append(Choice(steps, partial(self._release, conn, proposer, slot)))
         return choices
 
     async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
@@ -282,7 +283,8 @@ class PipelineEngine(Generic[PipelineT]):
             while True:
                 count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
                 emitted += count
-                finish = "stop" if stopped else "length" if emitted >= budget else None
+                finish: Literal["stop", "length"] | None = "stop" if stopped else "length" if emitted >= budget \
+                    else None
                 if count or prompt_logprobs is not None or finish is not None:
                     yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
                                prompt_logprobs, finish_reason=finish)

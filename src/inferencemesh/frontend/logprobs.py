@@ -29,7 +29,7 @@ class LogprobsFormatter:
         """A token's own text, as vLLM names it (a lone byte of a UTF-8 character shows as U+FFFD)."""
         text = self._texts.get(token)
         if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
+            text = self._texts[token] = str(self.tokenizer.decode([token]))
         return text
 
     def _named(self, token: int, logprob: float) -> dict[str, Any]:

@@ -194,8 +194,8 @@ class CompletionRequest(_SamplingRequest):
         """The request's prompts (text or token ids): a batch runs them concurrently."""
         p = "" if self.prompt is None else self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return list(p)
-        return [p]
+            return list(p)  # type: ignore[arg-type]  # a list of prompts: strings or id lists
+        return [p]  # type: ignore[list-item]  # one prompt: a string or a list of ids
 
 
 class TextContentPart(_Body):

@@ -66,7 +66,9 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
             continue
         for part in controls.split(piece):
             if controls.fullmatch(part):
-                ids += _plain_ids(tokenizer, text_run) + [tokenizer.convert_tokens_to_ids(part)]
+                control = tokenizer.convert_tokens_to_ids(part)  # one token in, one id out
+                assert isinstance(control, int)
+                ids += _plain_ids(tokenizer, text_run) + [control]
                 text_run = ""
             else:
                 text_run += part
@@ -75,8 +77,10 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool,
             continue_final_message: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False)
+    assert isinstance(text, str)  # tokenize=False: the rendered text
+    return text
 
 
 def _special_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:

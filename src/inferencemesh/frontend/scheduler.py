@@ -118,7 +118,7 @@ class StepScheduler:
                 continue
             self._seq += 1
             self.in_flight[self._seq] = frames
-            if self._sizes is not None:
+            if self._sizes is not None and self._in_flight is not None:
                 self._sizes.observe(len(frames))
                 self._in_flight.set(len(self.in_flight))
             try:

@@ -73,7 +73,7 @@ class Connection:
         # last, so only a session's first frame (or one after a change) carries them.
         self.sampling: pb.Sampling | None = None
 
-    def frame(self, kind: pb.FrameKind.ValueType, *, sampling: pb.Sampling | None = None, **fields: Any) -> pb.Frame:
+    def frame(self, kind: pb.FrameKind, *, sampling: pb.Sampling | None = None, **fields: Any) -> pb.Frame:
         """The session's next frame, built fresh: once sent, nothing changes it (the scheduler
         holds it until its batch goes out), so no receiver needs a copy."""
         self.seq += 1
@@ -104,7 +104,11 @@ class SessionFrames:
     async def first_prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling,
                             prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
         """The prompt into a new session: it waits for room, and survives a lost stage."""
-        prefill = partial(self.prefill, conn, prompt, sampling, True, prompt_logprobs)
+        async def prefill() -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
+            prediction, scored = await self.prefill(conn, prompt, sampling, True, prompt_logprobs)
+            assert prediction is not None  # a non-empty prompt's last chunk asks for one
+            return prediction, scored
+
         replayable = partial(self.replaying_after_stage_loss, conn, sampling, [], prefill)
         return await self.waiting_for_room(conn, replayable)
 
@@ -225,9 +229,10 @@ class SessionFrames:
         started = time.perf_counter()
         proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
         proposed = time.perf_counter()
-        stamp = {"sent_ns": time.time_ns()} if self.debug_telemetry else {}
+        sent_ns = time.time_ns() if self.debug_telemetry else 0  # 0: not stamped
         if proposal is None or not proposal.tokens:
-            frame = conn.frame(pb.DECODE, pos_start=len(history) - 1, token_count=1, token_ids=history[-1:], **stamp)
+            frame = conn.frame(pb.DECODE, pos_start=len(history) - 1, token_count=1, token_ids=history[-1:],
+                               sent_ns=sent_ns)
             prediction = await self._answer(conn, frame)
             round_trip = time.perf_counter() - proposed
             if proposer is not None:
@@ -238,10 +243,11 @@ class SessionFrames:
         room = self.max_context - len(history)
         drafts = proposal.tokens[: max(0, room - 1)]
         frame = conn.frame(pb.VERIFY, pos_start=len(history) - 1, token_count=1 + len(drafts),
-                           token_ids=history[-1:] + drafts, **stamp,
+                           token_ids=history[-1:] + drafts, sent_ns=sent_ns,
                            draft_probs=proposal.probs[: len(drafts) * (len(proposal.probs) // len(proposal.tokens))])
         prediction = await self._answer(conn, frame)
         round_trip = time.perf_counter() - proposed
+        assert proposer is not None  # it made the proposal
         proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
         if self.metrics is not None:
             self.metrics.record_step("verify", proposed - started, round_trip)

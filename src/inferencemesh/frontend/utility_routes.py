@@ -28,7 +28,7 @@ from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest,
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 from inferencemesh.frontend.responses import GENERATION_ERRORS
 
-_ERRORS = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 
 router = APIRouter()
 

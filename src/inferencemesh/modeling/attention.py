@@ -107,9 +107,11 @@ def stage_attention(
         outs = [sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0]
                 for q, (k, v, mask) in zip(queries, key.parts, strict=True)]
         return torch.cat(outs, dim=1).to(query.dtype), None
+    # (transformers annotates attention_mask as a Tensor; None, which it takes, means causal.)
     if key.dtype == query.dtype:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out, _ = sdpa_attention_forward(module, query.to(key.dtype), key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
+    out, _ = sdpa_attention_forward(module, query.to(key.dtype), key, value, attention_mask,  # type: ignore[arg-type]
+                                    **kwargs)
     return out.to(query.dtype), None
 
 

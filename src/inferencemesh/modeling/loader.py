@@ -250,6 +250,7 @@ def load_stage(
         own = {k.removeprefix(prefix_i): tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix_i)]}
         layer.load_state_dict(own, assign=True, strict=True)
     if last:
+        assert norm is not None and lm_head is not None  # built above for the last stage
         norm.load_state_dict({"weight": tensors.pop("model.norm.weight")}, assign=True)
         if "lm_head.weight" in tensors and not facts.tie_word_embeddings:
             head = tensors.pop("lm_head.weight")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from typing import Any
 
 import kopf
 
@@ -76,7 +77,7 @@ class MeshWorker:
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: object) -> None:
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events carry the story; kopf's only errors
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
@@ -94,27 +95,27 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: object) -> No
     memo.reconciler = Reconciler(kube, options=options)  # each mesh's memo starts as a copy of this one
 
 
-@kopf.index(*MESHES)
-def mesh_memos(namespace: str, name: str, memo: kopf.Memo, **_: object) -> dict:
+@kopf.index(*MESHES)  # type: ignore[arg-type]  # kopf's protocol names every kwarg; a handler takes what it uses
+def mesh_memos(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> dict:
     """(namespace, base name) -> the memo of each mesh whose children carry that name (usually one)."""
     return {(namespace, base_name(name)): memo}
 
 
 @kopf.index(*MESHES)
-def mesh_phases(status: kopf.Status, **_: object) -> dict:
+def mesh_phases(status: kopf.Status, **_: Any) -> dict:
     """phase -> the meshes whose status is in it."""
     phase = status.get("phase")
     return {phase: None} if phase else {}
 
 
-@kopf.on.probe(id="meshes")
-def probe_meshes(mesh_memos: kopf.Index, **_: object) -> int:
+@kopf.on.probe(id="meshes")  # type: ignore[arg-type]  # kopf's protocol names every kwarg; a handler takes what it uses
+def probe_meshes(mesh_memos: kopf.Index, **_: Any) -> int:
     return sum(len(memos) for memos in mesh_memos.values())
 
 
-@kopf.on.event(*MESHES)
+@kopf.on.event(*MESHES)  # type: ignore[arg-type]  # kopf's protocol names every kwarg; a handler takes what it uses
 async def mesh_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, mesh_phases: kopf.Index,
-                     **_: object) -> None:
+                     **_: Any) -> None:
     worker: MeshWorker | None = memo.get("worker")
     if type == "DELETED":
         if worker is not None:
@@ -128,8 +129,8 @@ async def mesh_event(type: str | None, namespace: str, name: str, memo: kopf.Mem
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
-@kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def child_event(namespace: str, labels: dict, mesh_memos: kopf.Index, **_: object) -> None:
+@kopf.on.event("v1", "pods", labels={LABEL_MANAGED_BY: MANAGED_BY})  # type: ignore[arg-type]  # kopf's protocol names every kwarg; a handler takes what it uses
+async def child_event(namespace: str, labels: dict, mesh_memos: kopf.Index, **_: Any) -> None:
     """A stage or frontend Deployment/Pod changed: its mesh's status may have too."""
     for memo in mesh_memos.get((namespace, labels.get(LABEL_MESH)), ()):
         worker: MeshWorker | None = memo.get("worker")

@@ -43,7 +43,7 @@ def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
     layout = spec.model.layout
     assert layout is not None
     return PlanInputs(
-        layer_bytes=[layout.layer_bytes] * layout.num_layers,
+        layer_bytes=(layout.layer_bytes,) * layout.num_layers,
         embed_bytes=layout.embed_bytes,
         tail_bytes=layout.head_bytes,
         kv_bytes_per_layer=layout.kv_bytes_per_token * spec.context_length * spec.max_sessions,

@@ -127,6 +127,7 @@ class Reconciler:
         except SpecError as exc:
             spec, outcome = None, PlanOutcome(None, "False", "InvalidSpec", str(exc))
         else:
+            assert spec is not None  # parsed
             outcome = self._plan(spec, result)
         base = base_name(name)
         selector = f"{LABEL_MESH}={base}"

@@ -22,6 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import kopf
 
@@ -299,14 +300,17 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
     sp = spec.speculative
     first = plan.stages[0]
-    embedded = ({"first_stage_layers": (first.layer_start, first.layer_end), **_stage_compute(spec, shares_pod=True)}
-                if plan.embedded_first_stage else {})
+    embedded: dict[str, Any] = (
+        {"first_stage_layers": (first.layer_start, first.layer_end), **_stage_compute(spec, shares_pod=True)}
+        if plan.embedded_first_stage else {})
+    under_load: dict[str, Any] = ({} if sp.disable_by_batch_size is None
+                                  else {"speculative_disable_by_batch_size": sp.disable_by_batch_size})
     config = FrontendConfig(
         **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
         port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.max_batch_tokens, **embedded,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None,
-        **({} if sp.disable_by_batch_size is None else {"speculative_disable_by_batch_size": sp.disable_by_batch_size}),
+        **under_load,
     ).check()
     return ["frontend", *to_argv(config)]
 
@@ -314,7 +318,7 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
 def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions,
                                certificates: MeshCertificates | None = None) -> dict:
     base, ns = base_name(mesh["metadata"]["name"]), mesh["metadata"]["namespace"]
-    env = copy.deepcopy(_ENV)
+    env: list[dict[str, Any]] = copy.deepcopy(_ENV)
     if spec.frontend.api_key_secret:
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}})
@@ -346,7 +350,7 @@ def render_frontend_deployment(mesh: dict, spec: MeshSpec, plan: Plan, opts: Ren
     if embedded:
         annotations["inferencemesh.io/layers"] = f"{plan.stages[0].layer_start}:{plan.stages[0].layer_end}"
         # Stage 0's place: its hardware (both nodeSelectors; spec.validate refuses a key they disagree on).
-        placement = {"node_selector": {**spec.frontend.node_selector, **spec.stages.node_selector},
+        placement: dict[str, Any] = {"node_selector": {**spec.frontend.node_selector, **spec.stages.node_selector},
                      "tolerations": (*spec.stages.tolerations, *spec.frontend.tolerations),
                      "affinity": spec.stages.affinity}
     else:
@@ -445,7 +449,7 @@ def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions,
                      render_stage_network_policy(mesh, spec, plan, i)]
     children += [render_frontend_deployment(mesh, spec, plan, opts, certificates),
                  render_frontend_service(mesh, spec)]
-    kopf.adopt(children, owner=mesh)
+    kopf.adopt(children, owner=mesh)  # type: ignore[arg-type]  # kopf reads a plain dict as it reads its Body
     for child in children:
         child["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(child)
     return children

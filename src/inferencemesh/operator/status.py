@@ -112,7 +112,7 @@ def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str
         "status": verdict.status,
         "reason": verdict.reason,
         "message": verdict.message,
-        "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
+        "lastTransitionTime": now if changed or old is None else old.get("lastTransitionTime", now),
         "observedGeneration": generation,
     }
 
@@ -248,7 +248,7 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     obs = Observed.of(mesh, spec, outcome, deployments, pods)
     generation = int(mesh["metadata"].get("generation", 0))
     old_status = mesh.get("status") or {}
-    previous = {c.get("type"): c for c in old_status.get("conditions") or [] if isinstance(c, dict)}
+    previous = {str(c.get("type")): c for c in old_status.get("conditions") or [] if isinstance(c, dict)}
     plan = outcome.plan
 
     entries, not_ready = stage_entries(obs, plan) if plan is not None else (old_status.get("stages") or [], [])

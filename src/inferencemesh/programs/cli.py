@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.config import (
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = from_args(PROGRAMS[args.command][0], args)
+    config: Any = from_args(PROGRAMS[args.command][0], args)  # the command's own config type
     ports = getattr(config, "ports", None)
     if ports is not None:
         check_ports(ports())  # before anything loads: a taken port is one line, not minutes later
@@ -105,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def _torch_threads(command: str, config: object) -> int | None:
+def _torch_threads(command: str, config: Any) -> int | None:
     """The torch threads of a program that computes: a stage's from its config, the frontend's
     from its embedded stage or draft; None leaves torch's own (bench sets its per configuration)."""
     if command == "stage":

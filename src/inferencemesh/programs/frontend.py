@@ -67,6 +67,7 @@ def run_frontend(config: FrontendConfig) -> int:
         if engine.pipeline.embedded is not None:
             metrics.include(engine.pipeline.embedded.metrics_registry)  # stage 0's series on this /metrics
             o = config.first_stage()
+            assert o is not None  # an embedded stage is configured by first_stage_layers
             log.info("first stage embedded: layers [%d, %d) of the pipeline's %d stages, then %s", o.layer_start,
                      o.layer_end, o.num_stages, ", ".join(config.stage_addresses) or "no stage process")
         await server.serve()

@@ -66,8 +66,13 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """How the process ended (None: running, or never started)."""
+        return None if self.process is None else self.process.returncode
+
     def stop(self, timeout: float = 10.0) -> None:
-        if not self.alive():
+        if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -143,7 +148,7 @@ class LocalStages:
             while not check(self.addresses[index], timeout=1.0, tls=credentials):
                 proc = self.processes[index]
                 if not proc.alive():
-                    raise RuntimeError(f"{proc.name} exited with {proc.process.returncode} while loading")
+                    raise RuntimeError(f"{proc.name} exited with {proc.returncode} while loading")
                 if stopping() or time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} not ready after {timeout:.0f}s")
                 time.sleep(0.25)  # a refused connection answers at once
@@ -277,7 +282,7 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], stage_tl
                 print(f"inferencemesh: {proc.name} had exited; restarted it (restart {proc.restarts})",
                       file=sys.stderr, flush=True)
             if not frontend.alive():
-                print(f"inferencemesh: frontend exited ({frontend.process.returncode})", file=sys.stderr)
+                print(f"inferencemesh: frontend exited ({frontend.returncode})", file=sys.stderr)
                 return 1
         return 0
     finally:

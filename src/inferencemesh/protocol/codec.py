@@ -12,8 +12,8 @@ import torch
 
 from inferencemesh.protocol import stage_pb2 as pb
 
-WIRE_DTYPES: dict[int, torch.dtype] = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
-WIRE_CODES: dict[torch.dtype, int] = {v: k for k, v in WIRE_DTYPES.items()}
+WIRE_DTYPES: dict[pb.DType, torch.dtype] = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
+WIRE_CODES: dict[torch.dtype, pb.DType] = {v: k for k, v in WIRE_DTYPES.items()}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -26,7 +26,7 @@ def encode(hidden: torch.Tensor, wire_dtype: torch.dtype) -> bytes:
     return hidden.detach().to("cpu", wire_dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def decode(payload: bytes, dtype_code: int, shape: tuple[int, ...], token_count: int) -> torch.Tensor:
+def decode(payload: bytes, dtype_code: pb.DType, shape: tuple[int, ...], token_count: int) -> torch.Tensor:
     """Raw bytes -> tensor of `shape`, after checking dtype and size against the header."""
     dtype = WIRE_DTYPES.get(dtype_code)
     if dtype is None:

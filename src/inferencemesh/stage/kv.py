@@ -85,7 +85,8 @@ class SessionKV:
         if length:
             if length > self._capacity:
                 self._grow(length)
-            self._store[..., :length, :].copy_(store[..., :length, :])
+            assert store is not None  # checked above: a source with positions has its store
+            self._allocated[..., :length, :].copy_(store[..., :length, :])
         self._length = length
 
     # ------------------------------------------------------------------ used by the runtime
@@ -115,10 +116,15 @@ class SessionKV:
         self._store = store
         self._capacity = capacity
 
+    @property
+    def _allocated(self) -> torch.Tensor:
+        assert self._store is not None, "the cache is read or written before room was made for it"
+        return self._store
+
     def positions(self, start: int, stop: int) -> torch.Tensor:
         """Every layer's keys and values at positions [start, stop): a view
         [layers, 2, kv_heads, stop - start, head_dim] (PaddedBatch reads and writes through it)."""
-        return self._store[..., start:stop, :]
+        return self._allocated[..., start:stop, :]
 
     # ------------------------------------------------------------------ transformers Cache protocol
 
@@ -126,7 +132,7 @@ class SessionKV:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the window's new rows for this layer; return keys and values of all positions so far."""
-        layer = self._store[layer_idx - self._layer_offset]
+        layer = self._allocated[layer_idx - self._layer_offset]
         start, stop = self._start, self._stop
         layer[0:1, :, start:stop].copy_(key_states)
         layer[1:2, :, start:stop].copy_(value_states)
@@ -135,7 +141,7 @@ class SessionKV:
     def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """update() for a batched pass: this layer's new keys and values as one tensor
         [2, kv_heads, T, head_dim] already in the cache's dtype, written in one copy."""
-        layer = self._store[layer_idx - self._layer_offset]
+        layer = self._allocated[layer_idx - self._layer_offset]
         stop = self._stop
         layer[:, :, self._start : stop].copy_(rows)
         return layer[0:1, :, :stop], layer[1:2, :, :stop]

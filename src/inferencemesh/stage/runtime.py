@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from inferencemesh.modeling.attention import (
     PackedAttention,
@@ -90,7 +91,7 @@ class StageRuntime:
         self._embed = stage.embed
         self._layers = list(stage.layers)
         self._norm = stage.norm
-        self._lm_head = stage.lm_head
+        self._lm_head: nn.Module | None = stage.lm_head  # packed below on the CPU
         if self.device.type == "cpu":
             pack_linears(stage.layers)
             # A head that shares its matrix with this stage's embedding stays as is: packing
@@ -137,7 +138,7 @@ class StageRuntime:
         token_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         logits: str = "last",
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run the stage on T new positions starting at pos_start.
 
         Returns hidden [T, H] (non-last stage), or float32 logits [1, V] (logits="last") or
@@ -171,6 +172,11 @@ class StageRuntime:
             return None
         if logits == "last":
             x = x[:, -1:]  # dead rows skipped: only the last row goes through norm and head
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's float32 logits of hidden rows x [1, T, H]: [T, vocab]."""
+        assert self._norm is not None and self._lm_head is not None  # the last stage has both
         return self._lm_head(self._norm(x))[0].float()
 
     def check_positions(self, kv: SessionKV, pos_start: int, count: int) -> None:
@@ -212,7 +218,9 @@ class StageRuntime:
             seg.kv.end()
         if not self.is_last:
             return list(x[0].split(counts))
-        rows, spans, end = [], [], 0
+        rows: list[int] = []
+        spans: list[int] = []
+        end = 0
         for seg, count in zip(segments, counts, strict=True):
             end += count
             span = {"all": count, "last": 1}.get(seg.logits, 0)  # the rows whose logits this segment wants
@@ -220,7 +228,7 @@ class StageRuntime:
             spans.append(span)
         if not rows:
             return [None] * len(segments)
-        logits = self._lm_head(self._norm(x[:, rows]))[0].float().split(spans)
+        logits = self._logits(x[:, rows]).split(spans)
         return [out if seg.logits != "none" else None for seg, out in zip(segments, logits, strict=True)]
 
     def _input(self, token_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -233,6 +241,7 @@ class StageRuntime:
             low, high = (int(token_ids), int(token_ids)) if len(token_ids) == 1 else map(int, token_ids.aminmax())
             if low < 0 or high >= self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+            assert self._embed is not None  # the first stage has it
             return self._embed(token_ids.to(device=self.device, dtype=torch.long))[None]
         if hidden is None or token_ids is not None:
             raise ValueError("a stage after the first takes hidden states (and no token_ids)")

@@ -133,6 +133,12 @@ class StageService:
         self.state, self.progress, self.reason = state, progress, reason
         self.metrics.set_state(state, progress)
 
+    @property
+    def loaded(self) -> StageWorker:
+        """The worker, which exists once the layers are loaded: only a serving stage computes."""
+        assert self.worker is not None, "the stage computes before its layers are loaded"
+        return self.worker
+
     def info(self) -> pb.StageInfo:
         o, rt, worker = self.options, self.runtime, self.worker
         sessions = worker.sessions.totals()[0] if worker is not None else 0
@@ -198,7 +204,7 @@ class StageService:
         def run() -> list:  # timed on the compute thread: event-loop delays count as neither
             started = time.perf_counter()
             try:
-                return self.worker.compute_batch(jobs)
+                return self.loaded.compute_batch(jobs)
             finally:
                 for _ in jobs:
                     self.metrics.queue_wait.observe(started - queued)
@@ -227,14 +233,14 @@ class StageService:
         return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
-        parent, child = self.worker.begin_fork(frame, owner)
+        parent, child = self.loaded.begin_fork(frame, owner)
         # a copy is device work: on the compute thread, between passes
-        await self._on_compute_thread(self.worker.finish_fork, parent, child, frame)
+        await self._on_compute_thread(self.loaded.finish_fork, parent, child, frame)
         self.metrics.frames_by_kind[KIND_NAMES[pb.FORK]].inc()
 
     def _failed(self, frame: pb.Frame, fault: Fault, owner: Owner) -> pb.Failure:
         self.metrics.error(fault.code.name)
-        return self.worker.failure(frame, fault, self.index, owner)
+        return self.loaded.failure(frame, fault, self.index, owner)
 
     def _trace(self, frame: pb.Frame) -> None:
         waited_ms = (time.time_ns() - frame.sent_ns) / 1e6 if frame.sent_ns else float("nan")

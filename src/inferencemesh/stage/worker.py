@@ -79,6 +79,7 @@ class StageWorker:
         refusal = fork_refusal(frame, parent, target)
         if refusal is not None:
             raise refusal
+        assert parent is not None  # fork_refusal refuses a FORK whose parent is missing
         try:
             return parent, self.sessions.open(frame.session_id, owner)
         except SessionsFull as err:
@@ -178,13 +179,14 @@ class StageWorker:
         BatchResult (the predictions, and an Ack for each carried frame)."""
         if self.is_last:
             result = pb.BatchResult(seq=seq, failures=failures,
-                                    predictions=[out for _, out in computed if out is not None])
+                                    predictions=[out for _, out in computed if isinstance(out, pb.Prediction)])
             result.acks.extend(pb.Ack(seq=f.seq, session_id=f.session_id, kind=f.kind) for f in carried)
             return result
         down = pb.Batch(seq=seq, failures=failures, frames=[f for f, _ in computed] + carried,
                         dtype=codec.WIRE_CODES[self.wire_dtype], hidden_size=self.runtime.hidden_size)
         if computed:
-            down.activations = codec.encode(torch.cat([out for _, out in computed]), self.wire_dtype)
+            hidden = [out for _, out in computed if isinstance(out, torch.Tensor)]  # every one, before the last stage
+            down.activations = codec.encode(torch.cat(hidden), self.wire_dtype)
         return down
 
     # ---- the forward pass ------------------------------------------------------------------

@@ -7,6 +7,7 @@ shrinks when it does not (seed 003); WindowedProposer reports each verify round 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from inferencemesh.speculation import WindowPolicy
@@ -72,7 +73,9 @@ class Window:
 
     @property
     def plain_cost_s(self) -> float:
-        return self.plain_step_s if self.plain_step_s is not None else self.verify_s
+        # Neither measured yet: nothing says speculation costs more.
+        known = self.plain_step_s if self.plain_step_s is not None else self.verify_s
+        return math.inf if known is None else known
 
     @property
     def paying(self) -> bool:

@@ -81,6 +81,7 @@ class Speculation:
             text = self.tokenizer.decode(request.prompt_ids[-512:]) if self.tokenizer is not None else ""
             return AutoProposer(self.window, favourable_prompt(text), self.metrics)
         params = request.sampling_params(request.seed or 0)
+        assert self.draft is not None  # strategy "draft" is built only with its draft loaded
         return DraftProposer(self.draft, self.window, params, self.metrics, self.batcher)
 
 
@@ -91,7 +92,7 @@ def resolve_speculation(options: SpeculativeOptions, model_dir: Path, tokenizer,
     choice = choose_for_model(model_dir, strategy=options.speculative, draft=options.draft,
                               no_draft=options.no_draft, window=options.window)
     draft = None
-    if choice.strategy == "draft":
+    if choice.strategy == "draft" and choice.draft is not None:
         try:
             draft = _load_draft(choice.draft, tokenizer, dtype=dtype, device=device, max_context=max_context,
                                 vocab_size=_vocab_size(model_dir))

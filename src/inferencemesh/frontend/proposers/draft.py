@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -135,7 +136,7 @@ def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal
             outcomes[index] = proposer._proposal()
 
     for index, (proposer, history) in enumerate(jobs):
-        own_step(index, lambda proposer=proposer, history=history: proposer._begin(history), begun=False)
+        own_step(index, partial(proposer._begin, history), begun=False)
     while feeds:
         order = list(feeds)
         try:
@@ -151,7 +152,7 @@ def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal
             break
         feeds = {}
         for i, row in zip(order, logits, strict=True):
-            own_step(i, lambda proposer=jobs[i][0], row=row: proposer._next(row), begun=True)
+            own_step(i, partial(jobs[i][0]._next, row), begun=True)
     return outcomes
 
 

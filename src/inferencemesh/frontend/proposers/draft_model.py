@@ -18,6 +18,7 @@ this size faster than bfloat16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,8 @@ class DraftCache:
     def __init__(self, model: DraftModel) -> None:
         self.model = model
         self.length = 0  # positions held
-        self.k = self.v = None
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
 
     def reserve(self, stop: int) -> None:
         capacity = 0 if self.k is None else self.k.shape[2]
@@ -80,10 +82,15 @@ class DraftCache:
         shape = (len(m.layers), m.kv_heads, size, m.head_dim)
         k = torch.empty(shape, dtype=m.dtype, device=m.device)
         v = torch.empty(shape, dtype=m.dtype, device=m.device)
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             k[:, :, : self.length] = self.k[:, :, : self.length]
             v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values, once reserve() has made room for them."""
+        assert self.k is not None and self.v is not None, "the draft cache is used before reserve()"
+        return self.k, self.v
 
     def release(self) -> None:
         self.k = self.v = None
@@ -102,8 +109,8 @@ class DraftModel:
         draft lacks get -inf (it never proposes them). None: the draft's own size."""
         facts = read_checkpoint(source)
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu), device=device)
-        config = stage.config
+        stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu) or dtype, device=device)
+        config: Any = stage.config  # a transformers PretrainedConfig, read by attribute
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"draft activation {config.hidden_act!r} is not supported (silu only)")
         self.source = source
@@ -114,8 +121,10 @@ class DraftModel:
         self.hidden_size = facts.hidden_size
         self.heads, self.kv_heads = int(config.num_attention_heads), facts.num_kv_heads
         self.head_dim = int(getattr(config, "head_dim", None) or facts.head_dim)
+        assert stage.embed is not None and stage.norm is not None and stage.lm_head is not None  # the whole model
         self.layers = [self._layer(config, layer, index) for index, layer in enumerate(stage.layers)]
-        self.norm, self.norm_eps = stage.norm.weight.detach().to(self.dtype), stage.norm.variance_epsilon
+        final_norm: Any = stage.norm  # the family's RMSNorm module
+        self.norm, self.norm_eps = final_norm.weight.detach().to(self.dtype), float(final_norm.variance_epsilon)
         tied = stage.lm_head.weight is stage.embed.weight
         # [hidden, vocab], cut to the target's width once here rather than per step.
         self.head = _t(stage.lm_head, self.dtype)[:, : self.vocab_size].contiguous()
@@ -128,13 +137,15 @@ class DraftModel:
         # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.dtype).to(self.device)
         self.sign = sign
-        self.cos = self.sin_signed = None
+        self.cos: torch.Tensor | None = None
+        self.sin_signed: torch.Tensor | None = None
         if table is not None:
             cos, sin = table
             self.cos, self.sin_signed = cos[0, :, None, :], (sin * sign)[0, :, None, :]  # [positions, 1, head_dim]
         del stage
 
-    def _layer(self, config, layer: torch.nn.Module, index: int) -> _Layer:
+    def _layer(self, config: Any, layer: Any, index: int) -> _Layer:
+        # (layer: a transformers decoder layer of the family's layout; its parts are read by name)
         attn, mlp, dt = layer.self_attn, layer.mlp, self.dtype
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
@@ -194,11 +205,12 @@ class DraftModel:
             outs, row = [], 0
             for (cache, pos_start, _), count in zip(feeds, counts, strict=True):
                 stop, rows = pos_start + count, slice(row, row + count)
-                cache.k[i, :, pos_start:stop] = qk[rows, heads:].transpose(0, 1)
-                cache.v[i, :, pos_start:stop] = values[rows].transpose(0, 1)
+                keys, vals = cache.tensors()
+                keys[i, :, pos_start:stop] = qk[rows, heads:].transpose(0, 1)
+                vals[i, :, pos_start:stop] = values[rows].transpose(0, 1)
                 mask = attention_mask(pos_start, count, layer.window, self.device)
                 out = F.scaled_dot_product_attention(
-                    qk[rows, :heads].transpose(0, 1)[None], cache.k[i, :, :stop][None], cache.v[i, :, :stop][None],
+                    qk[rows, :heads].transpose(0, 1)[None], keys[i, :, :stop][None], vals[i, :, :stop][None],
                     attn_mask=mask, is_causal=mask is None and count > 1, enable_gqa=heads != kv_heads)
                 outs.append(out[0].transpose(0, 1).reshape(count, heads * dim))
                 row += count
@@ -223,7 +235,7 @@ class DraftModel:
         return list(logits)
 
     def _rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos is not None:
+        if self.cos is not None and self.sin_signed is not None:
             return self.cos[start : start + count], self.sin_signed[start : start + count]
         positions = torch.arange(start, start + count, device=self.device)[None]
         cos, sin = self.rotary(torch.empty(0, dtype=self.dtype, device=self.device), positions)

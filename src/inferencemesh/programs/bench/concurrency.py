@@ -103,7 +103,9 @@ class MeasuredBursts:
 
 
 def summarise_bursts(label: str, bursts: list[Burst], **extra) -> dict:
-    ttfts, itls, tokens, wall, requested = [], [], 0, 0.0, 0
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens, wall, requested = 0, 0.0, 0
     for burst in bursts:
         requested += burst.requested
         wall += max(stream[-1][0] for stream in burst.streams if stream) - burst.started
@@ -150,6 +152,8 @@ async def measure_bursts(configs: list[MeasuredBursts], repeats: int) -> None:
 def run_concurrency(config: BenchConfig, model: BenchModel, target, speculation: dict) -> dict:
     """The --concurrency bench (see the module docstring): stage processes for every stage count."""
     threads = torch.get_num_threads()
+    levels = config.concurrency
+    assert levels, "the --concurrency bench runs with stream counts"
     prompts = [ids for ids_of_set in model.prompts.values() for ids in ids_of_set]
 
     def cycle(count: int) -> list[list[int]]:
@@ -171,7 +175,7 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target, speculation:
             variant = ",".join([form] * (len(forms) > 1) + [f"threads={stage_threads}"] * (len(thread_options) > 1))
             label = mesh.label + (f"[{variant}]" if variant else "")
             for strategy in config.speculative:
-                for level in config.concurrency:
+                for level in levels:
                     # One engine per configuration, as the frontend would run it (its admission limit included).
                     runner = EngineUnderTest(mesh.pipeline, config.new_tokens, MAX_CONTEXT,
                                              proposer(speculation, strategy), config.speculative_disable_by_batch_size)
@@ -188,7 +192,7 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target, speculation:
         torch.set_num_threads(threads)
         results = [c.entry() for c in configs]
     report = {
-        **header(config, model, threads), "concurrency": list(config.concurrency),
+        **header(config, model, threads), "concurrency": list(levels),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "results": results,
     }

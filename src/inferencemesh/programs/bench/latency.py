@@ -160,6 +160,7 @@ def ratios(results: list[dict]) -> dict:
                     "prompts") == base.get("prompts"):
                 n = r["stages"]
                 split_base = baseline(n)
+                assert split_base is not None  # base exists here, and baseline falls back to it
                 if split_base is not base:
                     out[f"{key}stages_{n}_vs_1_all_cores"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
                 out[f"{key}stages_{n}_vs_1"] = round(r["tokens_per_s"] / split_base["tokens_per_s"], 3)

@@ -67,6 +67,7 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
                               max_context=max_context, first_stage_layers=stages.first_stage_layers).check()
     runtime = None
     if embed:  # loaded here, before the clock runs (the frontend loads it in the background)
+        assert stages.first_stage_layers is not None  # started with embed_first
         runtime = StageRuntime(model_dir, *stages.first_stage_layers, dtype=dtype_name, max_context=max_context)
     own_threads = int(env["OMP_NUM_THREADS"]) if env and "OMP_NUM_THREADS" in env else share
     label = f"{FIRST_STAGE_LABELS[first_stage]}-{count}-stage" + ("s" if count > 1 else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from inferencemesh.checkpoint import CheckpointFacts, read_local
 from inferencemesh.config import BenchConfig, ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     # A few hundred thousand parameters: the bench's own tests.
     "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
