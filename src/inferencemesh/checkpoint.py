@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,7 +255,7 @@ def check_source(source: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def hub_errors(repo_id: str):
+def hub_errors(repo_id: str) -> Iterator[None]:
     """Turn huggingface_hub's failures into one CheckpointError a person can act on."""
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 

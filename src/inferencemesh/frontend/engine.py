@@ -14,7 +14,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Generic, Literal, TypeVar
@@ -308,5 +308,5 @@ def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tupl
     return min(len(tokens), room), False
 
 
-def _logprobs(entries, request: GenerationRequest) -> list[TokenLogprob] | None:
+def _logprobs(entries: Iterable[pb.TokenLogprobs], request: GenerationRequest) -> list[TokenLogprob] | None:
     return converted(entries) if request.logprobs is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -265,6 +265,6 @@ class SessionFrames:
         return prediction
 
 
-def converted(entries) -> list[TokenLogprob]:
+def converted(entries: Iterable[pb.TokenLogprobs]) -> list[TokenLogprob]:
     """Logprob entries from the wire as TokenLogprobs."""
     return [TokenLogprob(e.token, e.logprob, tuple(zip(e.top_tokens, e.top_logprobs, strict=True))) for e in entries]

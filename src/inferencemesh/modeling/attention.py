@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -95,7 +96,7 @@ def stage_attention(
     key: torch.Tensor | PackedAttention | PaddedAttention,
     value: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     if isinstance(key, PaddedAttention):  # [1, H, N * T, d] -> [N, H, T, d], one call -> [1, N * T, H, d]
         batched = query[0].unflatten(1, (-1, key.count)).transpose(0, 1)

@@ -6,6 +6,8 @@ rotary table and each layer's sliding window exactly as transformers defines the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Rotary types whose frequencies do not depend on the sequence length, so a table of cos/sin
@@ -13,7 +15,7 @@ import torch
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
-def rope_table(config, rotary: torch.nn.Module, max_context: int, dtype: torch.dtype,
+def rope_table(config: Any, rotary: torch.nn.Module, max_context: int, dtype: torch.dtype,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos, sin [1, max_context, head_dim] from the model's rotary module, or None when the
     rotary type depends on the sequence length and must be computed per forward."""
@@ -27,7 +29,7 @@ def rope_table(config, rotary: torch.nn.Module, max_context: int, dtype: torch.d
         return rotary(probe, positions)
 
 
-def sliding_window(config, layer: int) -> int | None:
+def sliding_window(config: Any, layer: int) -> int | None:
     """Layer `layer`'s sliding window, as transformers applies it for this family."""
     window = getattr(config, "sliding_window", None)
     if not window:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferencemesh.bundled import resolve_model, served_name
 from inferencemesh.checkpoint import fetch_config_dir
@@ -13,10 +14,18 @@ from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import compute_threads
 from inferencemesh.programs.mesh import frontend_pipeline
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from inferencemesh.frontend.engine import PipelineEngine
+    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.proposers.build import Speculation
+
 log = logging.getLogger("inferencemesh.frontend")
 
 
-def build_engine(config: FrontendConfig, model_dir: Path, tokenizer, metrics):
+def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase,
+                 metrics: FrontendMetrics) -> tuple[PipelineEngine, Speculation]:
     from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
     from inferencemesh.frontend.proposers.build import resolve_speculation
 

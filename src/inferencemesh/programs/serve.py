@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import yaml
@@ -253,7 +254,7 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], stage_tl
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 
-    def request_stop(signum, _frame) -> None:
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
 

@@ -10,7 +10,10 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from types import FrameType
+from typing import Any
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import check_source
@@ -33,7 +36,7 @@ class MainThreadExecutor(Executor):
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, fn, /, *args, **kwargs) -> Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
         self._jobs.put((future, fn, args, kwargs))
         return future
@@ -94,7 +97,7 @@ def run_stage(config: StageConfig) -> int:
         finally:
             compute.shutdown()
 
-    def request_stop(signum, _frame) -> None:
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
         loop.call_soon_threadsafe(stop.set)
 
     on_stop_signals(request_stop)

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -30,6 +31,9 @@ from inferencemesh.protocol.errors import Fault, PipelineError
 from inferencemesh.protocol.streams import RemoteStage
 from inferencemesh.stage.service import InlineExecutor, StageService
 from inferencemesh.stage.stream import NextStage, StageStream
+
+if TYPE_CHECKING:
+    from inferencemesh.stage.runtime import StageRuntime
 
 log = logging.getLogger("inferencemesh.stage.local")
 
@@ -95,7 +99,8 @@ class LocalStage:
     It sends on to `next_stage` when given (the next LocalStage of an in-process pipeline), else
     to the stage process at config.downstream, if any."""
 
-    def __init__(self, config: StageConfig, runtime=None, next_stage: NextStage | None = None) -> None:
+    def __init__(self, config: StageConfig, runtime: StageRuntime | None = None,
+                 next_stage: NextStage | None = None) -> None:
         self.config = config
         self._runtime = runtime
         self._remote = None if next_stage is not None or not config.downstream else \

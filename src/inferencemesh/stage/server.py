@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,8 +26,11 @@ from inferencemesh.protocol.transport import SERVICE_NAME, server_options
 from inferencemesh.stage.service import StageService
 from inferencemesh.stage.stream import StageStream
 
+if TYPE_CHECKING:
+    from inferencemesh.stage.runtime import StageRuntime
 
-async def _pump(batches, stream: StageStream) -> None:
+
+async def _pump(batches: AsyncIterator[pb.Batch], stream: StageStream) -> None:
     """Move inbound batches into the stream's inbox, where downstream faults also land."""
     try:
         async for batch in batches:
@@ -71,7 +76,7 @@ class StageServicer(pb_grpc.StageServicer):
         await self._admit(context)
         return self.service.info()
 
-    async def Pipeline(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def Pipeline(self, request_iterator: AsyncIterator[pb.Batch], context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         """One upstream connection: its batches in order, each computed in one pass and sent on
         (or, on the last stage, answered); the sessions it opened are freed when it ends."""
         await self._admit(context)
@@ -85,7 +90,7 @@ class StageServicer(pb_grpc.StageServicer):
             pump.cancel()
 
 
-async def start_stage_server(options: StageConfig, *, runtime=None,
+async def start_stage_server(options: StageConfig, *, runtime: StageRuntime | None = None,
                              compute: Executor | None = None) -> tuple[grpc.aio.Server, StageService, int]:
     """Start the gRPC server (stage service + health) and begin loading; returns the bound port."""
     service = StageService(options, runtime=runtime, compute=compute)

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -34,6 +34,9 @@ from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import Owner
 from inferencemesh.stage.worker import Job, StageWorker
 
+if TYPE_CHECKING:
+    from inferencemesh.stage.runtime import StageRuntime
+
 log = logging.getLogger("inferencemesh.stage")
 
 
@@ -42,7 +45,7 @@ class InlineExecutor(Executor):
 
     inline = True  # StageService calls such work directly instead of awaiting a future
 
-    def submit(self, fn, /, *args, **kwargs) -> Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
@@ -52,7 +55,7 @@ class InlineExecutor(Executor):
 
 
 class StageService:
-    def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime=None,
+    def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime: StageRuntime | None = None,
                  compute: Executor | None = None) -> None:
         self.options = options
         self.metrics = metrics or StageMetrics(served_name(options.model, options.served_model_name),
@@ -68,7 +71,7 @@ class StageService:
         # Called by close(): what its transports hold (a channel to the next stage).
         self.on_close: list[Callable[[], Awaitable[None]]] = []
         self._sweeper: asyncio.Task | None = None
-        self.runtime = None
+        self.runtime: StageRuntime | None = None
         self.worker: StageWorker | None = None
         self.state, self.reason, self.progress = "downloading", "", 0.0
         self._last_log = 0.0
@@ -99,7 +102,7 @@ class StageService:
             return
         asyncio.run_coroutine_threadsafe(self._become_ready(runtime), loop)
 
-    async def _become_ready(self, runtime) -> None:
+    async def _become_ready(self, runtime: StageRuntime) -> None:
         """On the event loop, so no batch sees a half-ready stage: runtime, worker and state at once."""
         o = self._adopt(runtime).options
         for listener in self.on_serving:
@@ -107,7 +110,7 @@ class StageService:
         log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads)", o.stage_index, o.layer_start,
                  o.layer_end, runtime.num_layers, runtime.device, runtime.dtype, torch.get_num_threads())
 
-    def _adopt(self, runtime) -> StageService:
+    def _adopt(self, runtime: StageRuntime) -> StageService:
         o = self.options
         wire_dtype = codec.DTYPE_NAMES[o.wire_dtype] if o.wire_dtype else None
         self.runtime = runtime

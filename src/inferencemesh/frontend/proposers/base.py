@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from inferencemesh.speculation import WindowPolicy
+
+if TYPE_CHECKING:
+    from inferencemesh.frontend.metrics import FrontendMetrics
 
 # ---- the interface the engine drives ------------------------------------------------------------
 
@@ -90,7 +94,7 @@ def _ema(current: float | None, sample: float, weight: float) -> float:
 class WindowedProposer(Proposer):
     """A proposer with a live window, reporting every verify round to the metrics."""
 
-    def __init__(self, policy: WindowPolicy, metrics=None) -> None:
+    def __init__(self, policy: WindowPolicy, metrics: FrontendMetrics | None = None) -> None:
         self.window = Window(policy)
         self.metrics = metrics
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferencemesh.checkpoint import CheckpointFacts, fetch_config_dir
 from inferencemesh.config import SpeculativeOptions
@@ -23,10 +24,15 @@ from inferencemesh.frontend.proposers.draft_model import DraftModel
 from inferencemesh.frontend.proposers.ngram import AutoProposer, NgramProposer, favourable_prompt
 from inferencemesh.speculation import SpeculativeChoice, WindowPolicy, choose_for_model
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from inferencemesh.frontend.metrics import FrontendMetrics
+
 log = logging.getLogger("inferencemesh.speculative")
 
 
-def same_vocabulary(target_tokenizer, draft_dir: Path) -> str | None:
+def same_vocabulary(target_tokenizer: PreTrainedTokenizerBase, draft_dir: Path) -> str | None:
     """None when the draft shares the target's vocabulary, else the reason it does not."""
     from transformers import AutoTokenizer
 
@@ -40,15 +46,15 @@ class Speculation:
     """The strategy this frontend runs (a SpeculativeChoice) and what it needs: the draft model,
     the metrics, the tokenizer (auto looks at the prompt's text)."""
 
-    def __init__(self, choice: SpeculativeChoice, draft: DraftModel | None = None, metrics=None,
-                 tokenizer=None) -> None:
+    def __init__(self, choice: SpeculativeChoice, draft: DraftModel | None = None,
+                 metrics: FrontendMetrics | None = None, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.choice, self.draft, self.metrics, self.tokenizer = choice, draft, metrics, tokenizer
         self.batcher = DraftBatcher()  # shared by the requests of this strategy
         if metrics is not None:
             metrics.set_speculative_strategy(choice.strategy, choice.reason)
             metrics.set_window_size(choice.window.initial if choice.strategy != "none" else 0)
 
-    def with_metrics(self, metrics) -> Speculation:
+    def with_metrics(self, metrics: FrontendMetrics | None) -> Speculation:
         """The same strategy and draft, reporting to other metrics (the benchmark counts per run)."""
         return Speculation(self.choice, self.draft, metrics, self.tokenizer)
 
@@ -78,14 +84,15 @@ class Speculation:
         if self.strategy == "ngram":
             return NgramProposer(self.window, self.metrics)
         if self.strategy == "auto":
-            text = self.tokenizer.decode(request.prompt_ids[-512:]) if self.tokenizer is not None else ""
+            text = str(self.tokenizer.decode(request.prompt_ids[-512:])) if self.tokenizer is not None else ""
             return AutoProposer(self.window, favourable_prompt(text), self.metrics)
         params = request.sampling_params(request.seed or 0)
         assert self.draft is not None  # strategy "draft" is built only with its draft loaded
         return DraftProposer(self.draft, self.window, params, self.metrics, self.batcher)
 
 
-def resolve_speculation(options: SpeculativeOptions, model_dir: Path, tokenizer, metrics=None, *,
+def resolve_speculation(options: SpeculativeOptions, model_dir: Path, tokenizer: PreTrainedTokenizerBase,
+                        metrics: FrontendMetrics | None = None, *,
                         dtype: str = "auto", device: str = "auto", max_context: int = 2048) -> Speculation:
     """Decide (inferencemesh.speculation) and load what the decision names; a draft that cannot be
     loaded turns into serving without speculation, never into a failed start-up."""
@@ -110,7 +117,7 @@ def _vocab_size(model_dir: Path) -> int | None:
         return None
 
 
-def _load_draft(source: str, tokenizer, *, dtype: str, device: str, max_context: int,
+def _load_draft(source: str, tokenizer: PreTrainedTokenizerBase, *, dtype: str, device: str, max_context: int,
                 vocab_size: int | None) -> DraftModel:
     draft_dir = Path(source)
     if not draft_dir.exists():

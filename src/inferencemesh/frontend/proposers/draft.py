@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
 from inferencemesh.frontend.proposers.draft_model import DraftCache, DraftModel
 from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities
 from inferencemesh.speculation import WindowPolicy
+
+if TYPE_CHECKING:
+    from inferencemesh.frontend.metrics import FrontendMetrics
 
 _SALT_DRAFT = 0xD4AF7
 
@@ -24,7 +28,8 @@ class DraftProposer(WindowedProposer):
     Catching up on accepted tokens computes logits for the last row only (dead rows skipped).
     With a DraftBatcher, proposals of concurrent requests share the draft's forward passes."""
 
-    def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams, metrics=None,
+    def __init__(self, draft: DraftModel, policy: WindowPolicy, params: SamplingParams,
+                 metrics: FrontendMetrics | None = None,
                  batcher: DraftBatcher | None = None) -> None:
         super().__init__(policy, metrics)
         self.draft = draft

@@ -15,9 +15,13 @@ from __future__ import annotations
 import re
 import sys
 from array import array
+from typing import TYPE_CHECKING
 
 from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
 from inferencemesh.speculation import WindowPolicy
+
+if TYPE_CHECKING:
+    from inferencemesh.frontend.metrics import FrontendMetrics
 
 # One token id per code point: ids packed as 4-byte unsigned ints read as UTF-32 in the machine's
 # byte order. 'I' is 4 bytes wherever CPython runs; "surrogatepass" admits ids 0xD800..0xDFFF.
@@ -75,7 +79,8 @@ def ngram_lookup(history: list[int], k: int, min_ngram: int = 2, max_ngram: int 
 
 
 class NgramProposer(WindowedProposer):
-    def __init__(self, policy: WindowPolicy, metrics=None, min_ngram: int = 2, max_ngram: int = 4) -> None:
+    def __init__(self, policy: WindowPolicy, metrics: FrontendMetrics | None = None, min_ngram: int = 2,
+                 max_ngram: int = 4) -> None:
         super().__init__(policy, metrics)
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
@@ -112,7 +117,7 @@ class AutoProposer(NgramProposer):
     RECENT_ROUNDS = 6
     COOLDOWN_STEPS = 32
 
-    def __init__(self, policy: WindowPolicy, favourable: bool, metrics=None) -> None:
+    def __init__(self, policy: WindowPolicy, favourable: bool, metrics: FrontendMetrics | None = None) -> None:
         super().__init__(policy, metrics)
         self.state = "active" if favourable else "observing"
         self.steps_in_state = 0

@@ -15,6 +15,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +25,9 @@ from inferencemesh.programs.bench.mesh import meshes, start_mesh
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
 from inferencemesh.programs.bench.report import header, percentile
 from inferencemesh.programs.bench.runners import EngineUnderTest, proposer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 HF_BATCH = 8  # the batched peer's batch size
 
@@ -44,7 +48,7 @@ class _Arrivals:
         self.times: list[float] = []
         self._prompt_seen = False
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # generate() hands the streamer the prompt first
             self._prompt_seen = True
             return
@@ -57,7 +61,7 @@ class _Arrivals:
 class HfBatchPeer:
     """`transformers` generate() over a batch of prompts at once, left-padded, greedy."""
 
-    def __init__(self, model, new_tokens: int) -> None:
+    def __init__(self, model: Any, new_tokens: int) -> None:  # a transformers causal LM
         self.model, self.new_tokens = model, new_tokens
 
     async def burst(self, prompts: list[list[int]]) -> Burst:
@@ -102,7 +106,7 @@ class MeasuredBursts:
         return summarise_bursts(self.label, self.bursts, **self.extra)
 
 
-def summarise_bursts(label: str, bursts: list[Burst], **extra) -> dict:
+def summarise_bursts(label: str, bursts: list[Burst], **extra: object) -> dict:
     ttfts: list[float] = []
     itls: list[float] = []
     tokens, wall, requested = 0, 0.0, 0
@@ -149,7 +153,7 @@ async def measure_bursts(configs: list[MeasuredBursts], repeats: int) -> None:
                 config.bursts.append(burst)
 
 
-def run_concurrency(config: BenchConfig, model: BenchModel, target, speculation: dict) -> dict:
+def run_concurrency(config: BenchConfig, model: BenchModel, target: PreTrainedModel, speculation: dict) -> dict:
     """The --concurrency bench (see the module docstring): stage processes for every stage count."""
     threads = torch.get_num_threads()
     levels = config.concurrency

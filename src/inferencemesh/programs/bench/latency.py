@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,8 +29,11 @@ from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
 from inferencemesh.programs.bench.report import find, header
 from inferencemesh.programs.bench.runners import EngineUnderTest, HfPeer, Run, SpecCounter, proposer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def summarise(label: str, runs: list[Run], **extra) -> dict:
+
+def summarise(label: str, runs: list[Run], **extra: object) -> dict:
     tpots = [(r.total_s - r.ttft_s) / (r.tokens - 1) for r in runs if r.tokens > 1]
     entry = {
         "label": label,
@@ -79,7 +83,8 @@ async def measure(configs: list[Measured], repeats: int) -> None:
                     config.counter.reset()
 
 
-def peers(config: BenchConfig, model: BenchModel, target, speculation: dict, threads: int) -> list[Measured]:
+def peers(config: BenchConfig, model: BenchModel, target: PreTrainedModel, speculation: dict,
+          threads: int) -> list[Measured]:
     """The `transformers` configurations, per prompt set."""
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +105,7 @@ def peers(config: BenchConfig, model: BenchModel, target, speculation: dict, thr
     return out
 
 
-def run_latency(config: BenchConfig, model: BenchModel, target, speculation: dict) -> dict:
+def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel, speculation: dict) -> dict:
     threads = torch.get_num_threads()
     spec_mode = config.speculative != ("none",)
     configs = peers(config, model, target, speculation, threads)

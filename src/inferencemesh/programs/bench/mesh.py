@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferencemesh.config import DEFAULT_DRAFT_THREADS, FrontendConfig
 from inferencemesh.cpus import share_of_cpus
@@ -21,12 +22,15 @@ from inferencemesh.programs.mesh import frontend_pipeline
 from inferencemesh.programs.mesh import in_process_pipeline as in_process_mesh_pipeline
 from inferencemesh.programs.serve import LocalStages, stage_template
 
+if TYPE_CHECKING:
+    from inferencemesh.frontend.pipeline import Pipeline
+
 # How a mesh's first stage runs: its own process ("process") or inside the frontend, here the
 # bench process ("embedded", what `serve` runs by default); and the label each form's results carry.
 FIRST_STAGE_LABELS = {"embedded": "embedded", "process": "grpc"}
 
 
-def in_process_pipeline(model: BenchModel, max_context: int):
+def in_process_pipeline(model: BenchModel, max_context: int) -> Pipeline:
     """The whole model as one stage in this process: no network, no other process."""
     from inferencemesh.stage.runtime import StageRuntime
 
@@ -40,7 +44,7 @@ class BenchMesh:
     pipeline this process (the frontend) sends to; `threads`: this process's torch threads."""
 
     stages: LocalStages
-    pipeline: object  # frontend.pipeline.GrpcPipeline
+    pipeline: Pipeline  # a frontend.pipeline.GrpcPipeline
     threads: int
     label: str
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointFacts, read_local
 from inferencemesh.config import BenchConfig, ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SHAPES: dict[str, dict[str, Any]] = {
     # A few hundred thousand parameters: the bench's own tests.
@@ -65,7 +68,8 @@ def make_shape_model(shape: str, dtype: str) -> Path:
     return out
 
 
-def prompt_ids(tokenizer, sets: list[str] | tuple[str, ...], vocab: int) -> dict[str, list[list[int]]]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, sets: list[str] | tuple[str, ...],
+               vocab: int) -> dict[str, list[list[int]]]:
     return {name: [[t % vocab for t in tokenizer(p).input_ids] for p in PROMPTS[name]] for name in sets}
 
 
@@ -76,7 +80,7 @@ class BenchModel:
     model_dir: Path
     facts: CheckpointFacts
     dtype: torch.dtype
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     prompts: dict[str, list[list[int]]]
     requested_dtype: str  # --dtype, bfloat16 for a shape; "auto" stays auto (a draft then loads in its own)
 

@@ -32,7 +32,7 @@ def header(config: BenchConfig, model: BenchModel, threads: int) -> dict:
     }
 
 
-def find(results: list[dict], label: str, **match) -> dict | None:
+def find(results: list[dict], label: str, **match: object) -> dict | None:
     """The first entry with `label` whose fields equal `match`."""
     for r in results:
         if r["label"] == label and all(r.get(k) == v for k, v in match.items()):

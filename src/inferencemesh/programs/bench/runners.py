@@ -6,10 +6,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from inferencemesh.config import DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, SpeculativeOptions
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedTokenizerBase
+
+    from inferencemesh.frontend.engine_api import GenerationRequest
+    from inferencemesh.frontend.pipeline import Pipeline
+    from inferencemesh.frontend.proposers.base import Proposer
+
+    ProposerFor = Callable[[GenerationRequest], Proposer | None]
 
 
 @dataclass
@@ -53,7 +65,7 @@ class SpecCounter:
 class HfPeer:
     """`transformers` generate() on the unsplit model: plain, assisted or prompt lookup."""
 
-    def __init__(self, model, new_tokens: int, **generate_kwargs) -> None:
+    def __init__(self, model: Any, new_tokens: int, **generate_kwargs: Any) -> None:  # a transformers causal LM
         self.model, self.new_tokens, self.kwargs = model, new_tokens, generate_kwargs
 
     async def run(self, ids: list[int]) -> Run:
@@ -72,7 +84,8 @@ class HfPeer:
 class EngineUnderTest:
     """Our engine over one pipeline (in-process or stage processes), with one speculation strategy."""
 
-    def __init__(self, pipeline, new_tokens: int, max_context: int, proposer_for=None,
+    def __init__(self, pipeline: Pipeline, new_tokens: int, max_context: int,
+                 proposer_for: ProposerFor | None = None,
                  speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE) -> None:
         from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
@@ -96,7 +109,8 @@ class EngineUnderTest:
         return [(time.perf_counter(), len(tokens)) async for tokens in self.engine.generate(request)]
 
 
-def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer, dtype: str, max_context: int) -> dict:
+def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer: PreTrainedTokenizerBase, dtype: str,
+                       max_context: int) -> dict:
     """Each strategy other than none, resolved as the frontend resolves it."""
     from inferencemesh.frontend.proposers.build import resolve_speculation
 
@@ -110,7 +124,7 @@ def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer, 
     return setups
 
 
-def proposer(setups: dict, strategy: str, counter: SpecCounter | None = None):
+def proposer(setups: dict, strategy: str, counter: SpecCounter | None = None) -> ProposerFor | None:
     """The engine's proposer_for for `strategy` (None: no speculation), counting into `counter`."""
     if strategy == "none":
         return None
