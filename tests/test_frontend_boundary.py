@@ -25,6 +25,7 @@ from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 
 TARGET = bundled_path(DEFAULT_MODEL)
@@ -133,6 +134,15 @@ def test_non_finite_floats_are_named_as_such(server: Server, field: str, literal
     raw = json.dumps(completion(server)).encode()[:-1] + f', "{field}": {literal}}}'.encode()
     assert_400(post(server, "/v1/completions", raw), field, "must be a finite number")
     assert_healthy(server)
+
+
+def test_more_logit_bias_entries_than_a_frame_carries_is_a_400(server: Server) -> None:
+    """A Sampling message stays small (the plan's message limit counts MAX_LOGIT_BIAS_ENTRIES)."""
+    bias = {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES)}
+    assert post(server, "/v1/completions", json.dumps(completion(server, logit_bias=bias)).encode()).status_code == 200
+    too_many = {f"{i:05d}": 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}  # distinct keys, the same ids
+    assert_400(post(server, "/v1/completions", json.dumps(completion(server, logit_bias=too_many)).encode()),
+               "logit_bias", str(MAX_LOGIT_BIAS_ENTRIES))
 
 
 def test_non_finite_logit_bias_is_a_400(server: Server) -> None:

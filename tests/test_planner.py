@@ -138,9 +138,9 @@ def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
     assert first_stage_reserve(settings(speculative="ngram"), model) == 0  # no draft runs
     assert first_stage_reserve(settings(no_draft=True), model) == 0
     # the plan serve runs carries it on stage 0
-    _, plan = plan_from_settings(settings())
+    _, _, plan = plan_from_settings(settings())
     assert plan[0].reserved_bytes == want and all(s.reserved_bytes == 0 for s in plan[1:])
-    _, separate = plan_from_settings(settings(embed_first_stage=False))
+    _, _, separate = plan_from_settings(settings(embed_first_stage=False))
     assert plan[0].num_layers < separate[0].num_layers  # balanced by bytes, stage 0 makes room for the draft
 
 

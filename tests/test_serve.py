@@ -20,7 +20,11 @@ from mesh_helpers import free_serve_port
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferencemesh.bundled import resolve_model
+from inferencemesh.checkpoint import read_local
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.protocol.health import check
+from inferencemesh.protocol.transport import message_limit
 from inferencemesh.tls import TlsMaterial
 
 pytestmark = pytest.mark.slow
@@ -129,13 +133,27 @@ def test_a_separate_first_stage_answers_as_the_embedded_one(served) -> None:
         assert greedy(base) == embedded
 
 
-def tls_dirs_of_children(pid: int) -> dict[str, str]:
-    """The --tls-dir each child of `pid` was started with, by its command (stage, frontend)."""
-    dirs = {}
+def flag_of_children(pid: int, flag: str) -> dict[str, str]:
+    """The value of `flag` each child of `pid` was started with, by its command (stage, frontend)."""
+    values = {}
     for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
         argv = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-        dirs[argv[argv.index("-m") + 2]] = argv[argv.index("--tls-dir") + 1]
-    return dirs
+        values[argv[argv.index("-m") + 2]] = argv[argv.index(flag) + 1]
+    return values
+
+
+def tls_dirs_of_children(pid: int) -> dict[str, str]:
+    return flag_of_children(pid, "--tls-dir")
+
+
+def test_stage_streams_take_the_plans_message_limit_at_both_ends(served) -> None:
+    """Not gRPC's 256 MiB of old: the largest Batch this plan makes (transport.message_limit), given
+    to the stage and the frontend alike."""
+    _, proc, _ = served
+    facts = read_local(resolve_model(None))
+    limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=4)  # serving()'s --max-sessions
+    assert flag_of_children(proc.pid, "--max-message-bytes") == {"stage": str(limit), "frontend": str(limit)}
 
 
 def test_stages_refuse_plaintext_and_take_the_runs_certificates(served) -> None:

@@ -168,11 +168,19 @@ class BatchingOptions:
                                    "prompt chunk always goes)", parse=int)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StreamOptions:
+    # Both ends of a stage stream (the stages and the frontend) take the same limit: the programs
+    # that plan a mesh (serve, bench, the operator) give them transport.message_limit of the plan.
+    max_message_bytes: int | None = option(None, "largest gRPC message of a stage stream, either way (default: "
+                                                 "256 MiB; serve, bench and the operator give the plan's)", parse=int)
+
+
 # ---- the programs --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageConfig(ModelOptions, RuntimeOptions):
+class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
     """`inferencemesh stage`: one layer range behind gRPC (what a stage pod runs)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
@@ -223,7 +231,7 @@ class StageConfig(ModelOptions, RuntimeOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
+class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, StreamOptions):
     """`inferencemesh frontend`: the OpenAI endpoint in front of the stages (the frontend pod)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
@@ -393,7 +401,8 @@ class OperatorConfig:
 def _check_positive(config: Any) -> None:
     """The counts every program shares; a field of another type under the same name (plan's
     `--stages auto`, bench's comma-separated lists) is its own type's to check."""
-    for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages"):
+    for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages",
+                 "max_message_bytes"):
         value = getattr(config, name, 1)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
+
 _MASK63 = (1 << 63) - 1
 GREEDY_BELOW = 1e-5  # a smaller temperature would overflow the logits: it means greedy
 _SALT_SAMPLE, _SALT_ACCEPT, _SALT_RESAMPLE = 0x5A17, 0xACCE, 0x4E5A
@@ -87,6 +89,8 @@ def unsafe_field(params: SamplingParams, vocab_size: int | None = None) -> tuple
     if not 0 <= params.min_tokens <= UINT32_MAX:
         return "min_tokens", f"min_tokens must be within [0, 2^32), got {params.min_tokens}"
     ids_below = vocab_size if vocab_size is not None else INT32_MAX + 1
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return "logit_bias", f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
     for token, bias in params.logit_bias:
         if not 0 <= token < ids_below:
             return "logit_bias", f"logit_bias token id {token} is outside [0, {ids_below})"

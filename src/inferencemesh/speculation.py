@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from inferencemesh.protocol.transport import MAX_WINDOW
+
 PACKAGE_FILE = "model-package.json"
 
 
@@ -49,8 +51,8 @@ class WindowPolicy:
         ).checked()
 
     def checked(self) -> WindowPolicy:
-        if not 1 <= self.minimum <= self.initial <= self.maximum <= 64:
-            raise ValueError(f"window sizes need 1 <= min <= initial <= max <= 64, got {self}")
+        if not 1 <= self.minimum <= self.initial <= self.maximum <= MAX_WINDOW:
+            raise ValueError(f"window sizes need 1 <= min <= initial <= max <= {MAX_WINDOW}, got {self}")
         return self
 
     def flag(self) -> str:

@@ -17,6 +17,7 @@ from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavai
 from inferencemesh.operator.planning import make_plan, plan_layers, resolve_speculative
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.planner import PlanError, PlanInputs, plan_stages
+from inferencemesh.protocol.transport import message_limit
 from inferencemesh.speculation import choose_for_model
 
 
@@ -99,6 +100,21 @@ def test_prefix_sum_stage_bytes_equal_plain_sums(layers: list[int], embed: int, 
             weights = sum(layers[start:end]) + (embed if start == 0 else 0) + (tail if end == count else 0)
             kv = 7 * (end - start)
             assert inputs.stage_bytes(start, end, count) == (weights, kv, weights + kv + 11)
+
+
+def test_the_plan_carries_the_message_limit_of_its_model_and_budgets(tiny_model: Path) -> None:
+    """Both ends of every stage stream take it (render.py gives it to stage and frontend alike);
+    a model known only by its layout keeps the stages' fallback."""
+    fields = {"stages": {"count": 2}, "maxSessions": 8, "frontend": {"maxBatchTokens": 1024}}
+    s = parse_spec({"model": {"name": str(tiny_model)}, **fields})
+    plan = make_plan(s, ModelFacts().info(s))
+    facts = read_local(tiny_model)
+    assert plan.message_limit == message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                                               max_batch_tokens=1024, max_sessions=8)
+    assert plan.to_dict()["maxMessageBytes"] == plan.message_limit
+    by_layout = layout_spec(4, **fields)
+    unknown = make_plan(by_layout, ModelFacts().info(by_layout))
+    assert unknown.message_limit is None and "maxMessageBytes" not in unknown.to_dict()
 
 
 def test_model_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:

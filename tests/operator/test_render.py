@@ -322,6 +322,18 @@ def test_max_batch_tokens_is_the_frontends_and_the_old_field_still_works(fronten
         assert "--max-batch-tokens" not in container(objs[("Deployment", f"code-stage-{i}")])["args"]
 
 
+def test_both_ends_of_every_stage_stream_get_the_plans_message_limit() -> None:
+    parsed = parse_spec({"model": {"name": "bundled://imesh-code-target"}})
+    plan = dataclasses.replace(make_plan([(0, 3), (3, 6), (6, 8)]), message_limit=12_345_678)
+    objs = {(o["kind"], o["metadata"]["name"]): o
+            for o in R.render_children(MESH, parsed, plan, R.RenderOptions(), mesh_certificates(plan))}
+    parser = build_parser()
+    pods = [("Deployment", "code-frontend")] + [("Deployment", f"code-stage-{i}") for i in range(3)]
+    assert {parser.parse_args(container(objs[key])["args"]).max_message_bytes for key in pods} == {12_345_678}
+    for key in pods:  # no limit known (a model by its layout): the flag is absent, the programs' fallback
+        assert "--max-message-bytes" not in container(children()[key])["args"]
+
+
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b

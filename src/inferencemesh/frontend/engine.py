@@ -38,6 +38,7 @@ from inferencemesh.frontend.session import Connection, Pipeline, SessionFrames, 
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
+from inferencemesh.protocol.transport import PREFILL_CHUNK_TOKENS
 from inferencemesh.sampling import INT32_MAX, UINT32_MAX, unsafe_field
 
 log = logging.getLogger("inferencemesh.engine")
@@ -57,7 +58,7 @@ class EngineOptions:
     max_context: int = 2048
     max_sessions: int = 16  # concurrent requests in flight through the pipeline
     max_waiting: int = 256  # queued beyond that: 429
-    prefill_chunk: int = 256  # prompt tokens per frame (bounded message size, interleaving)
+    prefill_chunk: int = PREFILL_CHUNK_TOKENS  # prompt tokens per frame (bounded message size, interleaving)
     queue_timeout_s: float = 60.0
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT  # how long an in-flight request waits for a lost stage
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)

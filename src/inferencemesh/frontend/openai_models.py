@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed range (format int64)
@@ -133,7 +134,8 @@ class _SamplingRequest(_Body):
     presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] | None = None
     # keys: token ids, checked against the vocabulary by logit_bias_pairs (the vocabulary is the app's)
-    logit_bias: dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[dict[str, Annotated[Float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: Text | None = None
     # vLLM's extra sampling parameters
     repetition_penalty: Annotated[Float, Field(ge=REPETITION_PENALTY_MIN, le=2.0)] | None = None

@@ -89,10 +89,10 @@ class GrpcPipeline(Pipeline):
 
     def __init__(self, addresses: list[str], *, step_timeout: float = 30.0, tls: TlsMaterial | None = None,
                  embedded: Hop | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 metrics: FrontendMetrics | None = None) -> None:
+                 max_message_bytes: int | None = None, metrics: FrontendMetrics | None = None) -> None:
         if not addresses and embedded is None:
             raise ValueError("a pipeline needs at least one stage address")
-        remote: list[Hop] = [RemoteStage(address, tls) for address in addresses]
+        remote: list[Hop] = [RemoteStage(address, tls, max_message_bytes) for address in addresses]
         super().__init__(([embedded] if embedded is not None else []) + remote, step_timeout=step_timeout,
                          max_batch_tokens=max_batch_tokens, metrics=metrics)
         self.addresses = addresses

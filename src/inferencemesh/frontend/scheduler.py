@@ -21,7 +21,12 @@ import grpc
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.protocol.streams import BatchStream
-from inferencemesh.protocol.transport import RELEASE_ACK_TIMEOUT_S, expects_ack, expects_prediction
+from inferencemesh.protocol.transport import (
+    MAX_DRAFT_ROWS_PER_BATCH,
+    RELEASE_ACK_TIMEOUT_S,
+    expects_ack,
+    expects_prediction,
+)
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
@@ -40,22 +45,35 @@ class _Waiting:
     answer: asyncio.Future | None  # its Prediction (or None, for an acknowledged frame); None: no answer
 
 
+def draft_rows(frame: pb.Frame) -> int:
+    """Rows of draft probabilities the frame carries (a sampled VERIFY of a draft model's window)."""
+    return frame.token_count - 1 if frame.kind == pb.VERIFY and frame.draft_probs else 0
+
+
+def _within(used: int, more: int, limit: int) -> bool:
+    """Whether `more` fits beside `used` under `limit`; the first always fits."""
+    return not more or not used or used + more <= limit
+
+
 def next_microbatch(waiting: list[_Waiting], budget: int) -> tuple[list[_Waiting], list[_Waiting]]:
     """(the next microbatch, what keeps waiting), from the waiting frames in arrival order: at
     most one frame per session (its later frames wait their turn), every decode and verify frame,
     and prompt chunks while their tokens stay within the budget (the first chunk always goes): a
-    long prompt shares its steps with the other sessions' decoding, and never stalls them."""
-    batch, rest, prompt_tokens = [], [], 0
+    long prompt shares its steps with the other sessions' decoding, and never stalls them. Verify
+    windows with draft probabilities go while their rows stay within MAX_DRAFT_ROWS_PER_BATCH, so
+    that a Batch stays within the message limit the plan gave the stages (transport.message_limit)."""
+    batch, rest, prompt_tokens, rows = [], [], 0, 0
     sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
     for item in waiting:
         frame = item.frame
-        chunk = frame.kind == pb.PREFILL
-        fits = not chunk or not prompt_tokens or prompt_tokens + frame.token_count <= budget
+        chunk = frame.token_count if frame.kind == pb.PREFILL else 0
+        fits = _within(prompt_tokens, chunk, budget) and _within(rows, draft_rows(frame), MAX_DRAFT_ROWS_PER_BATCH)
         if frame.session_id in sessions or not fits:
             rest.append(item)
         else:
             batch.append(item)
-            prompt_tokens += frame.token_count if chunk else 0
+            prompt_tokens += chunk
+            rows += draft_rows(frame)
         sessions.add(frame.session_id)
     return batch, rest
 

@@ -37,6 +37,7 @@ class ModelInfo:
     source: str  # "layout" | "bundled" | "local" | "hub"
     # Where the operator read a bundled or local model: its model-package.json, and a package's relative draft.
     model_dir: Path | None = None
+    facts: CheckpointFacts | None = None  # None: known only by spec.model.layout
 
 
 def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
@@ -66,17 +67,19 @@ class ModelFacts:
             return ModelInfo(inputs_from_layout(spec), "layout")
         if model.name.startswith(SCHEME):
             path = Path(resolve_model(model.name))
-            return ModelInfo(self._local_inputs(path, spec), "bundled", path)
+            facts = read_local(path)
+            return ModelInfo(self._inputs(facts, spec), "bundled", path, facts)
         if model.name.startswith("/"):
             path = Path(model.name)
             if not path.is_dir():
                 raise CheckpointError(f"{model.name}: not a directory the operator can read; "
                                       "give model.layout, or use a hub id or bundled://NAME")
-            return ModelInfo(self._local_inputs(path, spec), "local", path)
+            facts = read_local(path)
+            return ModelInfo(self._inputs(facts, spec), "local", path, facts)
         if not HUB_ID.fullmatch(model.name):
             raise CheckpointError(f"{model.name!r} is not a hub id (org/name), bundled://NAME or an absolute path")
         facts = self._hub_facts(model.name, model.revision)
-        return ModelInfo(self._inputs(facts, spec), "hub")
+        return ModelInfo(self._inputs(facts, spec), "hub", facts=facts)
 
     def draft_facts(self, draft: str, info: ModelInfo) -> CheckpointFacts:
         """The checkpoint facts of a draft model the frontend will load: bundled://NAME, an absolute
@@ -91,9 +94,6 @@ class ModelFacts:
         if not HUB_ID.fullmatch(draft):
             raise CheckpointError(f"{draft!r} is not a hub id (org/name), bundled://NAME or a path the operator reads")
         return self._hub_facts(draft, None)
-
-    def _local_inputs(self, path: Path, spec: MeshSpec) -> PlanInputs:
-        return self._inputs(read_local(path), spec)
 
     @staticmethod
     def _inputs(facts: CheckpointFacts, spec: MeshSpec) -> PlanInputs:

@@ -26,6 +26,7 @@ from inferencemesh.planner import (
     plan_stages,
 )
 from inferencemesh.planner import first_stage_reserve as shared_first_stage_reserve
+from inferencemesh.protocol.transport import message_limit
 from inferencemesh.speculation import SpeculativeChoice, choose_for_model
 
 # The planner's dynamic programme is O(stages x layers^2); these keep one plan well under a second.
@@ -40,6 +41,9 @@ class Plan:
     # Stage 0 runs in the frontend pod (spec.frontend.embedFirstStage): no stage-0 objects of its own.
     embedded_first_stage: bool = False
     note: str = ""  # for the Planned condition's message
+    # Both ends of every stage stream take it (transport.message_limit); None where the operator
+    # knows the model only by its spec.model.layout: the stages' fallback.
+    message_limit: int | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -48,6 +52,7 @@ class Plan:
             "speculative": {"strategy": self.speculative.strategy, "reason": self.speculative.reason},
             # only when set: plans made before the option keep their hash
             **({"embeddedFirstStage": True} if self.embedded_first_stage else {}),
+            **({"maxMessageBytes": self.message_limit} if self.message_limit else {}),
         }
 
     @property
@@ -122,4 +127,7 @@ def make_plan(spec: MeshSpec, info: ModelInfo, facts: ModelFacts | None = None) 
     choice = resolve_speculative(spec, info)
     reserved, note = first_stage_reserve(spec, info, choice, facts or ModelFacts())
     inputs = dataclasses.replace(info.inputs, first_stage_reserved_bytes=reserved) if reserved else info.inputs
-    return Plan(tuple(plan_layers(spec, inputs)), info.source, choice, spec.frontend.embed_first_stage, note)
+    shape = info.facts
+    limit = message_limit(hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
+                          max_batch_tokens=spec.max_batch_tokens, max_sessions=spec.max_sessions) if shape else None
+    return Plan(tuple(plan_layers(spec, inputs)), info.source, choice, spec.frontend.embed_first_stage, note, limit)

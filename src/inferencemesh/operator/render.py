@@ -84,9 +84,9 @@ def content_hash(obj: dict) -> str:
 
 # ---- pieces shared by both pod templates ---------------------------------------------------
 
-def _shared_options(spec: MeshSpec) -> dict:
-    """The model and runtime settings every pod of the mesh gets (config.ModelOptions and
-    config.RuntimeOptions fields)."""
+def _shared_options(spec: MeshSpec, plan: Plan) -> dict:
+    """The model, runtime and stream settings every pod of the mesh gets (config.ModelOptions,
+    config.RuntimeOptions and config.StreamOptions fields)."""
     model = spec.model
     if model.pvc_claim:
         source, revision = f"{MODELS_MOUNT}/{model.pvc_sub_path.strip('/')}".rstrip("/"), None
@@ -97,6 +97,7 @@ def _shared_options(spec: MeshSpec) -> dict:
         "served_model_name": served_model_name(spec),  # every pod's metrics carry the name clients use
         "max_context": spec.context_length, "max_sessions": spec.max_sessions, "wire_dtype": spec.wire_dtype or None,
         "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.tls else None,
+        "max_message_bytes": plan.message_limit,  # both ends of every stage stream
     }
     return options
 
@@ -204,7 +205,7 @@ def render_stage_deployment(mesh: dict, spec: MeshSpec, plan: Plan, index: int, 
     stage = plan.stages[index]
     n = len(plan.stages)
     config = StageConfig(
-        **_shared_options(spec), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
+        **_shared_options(spec, plan), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
         port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
         downstream=stage_address(base, ns, index + 1) if index + 1 < n else None, **_stage_compute(spec),
         # Certificates the operator issues name their component: only the frontend and the
@@ -306,7 +307,7 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
     under_load: dict[str, Any] = ({} if sp.disable_by_batch_size is None
                                   else {"speculative_disable_by_batch_size": sp.disable_by_batch_size})
     config = FrontendConfig(
-        **_shared_options(spec), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
+        **_shared_options(spec, plan), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
         port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.max_batch_tokens, **embedded,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None,

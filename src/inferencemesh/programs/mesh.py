@@ -28,7 +28,8 @@ def frontend_pipeline(config: FrontendConfig, first_stage_runtime: StageRuntime 
     first_stage = config.first_stage()
     embedded = LocalStage(first_stage, runtime=first_stage_runtime) if first_stage is not None else None
     return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded,
-                        max_batch_tokens=config.max_batch_tokens, metrics=metrics)
+                        max_batch_tokens=config.max_batch_tokens, max_message_bytes=config.max_message_bytes,
+                        metrics=metrics)
 
 
 def in_process_pipeline(runtimes: Sequence[StageRuntime], *, max_sessions: int = DEFAULT_MAX_SESSIONS,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import CheckpointError, read_checkpoint
+from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint
 from inferencemesh.config import PlanConfig, ServeConfig
 from inferencemesh.planner import (
     PlanError,
@@ -22,12 +22,11 @@ from inferencemesh.planner import first_stage_reserve as planner_first_stage_res
 from inferencemesh.speculation import choose_for_model
 
 
-def plan_for(model: str, *, stages: str | int, stage_memory: str | None, dtype: str | None, context_length: int,
-             max_sessions: int, revision: str | None = None, kv_dtype: str | None = None,
+def plan_for(facts: CheckpointFacts, *, stages: str | int, stage_memory: str | None, dtype: str | None,
+             context_length: int, max_sessions: int, kv_dtype: str | None = None,
              first_stage_reserved_bytes: int = 0) -> list[StagePlan]:
     """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory);
     first_stage_reserved_bytes: what stage 0's process holds beside its layers (first_stage_reserve)."""
-    facts = read_checkpoint(model, revision=revision)
     inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions,
                                         kv_dtype=kv_dtype, first_stage_reserved_bytes=first_stage_reserved_bytes)
     memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
@@ -69,23 +68,24 @@ def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
     return reserve.bytes
 
 
-def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, list[StagePlan]]:
-    """The model (resolved) and its plan for `serve`'s or `plan`'s config (the same fields). A
-    model that cannot be planned ends the program: exit status 2, after one line saying why."""
+def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, CheckpointFacts, list[StagePlan]]:
+    """The model (resolved), its checkpoint's facts and its plan for `serve`'s or `plan`'s config
+    (the same fields). A model that cannot be planned ends the program: exit status 2, after one
+    line saying why."""
     model = resolve_model(settings.model)
     try:
-        return model, plan_for(model, stages=settings.stages, stage_memory=settings.stage_memory,
-                               dtype=settings.dtype, context_length=settings.max_context,
-                               max_sessions=settings.max_sessions, revision=settings.revision,
-                               kv_dtype=_kv_dtype(settings.device),
-                               first_stage_reserved_bytes=first_stage_reserve(settings, model))
+        facts = read_checkpoint(model, revision=settings.revision)
+        return model, facts, plan_for(facts, stages=settings.stages, stage_memory=settings.stage_memory,
+                                      dtype=settings.dtype, context_length=settings.max_context,
+                                      max_sessions=settings.max_sessions, kv_dtype=_kv_dtype(settings.device),
+                                      first_stage_reserved_bytes=first_stage_reserve(settings, model))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 def run_plan(config: PlanConfig) -> int:
-    model, plan = plan_from_settings(config)
+    model, _, plan = plan_from_settings(config)
     if config.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:

@@ -39,6 +39,7 @@ from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import StagePlan, render_plan
 from inferencemesh.programs.plan import plan_from_settings
 from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwargs
+from inferencemesh.protocol.transport import message_limit
 
 RESTART_BACKOFF_S = 2.0
 CLI = [sys.executable, "-m", "inferencemesh"]
@@ -180,13 +181,14 @@ def stage_template(model: str, source: ServeConfig | None = None, **fields: Any)
 
 
 def frontend_config(config: ServeConfig, model: str, stages: LocalStages, threads: int = 0,
-                    tls_dir: str | None = None) -> FrontendConfig:
+                    tls_dir: str | None = None, max_message_bytes: int | None = None) -> FrontendConfig:
     """The frontend of a local mesh: in front of `stages`, holding stage 0 itself (on `threads`)
-    when they embed it; `tls_dir`: its own certificates (else serve's --tls-dir)."""
+    when they embed it; `tls_dir`: its own certificates (else serve's --tls-dir);
+    `max_message_bytes`: the plan's message limit, as the stages have it."""
     embedded = stages.first_stage_layers
     return derive(FrontendConfig, config, model=model, stage_addresses=tuple(stages.addresses),
                   first_stage_layers=embedded, threads=threads if embedded else 0,
-                  tls_dir=tls_dir or config.tls_dir).check()
+                  tls_dir=tls_dir or config.tls_dir, max_message_bytes=max_message_bytes).check()
 
 
 # A run's certificates outlive any run; they are removed when it ends (a `kill -9` leaves the
@@ -230,27 +232,32 @@ def accepting(host: str, port: int) -> bool:
 
 
 def run_serve(config: ServeConfig) -> int:
-    model, plan = plan_from_settings(config)
+    model, facts, plan = plan_from_settings(config)
     print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
+    limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                          max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions)
     if config.tls_dir:  # brought by the user: every process presents it
-        return _serve_mesh(config, model, plan, None, None)
+        return _serve_mesh(config, model, plan, limit, None, None)
     processes = range(int(config.embed_first_stage), len(plan))  # the stages that run as processes
     with run_certificates([*(f"stage-{i}" for i in processes), "frontend"]) as dirs:
-        return _serve_mesh(config, model, plan, {i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"])
+        return _serve_mesh(config, model, plan, limit, {i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"])
 
 
-def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], stage_tls: dict[int, str] | None,
-                frontend_tls: str | None) -> int:
-    """The mesh's processes, until a stop signal or the frontend's exit; `stage_tls` and
-    `frontend_tls`: their certificates (None: serve's --tls-dir, if any, for all)."""
+def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_message_bytes: int,
+                stage_tls: dict[int, str] | None, frontend_tls: str | None) -> int:
+    """The mesh's processes, until a stop signal or the frontend's exit; `max_message_bytes`: the
+    plan's message limit, for both ends of every stage stream; `stage_tls` and `frontend_tls`:
+    their certificates (None: serve's --tls-dir, if any, for all)."""
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
     # (with the first stage embedded, the frontend process is the one that computes stage 0)
     threads = config.stage_threads or share_of_cpus(len(plan))
     embed = config.embed_first_stage
-    stages = LocalStages(stage_template(model, config, threads=threads), plan, base_port=config.base_stage_port,
+    stages = LocalStages(stage_template(model, config, threads=threads, max_message_bytes=max_message_bytes), plan,
+                         base_port=config.base_stage_port,
                          metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed,
                          tls_dirs=stage_tls)
-    frontend_settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls)
+    frontend_settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls,
+                                        max_message_bytes=max_message_bytes)
     frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
     stopping = False
 

@@ -83,9 +83,10 @@ class RemoteStage:
     """A stage process at `address`. Its channel belongs to the event loop that makes it, so it is
     made on first use (connect), and made again after close."""
 
-    def __init__(self, address: str, tls: TlsMaterial | None = None) -> None:
+    def __init__(self, address: str, tls: TlsMaterial | None = None, max_message_bytes: int | None = None) -> None:
         self.address = address
         self.tls = tls
+        self.max_message_bytes = max_message_bytes  # the plan's (transport.message_limit); None: the fallback
         self._channel: grpc.aio.Channel | None = None
 
     @property
@@ -94,7 +95,7 @@ class RemoteStage:
 
     def connect(self) -> None:
         if self._channel is None:
-            self._channel = aio_channel(self.address, self.tls, channel_options())
+            self._channel = aio_channel(self.address, self.tls, channel_options(self.max_message_bytes))
             self._stage = pb_grpc.StageStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
 

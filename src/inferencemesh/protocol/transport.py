@@ -6,33 +6,65 @@ from __future__ import annotations
 from inferencemesh.protocol import stage_pb2 as pb
 
 SERVICE_NAME = "inferencemesh.v1.Stage"
-# A prefill chunk of a large model's activations exceeds gRPC's default 4 MiB on both ends.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# The message limit of a stage stream whose model nobody told it (a stage or frontend started by
+# hand without --max-message-bytes): the programs that plan a mesh (serve, bench, the operator)
+# give both ends message_limit(...) instead, the largest Batch the plan can make.
+FALLBACK_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# What bounds a Batch. The frontend keeps to these (its step scheduler and sessions), and
+# message_limit adds them up.
+PREFILL_CHUNK_TOKENS = 256  # prompt tokens per PREFILL frame; a batch's first chunk always goes
+MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
+# Rows of draft probabilities ([row, vocab] float32) in one Batch: sixteen sessions at the default
+# adaptive window's maximum (8). More wait for the next microbatch; one full window always fits.
+MAX_DRAFT_ROWS_PER_BATCH = 128
+MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: a Sampling message stays small
+# A frame's ids, positions and Sampling (logit_bias, 64 stop ids), as protobuf bytes, generously.
+FRAME_BYTES = 1024 + MAX_LOGIT_BIAS_ENTRIES * 16
+# A decided token in a Prediction: its id and logprob, and up to 20 alternatives with theirs.
+PREDICTED_TOKEN_BYTES = 21 * 16
+WIDEST_WIRE_DTYPE_BYTES = 4  # float32 activations
+
+
+def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, max_sessions: int) -> int:
+    """The largest message either direction of a stage stream can carry for this plan, the gRPC
+    limit of both ends: a Batch of every session's frame (one each), prompt chunks up to the token
+    budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their probabilities, and
+    float32 activations for all of it (the widest wire dtype); its BatchResult is smaller. gRPC
+    refuses a larger message with RESOURCE_EXHAUSTED instead of handing it to the stage."""
+    tokens = max(max_batch_tokens, PREFILL_CHUNK_TOKENS) + max_sessions + MAX_DRAFT_ROWS_PER_BATCH
+    activations = tokens * hidden_size * WIDEST_WIRE_DTYPE_BYTES
+    draft_probs = MAX_DRAFT_ROWS_PER_BATCH * vocab_size * 4
+    frames = max_sessions * FRAME_BYTES + tokens * PREDICTED_TOKEN_BYTES
+    return activations + draft_probs + frames + 64 * 1024  # the Batch's own fields and framing
 # Keepalive, agreed by both ends of every stage stream. The channel pings a stream every
 # KEEPALIVE_MS, quiet or not (so a dead peer is found while a stream idles); the server must then
 # accept pings that often, or it answers them with GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (its
 # default minimum is 5 minutes), breaking the idle stream: the next request would pay a replay.
 KEEPALIVE_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 20_000  # a ping unanswered this long: the peer is gone
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
-def channel_options() -> list[tuple[str, int]]:
-    """The options of every channel into a stage (the frontend's and a stage's to the next)."""
-    return GRPC_OPTIONS + [
+def _message_options(max_message_bytes: int | None) -> list[tuple[str, int]]:
+    limit = max_message_bytes or FALLBACK_MESSAGE_BYTES
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+def channel_options(max_message_bytes: int | None = None) -> list[tuple[str, int]]:
+    """The options of every channel into a stage (the frontend's and a stage's to the next);
+    max_message_bytes: the plan's message_limit (None: the fallback)."""
+    return _message_options(max_message_bytes) + [
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.http2.max_pings_without_data", 0),  # keep pinging a quiet stream
     ]
 
 
-def server_options() -> list[tuple[str, int]]:
-    """The options of a stage's gRPC server: it accepts the channels' pings (at half their
-    interval, for timers' slack), with or without a call open."""
-    return GRPC_OPTIONS + [
+def server_options(max_message_bytes: int | None = None) -> list[tuple[str, int]]:
+    """The options of a stage's gRPC server: the plan's message limit, as its channels have it,
+    and it accepts the channels' pings (at half their interval, for timers' slack), with or
+    without a call open."""
+    return _message_options(max_message_bytes) + [
         ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ("grpc.keepalive_permit_without_calls", 1),

@@ -104,7 +104,7 @@ class LocalStage:
         self.config = config
         self._runtime = runtime
         self._remote = None if next_stage is not None or not config.downstream else \
-            RemoteStage(config.downstream, tls.load(config.tls_dir))
+            RemoteStage(config.downstream, tls.load(config.tls_dir), config.max_message_bytes)
         self.next_stage: NextStage | None = next_stage or self._remote
         self.service: StageService | None = None
 

@@ -49,7 +49,8 @@ class StageServicer(pb_grpc.StageServicer):
         self.service = service
         self.health = health.aio.HealthServicer()
         options = service.options
-        self.next_stage = RemoteStage(options.downstream, tls.load(options.tls_dir)) if options.downstream else None
+        self.next_stage = RemoteStage(options.downstream, tls.load(options.tls_dir), options.max_message_bytes) \
+            if options.downstream else None
         service.on_serving.append(self.set_serving)
         if self.next_stage is not None:
             service.on_close.append(self.next_stage.close)
@@ -95,7 +96,7 @@ async def start_stage_server(options: StageConfig, *, runtime: StageRuntime | No
     """Start the gRPC server (stage service + health) and begin loading; returns the bound port."""
     service = StageService(options, runtime=runtime, compute=compute)
     servicer = StageServicer(service)
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(options.max_message_bytes))
     pb_grpc.add_StageServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
     address = f"{options.host}:{options.port}"

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inferencemesh.config import DEFAULT_DRAFT_THREADS, FrontendConfig
+from inferencemesh.config import DEFAULT_DRAFT_THREADS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SESSIONS, FrontendConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.bench.models import BenchModel
 from inferencemesh.programs.mesh import frontend_pipeline
 from inferencemesh.programs.mesh import in_process_pipeline as in_process_mesh_pipeline
 from inferencemesh.programs.serve import LocalStages, stage_template
+from inferencemesh.protocol.transport import message_limit
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.pipeline import Pipeline
@@ -54,13 +55,16 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
     from inferencemesh.checkpoint import read_local
     from inferencemesh.stage.runtime import StageRuntime
 
-    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model_dir), dtype=dtype_name), count)
+    facts = read_local(model_dir)
+    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name), count)
+    limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
+                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=DEFAULT_MAX_SESSIONS)
     # serve's threads rule (each stage its share of the cores) unless the variant sets OMP_NUM_THREADS
     share = share_of_cpus(len(plan))
     threads = 0 if env and "OMP_NUM_THREADS" in env else share
     embed = first_stage == "embedded"
-    stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context, threads=threads),
-                         plan, env=env, embed_first=embed)
+    stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context, threads=threads,
+                                        max_message_bytes=limit), plan, env=env, embed_first=embed)
     stages.start()
     try:
         stages.wait_ready(600)
@@ -68,7 +72,8 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
         stages.stop()
         raise
     frontend = FrontendConfig(model=str(model_dir), stage_addresses=tuple(stages.addresses), dtype=dtype_name,
-                              max_context=max_context, first_stage_layers=stages.first_stage_layers).check()
+                              max_context=max_context, first_stage_layers=stages.first_stage_layers,
+                              max_message_bytes=limit).check()
     runtime = None
     if embed:  # loaded here, before the clock runs (the frontend loads it in the background)
         assert stages.first_stage_layers is not None  # started with embed_first
