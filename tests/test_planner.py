@@ -75,10 +75,17 @@ def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
 
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.bfloat16)
     facts = read_local(model)
-    half = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2)
-    on_cpu = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, kv_dtype="float32")
-    assert on_cpu.kv_bytes_per_layer == 2 * half.kv_bytes_per_layer
-    assert on_cpu.layer_bytes == half.layer_bytes
+    half = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2)  # on a GPU: the checkpoint's
+    on_cpu = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, dtype="bfloat16", on_cpu=True)
+    assert on_cpu.kv_bytes_per_layer == 2 * half.kv_bytes_per_layer  # a CPU stage's cache is float32
+    assert on_cpu.layer_bytes == half.layer_bytes  # its weights bfloat16, as asked
+    # auto on a CPU: float32 weights unless the CPU has native bf16 units
+    emulated = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, on_cpu=True,
+                                          cpu_flags=frozenset({"avx2"}))
+    native = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, on_cpu=True,
+                                        cpu_flags=frozenset({"avx2", "avx512_bf16"}))
+    assert native.layer_bytes == half.layer_bytes
+    assert emulated.layer_bytes == tuple(2 * b for b in half.layer_bytes)
 
 
 # ---- the first stage embedded in the frontend: stage 0's process also holds the draft ----------------------

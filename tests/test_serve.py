@@ -146,6 +146,18 @@ def tls_dirs_of_children(pid: int) -> dict[str, str]:
     return flag_of_children(pid, "--tls-dir")
 
 
+def test_plan_shows_the_split_serve_runs_and_the_log_says_the_dtype(served) -> None:
+    """`plan` with serve's flags prints the plan serve printed (the same device, first stage and
+    dtype decisions), and each stage's log says what it computes in and why."""
+    _, _, lines = served
+    out = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--max-sessions", "4"], capture_output=True,
+                         text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    table = out[out.index("stage  layers"):].strip()
+    assert table in "".join(lines), "".join(lines)
+    said = [line for line in lines if "compute in" in line]
+    assert len(said) >= 2 and all(" (" in line for line in said), "".join(lines)  # stage 0, stage 1 (and the draft)
+
+
 def test_stage_streams_take_the_plans_message_limit_at_both_ends(served) -> None:
     """Not gRPC's 256 MiB of old: the largest Batch this plan makes (transport.message_limit), given
     to the stage and the frontend alike."""

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from tiny_models import write_tiny_model
 
 from inferencemesh.checkpoint import CONFIG_FILES, SAFETENSORS_INDEX, CheckpointError
+from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.stage.runtime import StageRuntime
 
@@ -121,9 +122,12 @@ def test_tied_head_is_the_embedding_matrix(qwen3):
 
 def test_dtype_and_device_resolution(tmp_path):
     model = write_tiny_model(tmp_path / "bf16", "qwen2", num_layers=2, shards=2, dtype=torch.bfloat16)
-    auto = load_stage(model, 0, 1)
-    assert auto.dtype == torch.bfloat16 and auto.embed.weight.dtype == torch.bfloat16
+    auto = load_stage(model, 0, 1)  # the checkpoint's, unless this CPU would emulate it (compute_dtype)
+    want = getattr(torch, choose_dtype("auto", "bfloat16", on_cpu=not torch.cuda.is_available()).name)
+    assert auto.dtype == want and auto.embed.weight.dtype == want
     assert auto.device == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    asked = load_stage(model, 0, 1, dtype="bfloat16", device="cpu")
+    assert asked.dtype == torch.bfloat16 and asked.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     wide = load_stage(model, 1, 2, dtype="float32", device="cpu")
     assert wide.dtype == torch.float32 and wide.layers[0].self_attn.q_proj.bias.dtype == torch.float32
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):

@@ -129,7 +129,8 @@ class ModelOptions:
     model: str | None = option(None, "local model directory, hub id or bundled://NAME "
                                      "(default: the bundled code model)")
     revision: str | None = option(None, "hub revision (branch, tag or commit)")
-    dtype: str = option("auto", "compute dtype (auto: the checkpoint's)", choices=DTYPES)
+    dtype: str = option("auto", "compute dtype (auto: the checkpoint's; on a CPU without native units for "
+                                "a 16-bit checkpoint, float32)", choices=DTYPES)
     cache_dir: str | None = option(None, "where hub downloads go (HF_HUB_CACHE by default)")
     served_model_name: str | None = option(None, "the model name clients use and metrics carry (default: "
                                                  "a hub id as given, a bundled or local model's folder name)")
@@ -174,6 +175,20 @@ class StreamOptions:
     # that plan a mesh (serve, bench, the operator) give them transport.message_limit of the plan.
     max_message_bytes: int | None = option(None, "largest gRPC message of a stage stream, either way (default: "
                                                  "256 MiB; serve, bench and the operator give the plan's)", parse=int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalMeshOptions:
+    # `serve` runs the mesh that `plan` plans with the same flags: one declaration of each.
+    stage_memory: str | None = option(None, "per-stage memory budgets, e.g. 16GiB,24GiB (one for all)")
+    device: str = option("auto", "where stages and draft run (auto: a GPU if there is one); on a CPU, --dtype "
+                                 "auto computes a 16-bit checkpoint in float32 unless the CPU has native units "
+                                 "for it, and the KV cache is float32", choices=DEVICES)
+    # The seeds' shape, and the faster one: measured in docs/benchmarks/embedded-first-stage.json.
+    embed_first_stage: bool = option(True, "run the first stage's layers in the frontend process (one process "
+                                     "and one hop fewer per token; its memory then holds the draft model "
+                                     "too); --no-embed-first-stage runs it as a stage process of its own",
+                                     switch=True)
 
 
 # ---- the programs --------------------------------------------------------------------------------
@@ -286,23 +301,17 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions):
+class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, LocalMeshOptions):
     """`inferencemesh serve`: stages and frontend as local processes on loopback."""
 
     stages: int = option(2, "number of stage processes", parse=int)
-    stage_memory: str | None = option(None, "per-stage memory budgets, e.g. 16GiB,24GiB")
     host: str = option("127.0.0.1", "address of the OpenAI endpoint")
     port: int = option(FRONTEND_PORT, "the OpenAI endpoint's port", parse=int)
     base_stage_port: int = option(0, "first stage gRPC port (0: pick free ports)", parse=int)
     stage_metrics_port: int = option(0, "first stage's Prometheus /metrics port; stage i uses it + i "
                                      f"(0: --port + {SERVE_STAGE_METRICS_OFFSET} + i)", parse=int)
-    device: str = option("auto", "where stages and draft run", choices=DEVICES)
     stage_threads: int = option(0, "compute threads of each stage process (0: the machine's CPUs divided "
                                    "among the stages, so they do not preempt each other)", parse=int)
-    # The seeds' shape, and the faster one: measured in docs/benchmarks/embedded-first-stage.json.
-    embed_first_stage: bool = option(True, "run the first stage's layers in the frontend process (one process "
-                                     "and one hop fewer per token); --no-embed-first-stage runs it as a "
-                                     "stage process of its own", switch=True)
 
     def check(self) -> ServeConfig:
         _check_positive(self)
@@ -326,17 +335,11 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions):
+class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, LocalMeshOptions):
     """`inferencemesh plan`: the memory-planned layer ranges (the speculative options say which
     draft the frontend loads, for --embed-first-stage)."""
 
     stages: str = option("2", "a number, or auto (needs --stage-memory)")
-    stage_memory: str | None = option(None, "per-stage memory, e.g. 16GiB,24GiB (one for all)")
-    device: str | None = option(None, "where the stages run (a CPU stage keeps its KV cache in float32)",
-                                choices=DEVICES)
-    embed_first_stage: bool = _switch("plan for a frontend that holds the first stage (serve's default; "
-                                      "spec.frontend.embedFirstStage): stage 0's memory then holds the "
-                                      "frontend's draft model too")
     json: bool = _switch("print the plan as JSON")
 
     def check(self) -> PlanConfig:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointError, CheckpointFacts
+from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
 from inferencemesh.speculation import SpeculativeChoice, draft_dtype
 
@@ -84,16 +85,18 @@ class PlanInputs:
         context_length: int = DEFAULT_MAX_CONTEXT,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
-        kv_dtype: str | None = None,
         first_stage_reserved_bytes: int = 0,
+        on_cpu: bool = False,
+        cpu_flags: frozenset[str] | None = None,
     ) -> PlanInputs:
-        """kv_dtype: the KV cache's dtype when it differs from the weights' (CPU stages keep a
-        half-precision model's cache in float32)."""
-        dtype = dtype if dtype and dtype != "auto" else facts.checkpoint_dtype
+        """dtype: as asked (auto / None: compute_dtype.choose_dtype's choice for a stage on_cpu or
+        not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
+        float32 whatever it computes in (modeling.attention.kv_cache_dtype)."""
+        dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
         width = TORCH_DTYPE_BYTES[dtype]
-        kv_width = TORCH_DTYPE_BYTES[kv_dtype] if kv_dtype else width
+        kv_width = TORCH_DTYPE_BYTES["float32"] if on_cpu else width
         kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * context_length * max_sessions
         return cls(
             layer_bytes=tuple(facts.layer_bytes(width)),
@@ -126,7 +129,7 @@ def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bo
     KV cache per session at full context, in the dtype the frontend loads it in (speculation.draft_dtype).
     No runtime overhead of its own: the stage's process counts one."""
     inputs = PlanInputs.from_checkpoint(draft, dtype=draft_dtype(dtype, on_cpu), context_length=context_length,
-                                        max_sessions=max_sessions, overhead_bytes=0)
+                                        max_sessions=max_sessions, overhead_bytes=0, on_cpu=on_cpu)
     n = len(inputs.layer_bytes)
     weights, kv, _ = inputs.stage_bytes(0, n, n)
     if not draft.group_bytes("head"):  # tied: stage_bytes counted the embedding again as the head

@@ -29,6 +29,7 @@ from inferencemesh.checkpoint import (
     CheckpointFacts,
     TensorInfo,
 )
+from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling import attention
 
 log = logging.getLogger(__name__)
@@ -225,8 +226,10 @@ def load_stage(
     # transformers' sdpa attention, reached through our registered name (see attention.py); the
     # runtime passes it sdpa-style boolean masks.
     config._attn_implementation = attention.NAME
-    torch_dtype = resolve_dtype(dtype, facts.checkpoint_dtype)
     torch_device = resolve_device(device)
+    choice = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=torch_device.type == "cpu")
+    log.info("layers %d:%d compute in %s on %s", layer_start, layer_end, choice, torch_device)
+    torch_dtype = resolve_dtype(choice.name, facts.checkpoint_dtype)
     first, last = layer_start == 0, layer_end == facts.num_layers
 
     module_path, prefix = FAMILIES[facts.model_type]

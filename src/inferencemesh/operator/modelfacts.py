@@ -99,9 +99,11 @@ class ModelFacts:
     def _inputs(facts: CheckpointFacts, spec: MeshSpec) -> PlanInputs:
         if facts.num_layers < 1:
             raise PlanError(f"the model declares {facts.num_layers} layers: at least one is needed")
+        # The stage chooses auto's dtype on its node, whose CPU the operator cannot see: CPU stages
+        # are planned for float32 (the larger; a stage with native bf16 units holds less).
         return PlanInputs.from_checkpoint(
-            facts, dtype=spec.model.dtype, context_length=spec.context_length, max_sessions=spec.max_sessions
-        )
+            facts, dtype=spec.model.dtype, context_length=spec.context_length, max_sessions=spec.max_sessions,
+            on_cpu=spec.stages.on_cpu, cpu_flags=frozenset())
 
     def _hub_facts(self, repo_id: str, revision: str | None) -> CheckpointFacts:
         key = (repo_id, revision)

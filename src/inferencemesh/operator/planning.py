@@ -82,13 +82,9 @@ def stage_memory_budgets(spec: MeshSpec) -> tuple[list[int] | None, str]:
     if spec.stages.memory:
         return [parse_bytes(m) for m in spec.stages.memory], "stages.memory"
     limit = ((spec.stages.resources or {}).get("limits") or {}).get("memory")
-    if limit and stages_on_cpu(spec):
+    if limit and spec.stages.on_cpu:
         return [parse_bytes(str(limit))], f"stages.resources.limits.memory ({limit})"
     return None, "none"
-
-
-def stages_on_cpu(spec: MeshSpec) -> bool:
-    return spec.stages.device == "cpu" or not spec.stages.gpus
 
 
 @lru_cache(maxsize=256)
@@ -118,7 +114,7 @@ def first_stage_reserve(spec: MeshSpec, info: ModelInfo, choice: SpeculativeChoi
     operator reads models; a hub outage raises ModelUnavailable (retried, like the model's own)."""
     reserve = shared_first_stage_reserve(
         choice, lambda draft: facts.draft_facts(draft, info), embed_first_stage=spec.frontend.embed_first_stage,
-        dtype=spec.model.dtype, on_cpu=stages_on_cpu(spec), context_length=spec.context_length,
+        dtype=spec.model.dtype, on_cpu=spec.stages.on_cpu, context_length=spec.context_length,
         max_sessions=spec.max_sessions)
     return reserve.bytes, reserve.note
 

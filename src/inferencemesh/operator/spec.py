@@ -98,6 +98,11 @@ class StagesSpec(_Spec):
     tolerations: tuple[dict[str, Any], ...] = ()
     affinity: dict[str, Any] = {}
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the stage pods compute on their CPU (asked to, or given no GPU)."""
+        return self.device == "cpu" or not self.gpus
+
 
 class ServiceSpec(_Spec):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"

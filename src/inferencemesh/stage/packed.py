@@ -7,6 +7,11 @@ same kernel about twice as fast, with bit-identical results. In float32, MKL str
 [in, out] weight for one row markedly faster than nn.Linear's [out, in] (about 1.3x on
 a 150M-parameter Llama); results differ from nn.Linear only by summation order.
 
+A 16-bit weight that oneDNN cannot pack (a CPU without AVX-512 BF16/FP16 support) stays an
+nn.Linear: the transposed layout would send its matmul to a kernel 15-20x slower than
+nn.Linear's (measured on an AVX2 EPYC, bfloat16 [500, 896] x [896, 4864]: 4.1 s against 0.22 s;
+that was the stage's bfloat16 prefill running 10x slower than transformers' forward).
+
 pack_linears() swaps these modules in place inside transformers' own decoder layers, so the
 layers' forward code (norms, rotary, attention, MLP) stays theirs.
 """
@@ -25,6 +30,13 @@ def _mkldnn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return False
+
+
+def packs(linear: nn.Linear) -> bool:
+    """Whether a PackedLinear is faster than `linear` here: a CPU weight in float32, or in a
+    16-bit type oneDNN packs on this CPU."""
+    weight = linear.weight
+    return weight.device.type == "cpu" and (weight.dtype == torch.float32 or _mkldnn_packs(weight.dtype))
 
 
 class PackedLinear(nn.Module):
@@ -55,10 +67,10 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` (CPU only) with a PackedLinear. Returns how many."""
+    """Replace every nn.Linear under `module` that packs() with a PackedLinear. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.weight.device.type == "cpu":
+        if type(child) is nn.Linear and packs(child):
             setattr(module, name, PackedLinear(child))
             count += 1
         else:

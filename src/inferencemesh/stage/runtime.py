@@ -31,7 +31,7 @@ from inferencemesh.modeling.attention import (
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.stage.kv import PaddedBatch, Scratch, SessionKV
-from inferencemesh.stage.packed import PackedLinear, pack_linears
+from inferencemesh.stage.packed import PackedLinear, pack_linears, packs
 
 
 class PositionError(ValueError):
@@ -97,7 +97,8 @@ class StageRuntime:
             # A head that shares its matrix with this stage's embedding stays as is: packing
             # would hold the largest matrix twice.
             head = self._lm_head
-            if head is not None and not (self._embed is not None and head.weight is self._embed.weight):
+            if isinstance(head, nn.Linear) and packs(head) and not (
+                    self._embed is not None and head.weight is self._embed.weight):
                 self._lm_head = PackedLinear(head)
         self._rotary = stage.rotary
         self._kv_heads = stage.facts.num_kv_heads

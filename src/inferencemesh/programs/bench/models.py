@@ -11,6 +11,7 @@ import torch
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointFacts, read_local
+from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.config import BenchConfig, ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages
 
@@ -97,7 +98,8 @@ def load_bench_model(config: BenchConfig) -> BenchModel:
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if config.shape else "auto")
     model_dir = make_shape_model(config.shape, dtype_name) if config.shape else Path(resolve_model(config.model))
     facts = read_local(model_dir)
-    dtype = getattr(torch, dtype_name if dtype_name != "auto" else facts.checkpoint_dtype)
+    # auto: what `serve` computes in (float32 on a CPU without native units for a 16-bit checkpoint)
+    dtype = getattr(torch, choose_dtype(dtype_name, facts.checkpoint_dtype, on_cpu=not torch.cuda.is_available()).name)
     for count in config.stages:
         plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
