@@ -62,6 +62,13 @@ def stage_against_transformers(model: str, tokens: int, dtypes: list[str], round
     return result
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def serve_ttft(tokens: int, rounds: int, port: int) -> dict:
     """TTFT of a `tokens`-token prompt through `inferencemesh serve` with its defaults."""
     proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port)],
@@ -70,14 +77,11 @@ def serve_ttft(tokens: int, rounds: int, port: int) -> dict:
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while not answers(f"{base}/ready"):
             if proc.poll() is not None:
                 raise RuntimeError(f"serve exited: {proc.stdout.read() if proc.stdout else ''}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("serve not ready after 300 s")
             time.sleep(0.5)
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
         ttfts = []
