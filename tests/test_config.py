@@ -9,18 +9,8 @@ import typing
 import pytest
 
 from inferencemesh import config as cfg
-from inferencemesh.config import (
-    BenchConfig,
-    ConfigError,
-    FrontendConfig,
-    OperatorConfig,
-    PlanConfig,
-    ServeConfig,
-    StageConfig,
-    derive,
-    from_args,
-    to_argv,
-)
+from inferencemesh.config import BenchConfig, FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
+from inferencemesh.flags import ConfigError, derive, from_args, to_argv
 from inferencemesh.programs.cli import build_parser
 from inferencemesh.programs.serve import frontend_config, stage_template
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from inferencemesh import cpus
-from inferencemesh.config import ConfigError, ServeConfig, StageConfig
+from inferencemesh.config import ServeConfig, StageConfig
+from inferencemesh.flags import ConfigError
 
 
 def test_a_cgroup_quota_bounds_the_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

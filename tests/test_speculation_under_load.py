@@ -8,7 +8,8 @@ import pytest
 from mesh_helpers import collect, start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.config import ConfigError, FrontendConfig
+from inferencemesh.config import FrontendConfig
+from inferencemesh.flags import ConfigError
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.frontend.proposers.base import Proposal

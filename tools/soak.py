@@ -27,8 +27,9 @@ import httpx
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
-from inferencemesh.config import FrontendConfig, to_argv
+from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import share_of_cpus
+from inferencemesh.flags import to_argv
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.serve import CLI, LocalStages, ManagedProcess, free_port, stage_template
 from inferencemesh.protocol import stage_pb2 as pb

@@ -1,27 +1,18 @@
 """The configuration of the programs the project runs: one frozen type per program.
 
-Each field is declared once, with its command-line flag, default, choices and help, and three
-generic functions derive everything else from those declarations:
-
-    add_arguments(Config, parser)   the CLI's flags
-    from_args(Config, namespace)    parsed flags -> a Config
-    to_argv(config)                 a Config -> the flags that reproduce it
-
-So the CLI parser, `serve`'s child processes (launcher.py) and the operator's pod arguments
-(operator render.py) agree by construction, and tests/test_config.py round-trips every field.
-Library code takes these types, never an argparse.Namespace.
+Each field is declared once, with its command-line flag, default, choices and help (flags.option),
+and flags.py derives everything else from those declarations: the CLI parser, `serve`'s child
+processes and the operator's pod arguments agree by construction, and tests/test_config.py
+round-trips every field. Library code takes these types, never an argparse.Namespace.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
+from inferencemesh.flags import ConfigError, derive, flag_name, option, switch
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
@@ -57,37 +48,6 @@ SERVE_STAGE_METRICS_OFFSET = 100
 API_KEY_ENV = "INFERENCEMESH_API_KEY"
 
 
-class ConfigError(ValueError):
-    """A configuration no program could run with; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How one config field appears on the command line."""
-
-    help: str
-    choices: tuple[str, ...] | None = None
-    parse: Callable[[str], Any] = str  # text -> value (argparse `type`)
-    render: Callable[[Any], str] = str  # value -> text; parse(render(v)) == v
-    required: bool = False
-    switch: bool = False  # a boolean flag present or absent (store_true)
-    repeat: bool = False  # a flag given once per item of a tuple (action="append")
-    listed: bool = False  # a tuple given as one comma-separated value; parse and choices apply to each item
-
-
-_MISSING = dataclasses.MISSING
-
-
-def option(default: Any = _MISSING, help: str = "", **flag: Any) -> Any:  # noqa: A002 - argparse's word
-    """A config field with its flag; no default means the flag is required."""
-    meta = {"flag": Flag(help=help, required=default is _MISSING, **flag)}
-    return field(metadata=meta) if default is _MISSING else field(default=default, metadata=meta)
-
-
-def _switch(help: str) -> Any:  # noqa: A002
-    return option(False, help, switch=True)
-
-
 def _layers(text: str) -> tuple[int, int]:
     start, sep, end = text.partition(":")
     if not sep or not start.strip().isdigit() or not end.strip().isdigit():
@@ -97,22 +57,6 @@ def _layers(text: str) -> tuple[int, int]:
 
 def _comma_separated(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
-
-
-def _listed(flag: Flag) -> Callable[[str], tuple]:
-    """The argparse `type` of a comma-separated flag: each item parsed and checked against choices."""
-    def parse(text: str) -> tuple:
-        items = tuple(item.strip() for item in text.split(",") if item.strip())
-        unknown = [item for item in items if flag.choices and item not in flag.choices]
-        if not items or unknown:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list"
-                                             + (f" of {', '.join(flag.choices)}" if flag.choices else ""))
-        try:
-            return tuple(flag.parse(item) for item in items)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{text!r}: {err}") from err
-
-    return parse
 
 
 def _threads_or_default(text: str) -> str:
@@ -142,7 +86,7 @@ class RuntimeOptions:
     max_sessions: int = option(DEFAULT_MAX_SESSIONS, "concurrent sessions a stage holds", parse=int)
     wire_dtype: str | None = option(None, "dtype of activations between stages (default: the compute dtype)",
                                     choices=WIRE_DTYPES)
-    debug_telemetry: bool = _switch("per-token timings and debug attributes")
+    debug_telemetry: bool = switch("per-token timings and debug attributes")
     tls_dir: str | None = option(None, "mutual TLS between frontend and stages: a directory with tls.crt, "
                                        "tls.key, ca.crt")
 
@@ -152,7 +96,7 @@ class SpeculativeOptions:
     speculative: str | None = option(None, "speculation strategy (default: the model package's, else auto)",
                                      choices=SPECULATIVE_STRATEGIES)
     draft: str | None = option(None, "draft model directory or hub id (implies --speculative draft)")
-    no_draft: bool = _switch("ignore a draft declared by the model package")
+    no_draft: bool = switch("ignore a draft declared by the model package")
     window: str | None = option(None, "speculation window: a number (fixed) or adaptive:INITIAL:MIN:MAX")
     draft_threads: int = option(DEFAULT_DRAFT_THREADS, "CPU threads of the frontend process, which runs the draft",
                                 parse=int)
@@ -340,7 +284,7 @@ class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, LocalMeshOpti
     draft the frontend loads, for --embed-first-stage)."""
 
     stages: str = option("2", "a number, or auto (needs --stage-memory)")
-    json: bool = _switch("print the plan as JSON")
+    json: bool = switch("print the plan as JSON")
 
     def check(self) -> PlanConfig:
         _check_positive(self)
@@ -392,7 +336,7 @@ class OperatorConfig:
 
     namespace: tuple[str, ...] = option((), "watch only this namespace (repeat for several; none: all)",
                                         repeat=True)
-    standalone: bool = _switch("no peering (a single replica)")
+    standalone: bool = switch("no peering (a single replica)")
     liveness: str = option("http://0.0.0.0:8080/healthz", "kopf's liveness endpoint (empty: off)")
     metrics_port: int = option(9090, "Prometheus /metrics port (0: off)", parse=int)
 
@@ -413,73 +357,3 @@ def _check_positive(config: Any) -> None:
         value = getattr(config, name, 0)
         if isinstance(value, int) and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
-
-
-# ---- the generic part ---------------------------------------------------------------------------
-
-C = TypeVar("C", bound="DataclassInstance")
-
-
-def _flag_of(f: dataclasses.Field) -> Flag:
-    return f.metadata["flag"]
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
-    """Add the flags of every field of `cls` (a config type or a field group) to `parser`."""
-    for f in fields(cls):
-        flag = _flag_of(f)
-        if flag.switch:  # on by default: --NAME / --no-NAME
-            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
-            parser.add_argument(flag_name(f.name), action=action, default=f.default, help=flag.help)
-            continue
-        if flag.repeat:
-            parser.add_argument(flag_name(f.name), action="append", type=flag.parse, help=flag.help)
-            continue
-        kwargs: dict[str, Any] = {"help": flag.help, "type": _listed(flag) if flag.listed else flag.parse,
-                                  "required": flag.required}
-        if not flag.required:
-            kwargs["default"] = f.default
-        if flag.choices and not flag.listed:
-            kwargs["choices"] = flag.choices
-        parser.add_argument(flag_name(f.name), **kwargs)
-
-
-def from_args(cls: type[C], args: argparse.Namespace) -> C:
-    """The config `cls` from parsed arguments (a namespace holding at least its fields)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls)}
-    for f in fields(cls):
-        if _flag_of(f).repeat:  # argparse gives None when the flag never came
-            given = values[f.name]
-            values[f.name] = tuple(given) if given else f.default
-    config = cls(**values)
-    check = getattr(config, "check", None)
-    return check() if check is not None else config
-
-
-def to_argv(config: Any) -> list[str]:
-    """The flags that make `from_args` rebuild `config`: every field that is set, in field order."""
-    argv: list[str] = []
-    for f in fields(config):
-        flag, value = _flag_of(f), getattr(config, f.name)
-        if flag.switch:
-            if value != f.default:
-                argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
-        elif flag.repeat:
-            for item in value:
-                argv += [flag_name(f.name), flag.render(item)]
-        elif flag.listed and value is not None:
-            argv += [flag_name(f.name), ",".join(flag.render(item) for item in value)]
-        elif value is not None:
-            argv += [flag_name(f.name), flag.render(value)]
-    return argv
-
-
-def derive(cls: type[C], source: Any, **overrides: Any) -> C:
-    """A `cls` taking every field it shares with `source` (another config), then `overrides`."""
-    names = {f.name for f in fields(cls)}
-    shared = {f.name: getattr(source, f.name) for f in fields(source) if f.name in names}
-    return cls(**{**shared, **overrides})

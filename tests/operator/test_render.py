@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from inferencemesh.config import FrontendConfig, from_args
+from inferencemesh.config import FrontendConfig
+from inferencemesh.flags import from_args
 from inferencemesh.operator import names as N
 from inferencemesh.operator import render as R
 from inferencemesh.operator import resources

@@ -34,8 +34,8 @@ from inferencemesh.config import (
     STAGE_METRICS_PORT,
     FrontendConfig,
     StageConfig,
-    to_argv,
 )
+from inferencemesh.flags import to_argv
 from inferencemesh.operator.issuing import MeshCertificates
 from inferencemesh.operator.names import (
     HASH_ANNOTATION,

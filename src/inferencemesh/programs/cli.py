@@ -18,17 +18,8 @@ import sys
 from typing import Any
 
 from inferencemesh.checkpoint import CheckpointError
-from inferencemesh.config import (
-    BenchConfig,
-    ConfigError,
-    FrontendConfig,
-    OperatorConfig,
-    PlanConfig,
-    ServeConfig,
-    StageConfig,
-    add_arguments,
-    from_args,
-)
+from inferencemesh.config import BenchConfig, FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
+from inferencemesh.flags import ConfigError, add_arguments, from_args
 from inferencemesh.planner import PlanError
 from inferencemesh.programs.process import (
     check_ports,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from inferencemesh.config import ConfigError
+from inferencemesh.flags import ConfigError
 
 # The child's end of its parent's lifeline: the fd number, in the child's environment.
 LIFELINE_ENV = "INFERENCEMESH_LIFELINE_FD"

@@ -34,8 +34,9 @@ from typing import Any
 import yaml
 
 from inferencemesh import tls
-from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig, derive, to_argv
+from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig
 from inferencemesh.cpus import share_of_cpus
+from inferencemesh.flags import derive, to_argv
 from inferencemesh.planner import StagePlan, render_plan
 from inferencemesh.programs.plan import plan_from_settings
 from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwargs

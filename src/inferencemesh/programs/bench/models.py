@@ -12,7 +12,8 @@ import torch
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointFacts, read_local
 from inferencemesh.compute_dtype import choose_dtype
-from inferencemesh.config import BenchConfig, ConfigError
+from inferencemesh.config import BenchConfig
+from inferencemesh.flags import ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages
 
 if TYPE_CHECKING:
