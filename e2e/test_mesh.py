@@ -169,6 +169,43 @@ def test_greedy_output_equals_local_serve(shared_mesh: dict, reference: dict[str
     assert got == reference
 
 
+def counter(text: str, name: str) -> float:
+    """The sum of a metric's samples in a /metrics text (0 when it has none)."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: dict) -> None:
+    """The second identical request is served from the prefix cache: the frontend counts its
+    prompt as hits, each stage pod holds the first request as an entry, and the stages compute
+    the prompt's tokens but one fewer the second time; the answer is the same."""
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    pods = [stage_pod(ns, name, i)["metadata"]["name"] for i in range(2)]
+
+    def stage_metrics(pod: str, metric: str) -> float:
+        return counter(pod_http(ns, pod, 9090, "/metrics"), metric)
+
+    prompt = PROMPTS[0] * 3
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        import httpx
+
+        client = openai_client(base)
+        computed, answers = [], []
+        for _ in range(2):
+            before = [stage_metrics(pod, "inferencemesh_stage_tokens_total") for pod in pods]
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            answers.append(reply.choices[0].text)
+            computed.append([stage_metrics(pod, "inferencemesh_stage_tokens_total") - b
+                             for pod, b in zip(pods, before, strict=True)])
+        hits = counter(httpx.get(f"{base}/metrics", timeout=60).text, "inferencemesh_prefix_cache_hits_total")
+    prompt_tokens = reply.usage.prompt_tokens
+    assert answers[0] == answers[1]
+    assert hits >= prompt_tokens - 1, f"{hits} prefix-cache hits for a {prompt_tokens}-token prompt"
+    for pod in pods:
+        assert stage_metrics(pod, "inferencemesh_stage_prefix_cache_entries") >= 1, pod
+    for first, second in zip(*computed, strict=True):  # per stage: the same decoding, the prompt forked
+        assert second <= first - (prompt_tokens - 1) // 2, computed
+
+
 # ---- (8): metrics ------------------------------------------------------------------------------
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:

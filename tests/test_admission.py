@@ -138,8 +138,8 @@ def test_a_session_close_that_raises_gives_the_slot_back(mesh, monkeypatch) -> N
 
     close = Connection.close
 
-    async def close_then_raise(self) -> None:
-        await close(self)
+    async def close_then_raise(self, retain: bool = False) -> bool:
+        await close(self, retain)
         raise Injected("injected")
 
     async def go() -> None:

@@ -161,6 +161,7 @@ def test_the_crd_defaults_are_the_programs_defaults() -> None:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert spec["contextLength"]["default"] == cfg.DEFAULT_MAX_CONTEXT
     assert spec["maxSessions"]["default"] == cfg.DEFAULT_MAX_SESSIONS
+    assert spec["prefixCache"]["default"] is cfg.FrontendConfig.__dataclass_fields__["prefix_cache"].default is True
     # frontend.maxBatchTokens has no schema default (the deprecated stages.maxBatchTokens must stay
     # visible when set); its text names the programs' default, which the typed spec applies.
     budget = spec["frontend"]["properties"]["maxBatchTokens"]

@@ -68,6 +68,7 @@ frames = st.builds(
     draft_probs=st.binary(max_size=64),
     sampling=st.none() | sampling,
     parent_session_id=st.just("") | SESSION_IDS,  # FORKs name parents, sometimes their own stream's
+    retain=st.booleans(),  # RELEASEs may keep their session as a prefix-cache entry
     seq=st.integers(0, 2 ** 64 - 1),
 )
 

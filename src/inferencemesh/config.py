@@ -114,6 +114,13 @@ class BatchingOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrefixCacheOptions:
+    prefix_cache: bool = option(True, "keep each finished request's KV at the stages (within their session slots, "
+                                      "least recently used evicted first) for later prompts that start the same; "
+                                      "--no-prefix-cache computes every prompt in full", switch=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class StreamOptions:
     # Both ends of a stage stream (the stages and the frontend) take the same limit: the programs
     # that plan a mesh (serve, bench, the operator) give them transport.message_limit of the plan.
@@ -190,7 +197,8 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, StreamOptions):
+class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, StreamOptions,
+                     PrefixCacheOptions):
     """`inferencemesh frontend`: the OpenAI endpoint in front of the stages (the frontend pod)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
@@ -245,7 +253,8 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, LocalMeshOptions):
+class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, LocalMeshOptions,
+                  PrefixCacheOptions):
     """`inferencemesh serve`: stages and frontend as local processes on loopback."""
 
     stages: int = option(2, "number of stage processes", parse=int)

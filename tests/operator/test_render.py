@@ -335,6 +335,14 @@ def test_both_ends_of_every_stage_stream_get_the_plans_message_limit() -> None:
         assert "--max-message-bytes" not in container(children()[key])["args"]
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_prefix_cache_is_the_frontends_switch(enabled: bool) -> None:
+    objs = children({"model": {"name": "bundled://imesh-code-target"}, "prefixCache": enabled})
+    args = container(objs[("Deployment", "code-frontend")])["args"]
+    assert build_parser().parse_args(args).prefix_cache is enabled
+    assert ("--no-prefix-cache" in args) is not enabled
+
+
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b

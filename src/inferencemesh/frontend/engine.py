@@ -33,6 +33,7 @@ from inferencemesh.frontend.engine_api import (
     single_choice,
 )
 from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.prefix_cache import PrefixIndex
 from inferencemesh.frontend.proposers.base import Proposer
 from inferencemesh.frontend.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.protocol import params
@@ -64,6 +65,7 @@ class EngineOptions:
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
     speculative_disable_by_batch_size: int = 0  # no proposals while this many requests run (0: always)
     vocab_size: int | None = None  # the target's: token ids at or beyond it are refused (None: int32's range)
+    prefix_cache: bool = True  # finished sessions stay at the stages for later prompts to fork (prefix_cache.py)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class PipelineEngine(Generic[PipelineT]):
                  describe: dict | None = None, metrics: FrontendMetrics | None = None) -> None:
         self.pipeline = pipeline
         self.options = options
+        self.metrics = metrics
         self.model_name = options.model_name
         self.max_context = options.max_context
         self.proposer_for = proposer_for or (lambda request: None)
@@ -97,6 +100,8 @@ class PipelineEngine(Generic[PipelineT]):
                                     debug_telemetry=options.debug_telemetry, metrics=metrics,
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
+        # The stages hold at most max_sessions sessions per stream, live or kept: so many entries.
+        self.prefix_index = PrefixIndex(options.max_sessions) if options.prefix_cache else None
 
     @property
     def recoveries(self) -> int:
@@ -214,8 +219,15 @@ class PipelineEngine(Generic[PipelineT]):
         proposers: list[Proposer | None] = []
         try:
             conns.append(Connection(self.pipeline, prompt.request.request_id))
-            prediction, prompt_logprobs = await self.frames.first_prefill(
-                conns[0], prompt.tokens, prompt.samplings[0], prompt.request.prompt_logprobs is not None)
+            wants_prompt_logprobs = prompt.request.prompt_logprobs is not None  # computed, never forked
+            index = self.prefix_index if not wants_prompt_logprobs else None
+            reuse = index.match(prompt.tokens) if index is not None else None
+            prediction, prompt_logprobs, reused = await self.frames.first_prefill(
+                conns[0], prompt.tokens, prompt.samplings[0], wants_prompt_logprobs, reuse)
+            if reuse is not None and not reused and index is not None:
+                index.drop(reuse.session_id)  # the stages no longer hold it
+            if index is not None and self.metrics is not None:
+                self.metrics.record_prefix_cache(len(prompt.tokens), reused)
             conns += [Connection(self.pipeline, f"{prompt.request.request_id}/{j}")
                       for j in range(1, len(prompt.choices))]
             parent = conns[0].session.session_id
@@ -247,9 +259,13 @@ class PipelineEngine(Generic[PipelineT]):
         return choices
 
     async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
-        """A choice is over: its pipeline session, proposer and slot are free, whatever fails on the way."""
+        """A choice is over: its pipeline session, proposer and slot are free, whatever fails on the
+        way. A session that ended well stays at the stages as a prefix-cache entry, indexed by the
+        tokens whose KV it holds (all it decided but the last, which no frame fed)."""
         try:
-            await conn.close()
+            held = conn.history[:-1] if conn.history is not None and self.prefix_index is not None else None
+            if await conn.close(retain=held is not None) and held is not None and self.prefix_index is not None:
+                self.prefix_index.add(conn.session.session_id, held)
         finally:
             try:
                 if proposer is not None:
@@ -280,6 +296,7 @@ class PipelineEngine(Generic[PipelineT]):
             if prediction is None:
                 prediction = await self.frames.step(conn, sampling, prompt, proposer)
             history = prompt + list(prediction.tokens)
+            conn.history = history  # what the session holds, should it end here (all but the last)
             emitted = 0
             while True:
                 count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
@@ -297,6 +314,7 @@ class PipelineEngine(Generic[PipelineT]):
                 prediction = await self.frames.step(conn, sampling, history, proposer)
                 history.extend(prediction.tokens)
         except PipelineError as err:
+            conn.history = None  # a failed session is not kept
             raise self._failed(err) from err
 
 

@@ -70,6 +70,13 @@ class FrontendMetrics:
             PREFIX + "request_errors_total", "Requests answered with an error, by HTTP status code.",
             m + ["status"], registry=registry)
 
+        # Prefix cache (updated by the engine), in tokens as vLLM counts them.
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", m, registry=registry)
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (forked, not computed).", m,
+            registry=registry)
+
         # Speculative decoding (updated by the engine).
         self.spec_decode_num_drafts = Counter(
             PREFIX + "spec_decode_num_drafts_total", "Verify rounds that carried draft tokens.", m, registry=registry)
@@ -116,7 +123,8 @@ class FrontendMetrics:
                        self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                        self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
-                       self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight):
+                       self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight,
+                       self.prefix_cache_queries, self.prefix_cache_hits):
             metric.labels(model)
         for kind in STEP_KINDS:
             self.step_pipeline_seconds.labels(model, kind)
@@ -139,6 +147,11 @@ class FrontendMetrics:
         """Replace the info series: exactly one (strategy, reason) pair is exported at a time."""
         self.speculative_strategy_info.clear()
         self.speculative_strategy_info.labels(self.model, strategy, reason).set(1)
+
+    def record_prefix_cache(self, prompt_tokens: int, reused: int) -> None:
+        """One prompt looked up: `reused` of its `prompt_tokens` came from the prefix cache."""
+        self.prefix_cache_queries.labels(self.model).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(self.model).inc(reused)
 
     def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
         """One verify round of `draft_tokens` proposals of which the first `accepted` were kept."""

@@ -228,14 +228,17 @@ class PipelineSession:
             raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
 
-    async def close(self) -> None:
-        """RELEASE, and wait for its acknowledgement: it comes once every stage has freed the
-        session, so the request's slot is really free when the engine hands it on. (A broken
-        stream needs none: the stages freed its sessions when it ended.)"""
+    async def close(self, retain: bool = False) -> bool:
+        """RELEASE (with `retain`: keep the session as a prefix-cache entry), and wait for its
+        acknowledgement: it comes once every stage has done it, so the request's slot is really
+        free when the engine hands it on. Whether it came. (A broken stream needs none: the
+        stages freed its sessions when it ended.)"""
         if self._closed or self.scheduler.failure is not None:
-            return
+            return False
         self._closed = True
         self.failure = None  # a failed session is still released where it is held
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE)),
+            await asyncio.wait_for(self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE, retain=retain)),
                                    RELEASE_ACK_TIMEOUT_S)
+            return True
+        return False

@@ -27,6 +27,7 @@ import grpc
 
 from inferencemesh.frontend.engine_api import EngineOverloaded, TokenLogprob
 from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.prefix_cache import Match
 from inferencemesh.frontend.proposers.base import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
@@ -44,8 +45,9 @@ class PipelineSession(Protocol):
         """Send one frame (the session copies it); its Prediction when it asks for one."""
         ...
 
-    async def close(self) -> None:
-        """RELEASE the session at every stage."""
+    async def close(self, retain: bool = False) -> bool:
+        """RELEASE the session at every stage (retain: keep it as a prefix-cache entry); whether
+        every stage acknowledged it."""
         ...
 
 
@@ -69,6 +71,9 @@ class Connection:
     def open(self) -> None:
         self.session = self.pipeline.open()
         self.seq = 0
+        # The tokens decided so far, once generation runs (engine._decode): the session's cache
+        # holds all but the last, which is what a prefix-cache entry of it holds.
+        self.history: list[int] | None = None
         # The sampling parameters the session's next frame carries: stages keep what they saw
         # last, so only a session's first frame (or one after a change) carries them.
         self.sampling: pb.Sampling | None = None
@@ -81,8 +86,8 @@ class Connection:
         return pb.Frame(session_id=self.session.session_id, request_id=self.request_id, seq=self.seq, kind=kind,
                         sampling=carried, **fields)
 
-    async def close(self) -> None:
-        await self.session.close()
+    async def close(self, retain: bool = False) -> bool:
+        return await self.session.close(retain)
 
 
 class SessionFrames:
@@ -102,15 +107,40 @@ class SessionFrames:
     # ---- what the engine calls -------------------------------------------------------------------
 
     async def first_prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling,
-                            prompt_logprobs: bool) -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
-        """The prompt into a new session: it waits for room, and survives a lost stage."""
+                            prompt_logprobs: bool, reuse: Match | None = None,
+                            ) -> tuple[pb.Prediction, list[TokenLogprob | None] | None, int]:
+        """The prompt into a new session: it waits for room, and survives a lost stage. With
+        `reuse`, the session starts as a FORK of that prefix-cache entry's first reuse.tokens
+        positions and computes only the rest; an entry the stages no longer hold costs a full
+        prefill. Returns (prediction, prompt logprobs, prompt tokens reused)."""
+        reused = 0
+
         async def prefill() -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
-            prediction, scored = await self.prefill(conn, prompt, sampling, True, prompt_logprobs)
+            nonlocal reused
+            reused = await self._forked_from(conn, reuse, sampling) if reuse is not None else 0
+            prediction, scored = await self.prefill(conn, prompt, sampling, True, prompt_logprobs, start=reused)
             assert prediction is not None  # a non-empty prompt's last chunk asks for one
             return prediction, scored
 
         replayable = partial(self.replaying_after_stage_loss, conn, sampling, [], prefill)
-        return await self.waiting_for_room(conn, replayable)
+        prediction, scored = await self.waiting_for_room(conn, replayable)
+        return prediction, scored, reused
+
+    async def _forked_from(self, conn: Connection, entry: Match, sampling: pb.Sampling) -> int:
+        """conn's session as a copy of the entry's first entry.tokens positions: how many it
+        holds (0: the stages no longer hold the entry, and conn has a fresh session)."""
+        try:
+            await conn.session.send(conn.frame(pb.FORK, sampling=sampling, parent_session_id=entry.session_id,
+                                               pos_start=entry.tokens, token_count=0))
+            return entry.tokens
+        except PipelineError as err:
+            if err.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise  # no room (waiting_for_room's), or a stage lost (replaying_after_stage_loss's)
+            log.debug("request %s: prefix-cache entry %s is gone (%s); prefilling in full", conn.request_id,
+                      entry.session_id, err)
+            await conn.close()
+            conn.open()
+            return 0
 
     async def fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
         """conn's session starts as the parent's first len(prompt) - 1 positions at every stage,
@@ -200,18 +230,21 @@ class SessionFrames:
     # ---- the frames ------------------------------------------------------------------------------
 
     async def prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling, want_prediction: bool = True,
-                      prompt_logprobs: bool = False) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
-        """Feed the prompt in chunks; the last chunk's prediction holds the first new token.
-        With prompt_logprobs every chunk asks for its tokens' logprobs (a Prediction each)."""
+                      prompt_logprobs: bool = False, start: int = 0,
+                      ) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
+        """Feed the prompt from position `start` (the session holds those before) in chunks; the
+        last chunk's prediction holds the first new token. With prompt_logprobs (from position 0
+        only) every chunk asks for its tokens' logprobs (a Prediction each)."""
+        assert not (prompt_logprobs and start), "prompt logprobs are computed, never forked"
         chunk = self.prefill_chunk
         conn.sampling = sampling  # the first chunk carries it
         prediction = None
         scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
-        for start in range(0, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            frame = conn.frame(pb.PREFILL, pos_start=start, token_count=len(piece), token_ids=piece,
+        for position in range(start, len(prompt), chunk):
+            piece = prompt[position : position + chunk]
+            frame = conn.frame(pb.PREFILL, pos_start=position, token_count=len(piece), token_ids=piece,
                                prompt_logprobs=prompt_logprobs,
-                               want_prediction=want_prediction and (prompt_logprobs or start + chunk >= len(prompt)))
+                               want_prediction=want_prediction and (prompt_logprobs or position + chunk >= len(prompt)))
             prediction = await conn.session.send(frame)
             if scored is not None:
                 assert prediction is not None

@@ -308,7 +308,8 @@ def frontend_args(mesh: dict, spec: MeshSpec, plan: Plan) -> list[str]:
                                   else {"speculative_disable_by_batch_size": sp.disable_by_batch_size})
     config = FrontendConfig(
         **_shared_options(spec, plan), stage_addresses=tuple(stage_address(base, ns, i) for i in remote_stages(plan)),
-        port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.max_batch_tokens, **embedded,
+        port=FRONTEND_PORT, api_key_env=API_KEY_ENV, max_batch_tokens=spec.max_batch_tokens,
+        prefix_cache=spec.prefix_cache, **embedded,
         # Unset strategy stays unset: the frontend then runs the model package's declared default.
         speculative=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None,
         **under_load,

@@ -201,6 +201,7 @@ class MeshSpec(_Spec):
     wire_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     context_length: int = 2048
     max_sessions: int = 16
+    prefix_cache: bool = True
     telemetry: TelemetrySpec = TelemetrySpec()
     security: SecuritySpec = SecuritySpec()
     images: ImagesSpec = ImagesSpec()

@@ -35,7 +35,8 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedT
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,
-                            speculative_disable_by_batch_size=config.speculative_disable_by_batch_size)
+                            speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
+                            prefix_cache=config.prefix_cache)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}, metrics=metrics), speculation
 

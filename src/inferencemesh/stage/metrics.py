@@ -32,7 +32,11 @@ class StageMetrics:
 
         self.state = gauge("state", "1 for the stage's current lifecycle state", ("state",))
         self.progress = gauge("load_progress_ratio", "download / load progress within the current state (0..1)")
-        self.active_sessions = gauge("active_sessions", "sessions holding a KV cache on this stage")
+        self.active_sessions = gauge("active_sessions", "live sessions holding a KV cache on this stage")
+        self.prefix_cache_entries = gauge("prefix_cache_entries", "finished sessions kept as prefix-cache entries")
+        self.prefix_cache_evictions = Counter(
+            "inferencemesh_stage_prefix_cache_evictions_total",
+            "prefix-cache entries dropped to make room for a new session", names, registry=self.registry)
         self.cached_tokens = gauge("cached_tokens", "token positions held in KV caches on this stage")
         self.kv_bytes = gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
         self.forward_seconds = Histogram(
@@ -73,6 +77,8 @@ class StageMetrics:
         self.batch_frames = self.batch_frames_histogram.labels(**labels)
         self.tokens = self.tokens_processed.labels(**labels)
         self.sessions_gauge = self.active_sessions.labels(**labels)
+        self.retained_gauge = self.prefix_cache_entries.labels(**labels)
+        self.evictions = self.prefix_cache_evictions.labels(**labels)
         self.cached_gauge = self.cached_tokens.labels(**labels)
         self.kv_gauge = self.kv_bytes.labels(**labels)
         self.progress_gauge = self.progress.labels(**labels)

@@ -144,7 +144,7 @@ class StageService:
 
     def info(self) -> pb.StageInfo:
         o, rt, worker = self.options, self.runtime, self.worker
-        sessions = worker.sessions.totals()[0] if worker is not None else 0
+        sessions = worker.sessions.totals()[0] if worker is not None else 0  # live ones
         return pb.StageInfo(
             model=o.model, stage_index=o.stage_index, num_stages=o.num_stages, layer_start=o.layer_start,
             layer_end=o.layer_end, num_layers=rt.num_layers if rt else 0, is_first=self.is_first,
@@ -176,7 +176,7 @@ class StageService:
                                 f"two frames of session {frame.session_id!r} in one batch")
                 seen.add(frame.session_id)
                 if frame.kind == pb.RELEASE:
-                    worker.release(frame.session_id, owner)
+                    worker.release(frame.session_id, owner, retain=frame.retain)
                     carried.append(frame)
                 elif frame.kind == pb.FORK:
                     await self._fork(frame, owner)
@@ -261,8 +261,13 @@ class StageService:
     def publish_totals(self) -> None:
         if self.worker is None:
             return
-        sessions, cached, kv_bytes = self.worker.sessions.totals()
+        sessions, retained, cached, kv_bytes = self.worker.sessions.totals()
         self.metrics.sessions_gauge.set(sessions)
+        self.metrics.retained_gauge.set(retained)
+        table = self.worker.sessions
+        if table.evictions:  # counted by the table as they happen, published here
+            self.metrics.evictions.inc(table.evictions)
+            table.evictions = 0
         self.metrics.cached_gauge.set(cached)
         self.metrics.kv_gauge.set(kv_bytes)
 

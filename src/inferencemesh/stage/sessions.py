@@ -3,8 +3,10 @@ session's tokens, which the penalties look at.
 
 A session exists from its first frame until RELEASE, the end of the stream that opened it, an
 idle TTL, or the stage's restart. A FORK frame makes a new session a copy of another's first
-positions (fork_refusal, fork). The stage's worker (worker.py) holds the table and is the only
-code that changes a session.
+positions (fork_refusal, fork). A RELEASE with `retain` keeps the session as a prefix-cache
+entry: it computes nothing more, its stream may FORK from it, and it is evicted, least recently
+used first, whenever a new session needs its room: a live session never waits for the cache.
+The stage's worker (worker.py) holds the table and is the only code that changes a session.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from inferencemesh.sampling import GREEDY, SamplingParams
 
 
 class SessionsFull(Exception):
-    """The stage holds max_sessions sessions already."""
+    """The stage holds max_sessions live sessions already."""
 
 
 class Owner:
@@ -48,6 +50,7 @@ class StageSession:
     tokens: list[int] = field(default_factory=list)
     prompt_tail: Any = None
     last_used: float = field(default_factory=time.monotonic)
+    retained: bool = False  # a prefix-cache entry (RELEASE with retain): forked from, never computed in
 
     @property
     def cached_tokens(self) -> int:
@@ -59,6 +62,7 @@ class SessionTable:
         self.max_sessions = max_sessions
         self.ttl_seconds = ttl_seconds
         self._sessions: dict[str, StageSession] = {}
+        self.evictions = 0  # prefix-cache entries dropped to make room
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -70,13 +74,28 @@ class SessionTable:
         """The session, created for `owner` if new; SessionsFull when the stage is at capacity."""
         session = self._sessions.get(session_id)
         if session is None:
-            if len(self._sessions) >= self.max_sessions:
+            if len(self._sessions) >= self.max_sessions and not self._evict_one():
                 raise SessionsFull(f"stage holds its maximum of {self.max_sessions} sessions; retry later")
             session = self._sessions[session_id] = StageSession(session_id, owner)
             if owner is not None:
                 owner.sessions.add(session_id)
         session.last_used = time.monotonic()
         return session
+
+    def retain(self, session: StageSession) -> None:
+        """Keep `session` as a prefix-cache entry (see the module's doc)."""
+        session.retained = True
+        session.prompt_tail = None
+        session.last_used = time.monotonic()
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used prefix-cache entry; False when there is none."""
+        entries = [s for s in self._sessions.values() if s.retained]
+        if not entries:
+            return False
+        self.release(min(entries, key=lambda s: s.last_used).session_id)
+        self.evictions += 1
+        return True
 
     def release(self, session_id: str) -> StageSession | None:
         session = self._sessions.pop(session_id, None)
@@ -92,11 +111,13 @@ class SessionTable:
         now = time.monotonic() if now is None else now
         return [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_seconds]
 
-    def totals(self) -> tuple[int, int, int]:
-        """(sessions, cached token positions, KV bytes)."""
+    def totals(self) -> tuple[int, int, int, int]:
+        """(live sessions, prefix-cache entries, cached token positions, KV bytes)."""
         sessions = list(self._sessions.values())
+        retained = sum(s.retained for s in sessions)
         return (
-            len(sessions),
+            len(sessions) - retained,
+            retained,
             sum(s.cached_tokens for s in sessions),
             sum(s.kv.nbytes() for s in sessions if s.kv is not None),
         )

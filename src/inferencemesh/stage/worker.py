@@ -61,6 +61,9 @@ class StageWorker:
         if frame.kind not in KIND_NAMES:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
         existing = self._session_of(frame.session_id, owner)
+        if existing is not None and existing.retained:
+            raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"session {frame.session_id!r} is a prefix-cache entry: it is forked from, not computed in")
         if (existing is None or existing.kv is None) and frame.pos_start != 0:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
                         f"unknown session {frame.session_id!r} at position {frame.pos_start} (expired, released or "
@@ -80,6 +83,7 @@ class StageWorker:
         if refusal is not None:
             raise refusal
         assert parent is not None  # fork_refusal refuses a FORK whose parent is missing
+        parent.last_used = time.monotonic()  # a prefix-cache entry forked from is a recently used one
         try:
             return parent, self.sessions.open(frame.session_id, owner)
         except SessionsFull as err:
@@ -93,9 +97,15 @@ class StageWorker:
             self.sessions.release(child.session_id)
             raise
 
-    def release(self, session_id: str, owner: Owner) -> None:
-        """RELEASE: free the stream's session (one it does not hold: nothing to do)."""
-        if self._session_of(session_id, owner) is not None:
+    def release(self, session_id: str, owner: Owner, retain: bool = False) -> None:
+        """RELEASE: free the stream's session, or with `retain` keep it as a prefix-cache entry
+        (one it does not hold: nothing to do)."""
+        session = self._session_of(session_id, owner)
+        if session is None:
+            return
+        if retain and session.kv is not None:
+            self.sessions.retain(session)
+        else:
             self.sessions.release(session_id)
 
     def release_all(self, owner: Owner) -> None:

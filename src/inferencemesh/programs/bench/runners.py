@@ -89,7 +89,9 @@ class EngineUnderTest:
                  speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE) -> None:
         from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
-        options = EngineOptions("bench", max_context=max_context,
+        # The benchmarks repeat their prompts round after round: a prefix cache would skip the
+        # prefills they measure.
+        options = EngineOptions("bench", max_context=max_context, prefix_cache=False,
                                 speculative_disable_by_batch_size=speculative_disable_by_batch_size)
         self.engine = PipelineEngine(pipeline, options, proposer_for=proposer_for)
         self.new_tokens = new_tokens

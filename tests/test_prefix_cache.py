@@ -1,0 +1,219 @@
+"""The prefix cache: a finished request's session stays at every stage (RELEASE with retain), and
+a later prompt that starts with its tokens FORKs it and computes only the rest. The answers are
+the same with the cache on and off; the stages' token counters prove the reuse; the index may be
+wrong (evicted entries, a restarted stage) at the cost of a full prefill, never of an answer."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mesh_helpers import hf_greedy, start_mesh
+from tiny_models import write_tiny_model
+
+from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine_api import GenerationRequest
+from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.prefix_cache import PrefixIndex, common_prefix
+from inferencemesh.stage.sessions import SessionsFull, SessionTable
+
+SESSIONS = 4  # per stage, live and kept together: eviction is exercised
+SYSTEM = [(17 * i + 5) % 250 + 3 for i in range(40)]  # a shared "system prompt"
+
+
+# ---- the index and the stage's table, alone ------------------------------------------------------
+
+
+def test_the_index_finds_the_longest_shared_prefix_and_leaves_one_token_to_compute() -> None:
+    index = PrefixIndex(capacity=3, min_reuse=4)
+    index.add("a", SYSTEM[:20])
+    index.add("b", SYSTEM[:30] + [1, 2, 3])
+    match = index.match(SYSTEM[:30] + [1, 2, 9])
+    assert match is not None and (match.session_id, match.tokens) == ("b", 32)
+    assert index.match(SYSTEM[:30] + [1, 2, 3]).tokens == 32  # the whole prompt held: its last is computed
+    assert index.match(SYSTEM[:3] + [0] * 10) is None  # below min_reuse
+    assert common_prefix(SYSTEM * 3, SYSTEM * 2 + [0]) == 2 * len(SYSTEM)
+
+
+def test_a_later_turn_replaces_its_earlier_one_and_capacity_drops_the_least_recently_used() -> None:
+    index = PrefixIndex(capacity=2, min_reuse=4)
+    index.add("turn-1", SYSTEM[:20])
+    index.add("turn-2", SYSTEM[:30])  # turn 1's tokens are a prefix of turn 2's
+    assert len(index) == 1 and index.match(SYSTEM[:25] + [0]).session_id == "turn-2"
+    index.add("other", [7] * 20)
+    index.match(SYSTEM[:10])  # turn-2 used: "other" is now the least recent
+    index.add("third", [9] * 20)
+    assert index.match([7] * 21) is None and index.match(SYSTEM[:25] + [0]).session_id == "turn-2"
+    index.drop("turn-2")
+    assert index.match(SYSTEM[:25] + [0]) is None
+
+
+def test_kept_sessions_make_room_for_live_ones_least_recently_used_first() -> None:
+    table = SessionTable(max_sessions=2, ttl_seconds=60)
+
+    class KV:
+        length = 3
+
+        def release(self) -> None:
+            pass
+
+        def nbytes(self) -> int:
+            return 1
+
+    for sid in ("old", "new"):
+        session = table.open(sid)
+        session.kv = KV()
+        table.retain(session)
+        time.sleep(0.01)
+    assert table.totals()[:2] == (0, 2)
+    table.open("live-1")  # full: the least recently used entry goes
+    assert table.get("old") is None and table.get("new") is not None and table.evictions == 1
+    table.open("live-2")
+    with pytest.raises(SessionsFull):  # no entry left to evict: live sessions are never dropped
+        table.open("live-3")
+    assert table.totals()[:2] == (2, 0)
+
+
+# ---- the engine over a real 2-stage mesh ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("prefix") / "m", "llama", num_layers=4, shards=1)
+
+
+@pytest.fixture(scope="module")
+def mesh(model: Path):
+    mesh = start_mesh(model, 2, max_context=256, max_sessions=SESSIONS)
+    yield mesh
+    mesh.stop()
+
+
+def stage_tokens(mesh) -> list[float]:
+    """Token positions each stage has computed so far."""
+    out = []
+    for port in mesh.metrics_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        out.append(float(re.search(r"^inferencemesh_stage_tokens_total\{.*\} (\S+)$", text, re.M)[1]))
+    return out
+
+
+class Session:
+    """One engine (one frontend) over the mesh, kept across requests, as a served frontend is."""
+
+    def __init__(self, mesh, prefix_cache: bool = True) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.metrics = FrontendMetrics("t")
+        self.engine = PipelineEngine(GrpcPipeline(mesh.addresses),
+                                     EngineOptions("t", max_context=256, max_sessions=SESSIONS,
+                                                   prefix_cache=prefix_cache), metrics=self.metrics)
+
+    def run(self, prompt: list[int], new_tokens: int, n: int = 1, **sampling) -> list[list[int]]:
+        async def go() -> list[list[int]]:
+            request = GenerationRequest(f"r-{time.monotonic_ns()}", prompt, new_tokens, **sampling)
+
+            async def drain(choice) -> list[int]:
+                tokens: list[int] = []
+                try:
+                    async for step in choice:
+                        tokens.extend(step)
+                finally:
+                    await choice.aclose()
+                return tokens
+
+            return list(await asyncio.gather(*(drain(c) for c in await self.engine.generate_n(request, n))))
+
+        return self.loop.run_until_complete(go())
+
+    def counted(self, name: str) -> float:
+        value = self.metrics.registry.get_sample_value(f"inferencemesh_prefix_cache_{name}_total", {"model_name": "t"})
+        return value or 0.0
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.close()
+
+
+@pytest.fixture
+def cached(mesh):
+    session = Session(mesh)
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def uncached(mesh):
+    session = Session(mesh, prefix_cache=False)
+    yield session
+    session.close()
+
+
+def test_an_identical_request_reuses_all_but_one_token_and_answers_the_same(mesh, model, cached) -> None:
+    prompt = SYSTEM + [11, 12, 13]
+    first = cached.run(prompt, 8, temperature=0.0)
+    before = stage_tokens(mesh)
+    second = cached.run(prompt, 8, temperature=0.0)
+    computed = [a - b for a, b in zip(stage_tokens(mesh), before, strict=True)]
+    assert first == second == [hf_greedy(model, prompt, 8)]
+    assert cached.counted("hits") == len(prompt) - 1 and cached.counted("queries") == 2 * len(prompt)
+    assert computed == [1 + 7, 1 + 7]  # the prompt's last token, then 7 decode steps: at every stage
+
+
+def test_a_multi_turn_conversation_computes_only_each_new_turn(mesh, model, cached, uncached) -> None:
+    turns = [[21, 22, 23, 24], [31, 32], [41, 42, 43]]
+    conversation, answers_on, answers_off, computed = list(SYSTEM), [], [], []
+    for turn in turns:
+        conversation += turn
+        before = stage_tokens(mesh)[0]
+        [on] = cached.run(conversation, 6, temperature=0.0)
+        computed.append(stage_tokens(mesh)[0] - before)
+        [off] = uncached.run(conversation, 6, temperature=0.0)
+        answers_on.append(on)
+        answers_off.append(off)
+        conversation += on
+    assert answers_on == answers_off
+    # turn 2 onwards: the turn's own tokens, and the last answer token no frame had fed, then 5 decodes
+    assert computed[1:] == [len(turns[1]) + 1 + 5, len(turns[2]) + 1 + 5]
+
+
+def test_seeded_sampling_penalties_and_n_choices_are_the_same_with_the_cache(cached, uncached) -> None:
+    prompt = SYSTEM + [5, 6, 7]
+    sampling = {"temperature": 0.9, "top_p": 0.9, "seed": 1234, "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+    off = uncached.run(prompt, 10, n=3, **sampling)
+    cached.run(prompt, 10, **sampling)  # an entry holding the prompt
+    on = cached.run(prompt, 10, n=3, **sampling)
+    assert cached.counted("hits") >= len(prompt) - 1
+    assert on == off
+
+
+def test_eviction_under_a_small_budget_keeps_every_answer_exact(model, cached) -> None:
+    """More conversations than the stages have session slots: entries are evicted (least recently
+    used), stale index entries cost a full prefill, nothing is refused."""
+    prompts = [[100 + k] * 3 + SYSTEM[k:] for k in range(2 * SESSIONS)]
+    want = [hf_greedy(model, p, 5) for p in prompts]
+    for _ in range(2):
+        assert [cached.run(p, 5, temperature=0.0)[0] for p in prompts] == want
+
+
+def test_a_stage_restarted_between_turns_costs_a_full_prefill_not_an_answer(mesh, model) -> None:
+    session = Session(mesh)
+    try:
+        prompt = SYSTEM + [61, 62]
+        assert session.run(prompt, 6, temperature=0.0) == [hf_greedy(model, prompt, 6)]
+        stage = mesh.processes[-1]
+        stage.stop()
+        stage.start()
+        mesh.wait_ready(120)
+        turn = prompt + [71, 72, 73]
+        hits = session.counted("hits")
+        assert session.run(turn, 6, temperature=0.0) == [hf_greedy(model, turn, 6)]
+        assert session.counted("hits") == hits  # the entry went with the stage: computed in full
+        assert session.run(turn, 6, temperature=0.0) == [hf_greedy(model, turn, 6)]
+        assert session.counted("hits") == hits + len(turn) - 1  # and kept again
+    finally:
+        session.close()
