@@ -326,11 +326,15 @@ class BenchConfig(ModelOptions):
     speculative_disable_by_batch_size: int = option(
         DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, "with --concurrency, no speculation while this many streams "
         "run, as the frontend (0: always speculate)", parse=int)
+    multi_turn: bool = switch("the prefix cache on and off: a conversation with a 1,500-token system prompt (TTFT "
+                              "per turn), a repeated request, --concurrency conversations (default 8) sharing the "
+                              "system prompt (prompt tokens the stages compute); greedy, no speculation")
+    turns: int = option(6, "with --multi-turn, user turns of the conversation", parse=int)
     json: str | None = option(None, "write the results here")
 
     def check(self) -> BenchConfig:
         _check_positive(self)
-        for name in ("new_tokens", "repeats"):
+        for name in ("new_tokens", "repeats", "turns"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
         for name in ("stages", "concurrency"):

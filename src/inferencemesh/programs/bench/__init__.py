@@ -1,8 +1,9 @@
 """`inferencemesh bench`: tokens/s, TPOT and TTFT of the mesh against `transformers` on the same model.
 
-Two benchmarks share one set-up (the model, its prompts, the `transformers` peer, the
-speculation strategies): the latency bench (latency.py, the default: one request at a time)
-and, with --concurrency, the concurrency bench (concurrency.py: bursts of concurrent streams).
+Three benchmarks share one set-up (the model, its prompts, the `transformers` peer, the
+speculation strategies): the latency bench (latency.py, the default: one request at a time),
+with --concurrency the concurrency bench (concurrency.py: bursts of concurrent streams), and
+with --multi-turn the prefix-cache bench (multiturn.py: conversations that resend their prefix).
 
     models.py       the model under test: preset random-weight shapes or a checkpoint, prompts
     mesh.py         the pipelines: in-process, or stage processes as `serve` starts them
@@ -25,11 +26,14 @@ def run_bench(config: BenchConfig) -> int:
 
     from inferencemesh.programs.bench.concurrency import run_concurrency
     from inferencemesh.programs.bench.latency import run_latency
+    from inferencemesh.programs.bench.multiturn import run_multi_turn
 
     model = load_bench_model(config)  # the process is set up by the CLI (process.set_up_process)
     print(f"bench: {model.model_dir} ({model.facts.num_layers} layers, {model.dtype}), {config.new_tokens} new "
           f"tokens, {config.repeats} repeats x {sum(len(p) for p in model.prompts.values())} prompts, torch "
           f"threads {torch.get_num_threads()}", flush=True)
+    if config.multi_turn:
+        return write_report(config, run_multi_turn(config, model))
     speculation = {}
     if config.speculative != ("none",):
         speculation = speculation_setups(config.speculative, model.model_dir, model.tokenizer, model.requested_dtype,

@@ -13,7 +13,7 @@ import torch
 from inferencemesh.config import DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, SpeculativeOptions
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import AsyncIterator, Callable
 
     from transformers import PreTrainedTokenizerBase
 
@@ -86,12 +86,13 @@ class EngineUnderTest:
 
     def __init__(self, pipeline: Pipeline, new_tokens: int, max_context: int,
                  proposer_for: ProposerFor | None = None,
-                 speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE) -> None:
+                 speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
+                 prefix_cache: bool = False) -> None:
         from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
-        # The benchmarks repeat their prompts round after round: a prefix cache would skip the
-        # prefills they measure.
-        options = EngineOptions("bench", max_context=max_context, prefix_cache=False,
+        # Off unless asked: the latency and concurrency benchmarks repeat their prompts round after
+        # round, and a prefix cache would skip the prefills they measure.
+        options = EngineOptions("bench", max_context=max_context, prefix_cache=prefix_cache,
                                 speculative_disable_by_batch_size=speculative_disable_by_batch_size)
         self.engine = PipelineEngine(pipeline, options, proposer_for=proposer_for)
         self.new_tokens = new_tokens
@@ -104,11 +105,14 @@ class EngineUnderTest:
 
     async def stream(self, ids: list[int]) -> list[tuple[float, int]]:
         """One greedy request: (time, tokens) of each delivery, as a streaming client sees them."""
+        return [(time.perf_counter(), len(tokens)) async for tokens in self.steps(ids)]
+
+    def steps(self, ids: list[int]) -> AsyncIterator[list[int]]:
+        """One greedy request's deliveries: the tokens of each step."""
         from inferencemesh.frontend.engine_api import GenerationRequest
 
         self.count += 1
-        request = GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0)
-        return [(time.perf_counter(), len(tokens)) async for tokens in self.engine.generate(request)]
+        return self.engine.generate(GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0))
 
 
 def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer: PreTrainedTokenizerBase, dtype: str,
