@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from mesh_helpers import generate, start_mesh
+from mesh_helpers import collect, generate, start_mesh
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
@@ -52,6 +53,38 @@ def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
     for text in (CODE, PROSE):
         outputs = run_all(lambda: in_process_pipeline([runtime]), setups, tokenizer(text).input_ids)
         assert all(out == outputs["none"] for out in outputs.values()), outputs
+
+
+def test_every_strategy_is_exact_when_the_prefix_cache_serves_a_conversation(tokenizer, setups) -> None:
+    """Each turn forks the conversation so far from the prefix cache: proposers keep their own
+    state, so every strategy answers as without the cache and without speculation."""
+    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.metrics import FrontendMetrics
+
+    runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
+    turns = [tokenizer(PROSE).input_ids, tokenizer(CODE[20:]).input_ids]
+
+    async def conversation(setup, cache: bool) -> tuple[list[list[int]], float]:
+        metrics = FrontendMetrics("t")
+        engine = PipelineEngine(in_process_pipeline([runtime]), EngineOptions(
+            "t", max_context=512, prefix_cache=cache, speculative_disable_by_batch_size=0),
+            proposer_for=setup.proposer_for, metrics=metrics)
+        history, answers = tokenizer(CODE).input_ids, []
+        try:
+            for turn in turns:
+                answers.append(await collect(engine, history, 16, temperature=0.0))
+                history = history + answers[-1] + turn
+            answers.append(await collect(engine, history, 16, temperature=0.0))
+        finally:
+            await engine.close()
+        hits = metrics.registry.get_sample_value("inferencemesh_prefix_cache_hits_total", {"model_name": "t"})
+        return answers, hits or 0.0
+
+    expected, _ = asyncio.run(conversation(setups["none"], cache=False))
+    for name, setup in setups.items():
+        answers, hits = asyncio.run(conversation(setup, cache=True))
+        assert answers == expected, name
+        assert hits > 0, name
 
 
 @pytest.mark.slow

@@ -41,7 +41,8 @@ class StageMetrics:
         self.kv_bytes = gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
         self.forward_seconds = Histogram(
             "inferencemesh_stage_forward_seconds",
-            "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind)",
+            "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind); "
+            "kind=fork: copying a session's KV for a FORK",
             names + ["kind"], buckets=_FORWARD_BUCKETS, registry=self.registry,
         )
         self.batch_frames_histogram = Histogram(

@@ -238,8 +238,11 @@ class StageService:
     async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
         parent, child = self.loaded.begin_fork(frame, owner)
         # a copy is device work: on the compute thread, between passes
+        started = time.perf_counter()
         await self._on_compute_thread(self.loaded.finish_fork, parent, child, frame)
-        self.metrics.frames_by_kind[KIND_NAMES[pb.FORK]].inc()
+        kind = KIND_NAMES[pb.FORK]
+        self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)  # the copy's cost
+        self.metrics.frames_by_kind[kind].inc()
 
     def _failed(self, frame: pb.Frame, fault: Fault, owner: Owner) -> pb.Failure:
         self.metrics.error(fault.code.name)

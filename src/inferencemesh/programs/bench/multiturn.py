@@ -57,14 +57,24 @@ def user_turn(model: BenchModel, conversation: int, turn: int) -> list[int]:
     return encode(model, text, special=False)[:TURN_TOKENS]
 
 
-def stage_tokens(mesh: BenchMesh) -> float:
-    """Token positions the mesh's last stage process has computed so far."""
+def last_stage_metric(mesh: BenchMesh, pattern: str) -> float:
+    """A value of the mesh's last stage process's /metrics: the first sample line `pattern` matches."""
     port = mesh.stages.metrics_ports[-1]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    found = re.search(r"^inferencemesh_stage_tokens_total\{.*\} (\S+)$", text, re.M)
+    found = re.search(pattern, text, re.M)
     if found is None:
-        raise RuntimeError(f"stage metrics on :{port} carry no inferencemesh_stage_tokens_total")
+        raise RuntimeError(f"stage metrics on :{port} have no line matching {pattern}")
     return float(found[1])
+
+
+def stage_tokens(mesh: BenchMesh) -> float:
+    """Token positions the last stage has computed so far."""
+    return last_stage_metric(mesh, r"^inferencemesh_stage_tokens_total\{.*\} (\S+)$")
+
+
+def fork_seconds(mesh: BenchMesh) -> float:
+    """Seconds the last stage has spent copying KV for FORKs so far."""
+    return last_stage_metric(mesh, r'^inferencemesh_stage_forward_seconds_sum\{.*kind="fork".*\} (\S+)$')
 
 
 class Pair:
@@ -112,9 +122,12 @@ async def conversation(pair: Pair, system: list[int], model: BenchModel, turns: 
 async def repeat(pair: Pair, system: list[int], model: BenchModel) -> dict:
     prompt = list(reversed(system)) + user_turn(model, 99, 0)  # a prompt no engine has seen
     cold, first = await pair.answer(True, prompt)
+    copying = fork_seconds(pair.mesh)
     warm, second = await pair.answer(True, prompt)
+    copied = fork_seconds(pair.mesh) - copying  # the repeat's FORK: its KV copied at the last stage
     return {"prompt_tokens": len(prompt), "ttft_s_cold": round(cold.ttft_s, 4), "ttft_s_repeat": round(warm.ttft_s, 4),
-            "repeat_over_cold": round(warm.ttft_s / cold.ttft_s, 4), "same_answers": first == second}
+            "repeat_over_cold": round(warm.ttft_s / cold.ttft_s, 4), "fork_copy_s_last_stage": round(copied, 5),
+            "same_answers": first == second}
 
 
 async def _decode_steps_of_one(pair: Pair, cache: bool, system: list[int], model: BenchModel,
