@@ -263,9 +263,12 @@ class PipelineEngine(Generic[PipelineT]):
         way. A session that ended well stays at the stages as a prefix-cache entry, indexed by the
         tokens whose KV it holds (all it decided but the last, which no frame fed)."""
         try:
-            held = conn.history[:-1] if conn.history is not None and self.prefix_index is not None else None
-            if await conn.close(retain=held is not None) and held is not None and self.prefix_index is not None:
-                self.prefix_index.add(conn.session.session_id, held)
+            index = self.prefix_index
+            held = conn.history[:-1] if conn.history is not None and index is not None else None
+            if held is not None and index is not None and len(held) < index.min_reuse:
+                held = None  # too short to be worth a FORK: not worth a stage's slot either
+            if await conn.close(retain=held is not None) and held is not None and index is not None:
+                index.add(conn.session.session_id, held)
         finally:
             try:
                 if proposer is not None:
