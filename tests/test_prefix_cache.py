@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from mesh_helpers import hf_greedy, start_mesh
+from mesh_helpers import embedded_pipeline, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
@@ -106,25 +106,31 @@ def stage_tokens(mesh) -> list[float]:
 class Session:
     """One engine (one frontend) over the mesh, kept across requests, as a served frontend is."""
 
-    def __init__(self, mesh, prefix_cache: bool = True) -> None:
+    def __init__(self, mesh, prefix_cache: bool = True, pipeline=None) -> None:
         self.loop = asyncio.new_event_loop()
         self.metrics = FrontendMetrics("t")
-        self.engine = PipelineEngine(GrpcPipeline(mesh.addresses),
+        self.engine = PipelineEngine(pipeline or GrpcPipeline(mesh.addresses),
                                      EngineOptions("t", max_context=256, max_sessions=SESSIONS,
                                                    prefix_cache=prefix_cache), metrics=self.metrics)
 
     def run(self, prompt: list[int], new_tokens: int, n: int = 1, **sampling) -> list[list[int]]:
-        async def go() -> list[list[int]]:
+        return [tokens for tokens, _ in self.steps(prompt, new_tokens, n, **sampling)]
+
+    def steps(self, prompt: list[int], new_tokens: int, n: int = 1, **sampling) -> list[tuple[list[int], list]]:
+        """Per choice: its tokens, and their logprobs when the request asks for them."""
+        async def go() -> list[tuple[list[int], list]]:
             request = GenerationRequest(f"r-{time.monotonic_ns()}", prompt, new_tokens, **sampling)
 
-            async def drain(choice) -> list[int]:
+            async def drain(choice) -> tuple[list[int], list]:
                 tokens: list[int] = []
+                logprobs: list = []
                 try:
                     async for step in choice:
                         tokens.extend(step)
+                        logprobs.extend(step.logprobs or [])
                 finally:
                     await choice.aclose()
-                return tokens
+                return tokens, logprobs
 
             return list(await asyncio.gather(*(drain(c) for c in await self.engine.generate_n(request, n))))
 
@@ -191,6 +197,22 @@ def test_seeded_sampling_penalties_and_n_choices_are_the_same_with_the_cache(cac
     assert on == off
 
 
+def test_logprobs_are_the_same_with_the_cache(cached, uncached) -> None:
+    """The forked KV is the KV a full prefill computes: each token's logprob and its alternatives
+    agree (within float32 summation order: a prefill chunk and a decode step group their sums
+    differently), and the tokens are the same."""
+    prompt = SYSTEM + [8, 9, 10]
+    [(off_tokens, off)] = uncached.steps(prompt, 8, temperature=0.0, logprobs=3)
+    cached.run(prompt + [1], 4, temperature=0.0)  # an entry holding the prompt
+    [(on_tokens, on)] = cached.steps(prompt, 8, temperature=0.0, logprobs=3)
+    assert cached.counted("hits") >= len(prompt) - 1
+    assert on_tokens == off_tokens and len(on) == len(off) == 8
+    for a, b in zip(on, off, strict=True):
+        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
+
+
 def test_eviction_under_a_small_budget_keeps_every_answer_exact(model, cached) -> None:
     """More conversations than the stages have session slots: entries are evicted (least recently
     used), stale index entries cost a full prefill, nothing is refused."""
@@ -217,3 +239,20 @@ def test_a_stage_restarted_between_turns_costs_a_full_prefill_not_an_answer(mesh
         assert session.counted("hits") == hits + len(turn) - 1  # and kept again
     finally:
         session.close()
+
+
+def test_four_stages_with_the_first_embedded_serve_a_conversation_exactly(model) -> None:
+    """Stage 0 in the frontend's process (a LocalStage), three stage processes after it."""
+    mesh = start_mesh(model, 4, max_context=256, max_sessions=SESSIONS, embed_first=True)
+    session = Session(mesh, pipeline=embedded_pipeline(model, mesh, max_context=256, max_sessions=SESSIONS))
+    try:
+        conversation = SYSTEM + [81, 82]
+        for turn in ([91, 92, 93], [101, 102]):
+            [answer] = session.run(conversation, 5, temperature=0.0)
+            assert answer == hf_greedy(model, conversation, 5)
+            conversation += answer + turn
+        assert session.run(conversation, 5, temperature=0.0) == [hf_greedy(model, conversation, 5)]
+        assert session.counted("hits") > 2 * len(SYSTEM)  # turns 2 and 3 forked the conversation so far
+    finally:
+        session.close()
+        mesh.stop()
