@@ -54,7 +54,8 @@ def test_a_later_turn_replaces_its_earlier_one_and_capacity_drops_the_least_rece
 
 
 def test_kept_sessions_make_room_for_live_ones_least_recently_used_first() -> None:
-    table = SessionTable(max_sessions=2, ttl_seconds=60)
+    evicted = []
+    table = SessionTable(max_sessions=2, ttl_seconds=60, on_evict=lambda: evicted.append(1))
 
     class KV:
         length = 3
@@ -72,7 +73,7 @@ def test_kept_sessions_make_room_for_live_ones_least_recently_used_first() -> No
         time.sleep(0.01)
     assert table.totals()[:2] == (0, 2)
     table.open("live-1")  # full: the least recently used entry goes
-    assert table.get("old") is None and table.get("new") is not None and table.evictions == 1
+    assert table.get("old") is None and table.get("new") is not None and len(evicted) == 1
     table.open("live-2")
     with pytest.raises(SessionsFull):  # no entry left to evict: live sessions are never dropped
         table.open("live-3")

@@ -224,7 +224,7 @@ class PipelineEngine(Generic[PipelineT]):
             reuse = index.match(prompt.tokens) if index is not None else None
             prediction, prompt_logprobs, reused = await self.frames.first_prefill(
                 conns[0], prompt.tokens, prompt.samplings[0], wants_prompt_logprobs, reuse)
-            if reuse is not None and not reused and index is not None:
+            if index is not None and reuse is not None and not reused:
                 index.drop(reuse.session_id)  # the stages no longer hold it
             if index is not None and self.metrics is not None:
                 self.metrics.record_prefix_cache(len(prompt.tokens), reused)
@@ -263,11 +263,10 @@ class PipelineEngine(Generic[PipelineT]):
         way. A session that ended well stays at the stages as a prefix-cache entry, indexed by the
         tokens whose KV it holds (all it decided but the last, which no frame fed)."""
         try:
-            index = self.prefix_index
-            held = conn.history[:-1] if conn.history is not None and index is not None else None
-            if held is not None and index is not None and len(held) < index.min_reuse:
-                held = None  # too short to be worth a FORK: not worth a stage's slot either
-            if await conn.close(retain=held is not None) and held is not None and index is not None:
+            index, history = self.prefix_index, conn.history
+            held = history[:-1] if index is not None and history is not None else []
+            keep = index is not None and index.worth_keeping(held)  # else not worth a stage's slot
+            if await conn.close(retain=keep) and index is not None and keep:
                 index.add(conn.session.session_id, held)
         finally:
             try:

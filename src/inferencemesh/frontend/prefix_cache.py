@@ -69,8 +69,6 @@ class PrefixIndex:
         """A session the stages now hold as an entry, with the tokens its cache holds. An entry
         whose tokens are a prefix of these (the same conversation's earlier turn) is dropped from
         the index: every match it could give, this one gives as long."""
-        if len(tokens) < self.min_reuse:
-            return
         for older in [sid for sid, held in self._entries.items()
                       if len(held) <= len(tokens) and common_prefix(held, tokens) == len(held)]:
             del self._entries[older]
@@ -78,9 +76,10 @@ class PrefixIndex:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
+    def worth_keeping(self, tokens: Sequence[int]) -> bool:
+        """Whether a session holding `tokens` is worth an entry: a FORK could reuse it."""
+        return len(tokens) >= self.min_reuse
+
     def drop(self, session_id: str) -> None:
         """The stages no longer hold this entry."""
         self._entries.pop(session_id, None)
-
-    def clear(self) -> None:
-        self._entries.clear()

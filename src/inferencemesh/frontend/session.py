@@ -66,14 +66,15 @@ class Connection:
 
     def __init__(self, pipeline: Pipeline, request_id: str) -> None:
         self.pipeline, self.request_id = pipeline, request_id
+        # The tokens decided so far, once generation runs (engine._decode): the session's cache
+        # holds all but the last, which is what a prefix-cache entry of it holds. A replay's new
+        # session holds the same.
+        self.history: list[int] | None = None
         self.open()
 
     def open(self) -> None:
         self.session = self.pipeline.open()
         self.seq = 0
-        # The tokens decided so far, once generation runs (engine._decode): the session's cache
-        # holds all but the last, which is what a prefix-cache entry of it holds.
-        self.history: list[int] | None = None
         # The sampling parameters the session's next frame carries: stages keep what they saw
         # last, so only a session's first frame (or one after a change) carries them.
         self.sampling: pb.Sampling | None = None

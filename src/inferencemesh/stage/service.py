@@ -267,10 +267,6 @@ class StageService:
         sessions, retained, cached, kv_bytes = self.worker.sessions.totals()
         self.metrics.sessions_gauge.set(sessions)
         self.metrics.retained_gauge.set(retained)
-        table = self.worker.sessions
-        if table.evictions:  # counted by the table as they happen, published here
-            self.metrics.evictions.inc(table.evictions)
-            table.evictions = 0
         self.metrics.cached_gauge.set(cached)
         self.metrics.kv_gauge.set(kv_bytes)
 

@@ -58,11 +58,11 @@ class StageSession:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, ttl_seconds: float) -> None:
+    def __init__(self, max_sessions: int, ttl_seconds: float, on_evict: Callable[[], None] | None = None) -> None:
         self.max_sessions = max_sessions
         self.ttl_seconds = ttl_seconds
         self._sessions: dict[str, StageSession] = {}
-        self.evictions = 0  # prefix-cache entries dropped to make room
+        self.on_evict = on_evict  # told of each prefix-cache entry dropped to make room (the metric)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -94,7 +94,8 @@ class SessionTable:
         if not entries:
             return False
         self.release(min(entries, key=lambda s: s.last_used).session_id)
-        self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict()
         return True
 
     def release(self, session_id: str) -> StageSession | None:

@@ -40,7 +40,7 @@ class StageWorker:
                  metrics: StageMetrics | None = None) -> None:
         self.runtime = runtime
         self.is_first, self.is_last = is_first, is_last
-        self.sessions = SessionTable(max_sessions, session_ttl)
+        self.sessions = SessionTable(max_sessions, session_ttl, metrics.evictions.inc if metrics is not None else None)
         self.wire_dtype = wire_dtype or runtime.dtype
         self.metrics = metrics
 
