@@ -53,10 +53,17 @@ def off_default(f: dataclasses.Field, cls: type):
     return f"value-of-{f.name}"
 
 
+# --no-prefix-cache with --prefix-cache-tokens is refused (test_prefix_cache_tokens_need_the_cache):
+# the all-off-default config keeps the cache on, and the switch gets a round trip of its own.
+KEPT_DEFAULT = {"prefix_cache"}
+
+
 def non_default_config(cls: type):
     values = {f.name: off_default(f, cls) for f in dataclasses.fields(cls)}
     if cls is StageConfig:
         values.update(stage_index=1, num_stages=values["num_stages"] + 2)
+    if "prefix_cache" in values and "prefix_cache_tokens" in values:
+        values["prefix_cache"] = True
     return cls(**values)
 
 
@@ -64,9 +71,20 @@ def non_default_config(cls: type):
 def test_every_field_round_trips_through_the_cli(command: str) -> None:
     config = non_default_config(PROGRAMS[command])
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    changed = [name for name, value in dataclasses.asdict(config).items() if value != defaults[name]]
-    assert len(changed) == len(defaults), "every field must differ from its default, or the test proves nothing"
+    unchanged = {name for name, value in dataclasses.asdict(config).items() if value == defaults[name]}
+    assert unchanged <= KEPT_DEFAULT, "every field must differ from its default, or the test proves nothing"
     assert parse(command, to_argv(config)) == config
+    if unchanged:
+        switched = dataclasses.replace(config, prefix_cache=False, prefix_cache_tokens=0)
+        assert parse(command, to_argv(switched)) == switched
+
+
+@pytest.mark.parametrize("command", ["frontend", "serve"])
+def test_prefix_cache_tokens_need_the_cache(command: str) -> None:
+    args = ["--model", "m", "--stage-addresses", "h:1"] if command == "frontend" else ["--model", "m"]
+    assert parse(command, [*args, "--prefix-cache-tokens", "4096"]).prefix_cache_tokens == 4096
+    with pytest.raises(ConfigError, match="--no-prefix-cache turns off"):
+        parse(command, [*args, "--no-prefix-cache", "--prefix-cache-tokens", "4096"])
 
 
 @pytest.mark.parametrize("command", sorted(PROGRAMS))

@@ -86,6 +86,9 @@ def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
                                         cpu_flags=frozenset({"avx2", "avx512_bf16"}))
     assert native.layer_bytes == half.layer_bytes
     assert emulated.layer_bytes == tuple(2 * b for b in half.layer_bytes)
+    # the prefix cache's own room: positions beside the sessions' 2 x 100
+    cached = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, prefix_cache_tokens=300)
+    assert cached.kv_bytes_per_layer * 200 == half.kv_bytes_per_layer * 500
 
 
 # ---- the first stage embedded in the frontend: stage 0's process also holds the draft ----------------------

@@ -30,7 +30,7 @@ SYSTEM = [(17 * i + 5) % 250 + 3 for i in range(40)]  # a shared "system prompt"
 
 
 def test_the_index_finds_the_longest_shared_prefix_and_leaves_one_token_to_compute() -> None:
-    index = PrefixIndex(capacity=3, min_reuse=4)
+    index = PrefixIndex(capacity=100, min_reuse=4)
     index.add("a", SYSTEM[:20])
     index.add("b", SYSTEM[:30] + [1, 2, 3])
     match = index.match(SYSTEM[:30] + [1, 2, 9])
@@ -41,7 +41,7 @@ def test_the_index_finds_the_longest_shared_prefix_and_leaves_one_token_to_compu
 
 
 def test_a_later_turn_replaces_its_earlier_one_and_capacity_drops_the_least_recently_used() -> None:
-    index = PrefixIndex(capacity=2, min_reuse=4)
+    index = PrefixIndex(capacity=50, min_reuse=4)  # token positions: turn-2 (30) and one of 20
     index.add("turn-1", SYSTEM[:20])
     index.add("turn-2", SYSTEM[:30])  # turn 1's tokens are a prefix of turn 2's
     assert len(index) == 1 and index.match(SYSTEM[:25] + [0]).session_id == "turn-2"
@@ -53,31 +53,64 @@ def test_a_later_turn_replaces_its_earlier_one_and_capacity_drops_the_least_rece
     assert index.match(SYSTEM[:25] + [0]) is None
 
 
-def test_kept_sessions_make_room_for_live_ones_least_recently_used_first() -> None:
+class HeldKV:
+    """A session's KV as the table sees it: what it holds room for."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = self.length = capacity
+
+    def release(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return self.capacity
+
+
+def keep(table: SessionTable, session_id: str, positions: int) -> None:
+    session = table.open(session_id)
+    session.kv = HeldKV(positions)
+    time.sleep(0.002)  # distinct last_used
+    table.retain(session)
+
+
+def test_entries_use_free_slots_and_make_room_for_live_sessions_least_recently_used_first() -> None:
     evicted = []
-    table = SessionTable(max_sessions=2, ttl_seconds=60, on_evict=lambda: evicted.append(1))
-
-    class KV:
-        length = 3
-
-        def release(self) -> None:
-            pass
-
-        def nbytes(self) -> int:
-            return 1
-
-    for sid in ("old", "new"):
-        session = table.open(sid)
-        session.kv = KV()
-        table.retain(session)
-        time.sleep(0.01)
-    assert table.totals()[:2] == (0, 2)
-    table.open("live-1")  # full: the least recently used entry goes
+    table = SessionTable(max_sessions=2, ttl_seconds=60, max_context=100, on_evict=lambda: evicted.append(1))
+    keep(table, "old", 100)
+    keep(table, "new", 100)
+    assert table.totals()[:2] == (0, 2) and table.cache_room() == 200
+    table.open("live-1")  # one free slot left: the least recently used entry goes
     assert table.get("old") is None and table.get("new") is not None and len(evicted) == 1
-    table.open("live-2")
-    with pytest.raises(SessionsFull):  # no entry left to evict: live sessions are never dropped
+    table.open("live-2")  # no free slot: no room for entries
+    assert table.get("new") is None and len(evicted) == 2
+    with pytest.raises(SessionsFull):  # live sessions are never dropped, and entries do not count as sessions
         table.open("live-3")
     assert table.totals()[:2] == (2, 0)
+    finished = table.get("live-2")
+    finished.kv = HeldKV(100)
+    table.retain(finished)  # the slot it frees holds it
+    assert table.get("live-2") is not None
+    assert table.totals()[:2] == (1, 1)
+
+
+def test_the_prefix_cache_tokens_keep_entries_while_every_slot_is_busy() -> None:
+    table = SessionTable(max_sessions=2, ttl_seconds=60, max_context=100, cache_tokens=150)
+    for session_id, positions in (("a", 100), ("b", 40), ("c", 60)):
+        keep(table, session_id, positions)
+    table.open("live-1")
+    table.open("live-2")  # room: 150 positions; a (least recently used) goes, b + c = 100 stay
+    assert table.get("a") is None and table.get("b") and table.get("c")
+    assert table.cache_room() == 150
+    assert table.totals()[:2] == (2, 2)
+
+
+def test_an_entry_being_forked_is_kept_for_the_copy_then_fitted() -> None:
+    table = SessionTable(max_sessions=1, ttl_seconds=60, max_context=100)
+    keep(table, "parent", 100)
+    child = table.open("child", keep=table.get("parent"))  # no room left, but the copy needs the parent
+    assert table.get("parent") is not None and child.session_id == "child"
+    table.fit_cache()  # after the copy
+    assert table.get("parent") is None
 
 
 # ---- the engine over a real 2-stage mesh ------------------------------------------------------------
@@ -107,12 +140,14 @@ def stage_tokens(mesh) -> list[float]:
 class Session:
     """One engine (one frontend) over the mesh, kept across requests, as a served frontend is."""
 
-    def __init__(self, mesh, prefix_cache: bool = True, pipeline=None) -> None:
+    def __init__(self, mesh, prefix_cache: bool = True, pipeline=None, max_sessions: int = SESSIONS,
+                 prefix_cache_tokens: int = 0) -> None:
         self.loop = asyncio.new_event_loop()
         self.metrics = FrontendMetrics("t")
         self.engine = PipelineEngine(pipeline or GrpcPipeline(mesh.addresses),
-                                     EngineOptions("t", max_context=256, max_sessions=SESSIONS,
-                                                   prefix_cache=prefix_cache), metrics=self.metrics)
+                                     EngineOptions("t", max_context=256, max_sessions=max_sessions,
+                                                   prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens),
+                                     metrics=self.metrics)
 
     def run(self, prompt: list[int], new_tokens: int, n: int = 1, **sampling) -> list[list[int]]:
         return [tokens for tokens, _ in self.steps(prompt, new_tokens, n, **sampling)]
@@ -221,6 +256,30 @@ def test_eviction_under_a_small_budget_keeps_every_answer_exact(model, cached) -
     want = [hf_greedy(model, p, 5) for p in prompts]
     for _ in range(2):
         assert [cached.run(p, 5, temperature=0.0)[0] for p in prompts] == want
+
+
+@pytest.mark.parametrize("room", [0, 512])
+def test_the_prefix_caches_own_room_keeps_entries_while_every_slot_is_busy(model, room: int) -> None:
+    """Two session slots per stage. An entry lives in a free slot; two live sessions at once (n=2)
+    take both, so without room of its own (--prefix-cache-tokens) the entry is evicted, and with
+    it the entry stays and the next turn computes only what is new. Exact either way."""
+    mesh = start_mesh(model, 2, max_context=256, max_sessions=2, prefix_cache_tokens=room)
+    session = Session(mesh, max_sessions=2, prefix_cache_tokens=room)
+    try:
+        prompt = SYSTEM + [61, 62]
+        assert session.run(prompt, 6, temperature=0.0) == [hf_greedy(model, prompt, 6)]
+        other = [7, 8, 9] + SYSTEM[::-1]
+        assert session.run(other, 4, n=2, temperature=0.0) == [hf_greedy(model, other, 4)] * 2
+        before = stage_tokens(mesh)
+        assert session.run(prompt, 6, temperature=0.0) == [hf_greedy(model, prompt, 6)]
+        computed = [a - b for a, b in zip(stage_tokens(mesh), before, strict=True)]
+        assert computed == ([1 + 5] * 2 if room else [len(prompt) + 5] * 2)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mesh.metrics_ports[0]}/metrics", timeout=5).read().decode()
+        evictions = float(re.search(r"^inferencemesh_stage_prefix_cache_evictions_total\{.*\} (\S+)$", text, re.M)[1])
+        assert (evictions > 0) is (room == 0)
+    finally:
+        session.close()
+        mesh.stop()
 
 
 def test_a_stage_restarted_between_turns_costs_a_full_prefill_not_an_answer(mesh, model) -> None:

@@ -84,6 +84,10 @@ class ModelOptions:
 class RuntimeOptions:
     max_context: int = option(DEFAULT_MAX_CONTEXT, "longest session (prompt + output) in tokens", parse=int)
     max_sessions: int = option(DEFAULT_MAX_SESSIONS, "concurrent sessions a stage holds", parse=int)
+    # The prefix cache's own room (stage/sessions.py): the planner reserves it beside the sessions'.
+    prefix_cache_tokens: int = option(0, "KV positions each stage reserves for prefix-cache entries alone (the "
+                                         "plan counts them); entries also use the session slots live requests "
+                                         "leave free", parse=int)
     wire_dtype: str | None = option(None, "dtype of activations between stages (default: the compute dtype)",
                                     choices=WIRE_DTYPES)
     debug_telemetry: bool = switch("per-token timings and debug attributes")
@@ -115,9 +119,10 @@ class BatchingOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefixCacheOptions:
-    prefix_cache: bool = option(True, "keep each finished request's KV at the stages (within their session slots, "
-                                      "least recently used evicted first) for later prompts that start the same; "
-                                      "--no-prefix-cache computes every prompt in full", switch=True)
+    prefix_cache: bool = option(True, "keep each finished request's KV at the stages (within their free session "
+                                      "slots and --prefix-cache-tokens, least recently used evicted first) for "
+                                      "later prompts that start the same; --no-prefix-cache computes every prompt "
+                                      "in full", switch=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +236,7 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
         if self.first_stage_layers is not None and not 0 <= self.first_stage_layers[0] < self.first_stage_layers[1]:
             start, end = self.first_stage_layers
             raise ConfigError(f"--first-stage-layers {start}:{end}: need 0 <= START < END")
+        _check_prefix_cache(self)
         _check_positive(self)
         return self
 
@@ -267,6 +273,7 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
                                    "among the stages, so they do not preempt each other)", parse=int)
 
     def check(self) -> ServeConfig:
+        _check_prefix_cache(self)
         _check_positive(self)
         return self
 
@@ -358,6 +365,12 @@ class OperatorConfig:
         return [("operator metrics (--metrics-port)", "", self.metrics_port)]
 
 
+def _check_prefix_cache(config: FrontendConfig | ServeConfig) -> None:
+    if not config.prefix_cache and config.prefix_cache_tokens:
+        raise ConfigError("--prefix-cache-tokens reserves room for the prefix cache that --no-prefix-cache turns "
+                          "off: give one or the other")
+
+
 def _check_positive(config: Any) -> None:
     """The counts every program shares; a field of another type under the same name (plan's
     `--stages auto`, bench's comma-separated lists) is its own type's to check."""
@@ -366,7 +379,8 @@ def _check_positive(config: Any) -> None:
         value = getattr(config, name, 1)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
-    for name in ("threads", "stage_threads", "speculative_disable_by_batch_size"):  # 0: automatic / off
+    for name in ("threads", "stage_threads", "speculative_disable_by_batch_size",  # 0: automatic / off
+                 "prefix_cache_tokens"):
         value = getattr(config, name, 0)
         if isinstance(value, int) and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")

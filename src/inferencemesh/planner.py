@@ -2,7 +2,8 @@
 
 A stage's memory need is its layers' weight bytes, plus the embedding (first stage) and
 final norm + LM head (last stage; a tied head reuses the embedding matrix), plus a KV-cache
-reserve for its layers at the configured context length and session count, plus a fixed
+reserve for its layers at the configured context length and session count (and the prefix
+cache's own positions), plus a fixed
 runtime overhead. A first stage embedded in the frontend process also holds what that process
 needs beside its layers (the draft model: `draft_reserve_bytes`), given as
 `PlanInputs.first_stage_reserved_bytes`. Ranges are chosen to minimise the largest stage's share of its memory
@@ -84,6 +85,7 @@ class PlanInputs:
         dtype: str | None = None,
         context_length: int = DEFAULT_MAX_CONTEXT,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
+        prefix_cache_tokens: int = 0,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
         first_stage_reserved_bytes: int = 0,
         on_cpu: bool = False,
@@ -91,13 +93,15 @@ class PlanInputs:
     ) -> PlanInputs:
         """dtype: as asked (auto / None: compute_dtype.choose_dtype's choice for a stage on_cpu or
         not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
-        float32 whatever it computes in (modeling.attention.kv_cache_dtype)."""
+        float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve holds
+        max_sessions sessions at context_length and prefix_cache_tokens positions for the prefix
+        cache alone (stage/sessions.py)."""
         dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
         width = TORCH_DTYPE_BYTES[dtype]
         kv_width = TORCH_DTYPE_BYTES["float32"] if on_cpu else width
-        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * context_length * max_sessions
+        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * (context_length * max_sessions + prefix_cache_tokens)
         return cls(
             layer_bytes=tuple(facts.layer_bytes(width)),
             embed_bytes=facts.group_bytes("embed", width),

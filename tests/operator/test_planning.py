@@ -41,6 +41,17 @@ def test_local_checkpoint_is_planned_from_its_headers(tiny_model: Path) -> None:
     assert list(info.inputs.layer_bytes) == facts.layer_bytes(4)  # float32 checkpoint, auto dtype
 
 
+def test_the_prefix_cache_tokens_are_planned(tiny_model: Path) -> None:
+    fields = {"contextLength": 100, "maxSessions": 2}
+    plain = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}, **fields})).inputs
+    spec = parse_spec({"model": {"name": str(tiny_model)}, **fields, "prefixCacheTokens": 300})
+    info = ModelFacts().info(spec)
+    assert info.inputs.kv_bytes_per_layer * 200 == plain.kv_bytes_per_layer * 500  # 2 x 100 sessions + 300
+    by_layout = {"layout": {"numLayers": 4, "layerBytes": 1000, "kvBytesPerToken": 10}}
+    assert ModelFacts().info(parse_spec({"model": {"name": "m", **by_layout}, **fields, "prefixCacheTokens": 300})
+                             ).inputs.kv_bytes_per_layer == 10 * 500
+
+
 def test_bigger_budget_gets_more_layers(tiny_model: Path) -> None:
     info = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}}))
     whole = info.inputs.stage_bytes(0, 4, 4)[2]

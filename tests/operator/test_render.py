@@ -343,6 +343,13 @@ def test_the_prefix_cache_is_the_frontends_switch(enabled: bool) -> None:
     assert ("--no-prefix-cache" in args) is not enabled
 
 
+def test_every_pod_gets_the_prefix_caches_own_room() -> None:
+    objs = children({"model": {"name": "bundled://imesh-code-target"}, "prefixCacheTokens": 4096})
+    parser = build_parser()
+    for name in ("frontend", "stage-0", "stage-1", "stage-2"):  # the stages keep entries, the frontend indexes them
+        assert parser.parse_args(container(objs[("Deployment", f"code-{name}")])["args"]).prefix_cache_tokens == 4096
+
+
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     a, b = children(), children()
     assert a == b

@@ -257,6 +257,9 @@ CASES = [
     ({"frontend": {"embedFirstStage": True, "nodeSelector": {"gpu": "h100", "zone": "a"}},
       "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),  # agreeing keys merge
     ({"frontend": {"nodeSelector": {"gpu": "a100"}}, "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),
+    ({"prefixCache": False, "prefixCacheTokens": 4096}, {S.MSG_PREFIX_CACHE_TOKENS}),
+    ({"prefixCache": True, "prefixCacheTokens": 4096}, set()),
+    ({"prefixCache": False, "prefixCacheTokens": 0}, set()),
 ]
 
 
@@ -264,7 +267,7 @@ CASES = [
 def test_rules_table(patch: dict, expected: set[str]) -> None:
     spec = {"model": {"name": "org/model"}}
     for key, value in patch.items():
-        spec[key] = {**spec.get(key, {}), **value}
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     defaulted = apply_defaults(SPEC_SCHEMA, spec)
     assert cel_errors(SPEC_SCHEMA, defaulted) == expected
     assert python_errors(defaulted) == expected

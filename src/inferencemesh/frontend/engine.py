@@ -66,6 +66,7 @@ class EngineOptions:
     speculative_disable_by_batch_size: int = 0  # no proposals while this many requests run (0: always)
     vocab_size: int | None = None  # the target's: token ids at or beyond it are refused (None: int32's range)
     prefix_cache: bool = True  # finished sessions stay at the stages for later prompts to fork (prefix_cache.py)
+    prefix_cache_tokens: int = 0  # the stages' room for entries beyond their session slots (stage/sessions.py)
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,9 @@ class PipelineEngine(Generic[PipelineT]):
                                     debug_telemetry=options.debug_telemetry, metrics=metrics,
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
-        # The stages hold at most max_sessions sessions per stream, live or kept: so many entries.
-        self.prefix_index = PrefixIndex(options.max_sessions) if options.prefix_cache else None
+        # The most the stages' entries can hold: every session slot, and the prefix cache's own room.
+        self.prefix_index = PrefixIndex(options.max_sessions * options.max_context + options.prefix_cache_tokens
+                                        ) if options.prefix_cache else None
 
     @property
     def recoveries(self) -> int:

@@ -8,8 +8,9 @@ so that the last stage has logits to sample from.
 
 The index is advisory: a stage may have evicted the entry (room for a live session, its idle TTL,
 a restart, a replay that broke the stream). The FORK then fails, and the request prefills in full:
-a wrong index costs speed, never an answer. It is bounded by `capacity` entries, least recently
-used dropped first, as the stages drop theirs.
+a wrong index costs speed, never an answer. It is bounded by `capacity` token positions, the room
+the stages' entries have at most (stage/sessions.py: every session slot and --prefix-cache-tokens),
+least recently used dropped first, as the stages drop theirs.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 class PrefixIndex:
     def __init__(self, capacity: int, min_reuse: int = MIN_REUSE_TOKENS) -> None:
-        self.capacity = capacity
+        self.capacity = capacity  # token positions
         self.min_reuse = min_reuse
         self._entries: OrderedDict[str, list[int]] = OrderedDict()  # session id -> its tokens, oldest first
+        self._held = 0  # token positions of every entry
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,10 +73,12 @@ class PrefixIndex:
         the index: every match it could give, this one gives as long."""
         for older in [sid for sid, held in self._entries.items()
                       if len(held) <= len(tokens) and common_prefix(held, tokens) == len(held)]:
-            del self._entries[older]
+            self.drop(older)
+        self.drop(session_id)
         self._entries[session_id] = tokens
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self._held += len(tokens)
+        while self._held > self.capacity:
+            self._held -= len(self._entries.popitem(last=False)[1])
 
     def worth_keeping(self, tokens: Sequence[int]) -> bool:
         """Whether a session holding `tokens` is worth an entry: a FORK could reuse it."""
@@ -82,4 +86,6 @@ class PrefixIndex:
 
     def drop(self, session_id: str) -> None:
         """The stages no longer hold this entry."""
-        self._entries.pop(session_id, None)
+        tokens = self._entries.pop(session_id, None)
+        if tokens is not None:
+            self._held -= len(tokens)

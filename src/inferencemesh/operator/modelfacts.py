@@ -47,7 +47,8 @@ def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
         layer_bytes=(layout.layer_bytes,) * layout.num_layers,
         embed_bytes=layout.embed_bytes,
         tail_bytes=layout.head_bytes,
-        kv_bytes_per_layer=layout.kv_bytes_per_token * spec.context_length * spec.max_sessions,
+        kv_bytes_per_layer=layout.kv_bytes_per_token * (spec.context_length * spec.max_sessions
+                                                         + spec.prefix_cache_tokens),
         overhead_bytes=DEFAULT_OVERHEAD_BYTES,
     )
 
@@ -103,7 +104,7 @@ class ModelFacts:
         # are planned for float32 (the larger; a stage with native bf16 units holds less).
         return PlanInputs.from_checkpoint(
             facts, dtype=spec.model.dtype, context_length=spec.context_length, max_sessions=spec.max_sessions,
-            on_cpu=spec.stages.on_cpu, cpu_flags=frozenset())
+            prefix_cache_tokens=spec.prefix_cache_tokens, on_cpu=spec.stages.on_cpu, cpu_flags=frozenset())
 
     def _hub_facts(self, repo_id: str, revision: str | None) -> CheckpointFacts:
         key = (repo_id, revision)

@@ -33,6 +33,8 @@ MSG_PVC_LAYOUT = "model.pvc needs model.layout: the operator does not mount the 
 MSG_DRAFT_NODRAFT = "speculative.draft and speculative.noDraft cannot both be set"
 MSG_DRAFT_STRATEGY = "speculative.draft is only used with strategy draft or auto"
 MSG_WINDOW = "speculative.window needs min <= initial <= max"
+MSG_PREFIX_CACHE_TOKENS = ("prefixCacheTokens reserves room for the prefix cache that prefixCache: false turns off: "
+                           "give one or the other")
 MSG_EMBED_NODE_SELECTOR = ("frontend.embedFirstStage puts stage 0 in the frontend pod, which then needs both "
                            "nodeSelectors: frontend.nodeSelector and stages.nodeSelector must not give one key "
                            "different values")
@@ -202,6 +204,7 @@ class MeshSpec(_Spec):
     context_length: int = 2048
     max_sessions: int = 16
     prefix_cache: bool = True
+    prefix_cache_tokens: int = Field(default=0, ge=0)  # the prefix cache's own KV positions per stage
     telemetry: TelemetrySpec = TelemetrySpec()
     security: SecuritySpec = SecuritySpec()
     images: ImagesSpec = ImagesSpec()
@@ -279,4 +282,6 @@ def validate(spec: MeshSpec) -> list[str]:
     front = spec.frontend
     if front.embed_first_stage and any(st.node_selector.get(k, v) != v for k, v in front.node_selector.items()):
         errors.append(MSG_EMBED_NODE_SELECTOR)
+    if spec.prefix_cache_tokens and not spec.prefix_cache:
+        errors.append(MSG_PREFIX_CACHE_TOKENS)
     return errors

@@ -36,7 +36,7 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedT
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,
                             speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
-                            prefix_cache=config.prefix_cache)
+                            prefix_cache=config.prefix_cache, prefix_cache_tokens=config.prefix_cache_tokens)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}, metrics=metrics), speculation
 

@@ -23,13 +23,13 @@ from inferencemesh.speculation import choose_for_model
 
 
 def plan_for(facts: CheckpointFacts, *, stages: str | int, stage_memory: str | None, dtype: str | None,
-             context_length: int, max_sessions: int, on_cpu: bool = False,
+             context_length: int, max_sessions: int, prefix_cache_tokens: int = 0, on_cpu: bool = False,
              first_stage_reserved_bytes: int = 0) -> list[StagePlan]:
     """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory); on_cpu:
     the stages compute on this machine's CPU (the dtype auto chooses there, a float32 KV cache);
     first_stage_reserved_bytes: what stage 0's process holds beside its layers (first_stage_reserve)."""
     inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions,
-                                        on_cpu=on_cpu,
+                                        prefix_cache_tokens=prefix_cache_tokens, on_cpu=on_cpu,
                                         first_stage_reserved_bytes=first_stage_reserved_bytes)
     memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
     if str(stages) == "auto":
@@ -74,7 +74,9 @@ def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, Checkpo
         facts = read_checkpoint(model, revision=settings.revision)
         return model, facts, plan_for(facts, stages=settings.stages, stage_memory=settings.stage_memory,
                                       dtype=settings.dtype, context_length=settings.max_context,
-                                      max_sessions=settings.max_sessions, on_cpu=_on_cpu(settings.device),
+                                      max_sessions=settings.max_sessions,
+                                      prefix_cache_tokens=settings.prefix_cache_tokens,
+                                      on_cpu=_on_cpu(settings.device),
                                       first_stage_reserved_bytes=first_stage_reserve(settings, model))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

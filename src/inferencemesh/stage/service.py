@@ -115,7 +115,8 @@ class StageService:
         wire_dtype = codec.DTYPE_NAMES[o.wire_dtype] if o.wire_dtype else None
         self.runtime = runtime
         self.worker = StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, max_sessions=o.max_sessions,
-                                  session_ttl=o.session_ttl, wire_dtype=wire_dtype, metrics=self.metrics)
+                                  session_ttl=o.session_ttl, prefix_cache_tokens=o.prefix_cache_tokens,
+                                  wire_dtype=wire_dtype, metrics=self.metrics)
         self._set_state("ready", 1.0)
         return self
 

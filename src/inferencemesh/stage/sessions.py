@@ -4,8 +4,14 @@ session's tokens, which the penalties look at.
 A session exists from its first frame until RELEASE, the end of the stream that opened it, an
 idle TTL, or the stage's restart. A FORK frame makes a new session a copy of another's first
 positions (fork_refusal, fork). A RELEASE with `retain` keeps the session as a prefix-cache
-entry: it computes nothing more, its stream may FORK from it, and it is evicted, least recently
-used first, whenever a new session needs its room: a live session never waits for the cache.
+entry: it computes nothing more and its stream may FORK from it.
+
+Room. The planner reserves KV for max_sessions live sessions at max_context each, plus
+cache_tokens positions for the prefix cache alone (--prefix-cache-tokens). Entries use those,
+and the slots live sessions leave free: the KV the entries hold (its allocated positions) stays
+within cache_tokens + (max_sessions - live sessions) x max_context, least recently used evicted
+first whenever a new live session or a new entry would pass it. So the whole table stays within
+the planned reserve, and a live session never waits for the cache nor is refused for it.
 The stage's worker (worker.py) holds the table and is the only code that changes a session.
 """
 
@@ -25,7 +31,7 @@ from inferencemesh.sampling import GREEDY, SamplingParams
 
 
 class SessionsFull(Exception):
-    """The stage holds max_sessions live sessions already."""
+    """The stage holds max_sessions live sessions already (prefix-cache entries do not count)."""
 
 
 class Owner:
@@ -56,12 +62,21 @@ class StageSession:
     def cached_tokens(self) -> int:
         return self.kv.length if self.kv is not None else 0
 
+    @property
+    def held_positions(self) -> int:
+        """The positions its KV buffer holds room for (what it costs in memory)."""
+        return self.kv.capacity if self.kv is not None else 0
+
 
 class SessionTable:
-    def __init__(self, max_sessions: int, ttl_seconds: float, on_evict: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_sessions: int, ttl_seconds: float, *, max_context: int, cache_tokens: int = 0,
+                 on_evict: Callable[[], None] | None = None) -> None:
         self.max_sessions = max_sessions
         self.ttl_seconds = ttl_seconds
+        self.max_context = max_context
+        self.cache_tokens = cache_tokens
         self._sessions: dict[str, StageSession] = {}
+        self._live = 0  # sessions that are not prefix-cache entries
         self.on_evict = on_evict  # told of each prefix-cache entry dropped to make room (the metric)
 
     def __len__(self) -> int:
@@ -70,37 +85,57 @@ class SessionTable:
     def get(self, session_id: str) -> StageSession | None:
         return self._sessions.get(session_id)
 
-    def open(self, session_id: str, owner: Owner | None = None) -> StageSession:
-        """The session, created for `owner` if new; SessionsFull when the stage is at capacity."""
+    def open(self, session_id: str, owner: Owner | None = None, keep: StageSession | None = None) -> StageSession:
+        """The session, created for `owner` if new; SessionsFull when the stage is at capacity.
+        `keep`: an entry about to be forked into it, not evicted for its room (fit_cache evicts it
+        after the copy if it must: for that copy's length the entries may hold one beyond their room)."""
         session = self._sessions.get(session_id)
         if session is None:
-            if len(self._sessions) >= self.max_sessions and not self._evict_one():
+            if self._live >= self.max_sessions:
                 raise SessionsFull(f"stage holds its maximum of {self.max_sessions} sessions; retry later")
             session = self._sessions[session_id] = StageSession(session_id, owner)
+            self._live += 1
             if owner is not None:
                 owner.sessions.add(session_id)
+            self.fit_cache(keep)  # one slot fewer for the entries
         session.last_used = time.monotonic()
         return session
 
     def retain(self, session: StageSession) -> None:
-        """Keep `session` as a prefix-cache entry (see the module's doc)."""
+        """Keep `session` as a prefix-cache entry (see the module's doc). The slot it frees is room
+        enough for it (a session holds at most max_context positions): older entries go first."""
+        if session.retained:
+            return
         session.retained = True
+        self._live -= 1
         session.prompt_tail = None
         session.last_used = time.monotonic()
+        self.fit_cache()
 
-    def _evict_one(self) -> bool:
-        """Drop the least recently used prefix-cache entry; False when there is none."""
-        entries = [s for s in self._sessions.values() if s.retained]
-        if not entries:
-            return False
-        self.release(min(entries, key=lambda s: s.last_used).session_id)
-        if self.on_evict is not None:
-            self.on_evict()
-        return True
+    def cache_room(self) -> int:
+        """Positions the prefix-cache entries may hold now."""
+        return self.cache_tokens + (self.max_sessions - self._live) * self.max_context
+
+    def fit_cache(self, keep: StageSession | None = None) -> None:
+        """Evict entries, least recently used first, until what they hold fits cache_room (`keep`
+        counts but stays)."""
+        entries = sorted((s for s in self._sessions.values() if s.retained), key=lambda s: s.last_used)
+        held = sum(s.held_positions for s in entries)
+        entries = [s for s in entries if s is not keep]
+        room = self.cache_room()
+        for entry in entries:
+            if held <= room:
+                return
+            held -= entry.held_positions
+            self.release(entry.session_id)
+            if self.on_evict is not None:
+                self.on_evict()
 
     def release(self, session_id: str) -> StageSession | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            if not session.retained:
+                self._live -= 1
             if session.owner is not None:
                 session.owner.sessions.discard(session_id)
             if session.kv is not None:
@@ -115,10 +150,9 @@ class SessionTable:
     def totals(self) -> tuple[int, int, int, int]:
         """(live sessions, prefix-cache entries, cached token positions, KV bytes)."""
         sessions = list(self._sessions.values())
-        retained = sum(s.retained for s in sessions)
         return (
-            len(sessions) - retained,
-            retained,
+            self._live,
+            len(sessions) - self._live,
             sum(s.cached_tokens for s in sessions),
             sum(s.kv.nbytes() for s in sessions if s.kv is not None),
         )

@@ -36,11 +36,13 @@ Job = tuple[StageSession, pb.Frame, torch.Tensor]  # a frame to compute, with it
 
 class StageWorker:
     def __init__(self, runtime: StageRuntime, *, is_first: bool, is_last: bool, max_sessions: int,
-                 session_ttl: float, wire_dtype: torch.dtype | None = None,
+                 session_ttl: float, prefix_cache_tokens: int = 0, wire_dtype: torch.dtype | None = None,
                  metrics: StageMetrics | None = None) -> None:
         self.runtime = runtime
         self.is_first, self.is_last = is_first, is_last
-        self.sessions = SessionTable(max_sessions, session_ttl, metrics.evictions.inc if metrics is not None else None)
+        self.sessions = SessionTable(max_sessions, session_ttl, max_context=runtime.max_context,
+                                     cache_tokens=prefix_cache_tokens,
+                                     on_evict=metrics.evictions.inc if metrics is not None else None)
         self.wire_dtype = wire_dtype or runtime.dtype
         self.metrics = metrics
 
@@ -85,7 +87,7 @@ class StageWorker:
         assert parent is not None  # fork_refusal refuses a FORK whose parent is missing
         parent.last_used = time.monotonic()  # a prefix-cache entry forked from is a recently used one
         try:
-            return parent, self.sessions.open(frame.session_id, owner)
+            return parent, self.sessions.open(frame.session_id, owner, keep=parent)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FORK refused: {err}") from err
 
@@ -96,6 +98,8 @@ class StageWorker:
         except BaseException:
             self.sessions.release(child.session_id)
             raise
+        finally:
+            self.sessions.fit_cache()  # the parent, kept for the copy, may be beyond the entries' room
 
     def release(self, session_id: str, owner: Owner, retain: bool = False) -> None:
         """RELEASE: free the stream's session, or with `retain` keep it as a prefix-cache entry
