@@ -32,11 +32,14 @@ def test_ranges_are_contiguous_and_cover_every_layer() -> None:
     assert all(s.num_layers >= 1 for s in plan)
 
 
-def test_end_stages_take_fewer_layers_for_embedding_and_head() -> None:
-    plan = plan_stages(inputs(layers=8, embed_mib=300, tail_mib=300), 2)
-    assert [s.num_layers for s in plan] == [4, 4]
-    plan = plan_stages(inputs(layers=9, embed_mib=300, tail_mib=0), 3)
-    assert plan[0].num_layers < plan[1].num_layers  # stage 0 carries the embedding
+def test_without_a_budget_the_layers_are_balanced_and_a_budget_makes_the_end_stages_give_way() -> None:
+    # No memory binds: the compute (the layers' own weights) is balanced, the embedding (a lookup) aside.
+    assert [s.num_layers for s in plan_stages(inputs(layers=9, embed_mib=300, tail_mib=0), 3)] == [3, 3, 3]
+    # Ties go to the smaller memory: the embedding's stage takes the shorter range.
+    assert [s.num_layers for s in plan_stages(inputs(layers=8, embed_mib=300, tail_mib=0), 3)] == [2, 3, 3]
+    # A budget binds: stage 0 carries the embedding, so it takes fewer layers.
+    plan = plan_stages(inputs(layers=9, embed_mib=300, tail_mib=0), 3, [700 * MIB])
+    assert plan[0].num_layers < plan[1].num_layers
 
 
 def test_bigger_budget_takes_more_layers() -> None:
@@ -99,9 +102,11 @@ def test_a_first_stage_reserve_counts_against_stage_0_only() -> None:
 
     plain = inputs(layers=8, embed_mib=0, tail_mib=0)
     reserved = replace(plain, first_stage_reserved_bytes=300 * MIB)
-    # balanced by bytes: stage 0 gives up layers to the reserve it holds
-    assert [s.num_layers for s in plan_stages(plain, 2)] == [4, 4]
-    embedded = plan_stages(reserved, 2)
+    # no budget: the layers stay balanced (the reserve computes nothing); a budget that binds makes
+    # stage 0 give up layers to the reserve it holds
+    assert [s.num_layers for s in plan_stages(plain, 2)] == [s.num_layers for s in plan_stages(reserved, 2)] == [4, 4]
+    assert [s.num_layers for s in plan_stages(plain, 2, [700 * MIB])] == [4, 4]
+    embedded = plan_stages(reserved, 2, [700 * MIB])
     assert [s.num_layers for s in embedded] == [3, 5]
     assert embedded[0].reserved_bytes == 300 * MIB and embedded[1].reserved_bytes == 0
     assert embedded[0].total_bytes == 3 * 110 * MIB + 300 * MIB  # 3 layers of 100 MiB + 10 MiB KV, and the reserve
@@ -151,7 +156,12 @@ def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
     _, _, plan = plan_from_settings(settings())
     assert plan[0].reserved_bytes == want and all(s.reserved_bytes == 0 for s in plan[1:])
     _, _, separate = plan_from_settings(settings(embed_first_stage=False))
-    assert plan[0].num_layers < separate[0].num_layers  # balanced by bytes, stage 0 makes room for the draft
+    assert plan[0].num_layers == separate[0].num_layers  # no budget: the layers are balanced either way
+    # a budget stage 0's four layers fit only without the draft: it gives one up for it
+    tight = plan[0].total_bytes - MIB
+    assert plan[0].total_bytes - plan[0].reserved_bytes < tight
+    tight = f"{tight // 1024}Ki"
+    assert [s.num_layers for s in plan_from_settings(settings(stage_memory=tight))[2]] == [3, 5]
 
 
 def test_an_unreadable_draft_reserves_nothing(tmp_path, capsys) -> None:

@@ -16,14 +16,11 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import torch
+from serve_probe import serving, ttft
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
@@ -62,45 +59,17 @@ def stage_against_transformers(model: str, tokens: int, dtypes: list[str], round
     return result
 
 
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def serve_ttft(tokens: int, rounds: int, port: int) -> dict:
     """TTFT of a `tokens`-token prompt through `inferencemesh serve` with its defaults."""
-    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not answers(f"{base}/ready"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {proc.stdout.read() if proc.stdout else ''}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve not ready after 300 s")
-            time.sleep(0.5)
-        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    with serving(port) as base:
         ttfts = []
         for i in range(rounds + 1):  # the first warms up
             prompt = [(7 * j + 13 * i) % 4000 + 10 for j in range(tokens)]  # no two alike: no reuse to find
-            body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True, "temperature": 0}
-            start = time.perf_counter()
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        break
+            took = ttft(base, prompt)
             if i:
-                ttfts.append(round(time.perf_counter() - start, 4))
-        print(f"serve defaults, {tokens}-token prompt: TTFT {', '.join(f'{t:.2f}' for t in ttfts)} s")
-        return {"prompt_tokens": tokens, "ttft_s": ttfts, "median_ttft_s": sorted(ttfts)[len(ttfts) // 2]}
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(30)
+                ttfts.append(round(took, 4))
+    print(f"serve defaults, {tokens}-token prompt: TTFT {', '.join(f'{t:.2f}' for t in ttfts)} s")
+    return {"prompt_tokens": tokens, "ttft_s": ttfts, "median_ttft_s": sorted(ttfts)[len(ttfts) // 2]}
 
 
 def main() -> None:

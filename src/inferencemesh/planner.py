@@ -114,13 +114,17 @@ class PlanInputs:
     def stage_bytes(self, start: int, end: int, num_layers: int) -> tuple[int, int, int]:
         """(weights, kv reserve, total) for a stage holding layers [start, end); the first stage's
         total includes first_stage_reserved_bytes."""
-        weights = self._prefix[end] - self._prefix[start]
+        weights = self.layer_weight_bytes(start, end)
         if start == 0:
             weights += self.embed_bytes
         if end == num_layers:
             weights += self.tail_bytes
         kv = self.kv_bytes_per_layer * (end - start)
         return weights, kv, weights + kv + self.overhead_bytes + self.reserved_bytes(start)
+
+    def layer_weight_bytes(self, start: int, end: int) -> int:
+        """The weights of layers [start, end) alone."""
+        return self._prefix[end] - self._prefix[start]
 
     def reserved_bytes(self, start: int) -> int:
         return self.first_stage_reserved_bytes if start == 0 else 0
@@ -193,10 +197,13 @@ def plan_stages(
     num_stages: int,
     stage_memory: list[int] | None = None,
 ) -> list[StagePlan]:
-    """Split the layers into num_stages contiguous ranges, planned by memory.
+    """Split the layers into num_stages contiguous ranges.
 
     With stage_memory (one budget per stage, or one for all), minimise the largest
-    used/budget ratio and fail if any stage exceeds its budget; without, balance bytes.
+    used/budget ratio and fail if any stage exceeds its budget. Without, no memory binds, and
+    the stages' compute is what a pipeline waits on: balance the layers' own weight bytes (a
+    stage's share of every prefill chunk's work; the embedding is a lookup, the first stage's
+    reserve no work of its own), as vLLM splits layers evenly, and break ties by memory.
     """
     num_layers = len(inputs.layer_bytes)
     if num_stages < 1:
@@ -205,15 +212,17 @@ def plan_stages(
         raise PlanError(f"{num_stages} stages requested but the model has only {num_layers} layers")
     budgets = _budgets(stage_memory, num_stages)
 
-    def cost(stage: int, start: int, end: int) -> float:
+    def cost(stage: int, start: int, end: int) -> tuple[float, float]:
         total = inputs.stage_bytes(start, end, num_layers)[2]
-        return total / budgets[stage] if budgets else float(total)
+        if budgets:
+            return total / budgets[stage], 0.0
+        return float(inputs.layer_weight_bytes(start, end)), float(total)
 
     # best[s][j]: the smallest achievable max cost placing layers [0, j) on stages [0, s).
-    inf = float("inf")
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, num_stages + 1):
         for j in range(s, num_layers - (num_stages - s) + 1):
             for i in range(s - 1, j):
