@@ -209,6 +209,15 @@ def test_invalid_utf8_and_odd_model_paths_are_not_5xx(server: Server) -> None:
     assert_healthy(server)
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/assistants"), ("GET", "/v2/models"),
+                                              ("DELETE", "/v1/chat/completions")])
+def test_a_path_the_server_does_not_serve_is_named_in_openais_error_format(server: Server, method: str,
+                                                                          path: str) -> None:
+    r = httpx.request(method, server.url + path, json={}, timeout=10)
+    assert r.status_code in (404, 405) and not errors(r.json(), "ErrorResponse"), r.text
+    assert f"({method} {path})" in r.json()["error"]["message"] and r.json()["error"]["code"] == "unknown_url"
+
+
 # --- what OpenAI's schema accepts ------------------------------------------------------------
 
 

@@ -93,7 +93,13 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
         return front.error_response(invalid_body(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
+            # Routing's own answer (a route's 404 says what was not found): name what was asked,
+            # as OpenAI does, so a client's "model not found" guess is not the only clue.
+            return front.error_response(APIError(
+                exc.status_code, f"Invalid URL ({request.method} {request.url.path}): this server does not serve it",
+                code="unknown_url"))
         return front.error_response(APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
