@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.constraints import Constraint, ConstraintError, constraint_from_request
+from inferencemesh.frontend.constraints import Constraint, ConstraintError, ConstraintKind, constraint_from_request
 from inferencemesh.frontend.grammar import GrammarTokenizer, GrammarViolation, SessionGrammar, grammar_tokenizer
 from inferencemesh.token_masks import (
     allowed_tokens,
@@ -510,7 +510,7 @@ def test_one_session_from_two_threads(tokenizer: GrammarTokenizer, hf_tokenizer:
 
 def test_a_constraint_from_elsewhere_still_gets_a_400(tokenizer: GrammarTokenizer) -> None:
     bad = Constraint(
-        kind=constraint_kind_regex(),
+        kind=ConstraintKind.REGEX,
         spec="a((",
         grammar='{"grammars": [{"lark_grammar": "start: ("}]}',
         param="guided_regex",
@@ -518,9 +518,3 @@ def test_a_constraint_from_elsewhere_still_gets_a_400(tokenizer: GrammarTokenize
     with pytest.raises(ConstraintError) as caught:
         SessionGrammar(bad, tokenizer)
     assert caught.value.param == "guided_regex"
-
-
-def constraint_kind_regex() -> Any:
-    from inferencemesh.frontend.constraints import ConstraintKind
-
-    return ConstraintKind.REGEX
