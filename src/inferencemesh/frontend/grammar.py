@@ -1,0 +1,229 @@
+"""One session's grammar state under speculative decoding (llguidance's LLMatcher).
+
+The matcher advances only on committed tokens. For a verify window (k drafts + the bonus
+position) window_masks walks the drafts on scratch: the mask before each draft, consume it, ...,
+the mask for the bonus position, then rolls everything back. A draft the grammar forbids ends
+the window there; the stage then verifies only the drafts kept, under those masks, so it can
+neither accept nor sample a token the grammar forbids.
+
+EOS: llguidance allows the tokenizer's EOS token(s) in a mask exactly when the grammar may end
+there (is_accepting), and once it cannot go on (is_stopped) the mask is EOS alone. The EOS ids
+are the GrammarTokenizer's: pass every id that ends generation (e.g. <|im_end|> for chat), or a
+stop token the grammar never allows would be masked out and the output could never end.
+
+Threads and cost: mask computation runs in Rust with the GIL released (llguidance drops it in
+compute_mask/unsafe_compute_mask_ptr and while building a matcher), so masks can be computed on a
+worker thread while the event loop and the pipeline run. One LLMatcher must not be used by two
+threads at once (PyO3 raises "Already borrowed"): each SessionGrammar holds a lock around it.
+Consuming and rolling back tokens keep the GIL but cost microseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from inferencemesh.frontend.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError
+from inferencemesh.token_masks import WORD_BITS, apply_token_masks, is_allowed, mask_words
+
+
+@dataclass(frozen=True, eq=False)
+class GrammarTokenizer:
+    """A tokenizer as llguidance sees it, with the mask width of the model it serves.
+
+    vocab_size is the model's logits width (its embedding rows, possibly padded past the
+    tokenizer's vocabulary: those ids are never allowed). Building one costs a token-trie
+    construction (~1 s for a 150k vocabulary): get it from grammar_tokenizer(), which caches."""
+
+    ll: llguidance.LLTokenizer
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def words(self) -> int:
+        return mask_words(self.vocab_size)
+
+
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], GrammarTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHE_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(
+    hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] | None = None
+) -> GrammarTokenizer:
+    """The cached GrammarTokenizer of a Hugging Face fast tokenizer for a model of vocab_size logits.
+
+    eos_token_ids: the ids that end generation (default: the tokenizer's eos_token_id)."""
+    eos = tuple(eos_token_ids) if eos_token_ids is not None else (hf_tokenizer.eos_token_id,)
+    if not eos or any(not isinstance(token, int) or not 0 <= token < vocab_size for token in eos):
+        raise ValueError(f"EOS token ids {eos} must be ids below the vocabulary size {vocab_size}")
+    if len(hf_tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(hf_tokenizer)} tokens, more than the model's {vocab_size} logits")
+    key = (vocab_size, eos)
+    with _CACHE_LOCK:
+        cached = _CACHE.get(hf_tokenizer, {}).get(key)
+    if cached is not None:
+        return cached
+    # Built outside the lock (seconds for a large vocabulary); a race builds twice, keeps one.
+    built = GrammarTokenizer(
+        llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos)), vocab_size, eos
+    )
+    with _CACHE_LOCK:
+        return _CACHE.setdefault(hf_tokenizer, {}).setdefault(key, built)
+
+
+class GrammarViolation(RuntimeError):
+    """A committed token the grammar forbids: the masks were not applied upstream (a bug)."""
+
+
+class SessionGrammar:
+    """One generation's grammar state: advanced by commit(), queried by window_masks()."""
+
+    def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
+        self.constraint = constraint
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+        # log_level 0: refusals are reported through is_error/get_error, not printed to stderr.
+        self._matcher = llguidance.LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=GRAMMAR_LIMITS)
+        if self._matcher.is_error():  # tokenizer-dependent failures the up-front validation cannot see
+            raise ConstraintError(constraint.param, f"cannot enforce this constraint: {self._matcher.get_error()}")
+        self.committed = 0  # tokens the grammar has advanced by
+
+    # -- committed state ---------------------------------------------------------------------
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance by tokens the pipeline committed (accepted drafts + the bonus token).
+
+        Raises GrammarViolation, leaving the state as it was, if one of them is not allowed:
+        that means a mask was not applied and the output already breaks the constraint."""
+        tokens = list(tokens)
+        with self._lock:
+            ok = self._valid_prefix(tokens)
+            if ok < len(tokens):
+                raise GrammarViolation(
+                    f"token {tokens[ok]} at committed position {self.committed + ok} is not allowed by the "
+                    f"{self.constraint.kind.value} constraint"
+                )
+            for token in tokens:
+                self._consume(token)
+            self.committed += len(tokens)
+
+    def _valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens the grammar allows from here (never puts the matcher in error)."""
+        eos = self.tokenizer.eos_token_ids
+        in_range = next(
+            (i for i, token in enumerate(tokens) if not 0 <= token < self.tokenizer.vocab_size), len(tokens)
+        )
+        # An id out of range would put the matcher in its permanent error state: stop before it.
+        prefix = tokens[:in_range]
+        if self._matcher.is_stopped():
+            # After EOS (or once nothing can follow) only EOS is accepted, by consume_token.
+            return next((i for i, token in enumerate(prefix) if token not in eos), len(prefix))
+        return self._matcher.validate_tokens(prefix) if prefix else 0
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token) or self._matcher.is_error():
+            raise RuntimeError(f"llguidance refused token {token} it had allowed: {self._matcher.get_error()}")
+
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the output may end here (EOS is allowed)."""
+        with self._lock:
+            return self._matcher.is_accepting()
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether nothing but EOS can follow (the grammar is complete, or EOS was committed)."""
+        with self._lock:
+            return self._matcher.is_stopped()
+
+    # -- masks -------------------------------------------------------------------------------
+
+    def window_masks(self, drafts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """The masks for a verify window: (masks, usable).
+
+        masks is a CPU int32 tensor [usable + 1, words]: row i is the mask at draft position i
+        (given drafts[:i] accepted), row usable the bonus position's. usable is how many drafts
+        the grammar allows in a row from the committed state; the first one it forbids (and all
+        after it) must be dropped from the window. An allowed EOS draft is the window's last
+        (nothing follows EOS; its bonus row allows EOS alone). The committed state is unchanged."""
+        drafts = list(drafts)
+        masks = torch.empty((len(drafts) + 1, self.tokenizer.words), dtype=torch.int32)
+        with self._lock:
+            usable = self._scratch_walk(drafts, masks)
+        return masks[: usable + 1], usable
+
+    def mask_after(self, drafts: Sequence[int] = ()) -> torch.Tensor | None:
+        """The mask [1, words] after the committed tokens and then drafts (on scratch), or None if
+        the grammar forbids drafts. For a draft model proposing token by token."""
+        drafts = list(drafts)
+        masks = torch.empty((len(drafts) + 1, self.tokenizer.words), dtype=torch.int32)
+        with self._lock:
+            usable = self._scratch_walk(drafts, masks, rows=False)
+        return masks[usable : usable + 1] if usable == len(drafts) else None
+
+    def constrain_draft_logits(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """A draft model's next-token logits ([vocab] or [1, vocab]) masked in place to what the
+        grammar allows after drafts; returns logits. Raises GrammarViolation if drafts themselves
+        are forbidden (the proposer should have been masked: its proposals end there)."""
+        mask = self.mask_after(drafts)
+        if mask is None:
+            raise GrammarViolation(
+                f"drafts {list(drafts)} are not allowed by the {self.constraint.kind.value} constraint"
+            )
+        apply_token_masks(logits.view(1, -1) if logits.dim() == 1 else logits, mask)
+        return logits
+
+    def _scratch_walk(self, drafts: list[int], masks: torch.Tensor, rows: bool = True) -> int:
+        """Consume drafts on scratch while the grammar allows them, writing the mask before each
+        (only the last one unless rows) into masks[i]; roll back; return how many were allowed.
+        Caller holds the lock."""
+        eos = self.tokenizer.eos_token_ids
+        consumed = allowed = 0
+        try:
+            # Without rows, the masks before each draft are skipped: validation is cheaper than a mask.
+            limit = len(drafts) if rows else self._valid_prefix(drafts)
+            for token in drafts[:limit]:
+                if rows:
+                    self._fill(masks, allowed)
+                    if not is_allowed(masks[allowed], token):
+                        break
+                if token in eos:
+                    # Nothing follows EOS. It is not consumed: once the matcher is stopped,
+                    # llguidance accepts EOS without recording it, so a rollback would undo a real token.
+                    allowed += 1
+                    self._eos_row(masks, allowed)
+                    return allowed
+                self._consume(token)
+                consumed = allowed = allowed + 1
+            if rows or allowed == len(drafts):
+                self._fill(masks, allowed)
+        finally:
+            self._rollback(consumed)
+        return allowed
+
+    def _eos_row(self, masks: torch.Tensor, row: int) -> None:
+        masks[row] = 0
+        for token in self.tokenizer.eos_token_ids:
+            word, bit = divmod(token, WORD_BITS)
+            masks[row, word] = int(masks[row, word]) | ((1 << bit) if bit < 31 else -(1 << 31))  # int32 bits
+
+    def _fill(self, masks: torch.Tensor, row: int) -> None:
+        # Writes llguidance's mask straight into the row; the GIL is released while it computes.
+        target = masks[row]
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        if self._matcher.is_error():
+            raise RuntimeError(f"llguidance failed computing a mask: {self._matcher.get_error()}")
+
+    def _rollback(self, count: int) -> None:
+        if count and not self._matcher.rollback(count):
+            raise RuntimeError(f"llguidance could not roll back {count} tokens: {self._matcher.get_error()}")

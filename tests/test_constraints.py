@@ -1,0 +1,251 @@
+"""Request constraints: every OpenAI / vLLM form is parsed into one Constraint, and each kind of bad
+input is refused up front with ConstraintError naming the parameter a 400 reports."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import pytest
+
+from inferencemesh.frontend.constraints import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    constraint_from_request,
+)
+from inferencemesh.frontend.engine_api import InvalidRequest
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def schema_format(schema: Any, *, strict: bool | None = True, name: str = "person") -> dict[str, Any]:
+    spec: dict[str, Any] = {"name": name, "schema": schema}
+    if strict is not None:
+        spec["strict"] = strict
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def refused(**fields: Any) -> ConstraintError:
+    with pytest.raises(ConstraintError) as caught:
+        constraint_from_request(**fields)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, ConstraintKind.JSON_OBJECT, "response_format"),
+        ({"response_format": schema_format(PERSON)}, ConstraintKind.JSON_SCHEMA, "response_format.json_schema.schema"),
+        ({"guided_json": PERSON}, ConstraintKind.JSON_SCHEMA, "guided_json"),
+        ({"guided_json": json.dumps(PERSON)}, ConstraintKind.JSON_SCHEMA, "guided_json"),
+        ({"guided_regex": r"[0-9]{3}-[a-z]+"}, ConstraintKind.REGEX, "guided_regex"),
+        ({"guided_choice": ["yes", "no", 'say "hi"']}, ConstraintKind.CHOICE, "guided_choice"),
+        ({"guided_grammar": 'start: "a" NUM\nNUM: /[0-9]+/'}, ConstraintKind.GRAMMAR, "guided_grammar"),
+        ({"guided_grammar": 'root ::= "a" [0-9]+'}, ConstraintKind.GRAMMAR, "guided_grammar"),  # GBNF
+        ({"structured_outputs": {"json": PERSON}}, ConstraintKind.JSON_SCHEMA, "structured_outputs.json"),
+        ({"structured_outputs": {"regex": "a+"}}, ConstraintKind.REGEX, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, ConstraintKind.CHOICE, "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, ConstraintKind.GRAMMAR, "structured_outputs.grammar"),
+        ({"structured_outputs": {"json_object": True}}, ConstraintKind.JSON_OBJECT, "structured_outputs.json_object"),
+    ],
+)
+def test_every_form_gives_one_validated_constraint(fields: dict[str, Any], kind: ConstraintKind, param: str) -> None:
+    constraint = constraint_from_request(**fields)
+    assert isinstance(constraint, Constraint)
+    assert constraint.kind is kind and constraint.param == param
+    assert llguidance.LLMatcher.validate_grammar(constraint.grammar) == ""
+    hash(constraint)  # frozen and hashable: a cache key for compiled grammars
+
+
+def test_no_constraint_is_none() -> None:
+    assert constraint_from_request() is None
+    assert constraint_from_request(response_format={"type": "text"}) is None
+    assert constraint_from_request(structured_outputs={"json": None, "disable_fallback": True}) is None
+    # text plus a vLLM constraint is one constraint, not two
+    assert constraint_from_request(response_format={"type": "text"}, guided_regex="a") is not None
+
+
+def test_the_schema_spec_is_canonical() -> None:
+    shuffled = dict(reversed(list(PERSON.items())))
+    one = constraint_from_request(guided_json=PERSON)
+    two = constraint_from_request(guided_json=json.dumps(shuffled, indent=2))
+    assert one is not None and two is not None
+    assert one.spec == two.spec and one.grammar == two.grammar
+
+
+def test_strict_schema_carries_its_name_and_flag() -> None:
+    constraint = constraint_from_request(response_format=schema_format(PERSON))
+    assert constraint is not None and constraint.strict and constraint.name == "person"
+    loose = constraint_from_request(response_format=schema_format({"type": "object"}, strict=None))
+    assert loose is not None and not loose.strict
+
+
+def test_two_constraints_at_once_are_refused() -> None:
+    err = refused(response_format={"type": "json_object"}, guided_regex="a+")
+    assert err.param == "guided_regex" and "response_format and guided_regex" in err.message
+    assert refused(guided_json=PERSON, guided_choice=["a"]).param == "guided_choice"
+    assert refused(guided_grammar='start: "a"', structured_outputs={"regex": "a"}).param == "structured_outputs"
+    assert refused(structured_outputs={"regex": "a", "choice": ["a"]}).param == "structured_outputs"
+
+
+def test_the_error_is_a_400_naming_the_parameter() -> None:
+    err = refused(guided_regex="a((")
+    assert isinstance(err, InvalidRequest) and err.status_code == 400
+    assert err.param == "guided_regex" and "unclosed group" in err.message and str(err) == err.message
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}, "additionalProperties"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}, "'a'"),
+        (
+            {
+                "type": "object",
+                "properties": {"inner": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                "required": ["inner"],
+                "additionalProperties": False,
+            },
+            "#/properties/inner",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"}}},
+                "required": ["items"],
+                "additionalProperties": False,
+                "$defs": {"item": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+            },
+            "#/$defs/item",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"v": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {}}]}},
+                "required": ["v"],
+                "additionalProperties": False,
+            },
+            "#/properties/v/anyOf/1",
+        ),
+        ({"type": "array", "items": {"type": "string"}}, "root schema to be an object"),
+    ],
+)
+def test_strict_mode_violations_are_refused(schema: dict[str, Any], where: str) -> None:
+    err = refused(response_format=schema_format(schema))
+    assert err.param == "response_format.json_schema.schema" and where in err.message
+    # the same schema is fine where strict mode does not apply
+    assert constraint_from_request(response_format=schema_format(schema, strict=False)) is not None
+    assert constraint_from_request(guided_json=schema) is not None
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "strng"}, "invalid JSON schema"),
+        ({"type": "string", "minLength": -1}, "invalid JSON schema at minLength"),
+        ({"type": "object", "required": [1]}, "invalid JSON schema at required/0"),
+        ({"type": "string", "title": 5}, "invalid JSON schema at title"),  # a keyword llguidance never reads
+        ({"properties": {"a": {"type": "integer", "maximum": "ten"}}}, "properties/a/maximum"),
+        ([{"type": "string"}], "must be an object"),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "Unsatisfiable"),  # valid JSON schema, matches nothing
+        ({"$ref": "#/$defs/missing"}, "does not exist"),
+    ],
+)
+def test_invalid_schemas_are_refused(schema: Any, message: str) -> None:
+    err = refused(guided_json=schema)
+    assert err.param == "guided_json" and message in err.message
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ],
+)
+def test_schema_features_llguidance_cannot_enforce_are_refused(schema: dict[str, Any], keyword: str) -> None:
+    """Valid JSON schemas whose keyword would otherwise be silently ignored: refused, not approximated."""
+    err = refused(response_format=schema_format(schema, strict=False))
+    assert err.param == "response_format.json_schema.schema"
+    assert "cannot enforce" in err.message and keyword in err.message
+
+
+def test_malformed_schema_text_is_refused() -> None:
+    assert "not valid JSON" in refused(guided_json='{"type": ').message
+    assert "not JSON" in refused(guided_json={"type": "number", "maximum": float("nan")}).message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"guided_regex": "a(("}, "guided_regex", "unclosed group"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_choice": ["a", 3]}, "guided_choice", "non-empty string"),
+        ({"guided_choice": "a"}, "guided_choice", "list"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "unknown name"),
+        ({"guided_grammar": "   "}, "guided_grammar", "non-empty"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "must be an object"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+            "required",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": PERSON, "strict": "yes"},
+                }
+            },
+            "response_format.json_schema.strict",
+            "boolean",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "not supported"),
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+        ({"structured_outputs": ["json"]}, "structured_outputs", "must be an object"),
+    ],
+)
+def test_malformed_fields_are_refused(fields: dict[str, Any], param: str, message: str) -> None:
+    err = refused(**fields)
+    assert err.param == param and message in err.message
+
+
+@pytest.mark.parametrize("field", ["guided_json", "guided_regex", "guided_choice", "guided_grammar"])
+def test_a_constraint_over_the_size_limit_is_refused(field: str) -> None:
+    words = [f"w{i:06d}" for i in range(MAX_CONSTRAINT_BYTES // 8 + 1)]
+    oversized: Any = {
+        "guided_json": {"enum": words},
+        "guided_regex": "|".join(words),
+        "guided_choice": words,
+        "guided_grammar": "start: " + " | ".join(json.dumps(w) for w in words),
+    }[field]
+    err = refused(**{field: oversized})
+    assert err.param == field and f"the limit is {MAX_CONSTRAINT_BYTES}" in err.message
+    # a tenth of it compiles: the limit, not the content, refused it
+    half: Any = {
+        "guided_json": {"enum": words[: len(words) // 10]},
+        "guided_regex": "|".join(words[: len(words) // 10]),
+        "guided_choice": words[: len(words) // 10],
+        "guided_grammar": "start: " + " | ".join(json.dumps(w) for w in words[: len(words) // 10]),
+    }[field]
+    assert constraint_from_request(**{field: half}) is not None
+
+
+def test_non_ascii_choices_and_schemas_keep_their_text() -> None:
+    constraint = constraint_from_request(guided_choice=["café", 'naïve \\ "q"'])
+    assert constraint is not None and json.loads(constraint.spec) == ["café", 'naïve \\ "q"']
+    schema = {"type": "object", "properties": {"größe": {"type": "string"}}}
+    constraint = constraint_from_request(guided_json=schema)
+    assert constraint is not None and "größe" in constraint.spec
