@@ -5,8 +5,10 @@ stream's sessions are its own."""
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from tiny_models import write_tiny_model
@@ -14,6 +16,7 @@ from wire import RawStream, StageServers, exchange, failures
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.token_masks import mask_words, pack_token_masks
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
@@ -130,3 +133,78 @@ def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:
     refused, attempts = asyncio.run(go())
     assert [code for code, _ in refused] == [grpc.StatusCode.PERMISSION_DENIED] * attempts, refused
     assert all("belongs to another stream" in message for _, message in refused)
+
+
+# ---- token masks (constrained decoding) decide at the last stage -------------------------------------
+
+
+def masks_allowing(vocab: int, *rows: set[int]) -> bytes:
+    words = np.zeros((len(rows), mask_words(vocab)), dtype=np.uint32)
+    for row, allowed in enumerate(rows):
+        for token in allowed:
+            words[row, token // 32] |= np.uint32(1 << (token % 32))
+    return pack_token_masks(words.view(np.int32), vocab)
+
+
+def test_a_frames_token_masks_decide_what_the_last_stage_may_sample_and_accept(one_stage) -> None:
+    address = one_stage.addresses[0]
+    vocab = one_stage.runtimes[0].vocab_size
+    unconstrained = answer_alone(address, prefill("free", temperature=0.0))[0]
+    forced = next(t for t in (7, 8) if t != unconstrained)
+    masked = prefill("forced", temperature=0.0)
+    masked.token_masks = masks_allowing(vocab, {forced})
+    assert answer_alone(address, masked) == [forced]
+    for seed in range(6):  # sampled: only what the row allows
+        frame = prefill(f"sampled-{seed}", temperature=1.5, seed=seed)
+        frame.token_masks = masks_allowing(vocab, {40, 41})
+        assert answer_alone(address, frame)[0] in (40, 41)
+
+    # VERIFY: the greedy continuation [g1, g2, g3] is accepted whole without masks; a row that
+    # forbids g2 ends the window there, and that row's bonus is the one token it allows.
+    async def windows() -> tuple[list[int], pb.Prediction, pb.Prediction]:
+        stream = RawStream(pb_grpc.StageStub(grpc.aio.insecure_channel(address)))
+        try:
+            path = []
+            for session in ("whole", "cut"):
+                first = (await stream.exchange(prefill(session, temperature=0.0))).predictions[0].tokens[0]
+                path = path or [first]
+            while len(path) < 4:
+                frame = pb.Frame(session_id="probe", kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT) + len(path),
+                                 token_ids=PROMPT + path, want_prediction=True, seq=1)
+                frame.sampling.CopyFrom(pb.Sampling(temperature=0.0))
+                path.append((await stream.exchange(frame)).predictions[0].tokens[0])
+                await stream.exchange(pb.Frame(session_id="probe", kind=pb.RELEASE, seq=2))
+
+            def verify(session: str) -> pb.Frame:
+                return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=3,
+                                token_ids=path[:3], want_prediction=True, seq=3)
+
+            whole = (await stream.exchange(verify("whole"))).predictions[0]
+            other = next(t for t in range(50, 60) if t != path[2])
+            cut_frame = verify("cut")
+            cut_frame.token_masks = masks_allowing(vocab, {path[1]}, {other}, set(range(vocab)))
+            cut = (await stream.exchange(cut_frame)).predictions[0]
+            return path, whole, cut
+        finally:
+            await stream.close()
+
+    path, whole, cut = one_stage.run(windows())
+    assert (whole.accepted, list(whole.tokens)) == (2, path[1:4])
+    assert (cut.accepted, list(cut.tokens)) == (1, [path[1], next(t for t in range(50, 60) if t != path[2])])
+
+
+@pytest.mark.parametrize(("case", "says"), [("rows", "mask rows"), ("empty", "allows no token"),
+                                            ("short", "bytes")])
+def test_token_masks_that_do_not_fit_fail_their_frame_alone(one_stage, case: str, says: str) -> None:
+    address = one_stage.addresses[0]
+    vocab = one_stage.runtimes[0].vocab_size
+    alone = answer_alone(address, prefill("alone", temperature=0.0))
+    bad = prefill("bad", temperature=0.0)
+    # (pack_token_masks refuses a row that allows nothing, as the stage does: those bytes are built by hand)
+    bad.token_masks = {"rows": masks_allowing(vocab, {1}, {2}), "short": masks_allowing(vocab, {1})[:-4],
+                       "empty": struct.pack("<II", 1, vocab) + bytes(4 * mask_words(vocab))}[case]
+    results, status = exchange(address, [{"frames": [prefill("good", temperature=0.0), bad]}])
+    assert status == grpc.StatusCode.OK
+    assert [(p.session_id, list(p.tokens)) for p in results[0].predictions] == [("good", alone)]
+    (code, message), = failures(results[0])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "token_masks" in message and says in message, message

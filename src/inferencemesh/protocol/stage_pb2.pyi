@@ -71,7 +71,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id", "retain")
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id", "retain", "token_masks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Frame(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RETAIN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     kind: FrameKind
@@ -100,7 +101,8 @@ class Frame(_message.Message):
     prompt_logprobs: bool
     parent_session_id: str
     retain: bool
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ..., retain: _Optional[bool] = ...) -> None: ...
+    token_masks: bytes
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ..., retain: _Optional[bool] = ..., token_masks: _Optional[bytes] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "frames", "dtype", "hidden_size", "activations", "failures")

@@ -29,14 +29,16 @@ WIDEST_WIRE_DTYPE_BYTES = 4  # float32 activations
 def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, max_sessions: int) -> int:
     """The largest message either direction of a stage stream can carry for this plan, the gRPC
     limit of both ends: a Batch of every session's frame (one each), prompt chunks up to the token
-    budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their probabilities, and
+    budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their probabilities and
+    token masks (constrained decoding: a row for each draft and each session's next token), and
     float32 activations for all of it (the widest wire dtype); its BatchResult is smaller. gRPC
     refuses a larger message with RESOURCE_EXHAUSTED instead of handing it to the stage."""
     tokens = max(max_batch_tokens, PREFILL_CHUNK_TOKENS) + max_sessions + MAX_DRAFT_ROWS_PER_BATCH
     activations = tokens * hidden_size * WIDEST_WIRE_DTYPE_BYTES
     draft_probs = MAX_DRAFT_ROWS_PER_BATCH * vocab_size * 4
+    token_masks = (MAX_DRAFT_ROWS_PER_BATCH + max_sessions) * (vocab_size // 8 + 4)  # a bit per token, each row
     frames = max_sessions * FRAME_BYTES + tokens * PREDICTED_TOKEN_BYTES
-    return activations + draft_probs + frames + 64 * 1024  # the Batch's own fields and framing
+    return activations + draft_probs + token_masks + frames + 64 * 1024  # the Batch's own fields and framing
 # Keepalive, agreed by both ends of every stage stream. The channel pings a stream every
 # KEEPALIVE_MS, quiet or not (so a dead peer is found while a stream idles); the server must then
 # accept pings that often, or it answers them with GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (its

@@ -11,6 +11,7 @@ from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
 from inferencemesh.sampling import logprobs, next_token, verify
 from inferencemesh.stage.sessions import StageSession
+from inferencemesh.token_masks import apply_token_masks, unpack_token_masks
 
 
 def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_size: int) -> pb.Prediction:
@@ -28,13 +29,14 @@ def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_s
                 probs = codec.decode_probs(frame.draft_probs, len(drafts), vocab_size)
             except codec.PayloadError as err:
                 raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
-        accepted, tokens = verify(logits, drafts, sampling, frame.pos_start, probs, context)
+        accepted, tokens = verify(_masked(frame, logits[: len(drafts) + 1]), drafts, sampling, frame.pos_start,
+                                  probs, context)
         prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
                                    tokens=tokens, accepted=accepted)
         rows = logits[: len(tokens)]  # row i decided tokens[i]: the target's own logprobs, never the draft's
     else:
         position = frame.pos_start + frame.token_count
-        tokens = [next_token(logits[-1], sampling, position, context)]
+        tokens = [next_token(_masked(frame, logits[-1:])[0], sampling, position, context)]
         prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=position, tokens=tokens)
         rows = logits[-1:]
     if session.logprobs is not None:
@@ -42,6 +44,20 @@ def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_s
     if frame.kind == pb.PREFILL and frame.prompt_logprobs:
         prediction.prompt_logprobs.extend(_prompt_logprobs(session, frame, logits))
     return prediction
+
+
+def _masked(frame: pb.Frame, rows: torch.Tensor) -> torch.Tensor:
+    """The rows a frame decides from, with its token masks applied (a copy: the logprobs stay the
+    model's own), or the rows themselves when it carries none."""
+    if not frame.token_masks:
+        return rows
+    try:
+        masks = unpack_token_masks(frame.token_masks)
+        if masks.shape[0] != rows.shape[0]:
+            raise ValueError(f"{masks.shape[0]} mask rows for the {rows.shape[0]} rows the frame decides from")
+        return apply_token_masks(rows.clone(), masks)
+    except ValueError as err:
+        raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"token_masks: {err}") from err
 
 
 def _prompt_logprobs(session: StageSession, frame: pb.Frame, logits: torch.Tensor) -> list[pb.TokenLogprobs]:
