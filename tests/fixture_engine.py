@@ -115,6 +115,9 @@ class TransformersEngine:
         if self.open_sessions + total > self.max_sessions:
             raise EngineOverloaded(f"{self.open_sessions} sessions open, the limit is {self.max_sessions}")
         for request in requests:
+            if request.constrained is not None:  # never accepted and ignored: this engine has no sampler hook
+                raise InvalidRequest("the fixture engine does not constrain output",
+                                     param=request.constrained.constraint.param)
             if len(request.prompt_ids) + request.max_tokens > self.max_context:
                 raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
         started: list[Choice] = []

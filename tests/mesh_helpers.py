@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import signal
 import socket
-from collections.abc import Sequence
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
+import pytest
 import torch
 
 from inferencemesh.checkpoint import read_local
@@ -106,3 +115,34 @@ def generate(pipeline, prompt: list[int], new_tokens: int, proposer_for=None, ma
             await engine.close()
 
     return asyncio.run(go())
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
+    """`inferencemesh serve` as a user starts it (plus flags), ready: (base URL, process, its output)."""
+    port = free_serve_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "serve", "--port", str(port),
+                             "--max-sessions", "4", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, "".join(lines)
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("serve never became ready:\n" + "".join(lines))
+    try:
+        yield base, proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)

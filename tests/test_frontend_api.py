@@ -296,7 +296,12 @@ def test_stop_string_matcher() -> None:
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"]}, "guided_choice"),  # the fixture
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None),
 ])

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -187,6 +189,20 @@ def prompt_ids(api: Api, tokenizer) -> list[int]:
     return tokenizer(PROMPT).input_ids
 
 
+LANGUAGE = {"type": "object", "properties": {"lang": {"enum": ["python", "rust"]}}, "required": ["lang"],
+            "additionalProperties": False}
+# Structured output, each field with a constraint whose every output is easy to check (vLLM's fields
+# on both endpoints, OpenAI's response_format too).
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "language", "strict": True, "schema": LANGUAGE}}
+STRUCTURED = {
+    "guided_choice": (["yes", "no"], lambda text: text in ("yes", "no")),
+    "guided_regex": ("[0-9]{3}", lambda text: re.fullmatch("[0-9]{3}", text) is not None),
+    "guided_json": (LANGUAGE, lambda text: json.loads(text)["lang"] in ("python", "rust")),
+    "guided_grammar": ('start: "alpha" | "beta"', lambda text: text in ("alpha", "beta")),
+    "structured_outputs": ({"choice": ["on", "off"]}, lambda text: text in ("on", "off")),
+}
+
+
 def honoured_checks(api: Api, tokenizer, model) -> dict:
     """Per field, a behavioural check (each could fail if the field were ignored)."""
     greedy = api.text()
@@ -274,6 +290,15 @@ def honoured_checks(api: Api, tokenizer, model) -> dict:
         checks["echo"] = lambda: expect(api.text(echo=True) == PROMPT + greedy)
         checks["add_special_tokens"] = lambda: expect(api.ok(add_special_tokens=False)["usage"]["prompt_tokens"] == len(
             tokenizer(PROMPT, add_special_tokens=False).input_ids))
+
+    def constrained(field: str, value: object, valid: Callable[[str], bool]) -> None:
+        # EOS ends a constrained output (so it is not ignored); a free-text format is no constraint
+        assert valid(api.text(ignore_eos=None, max_tokens=24, **{field: value})), field
+
+    for field, (value, valid) in STRUCTURED.items():
+        checks[field] = partial(constrained, field, value, valid)
+    checks["response_format"] = lambda: (expect(api.text(response_format={"type": "text"}) == greedy),
+                                         constrained("response_format", SCHEMA_FORMAT, STRUCTURED["guided_json"][1]))
     return checks
 
 
@@ -281,7 +306,7 @@ LABELS = {"user": "someone", "metadata": {"k": "v"}, "safety_identifier": "x", "
           "prompt_cache_retention": "24h", "prompt_cache_options": {}, "service_tier": "auto", "request_id": "r-1"}
 # A value of each field that asks for what we do (accepted) and one that does not (refused).
 ACCEPTED_REFUSED = {
-    "best_of": (1, 2), "suffix": ("", "x"), "response_format": ({"type": "text"}, {"type": "json_object"}),
+    "best_of": (1, 2), "suffix": ("", "x"),
     "tool_choice": ("none", "required"), "store": (False, True), "modalities": (["text"], ["text", "audio"]),
     "skip_special_tokens": (True, False), "spaces_between_special_tokens": (True, False),
     "add_generation_prompt": (True, False), "echo": (False, True),
@@ -305,7 +330,7 @@ def test_every_field_is_honoured_or_refused(http, tokenizer, model, path: str, s
     ids = prompt_ids(api, tokenizer)
     checks = honoured_checks(api, tokenizer, model)
     vllm_extras = {"top_k", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "include_stop_str_in_output"} | set(FIXED) | set(REFUSED)
+                   "include_stop_str_in_output", "response_format", *STRUCTURED} | set(FIXED) | set(REFUSED)
     fields = spec_fields(schema) | vllm_extras
     for field in sorted(fields):
         if field in checks:

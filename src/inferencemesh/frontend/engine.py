@@ -220,7 +220,7 @@ class PipelineEngine(Generic[PipelineT]):
         conns: list[Connection] = []
         proposers: list[Proposer | None] = []
         try:
-            conns.append(Connection(self.pipeline, prompt.request.request_id))
+            conns.append(_connection(self.pipeline, prompt.request.request_id, prompt.choices[0]))
             wants_prompt_logprobs = prompt.request.prompt_logprobs is not None  # computed, never forked
             index = self.prefix_index if not wants_prompt_logprobs else None
             reuse = index.match(prompt.tokens) if index is not None else None
@@ -230,7 +230,7 @@ class PipelineEngine(Generic[PipelineT]):
                 index.drop(reuse.session_id)  # the stages no longer hold it
             if index is not None and self.metrics is not None:
                 self.metrics.record_prefix_cache(len(prompt.tokens), reused)
-            conns += [Connection(self.pipeline, f"{prompt.request.request_id}/{j}")
+            conns += [_connection(self.pipeline, f"{prompt.request.request_id}/{j}", prompt.choices[j])
                       for j in range(1, len(prompt.choices))]
             parent = conns[0].session.session_id
             forks = await asyncio.gather(*(self.frames.fork(conn, parent, prompt.tokens, sampling)
@@ -239,8 +239,10 @@ class PipelineEngine(Generic[PipelineT]):
             failure = next((f for f in forks if isinstance(f, BaseException)), None)
             if failure is not None:
                 raise failure
-            for request in prompt.choices:
+            for conn, request in zip(conns, prompt.choices, strict=True):
                 proposers.append(self.proposer_for(request))
+                if proposers[-1] is not None:
+                    proposers[-1].grammar = conn.grammar  # its proposals follow the choice's grammar
         except BaseException as err:
             for proposer in proposers:
                 if proposer is not None:
@@ -303,6 +305,8 @@ class PipelineEngine(Generic[PipelineT]):
             conn.history = history  # what the session holds, should it end here (all but the last)
             emitted = 0
             while True:
+                if conn.grammar is not None:  # the grammar advances by decided tokens only
+                    conn.grammar.commit(_until_stop(prediction.tokens, request))
                 count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
                 emitted += count
                 finish: Literal["stop", "length"] | None = "stop" if stopped else "length" if emitted >= budget \
@@ -320,6 +324,23 @@ class PipelineEngine(Generic[PipelineT]):
         except PipelineError as err:
             conn.history = None  # a failed session is not kept
             raise self._failed(err) from err
+
+
+def _connection(pipeline: Pipeline, request_id: str, choice: GenerationRequest) -> Connection:
+    """A choice's connection, with its own grammar when the request constrains its output."""
+    conn = Connection(pipeline, request_id)
+    conn.grammar = choice.constrained.start() if choice.constrained is not None else None
+    return conn
+
+
+def _until_stop(tokens: Iterable[int], request: GenerationRequest) -> list[int]:
+    """A step's tokens before the first that ends generation (nothing after it is generated)."""
+    kept = []
+    for token in tokens:
+        if token in request.stop_token_ids:
+            break
+        kept.append(token)
+    return kept
 
 
 def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tuple[int, bool]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from inferencemesh.sampling import SamplingParams
+
+if TYPE_CHECKING:  # grammar.py's errors are this module's (constraints.ConstraintError)
+    from inferencemesh.frontend.grammar import ConstrainedOutput
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class GenerationRequest:
     # None: no logprobs; k: each generated token's logprob and its k most likely alternatives.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo), on the first Step
+    # Structured output: a grammar every choice's tokens follow (grammar.py); None: free text.
+    constrained: ConstrainedOutput | None = None
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """What the last stage (and a draft model) sample with."""

@@ -81,6 +81,18 @@ def grammar_tokenizer(
         return _CACHE.setdefault(hf_tokenizer, {}).setdefault(key, built)
 
 
+@dataclass(frozen=True, eq=False)
+class ConstrainedOutput:
+    """A request's constraint with the tokenizer it is enforced over: each of its choices starts a
+    SessionGrammar of its own."""
+
+    constraint: Constraint
+    tokenizer: GrammarTokenizer
+
+    def start(self) -> SessionGrammar:
+        return SessionGrammar(self.constraint, self.tokenizer)
+
+
 class GrammarViolation(RuntimeError):
     """A committed token the grammar forbids: the masks were not applied upstream (a bug)."""
 

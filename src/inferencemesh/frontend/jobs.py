@@ -4,21 +4,26 @@ tokenized, and the sampling settings turned into the engine's GenerationRequest.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from inferencemesh.frontend.constraints import Constraint, constraint_from_request
 from inferencemesh.frontend.engine_api import Engine, GenerationRequest
 from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 
 log = logging.getLogger("inferencemesh.frontend")
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
+COMPILED_CONSTRAINTS = 64  # the last constraints compiled (agents send the same schema again and again)
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -68,6 +73,7 @@ class JobBuilder:
         eos = tokenizer.eos_token_id
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stop_token_ids = frozenset(stop_ids)
+        self._constraints: OrderedDict[str, Constraint | None] = OrderedDict()
 
     async def job(self, body: Body, arrival: float, prompt: str | list[int] | None = None) -> Job:
         """The job of a request (of one of its prompts: a completions batch has a job each)."""
@@ -102,6 +108,8 @@ class JobBuilder:
             raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
                            param="min_tokens")
 
+        constrained = await self._constrained(body)
+
         request_id = prefix + uuid.uuid4().hex
         if isinstance(body, ChatCompletionRequest):
             top, prompt_logprobs = body.top_logprobs, None
@@ -109,13 +117,15 @@ class JobBuilder:
         else:
             logprobs, top = body.logprobs, body.logprobs
             prompt_logprobs = logprobs if body.echo else None
-        gen = self._generation_request(body, request_id, prompt_ids, max_tokens, logprobs, prompt_logprobs)
+        gen = self._generation_request(body, request_id, prompt_ids, max_tokens, logprobs, prompt_logprobs,
+                                       constrained)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
                    bool(body.stream), include_usage, arrival, echo_text, top_logprobs=top or 0)
 
     def _generation_request(self, body: Body, request_id: str, prompt_ids: list[int], max_tokens: int,
-                            logprobs: int | None, prompt_logprobs: int | None) -> GenerationRequest:
+                            logprobs: int | None, prompt_logprobs: int | None,
+                            constrained: ConstrainedOutput | None) -> GenerationRequest:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
@@ -132,7 +142,34 @@ class JobBuilder:
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, logit_bias=self._logit_bias(body),
             min_tokens=body.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            constrained=constrained,
         )
+
+    async def _constrained(self, body: Body) -> ConstrainedOutput | None:
+        """The request's structured output (response_format, guided_*, structured_outputs), compiled
+        (constraints.py: a ConstraintError is a 400 naming the field), or None for free text."""
+        fields = body.constraint_fields()
+        if all(value is None for value in fields.values()):
+            return None
+        key = json.dumps(fields, sort_keys=True)
+        if key in self._constraints:
+            self._constraints.move_to_end(key)
+            constraint = self._constraints[key]
+        else:  # off the event loop: a schema's checks and compilation take milliseconds
+            constraint = await asyncio.to_thread(constraint_from_request, **fields)
+            self._constraints[key] = constraint
+            if len(self._constraints) > COMPILED_CONSTRAINTS:
+                self._constraints.popitem(last=False)
+        if constraint is None:  # response_format {"type": "text"}
+            return None
+        # The grammar decides where the output may end: it allows EOS (and end-of-turn) only there.
+        for name in ("min_tokens", "ignore_eos"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} cannot be combined with structured output: the grammar decides where "
+                                    "the output ends", param=name)
+        tokenizer = await asyncio.to_thread(grammar_tokenizer, self.tokenizer, self.vocab_size,
+                                            sorted(self.stop_token_ids))
+        return ConstrainedOutput(constraint, tokenizer)
 
     def _stop_token_ids(self, body: Body) -> frozenset[int]:
         """EOS and end-of-turn tokens (unless ignore_eos, as vLLM does), plus the request's own."""

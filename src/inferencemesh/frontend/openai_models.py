@@ -76,13 +76,10 @@ REFUSED: dict[str, str] = {
     "parallel_tool_calls": "tools are not supported", "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model does not reason", "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported", "moderation": "moderation is not supported",
-    # vLLM: structured output (a later issue), beam search, other samplers and prompt options
-    "guided_json": "structured output is not supported yet", "guided_regex": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
-    "guided_decoding_backend": "structured output is not supported yet",
-    "guided_whitespace_pattern": "structured output is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
+    # vLLM: structured output's engine options (the engine is llguidance, JSON whitespace flexible),
+    # beam search, other samplers and prompt options
+    "guided_decoding_backend": "the structured-output engine is llguidance; it cannot be chosen per request",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
     "min_p": "min_p is not supported", "bad_words": "bad_words is not supported",
     "allowed_token_ids": "allowed_token_ids is not supported",
@@ -144,6 +141,14 @@ class _SamplingRequest(_Body):
     # ids: checked against the vocabulary where the request is prepared (the vocabulary is the app's)
     stop_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured output (constraints.py reads them; a malformed one is its 400, naming the field):
+    # OpenAI's response_format, and vLLM's guided_* and structured_outputs, on both endpoints as vLLM has them.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -161,6 +166,12 @@ class _SamplingRequest(_Body):
             if name in FIXED and value != FIXED[name]:
                 return name, f"{name} must be {json.dumps(FIXED[name])} here"
         return None
+
+    def constraint_fields(self) -> dict[str, Any]:
+        """The structured-output fields, as constraints.constraint_from_request takes them."""
+        return {"response_format": self.response_format, "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar, "structured_outputs": self.structured_outputs}
 
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias); ValueError naming a key that is not a token id."""
@@ -225,10 +236,6 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -237,7 +244,6 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool | None = None  # vLLM: only false
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -250,8 +256,6 @@ class ChatCompletionRequest(_SamplingRequest):
             return "tools", "tools are not supported"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice is not supported"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", f"response_format {self.response_format.type!r} is not supported"
         return super().unsupported()
 
     def requested_max_tokens(self) -> int | None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
@@ -31,6 +31,10 @@ from inferencemesh.frontend.prefix_cache import Match
 from inferencemesh.frontend.proposers.base import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
+from inferencemesh.token_masks import pack_token_masks
+
+if TYPE_CHECKING:
+    from inferencemesh.frontend.grammar import SessionGrammar
 
 log = logging.getLogger("inferencemesh.engine")
 T = TypeVar("T")
@@ -70,6 +74,9 @@ class Connection:
         # holds all but the last, which is what a prefix-cache entry of it holds. A replay's new
         # session holds the same.
         self.history: list[int] | None = None
+        # Structured output: the choice's grammar, advanced by the engine as tokens are decided;
+        # every frame that decides tokens carries its masks (token_masks).
+        self.grammar: SessionGrammar | None = None
         self.open()
 
     def open(self) -> None:
@@ -89,6 +96,14 @@ class Connection:
 
     async def close(self, retain: bool = False) -> bool:
         return await self.session.close(retain)
+
+    def token_masks(self, drafts: Sequence[int] = ()) -> tuple[bytes, int]:
+        """The wire masks of a frame deciding after `drafts` (none: one row), and how many drafts
+        the grammar allows: the window ends at the first it forbids. Unconstrained: (b"", all)."""
+        if self.grammar is None:
+            return b"", len(drafts)
+        masks, usable = self.grammar.window_masks(drafts)
+        return pack_token_masks(masks, self.grammar.tokenizer.vocab_size), usable
 
 
 class SessionFrames:
@@ -243,9 +258,11 @@ class SessionFrames:
         scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
         for position in range(start, len(prompt), chunk):
             piece = prompt[position : position + chunk]
+            last = position + chunk >= len(prompt)
             frame = conn.frame(pb.PREFILL, pos_start=position, token_count=len(piece), token_ids=piece,
                                prompt_logprobs=prompt_logprobs,
-                               want_prediction=want_prediction and (prompt_logprobs or position + chunk >= len(prompt)))
+                               want_prediction=want_prediction and (prompt_logprobs or last),
+                               token_masks=conn.token_masks()[0] if want_prediction and last else b"")
             prediction = await conn.session.send(frame)
             if scored is not None:
                 assert prediction is not None
@@ -262,11 +279,14 @@ class SessionFrames:
         # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
         proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
+        drafts = proposal.tokens[: max(0, self.max_context - len(history) - 1)] if proposal is not None else []
+        masks, usable = conn.token_masks(drafts)  # a draft the grammar forbids ends the window
+        drafts = drafts[:usable]
         proposed = time.perf_counter()
         sent_ns = time.time_ns() if self.debug_telemetry else 0  # 0: not stamped
-        if proposal is None or not proposal.tokens:
+        if proposal is None or not drafts:
             frame = conn.frame(pb.DECODE, pos_start=len(history) - 1, token_count=1, token_ids=history[-1:],
-                               sent_ns=sent_ns)
+                               sent_ns=sent_ns, token_masks=masks)
             prediction = await self._answer(conn, frame)
             round_trip = time.perf_counter() - proposed
             if proposer is not None:
@@ -274,10 +294,8 @@ class SessionFrames:
             if self.metrics is not None:
                 self.metrics.record_step("decode", None if proposer is None else proposed - started, round_trip)
             return prediction
-        room = self.max_context - len(history)
-        drafts = proposal.tokens[: max(0, room - 1)]
         frame = conn.frame(pb.VERIFY, pos_start=len(history) - 1, token_count=1 + len(drafts),
-                           token_ids=history[-1:] + drafts, sent_ns=sent_ns,
+                           token_ids=history[-1:] + drafts, sent_ns=sent_ns, token_masks=masks,
                            draft_probs=proposal.probs[: len(drafts) * (len(proposal.probs) // len(proposal.tokens))])
         prediction = await self._answer(conn, frame)
         round_trip = time.perf_counter() - proposed

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
+    from inferencemesh.frontend.grammar import SessionGrammar
     from inferencemesh.frontend.metrics import FrontendMetrics
 
 # ---- the interface the engine drives ------------------------------------------------------------
@@ -27,6 +28,10 @@ class Proposal:
 
 class Proposer:
     """Speculation strategy for one request: propose tokens, learn from what was accepted."""
+
+    # Structured output: the choice's grammar (frontend/grammar.py). The frontend cuts a window at
+    # the first draft it forbids; a proposer that can (a draft model) follows it so none is cut.
+    grammar: SessionGrammar | None = None
 
     def propose(self, history: list[int]) -> Proposal | None:
         return None

@@ -75,8 +75,12 @@ class DraftProposer(WindowedProposer):
     def _next(self, logits: torch.Tensor) -> tuple[DraftCache, int, list[int]] | None:
         """Draw the next draft token from `logits`; the feed for the one after, or None when done."""
         position = self._first_position + len(self._tokens)
-        # The target's transforms (penalties, bias, min_tokens) on the draft too: its proposals
-        # then follow what the target will accept; q stays the distribution actually drawn from.
+        # The target's transforms (penalties, bias, min_tokens, the grammar's mask) on the draft
+        # too: its proposals then follow what the target will accept; q stays the distribution
+        # actually drawn from.
+        grammar = self.grammar
+        if grammar is not None and logits.shape[-1] >= grammar.tokenizer.vocab_size:
+            logits = grammar.constrain_draft_logits(logits.clone(), self._tokens)
         logits = adjust(logits[None], self.params, self.fed)[0]
         if self.params.greedy:
             token = int(logits.argmax())
@@ -91,8 +95,8 @@ class DraftProposer(WindowedProposer):
                 return None
             self._rows.append(q)
         self._tokens.append(token)
-        if len(self._tokens) == self._k:
-            return None
+        if len(self._tokens) == self._k or (grammar is not None and token in grammar.tokenizer.eos_token_ids):
+            return None  # the window is full, or the output ends here
         self.fed.append(token)
         return self.cache, position, [token]
 

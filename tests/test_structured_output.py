@@ -1,0 +1,163 @@
+"""Structured output through the speculative split, as a user gets it: `inferencemesh serve` (two
+stage processes, the first embedded in the frontend), speculation by the bundled draft model and
+by n-grams, and the official openai client.
+
+Every constrained output parses and validates against its schema, greedy and sampled; greedy
+output is exactly what the model's own greedy choice under the same grammar gives (transformers'
+forward, float32, masked by the same llguidance grammar); structured outputs stream, take n > 1,
+and `.parse()` fills a pydantic model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import jsonschema
+import pytest
+import torch
+from mesh_helpers import serving
+from openai import BadRequestError, OpenAI
+from pydantic import BaseModel, Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from inferencemesh.bundled import resolve_model
+from inferencemesh.frontend.constraints import constraint_from_request
+from inferencemesh.frontend.grammar import SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
+from inferencemesh.token_masks import apply_token_masks
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "# config for the service\nconfig = "
+# Strict-mode schemas (every property required, no additional properties), from flat to nested.
+# Every value is bounded in length (integers by their range, strings and arrays by their size), so
+# that sampling from a small model ends within MAX_TOKENS (a JSON number's fraction has no bound).
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "enum": {"type": "object", "properties": {"lang": {"enum": ["python", "rust", "go"]}}, "required": ["lang"],
+             "additionalProperties": False},
+    "bounded numbers": {"type": "object", "properties": {
+        "port": {"type": "integer", "minimum": 1, "maximum": 65535}, "workers": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 64},
+        "debug": {"type": "boolean"}}, "required": ["port", "workers", "debug"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "hosts": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}},
+        "required": ["hosts"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                                   "team": {"enum": ["a", "b"]}},
+                  "required": ["id", "team"], "additionalProperties": False}},
+        "required": ["name", "owner"], "additionalProperties": False},
+    "optional via null": {"type": "object", "properties": {
+        "timeout": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 600}, {"type": "null"}]},
+        "mode": {"type": ["string", "null"], "enum": ["fast", "safe", None]}},
+        "required": ["timeout", "mode"], "additionalProperties": False},
+    "refs": {"type": "object", "$defs": {"pair": {"type": "object", "properties": {
+        "k": {"type": "string", "maxLength": 8}, "v": {"type": "integer", "minimum": -9, "maximum": 9}},
+        "required": ["k", "v"],
+        "additionalProperties": False}},
+        "properties": {"first": {"$ref": "#/$defs/pair"}, "rest": {"type": "array", "items": {"$ref": "#/$defs/pair"},
+                                                                     "maxItems": 2}},
+        "required": ["first", "rest"], "additionalProperties": False},
+}
+MAX_TOKENS = 160
+
+
+def schema_format(name: str) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name.replace(" ", "_"), "strict": True,
+                                                   "schema": SCHEMAS[name]}}
+
+
+@pytest.fixture(scope="module", params=["draft", "ngram"])
+def served(request) -> Iterator[tuple[OpenAI, str]]:
+    # float32: greedy output is compared with transformers' float32 forward
+    with serving("--speculative", request.param, "--dtype", "float32") as (base, _, _):
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        yield client, client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    model_dir = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(model_dir)
+
+
+def constrained_greedy(reference: tuple[Any, Any], prompt: str, fields: dict[str, Any]) -> str:
+    """The model's greedy output under the grammar, written out without the serving code: each
+    step, transformers' logits of the whole sequence, masked by the same llguidance grammar."""
+    model, tokenizer = reference
+    vocab = tokenizer.get_vocab()
+    stops = sorted({tokenizer.eos_token_id, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)})
+    grammar = SessionGrammar(constraint_from_request(**fields), grammar_tokenizer(tokenizer, len(tokenizer), stops))
+    ids = tokenizer(prompt).input_ids
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < MAX_TOKENS:
+            logits = model(torch.tensor([ids + out])).logits[0, -1:, : len(tokenizer)].float()
+            masks, _ = grammar.window_masks([])
+            token = int(apply_token_masks(logits, masks).argmax())
+            if token in stops:
+                break
+            grammar.commit([token])
+            out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_strict_schemas_are_followed_greedy_and_sampled_and_greedy_is_the_models_own(served, reference,
+                                                                                      name: str) -> None:
+    client, model = served
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"response_format": schema_format(name)})
+    assert greedy.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(greedy.choices[0].text), SCHEMAS[name])
+    assert greedy.choices[0].text == constrained_greedy(reference, PROMPT, {"response_format": schema_format(name)})
+    sampled = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                                        n=2, extra_body={"guided_json": SCHEMAS[name]})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), SCHEMAS[name])
+
+
+class Service(BaseModel):
+    name: Annotated[str, Field(max_length=12)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+    protocol: Literal["http", "grpc"]
+
+
+def test_chat_parse_fills_a_pydantic_model_and_a_streamed_schema_is_the_same_text(served) -> None:
+    client, model = served
+    messages = [{"role": "user", "content": "Describe the service as JSON."}]
+    parsed = client.chat.completions.parse(model=model, messages=messages, response_format=Service,
+                                           max_completion_tokens=MAX_TOKENS, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Service)
+    asked = {"model": model, "messages": messages, "response_format": schema_format("nested"),
+             "max_completion_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 3}
+    whole = client.chat.completions.create(**asked).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), SCHEMAS["nested"])
+
+
+def test_choices_regexes_and_grammars_bound_the_output(served) -> None:
+    client, model = served
+    for seed in range(4):
+        choice = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.2, seed=seed,
+                                           extra_body={"guided_choice": ["yaml", "toml", "json"]})
+        assert choice.choices[0].text in ("yaml", "toml", "json")
+        version = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=1.2, seed=seed,
+                                            extra_body={"guided_regex": r"v[0-9]\.[0-9]{1,2}"})
+        assert version.choices[0].text.startswith("v") and version.choices[0].finish_reason == "stop"
+
+
+def test_a_constraint_the_engine_cannot_enforce_is_a_400_naming_it(served) -> None:
+    client, model = served
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+                "type": "object", "properties": {"a": {"type": "string"}}}}})  # strict: "a" must be required
+    assert refused.value.body["param"].startswith("response_format.json_schema.schema")
