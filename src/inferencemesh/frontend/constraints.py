@@ -38,7 +38,7 @@ MAX_CONSTRAINT_BYTES = 64 * 1024
 # answered to the client.
 MAX_GRAMMAR_SYMBOLS = 200_000
 GRAMMAR_LIMITS = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS, verbose_errors=False)
-# JSON comes out compact (no whitespace between tokens), as xgrammar's default. Flexible
+# JSON comes out compact (no whitespace between tokens). Flexible
 # whitespace (vLLM's llguidance default) let the bundled model, greedy, write newlines after the
 # first key until max_tokens ran out: a constraint must not make a valid output unreachable.
 JSON_WHITESPACE_FLEXIBLE = False
