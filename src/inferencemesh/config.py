@@ -337,6 +337,9 @@ class BenchConfig(ModelOptions):
                               "per turn), a repeated request, --concurrency conversations (default 8) sharing the "
                               "system prompt (prompt tokens the stages compute); greedy, no speculation")
     turns: int = option(6, "with --multi-turn, user turns of the conversation", parse=int)
+    structured: bool = switch("structured output: decode tok/s and draft acceptance of json_schema-constrained "
+                              "requests against free text, interleaved, per stage count and --speculative strategy; "
+                              "greedy, one stream; needs a model whose vocabulary covers its tokenizer's")
     json: str | None = option(None, "write the results here")
 
     def check(self) -> BenchConfig:
@@ -347,6 +350,9 @@ class BenchConfig(ModelOptions):
         for name in ("stages", "concurrency"):
             if any(n < 1 for n in getattr(self, name) or ()):
                 raise ConfigError(f"{flag_name(name)} counts must be at least 1")
+        if self.structured and (self.multi_turn or self.concurrency):
+            raise ConfigError(f"{flag_name('structured')} measures one stream: it takes neither "
+                              f"{flag_name('multi_turn')} nor {flag_name('concurrency')}")
         return self
 
 
