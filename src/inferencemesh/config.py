@@ -337,6 +337,10 @@ class BenchConfig(ModelOptions):
                               "per turn), a repeated request, --concurrency conversations (default 8) sharing the "
                               "system prompt (prompt tokens the stages compute); greedy, no speculation")
     turns: int = option(6, "with --multi-turn, user turns of the conversation", parse=int)
+    structured: bool = switch("structured output: decode tok/s and draft acceptance of json_schema-constrained "
+                              "requests against free text, interleaved, per stage count and --speculative strategy; "
+                              "greedy, one stream (--concurrency does not apply; --multi-turn goes first); needs "
+                              "a model whose vocabulary covers its tokenizer's")
     json: str | None = option(None, "write the results here")
 
     def check(self) -> BenchConfig:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +88,11 @@ class ConstrainedOutput:
 
     constraint: Constraint
     tokenizer: GrammarTokenizer
+    # Where each frame's mask time goes (FrontendMetrics.mask_timer), or None: not measured.
+    mask_timer: Callable[[float], None] | None = None
 
     def start(self) -> SessionGrammar:
-        return SessionGrammar(self.constraint, self.tokenizer)
+        return SessionGrammar(self.constraint, self.tokenizer, mask_timer=self.mask_timer)
 
 
 class GrammarViolation(RuntimeError):
@@ -100,9 +102,11 @@ class GrammarViolation(RuntimeError):
 class SessionGrammar:
     """One generation's grammar state: advanced by commit(), queried by window_masks()."""
 
-    def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
+    def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer, *,
+                 mask_timer: Callable[[float], None] | None = None) -> None:
         self.constraint = constraint
         self.tokenizer = tokenizer
+        self.mask_timer = mask_timer  # told each frame's mask time by its caller (session.Connection.token_masks)
         self._lock = threading.Lock()
         # log_level 0: refusals are reported through is_error/get_error, not printed to stderr.
         self._matcher = llguidance.LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=GRAMMAR_LIMITS)

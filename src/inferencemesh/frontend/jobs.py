@@ -17,6 +17,7 @@ from inferencemesh.frontend.constraints import Constraint, constraint_from_reque
 from inferencemesh.frontend.engine_api import Engine, GenerationRequest
 from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
+from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 
@@ -62,11 +63,20 @@ async def engine_ready(engine: Engine) -> bool:
         return False
 
 
+def _timed_compile(fields: dict) -> tuple[Constraint | None, float]:
+    """constraint_from_request on a worker thread, and its own time (not the wait for a thread)."""
+    started = time.perf_counter()
+    constraint = constraint_from_request(**fields)
+    return constraint, time.perf_counter() - started
+
+
 class JobBuilder:
     """Turns request bodies into jobs for one served model and its tokenizer."""
 
-    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str) -> None:
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, model: str,
+                 metrics: FrontendMetrics | None = None) -> None:
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
+        self.metrics = metrics  # structured output: requests by kind, compile and mask times
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         stop_ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
@@ -152,11 +162,12 @@ class JobBuilder:
         if all(value is None for value in fields.values()):
             return None
         key = json.dumps(fields, sort_keys=True)
+        compile_s = None  # served from the cache
         if key in self._constraints:
             self._constraints.move_to_end(key)
             constraint = self._constraints[key]
         else:  # off the event loop: a schema's checks and compilation take milliseconds
-            constraint = await asyncio.to_thread(constraint_from_request, **fields)
+            constraint, compile_s = await asyncio.to_thread(_timed_compile, fields)
             self._constraints[key] = constraint
             if len(self._constraints) > COMPILED_CONSTRAINTS:
                 self._constraints.popitem(last=False)
@@ -169,7 +180,10 @@ class JobBuilder:
                                     "the output ends", param=name)
         tokenizer = await asyncio.to_thread(grammar_tokenizer, self.tokenizer, self.vocab_size,
                                             sorted(self.stop_token_ids))
-        return ConstrainedOutput(constraint, tokenizer)
+        if self.metrics is None:
+            return ConstrainedOutput(constraint, tokenizer)
+        self.metrics.record_constraint(constraint.kind.value, compile_s)
+        return ConstrainedOutput(constraint, tokenizer, self.metrics.mask_timer())
 
     def _stop_token_ids(self, body: Body) -> frozenset[int]:
         """EOS and end-of-turn tokens (unless ignore_eos, as vLLM does), plus the request's own."""

@@ -13,6 +13,7 @@ through the same object (programs/frontend.py hands one instance to both).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -34,6 +35,12 @@ FINISHED_REASONS = ("stop", "length", "abort")  # abort: the client went away
 # speculate while it pays, back off after poor acceptance; "off" when auto is not in use.
 AUTO_STATES = ("off", "observing", "active", "cooldown")
 STEP_KINDS = ("decode", "verify")  # a plain step DECODEs the last token; a speculative one VERIFYs drafts
+# Structured output: constraints.ConstraintKind's values (kept literal: metrics imports nothing of the engine).
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# A schema compiles in milliseconds; a large grammar can take a second or more.
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# One frame's masks: tens of microseconds (a row at a 4k vocabulary) to milliseconds (a window at 150k).
+MASK_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 class FrontendMetrics:
@@ -118,14 +125,31 @@ class FrontendMetrics:
             PREFIX + "microbatches_in_flight", "Microbatches sent into the stages and not yet answered "
             "(at most one per stage).", m, registry=registry)
 
+        # Structured output (requests and compiles by the job builder, masks by each session).
+        self.structured_output_requests = Counter(
+            PREFIX + "structured_output_requests_total",
+            "Requests (prompts of a completions batch each) with a structured-output constraint, by kind.",
+            m + ["kind"], registry=registry)
+        self.grammar_compile_seconds = Histogram(
+            PREFIX + "grammar_compile_seconds",
+            "Time checking and compiling a request's constraint (not counted when served from the compiled cache).",
+            m, buckets=COMPILE_BUCKETS, registry=registry)
+        self.grammar_mask_seconds = Histogram(
+            PREFIX + "grammar_mask_seconds",
+            "Time computing one frame's token masks (every draft position and the bonus one) of a constrained "
+            "request.", m, buckets=MASK_BUCKETS, registry=registry)
+
         # Create the labelled children now so every series is exported (at 0) from the first scrape.
         for metric in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                        self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                        self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
                        self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight,
-                       self.prefix_cache_queries, self.prefix_cache_hits):
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.grammar_compile_seconds,
+                       self.grammar_mask_seconds):
             metric.labels(model)
+        for constraint_kind in CONSTRAINT_KINDS:
+            self.structured_output_requests.labels(model, constraint_kind)
         for kind in STEP_KINDS:
             self.step_pipeline_seconds.labels(model, kind)
         for reason in FINISHED_REASONS:
@@ -176,6 +200,16 @@ class FrontendMetrics:
             raise ValueError(f"unknown auto speculation state {state!r}; known: {AUTO_STATES}")
         for s in AUTO_STATES:
             self.spec_decode_auto_state.labels(self.model, s).set(1 if s == state else 0)
+
+    def record_constraint(self, kind: str, compile_s: float | None) -> None:
+        """A request with a `kind` constraint; compile_s: its compile time (None: it came from the cache)."""
+        self.structured_output_requests.labels(self.model, kind).inc()
+        if compile_s is not None:
+            self.grammar_compile_seconds.labels(self.model).observe(compile_s)
+
+    def mask_timer(self) -> Callable[[float], None]:
+        """What a session's grammar reports each frame's mask time to (a bound observe: no lookup per frame)."""
+        return self.grammar_mask_seconds.labels(self.model).observe
 
     def set_window_size(self, k: int) -> None:
         self.spec_decode_window_size.labels(self.model).set(k)

@@ -46,7 +46,7 @@ class Serving:
         self.engine, self.tokenizer, self.model, self.metrics = engine, tokenizer, model, metrics
         self.sse_keepalive_s = sse_keepalive_s
         self.created = int(time.time())
-        self.jobs = JobBuilder(engine, tokenizer, model)
+        self.jobs = JobBuilder(engine, tokenizer, model, metrics)
         self.vocab_size = self.jobs.vocab_size
         formatter = LogprobsFormatter(tokenizer)
         self.shapers: dict[str, Shaper] = {"chat": ChatShaper(formatter), "completion": CompletionShaper(formatter)}

@@ -100,10 +100,15 @@ class Connection:
     def token_masks(self, drafts: Sequence[int] = ()) -> tuple[bytes, int]:
         """The wire masks of a frame deciding after `drafts` (none: one row), and how many drafts
         the grammar allows: the window ends at the first it forbids. Unconstrained: (b"", all)."""
-        if self.grammar is None:
+        grammar = self.grammar
+        if grammar is None:
             return b"", len(drafts)
-        masks, usable = self.grammar.window_masks(drafts)
-        return pack_token_masks(masks, self.grammar.tokenizer.vocab_size), usable
+        started = time.perf_counter()
+        masks, usable = grammar.window_masks(drafts)
+        packed = pack_token_masks(masks, grammar.tokenizer.vocab_size)
+        if grammar.mask_timer is not None:
+            grammar.mask_timer(time.perf_counter() - started)
+        return packed, usable
 
 
 class SessionFrames:

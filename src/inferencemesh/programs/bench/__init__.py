@@ -1,9 +1,10 @@
 """`inferencemesh bench`: tokens/s, TPOT and TTFT of the mesh against `transformers` on the same model.
 
-Three benchmarks share one set-up (the model, its prompts, the `transformers` peer, the
+Four benchmarks share one set-up (the model, its prompts, the `transformers` peer, the
 speculation strategies): the latency bench (latency.py, the default: one request at a time),
-with --concurrency the concurrency bench (concurrency.py: bursts of concurrent streams), and
-with --multi-turn the prefix-cache bench (multiturn.py: conversations that resend their prefix).
+with --concurrency the concurrency bench (concurrency.py: bursts of concurrent streams),
+with --multi-turn the prefix-cache bench (multiturn.py: conversations that resend their prefix), and
+with --structured the structured-output bench (structured.py: json_schema-constrained vs free text).
 
     models.py       the model under test: preset random-weight shapes or a checkpoint, prompts
     mesh.py         the pipelines: in-process, or stage processes as `serve` starts them
@@ -27,6 +28,7 @@ def run_bench(config: BenchConfig) -> int:
     from inferencemesh.programs.bench.concurrency import run_concurrency
     from inferencemesh.programs.bench.latency import run_latency
     from inferencemesh.programs.bench.multiturn import run_multi_turn
+    from inferencemesh.programs.bench.structured import run_structured
 
     model = load_bench_model(config)  # the process is set up by the CLI (process.set_up_process)
     print(f"bench: {model.model_dir} ({model.facts.num_layers} layers, {model.dtype}), {config.new_tokens} new "
@@ -38,6 +40,8 @@ def run_bench(config: BenchConfig) -> int:
     if config.speculative != ("none",):
         speculation = speculation_setups(config.speculative, model.model_dir, model.tokenizer, model.requested_dtype,
                                          MAX_CONTEXT)
+    if config.structured:  # no transformers peer: it has no grammar to follow
+        return write_report(config, run_structured(config, model, speculation))
     target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).eval()
     run = run_concurrency if config.concurrency else run_latency
     return write_report(config, run(config, model, target, speculation))

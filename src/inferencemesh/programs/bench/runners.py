@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from inferencemesh.frontend.engine_api import GenerationRequest
+    from inferencemesh.frontend.grammar import ConstrainedOutput
     from inferencemesh.frontend.pipeline import Pipeline
     from inferencemesh.frontend.proposers.base import Proposer
 
@@ -87,7 +88,8 @@ class EngineUnderTest:
     def __init__(self, pipeline: Pipeline, new_tokens: int, max_context: int,
                  proposer_for: ProposerFor | None = None,
                  speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, constrained: ConstrainedOutput | None = None,
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
         from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 
         # Off unless asked: the latency and concurrency benchmarks repeat their prompts round after
@@ -96,6 +98,8 @@ class EngineUnderTest:
                                 speculative_disable_by_batch_size=speculative_disable_by_batch_size)
         self.engine = PipelineEngine(pipeline, options, proposer_for=proposer_for)
         self.new_tokens = new_tokens
+        # Structured output (structured.py): every request follows this grammar, ended by these ids.
+        self.constrained, self.stop_token_ids = constrained, stop_token_ids
         self.count = 0
 
     async def run(self, ids: list[int]) -> Run:
@@ -112,7 +116,9 @@ class EngineUnderTest:
         from inferencemesh.frontend.engine_api import GenerationRequest
 
         self.count += 1
-        return self.engine.generate(GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0))
+        return self.engine.generate(GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0,
+                                                      stop_token_ids=self.stop_token_ids,
+                                                      constrained=self.constrained))
 
 
 def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer: PreTrainedTokenizerBase, dtype: str,
