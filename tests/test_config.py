@@ -53,17 +53,20 @@ def off_default(f: dataclasses.Field, cls: type):
     return f"value-of-{f.name}"
 
 
-# --no-prefix-cache with --prefix-cache-tokens is refused (test_prefix_cache_tokens_need_the_cache):
-# the all-off-default config keeps the cache on, and the switch gets a round trip of its own.
-KEPT_DEFAULT = {"prefix_cache"}
+# Fields that contradict each other off their defaults (each pair's refusal has a test): the
+# all-off-default config keeps the first at its default, and it gets a round trip of its own with
+# the second back at its default.
+CONFLICTS = {"prefix_cache": "prefix_cache_tokens",  # test_prefix_cache_tokens_need_the_cache
+             "multi_turn": "structured"}  # test_the_benches_are_one_at_a_time
 
 
 def non_default_config(cls: type):
     values = {f.name: off_default(f, cls) for f in dataclasses.fields(cls)}
     if cls is StageConfig:
         values.update(stage_index=1, num_stages=values["num_stages"] + 2)
-    if "prefix_cache" in values and "prefix_cache_tokens" in values:
-        values["prefix_cache"] = True
+    for first, second in CONFLICTS.items():
+        if first in values and second in values:
+            values[first] = cls.__dataclass_fields__[first].default
     return cls(**values)
 
 
@@ -72,11 +75,18 @@ def test_every_field_round_trips_through_the_cli(command: str) -> None:
     config = non_default_config(PROGRAMS[command])
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     unchanged = {name for name, value in dataclasses.asdict(config).items() if value == defaults[name]}
-    assert unchanged <= KEPT_DEFAULT, "every field must differ from its default, or the test proves nothing"
+    assert unchanged <= set(CONFLICTS), "every field must differ from its default, or the test proves nothing"
     assert parse(command, to_argv(config)) == config
-    if unchanged:
-        switched = dataclasses.replace(config, prefix_cache=False, prefix_cache_tokens=0)
+    for first in unchanged:
+        second = CONFLICTS[first]
+        switched = dataclasses.replace(config, **{first: off_default(config.__dataclass_fields__[first], type(config)),
+                                                  second: defaults[second]})
         assert parse(command, to_argv(switched)) == switched
+
+
+def test_the_benches_are_one_at_a_time() -> None:
+    with pytest.raises(ConfigError, match="separate benchmarks"):
+        parse("bench", ["--multi-turn", "--structured"])
 
 
 @pytest.mark.parametrize("command", ["frontend", "serve"])

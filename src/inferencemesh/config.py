@@ -339,12 +339,14 @@ class BenchConfig(ModelOptions):
     turns: int = option(6, "with --multi-turn, user turns of the conversation", parse=int)
     structured: bool = switch("structured output: decode tok/s and draft acceptance of json_schema-constrained "
                               "requests against free text, interleaved, per stage count and --speculative strategy; "
-                              "greedy, one stream (--concurrency does not apply; --multi-turn goes first); needs "
-                              "a model whose vocabulary covers its tokenizer's")
+                              "greedy, one stream (--concurrency does not apply); needs a model whose vocabulary "
+                              "covers its tokenizer's")
     json: str | None = option(None, "write the results here")
 
     def check(self) -> BenchConfig:
         _check_positive(self)
+        if self.multi_turn and self.structured:
+            raise ConfigError("--multi-turn and --structured are separate benchmarks: run one at a time")
         for name in ("new_tokens", "repeats", "turns"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
