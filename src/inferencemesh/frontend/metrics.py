@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from inferencemesh.frontend.constraints import ConstraintKind
+
 PREFIX = "inferencemesh_"
 
 # vLLM's buckets, extended downwards: a small model on CPU decodes in milliseconds.
@@ -35,8 +37,7 @@ FINISHED_REASONS = ("stop", "length", "abort")  # abort: the client went away
 # speculate while it pays, back off after poor acceptance; "off" when auto is not in use.
 AUTO_STATES = ("off", "observing", "active", "cooldown")
 STEP_KINDS = ("decode", "verify")  # a plain step DECODEs the last token; a speculative one VERIFYs drafts
-# Structured output: constraints.ConstraintKind's values (kept literal: metrics imports nothing of the engine).
-CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = tuple(kind.value for kind in ConstraintKind)  # structured output's label values
 # A schema compiles in milliseconds; a large grammar can take a second or more.
 COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # One frame's masks: tens of microseconds (a row at a 4k vocabulary) to milliseconds (a window at 150k).
