@@ -206,6 +206,26 @@ def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: 
         assert second <= first - (prompt_tokens - 1) // 2, computed
 
 
+def test_a_strict_json_schema_is_followed_through_the_pods(shared_mesh: dict) -> None:
+    """Structured output on the cluster: the frontend pod's grammar masks travel to the last stage
+    pod, and the answer parses and follows the schema; the frontend counts the request by kind."""
+    import httpx
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"lang": {"enum": ["python", "rust"]},
+                                               "port": {"type": "integer", "minimum": 1, "maximum": 65535}},
+              "required": ["lang", "port"], "additionalProperties": False}
+    with port_forward(shared_mesh["namespace"], *frontend_service(shared_mesh)) as base:
+        reply = openai_client(base).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "The service, as JSON."}], max_completion_tokens=64,
+            temperature=0.7, seed=11, response_format={"type": "json_schema", "json_schema": {
+                "name": "service", "strict": True, "schema": schema}})
+        text = httpx.get(f"{base}/metrics", timeout=60).text
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert counter(text, "inferencemesh_structured_output_requests_total") >= 1
+
+
 # ---- (8): metrics ------------------------------------------------------------------------------
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
