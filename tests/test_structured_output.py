@@ -143,6 +143,17 @@ def test_chat_parse_fills_a_pydantic_model_and_a_streamed_schema_is_the_same_tex
     jsonschema.validate(json.loads(streamed), SCHEMAS["nested"])
 
 
+def test_langchain_with_structured_output_by_json_schema(served) -> None:
+    from langchain_openai import ChatOpenAI
+
+    client, model = served
+    chat = ChatOpenAI(model=model, base_url=str(client.base_url), api_key="unused", temperature=0,
+                      max_completion_tokens=MAX_TOKENS, max_retries=0)
+    service = chat.with_structured_output(Service, method="json_schema", strict=True).invoke(
+        "Describe the service as JSON.")
+    assert isinstance(service, Service)
+
+
 def test_choices_regexes_and_grammars_bound_the_output(served) -> None:
     client, model = served
     for seed in range(4):
