@@ -302,6 +302,9 @@ def test_stop_string_matcher() -> None:
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"]}, "guided_choice"),  # the fixture
+    ("/v1/chat/completions", {"model": "M", "messages": [  # what every client sends back after a tool call
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None),
 ])

@@ -221,6 +221,7 @@ class ChatMessage(_Body):
     # null only for an assistant turn (OpenAI's schema: one that carried tool calls): it reads as ""
     content: Text | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
     name: Text | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # declared so that it is refused, never dropped (unsupported)
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
@@ -254,6 +255,9 @@ class ChatCompletionRequest(_SamplingRequest):
             return "echo", "echo is not supported for chat"
         if self.tools:
             return "tools", "tools are not supported"
+        calls = next((i for i, m in enumerate(self.messages) if m.tool_calls), None)
+        if calls is not None:
+            return f"messages.{calls}.tool_calls", "tool calls in the history are not supported (tools are not)"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice is not supported"
         return super().unsupported()
