@@ -20,7 +20,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 10.0  # a request head (request line and headers) must arrive within this
-KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's default)
+# An idle keep-alive connection is closed after this. Longer than the clients' own pool expiry
+# (httpx, the openai client, LangChain: 5 s, aiohttp: 15 s): a client must drop a connection before
+# the server does, or a request it sends as the server closes is reset (uvicorn's 5 s default met
+# httpx's 5 s, and a test's request after a 5 s pause got "Connection reset by peer"). nginx: 75 s.
+KEEP_ALIVE_S = 75
 LIMIT_CONCURRENCY = 1024  # connections plus running requests; beyond it uvicorn answers 503
 MAX_INCOMPLETE_EVENT_BYTES = 64 * 1024  # the largest request head h11 buffers (uvicorn's 16 KiB is tight for tokens)
 
