@@ -249,3 +249,9 @@ def test_non_ascii_choices_and_schemas_keep_their_text() -> None:
     schema = {"type": "object", "properties": {"größe": {"type": "string"}}}
     constraint = constraint_from_request(guided_json=schema)
     assert constraint is not None and "größe" in constraint.spec
+
+
+def test_a_lone_surrogate_in_a_schema_is_a_constraint_error_not_a_crash() -> None:
+    with pytest.raises(ConstraintError, match="lone surrogate") as refused:
+        constraint_from_request(guided_json={"type": "object", "properties": {"\ud800": {"type": "string"}}})
+    assert refused.value.param == "guided_json"

@@ -209,6 +209,10 @@ def json_schema_constraint(schema: Any, param: str, *, strict: bool = False, nam
         text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ConstraintError(param, f"the JSON schema is not JSON: {exc}") from None
+    try:
+        text.encode("utf-8")  # a lone surrogate (JSON's \ud800 escape) reaches llguidance as no string at all
+    except UnicodeEncodeError:
+        raise ConstraintError(param, "the JSON schema contains a lone surrogate (invalid Unicode)") from None
     spec = _bounded(text, param)
     schema = json.loads(spec)  # a plain dict from here on, whatever mapping the caller passed
     _check_metaschema(schema, param)
