@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import anyio
@@ -24,13 +24,27 @@ log = logging.getLogger("inferencemesh.frontend")
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of a tool call the model is writing (OpenAI's streamed delta.tool_calls[]): the
+    first fragment of call `index` carries its id and function name, later ones only append to
+    its arguments (JSON text)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
 @dataclass
 class Piece:
-    """One engine step as the client sees it: new text, and the logprobs of its tokens."""
+    """One engine step as the client sees it: new text (a message's content), the logprobs of its
+    tokens, and the tool-call fragments its text completed (tools.py parses them out of the text)."""
 
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob] | None
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass

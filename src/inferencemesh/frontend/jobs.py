@@ -9,7 +9,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -52,6 +53,7 @@ class Job:
     text_offset: int = 0  # completions logprobs: where the choice's text so far ends
     finish_reason: str = "length"
     completion_tokens: int = 0
+    shape_state: dict[str, Any] = field(default_factory=dict)  # its shaper's per-choice scratch (a stream's counters)
 
 
 async def engine_ready(engine: Engine) -> bool:

@@ -31,7 +31,7 @@ from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import CompletionRequest
 from inferencemesh.frontend.shapers import ChatShaper, CompletionShaper, Shaper
-from inferencemesh.frontend.sse import DONE, SSE_KEEPALIVE_S, EventStream, merged, sse, with_keepalive
+from inferencemesh.frontend.sse import SSE_KEEPALIVE_S, EventStream, merged, with_keepalive
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -71,13 +71,17 @@ class Serving:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "inferencemesh",
                 "max_model_len": self.engine.max_context, "inferencemesh": described}
 
-    async def handle(self, request: Request, body: Body) -> Response:
+    async def handle(self, request: Request, body: Body, *, shape: str | None = None,
+                     request_id: str | None = None) -> Response:
         """One response for a request's choices: n per prompt (completions may send several
-        prompts), generated concurrently, choice index = prompt index * n + j."""
+        prompts), generated concurrently, choice index = prompt index * n + j. shape: the
+        shaper to answer with (default: the body's endpoint); request_id: the response's id
+        (default: one of the endpoint's form)."""
         arrival = getattr(request.state, "arrival", time.perf_counter())
         prompts = body.prompts() if isinstance(body, CompletionRequest) else [None]
         jobs = [await self.jobs.job(body, arrival, prompt) for prompt in prompts]
-        jobs = [replace(job, id=jobs[0].id, created=jobs[0].created, index=i) for i, job in enumerate(jobs)]
+        jobs = [replace(job, id=request_id or jobs[0].id, created=jobs[0].created, index=i,
+                        kind=shape or job.kind) for i, job in enumerate(jobs)]
         if jobs[0].stream:
             return await self._start_stream(jobs, body.n or 1)
         runs = await start_runs(self.engine, self.metrics, jobs, body.n or 1)
@@ -152,7 +156,7 @@ class Serving:
 
     async def _stream(self, runs: list[Run]) -> AsyncGenerator[str, None]:
         """The SSE body: every choice's chunks as they come (each carries its index), then usage
-        (when asked) and [DONE]. A failure is reported in-band: the headers are sent already."""
+        (when asked) and [DONE], as the shaper ends a stream. A failure is reported in-band: the headers are sent already."""
         first = runs[0].job
         chunks = merged([self._choice_chunks(run) for run in runs])
         try:
@@ -163,9 +167,8 @@ class Serving:
                 for event in self._in_band(exc, first):
                     yield event
                 return
-            if first.include_usage:
-                yield self.shapers[first.kind].chunk(first, None, runs_usage(runs))
-            yield DONE
+            for event in self.shapers[first.kind].stream_end(first, runs_usage(runs)):
+                yield event
         finally:
             await chunks.aclose()
             await close_runs(runs)
@@ -174,7 +177,7 @@ class Serving:
         """A failure after the headers went out: the error as an event, then the end."""
         err = as_api_error(exc)
         self._count_error(err, job.id)
-        return [sse(err.body()), DONE]
+        return self.shapers[job.kind].stream_error(job, err.body())
 
     async def _choice_chunks(self, run: Run) -> AsyncIterator[str]:
         job, shaper = run.job, self.shapers[run.job.kind]

@@ -11,7 +11,7 @@ from inferencemesh.frontend.engine_api import Step, TokenLogprob
 from inferencemesh.frontend.generation import Piece, Run
 from inferencemesh.frontend.jobs import Job
 from inferencemesh.frontend.logprobs import LogprobsFormatter
-from inferencemesh.frontend.sse import sse
+from inferencemesh.frontend.sse import DONE, sse
 
 
 class Shaper:
@@ -34,6 +34,14 @@ class Shaper:
         if usage is not None:
             obj["usage"] = usage
         return sse(obj)
+
+    def stream_end(self, job: Job, usage: dict[str, int]) -> list[str]:
+        """The events that end a stream once every choice is done: usage (when asked), [DONE]."""
+        return ([self.chunk(job, None, usage)] if job.include_usage else []) + [DONE]
+
+    def stream_error(self, job: Job, error: dict[str, Any]) -> list[str]:
+        """The events that end a stream that failed after its headers went out (error: OpenAI's body)."""
+        return [sse(error), DONE]
 
     def opening(self, run: Run) -> list[dict[str, Any]]:
         """The choice deltas a stream sends before the first generated piece."""
