@@ -34,12 +34,10 @@ TARGET_NAME = "imesh-code-target"
 DRAFT_NAME = "imesh-code-draft"
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>", "<|pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML with a tools section (Hermes' <tool_call> format, which the frontend's tools.py enforces
+# and parses): the bundled target's template is the one source, both models are saved with it.
+CHAT_TEMPLATE = (Path(__file__).resolve().parents[1] / "src/inferencemesh/bundled" / TARGET_NAME
+                 / "chat_template.jinja").read_text()
 HELDOUT_EVERY = 20  # one file in twenty, chosen by path hash, is held out
 
 

@@ -50,6 +50,7 @@ class ConstraintKind(Enum):
     REGEX = "regex"
     CHOICE = "choice"
     GRAMMAR = "grammar"  # Lark, or GBNF (llguidance converts it)
+    TOOL_CALLS = "tool_calls"  # function calling (tools.py), text in its own format or free with auto
 
 
 class ConstraintError(InvalidRequest):
@@ -194,7 +195,7 @@ def _from_structured_outputs(fields: Mapping[str, Any]) -> Constraint:
 def json_object_constraint(param: str) -> Constraint:
     """Any JSON object (OpenAI's json_object mode)."""
     spec = '{"type":"object"}'
-    return Constraint(ConstraintKind.JSON_OBJECT, spec, _validated(_json_grammar(spec), param), param)
+    return Constraint(ConstraintKind.JSON_OBJECT, spec, validated_grammar(_json_grammar(spec), param), param)
 
 
 def json_schema_constraint(schema: Any, param: str, *, strict: bool = False, name: str | None = None) -> Constraint:
@@ -218,7 +219,7 @@ def json_schema_constraint(schema: Any, param: str, *, strict: bool = False, nam
     _check_metaschema(schema, param)
     if strict:
         _check_strict(schema, param)
-    grammar = _validated(_json_grammar(spec), param)
+    grammar = validated_grammar(_json_grammar(spec), param)
     return Constraint(ConstraintKind.JSON_SCHEMA, spec, grammar, param, strict, name)
 
 
@@ -227,7 +228,7 @@ def regex_constraint(regex: Any, param: str) -> Constraint:
         raise ConstraintError(param, "the regular expression must be a non-empty string")
     spec = _bounded(regex, param)
     return Constraint(
-        ConstraintKind.REGEX, spec, _validated(llguidance.LLMatcher.grammar_from_regex(spec), param), param
+        ConstraintKind.REGEX, spec, validated_grammar(llguidance.LLMatcher.grammar_from_regex(spec), param), param
     )
 
 
@@ -240,7 +241,7 @@ def choice_constraint(choices: Any, param: str) -> Constraint:
     # A Lark alternation of string literals; JSON's string escapes are Lark's.
     lark = "start: " + " | ".join(json.dumps(choice) for choice in choices)
     return Constraint(
-        ConstraintKind.CHOICE, spec, _validated(llguidance.LLMatcher.grammar_from_lark(lark), param), param
+        ConstraintKind.CHOICE, spec, validated_grammar(llguidance.LLMatcher.grammar_from_lark(lark), param), param
     )
 
 
@@ -252,7 +253,7 @@ def grammar_constraint(grammar: Any, param: str) -> Constraint:
         compiled = llguidance.grammar_from("grammar", spec)  # Lark as is; GBNF converted to Lark
     except ValueError as exc:
         raise ConstraintError(param, f"invalid grammar: {exc}") from None
-    return Constraint(ConstraintKind.GRAMMAR, spec, _validated(compiled, param), param)
+    return Constraint(ConstraintKind.GRAMMAR, spec, validated_grammar(compiled, param), param)
 
 
 def _json_grammar(spec: str) -> str:
@@ -269,7 +270,7 @@ def _bounded(text: str, param: str) -> str:
     return text
 
 
-def _validated(grammar: str, param: str) -> str:
+def validated_grammar(grammar: str, param: str) -> str:
     """grammar, once llguidance has built it (tokenizer-independent checks: syntax, unsupported
     schema keywords, unsatisfiable bounds, size limits)."""
     error = llguidance.LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS)

@@ -18,22 +18,11 @@ from inferencemesh.frontend.engine_api import Engine, EngineError, Step, TokenLo
 from inferencemesh.frontend.errors import from_engine_error
 from inferencemesh.frontend.jobs import Job
 from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
+from inferencemesh.frontend.tools import ToolCallDelta, ToolCallParser
 
 log = logging.getLogger("inferencemesh.frontend")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A fragment of a tool call the model is writing (OpenAI's streamed delta.tool_calls[]): the
-    first fragment of call `index` carries its id and function name, later ones only append to
-    its arguments (JSON text)."""
-
-    index: int
-    arguments: str = ""
-    id: str | None = None
-    name: str | None = None
 
 
 @dataclass
@@ -136,6 +125,7 @@ async def pieces(run: Run, text: OutputText) -> AsyncIterator[Piece]:
     budget = job.request.max_tokens
     count = 0
     engine_reason: str | None = None
+    calls = ToolCallParser() if job.tools is not None and job.tools.may_call else None
     while step is not None:
         engine_reason = step.finish_reason or engine_reason
         ids = list(step[: budget - count])  # a speculative step may overshoot the budget
@@ -144,22 +134,36 @@ async def pieces(run: Run, text: OutputText) -> AsyncIterator[Piece]:
             count += len(ids)
             run.tracker.on_tokens(len(ids))
             delta = text.add_tokens(ids)
-            if delta or logprobs:
-                yield Piece(delta, ids, logprobs)
+            piece = _parsed(Piece(delta, ids, logprobs), calls)
+            if piece.text or piece.tool_calls or logprobs:
+                yield piece
         if text.stopped or count >= budget:
             break
         try:
             step = await iterator.__anext__()
         except StopAsyncIteration:
             step = None
-    if not text.stopped:
-        tail = text.finish()
-        if tail:
-            yield Piece(tail, [], None)
+    tail = _parsed(Piece("" if text.stopped else text.finish(), [], None), calls)
+    if calls is not None:
+        held, fragments = calls.finish()
+        tail = Piece(tail.text + held, [], None, tail.tool_calls + fragments)
+    if tail.text or tail.tool_calls:
+        yield tail
     job.completion_tokens = count
     # The engine says why a choice ended (a stop token, or its length); a stop string is
-    # found here, in the text, and is a "stop" too.
+    # found here, in the text, and is a "stop" too. A choice that stopped after calling tools
+    # ends as OpenAI's do: "tool_calls".
     job.finish_reason = "stop" if text.stopped else engine_reason or "length"
+    if calls is not None and calls.calls and job.finish_reason == "stop":
+        job.finish_reason = "tool_calls"
+
+
+def _parsed(piece: Piece, calls: ToolCallParser | None) -> Piece:
+    """piece with its tool-call markup parsed out of the text (calls None: no tools, as it is)."""
+    if calls is None or not piece.text:
+        return piece
+    content, fragments = calls.feed(piece.text)
+    return Piece(content, piece.tokens, piece.logprobs, fragments)
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:

@@ -21,6 +21,7 @@ from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
+from inferencemesh.frontend.tools import ToolCalling, tool_calling_from_request
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -53,6 +54,7 @@ class Job:
     text_offset: int = 0  # completions logprobs: where the choice's text so far ends
     finish_reason: str = "length"
     completion_tokens: int = 0
+    tools: ToolCalling | None = None  # the request's tools: its output is parsed for calls when they may be made
     shape_state: dict[str, Any] = field(default_factory=dict)  # its shaper's per-choice scratch (a stream's counters)
 
 
@@ -65,11 +67,16 @@ async def engine_ready(engine: Engine) -> bool:
         return False
 
 
-def _timed_compile(fields: dict) -> tuple[Constraint | None, float]:
-    """constraint_from_request on a worker thread, and its own time (not the wait for a thread)."""
+def _timed_compile(fields: dict[str, Any], tool_fields: dict[str, Any],
+                   ) -> tuple[tuple[ToolCalling | None, Constraint | None], float]:
+    """The request's tools and output constraint, compiled on a worker thread, and the time it
+    took (not the wait for a thread)."""
     started = time.perf_counter()
     constraint = constraint_from_request(**fields)
-    return constraint, time.perf_counter() - started
+    tools = tool_calling_from_request(**tool_fields) if tool_fields else None
+    if tools is not None:
+        constraint = tools.constraint(constraint)
+    return (tools, constraint), time.perf_counter() - started
 
 
 class JobBuilder:
@@ -85,7 +92,7 @@ class JobBuilder:
         eos = tokenizer.eos_token_id
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.stop_token_ids = frozenset(stop_ids)
-        self._constraints: OrderedDict[str, Constraint | None] = OrderedDict()
+        self._compiled: OrderedDict[str, tuple[ToolCalling | None, Constraint | None]] = OrderedDict()
 
     async def job(self, body: Body, arrival: float, prompt: str | list[int] | None = None) -> Job:
         """The job of a request (of one of its prompts: a completions batch has a job each)."""
@@ -102,7 +109,8 @@ class JobBuilder:
             kind, prefix, max_tokens, param = "chat", "chatcmpl-", body.requested_max_tokens(), "messages"
         else:
             kind, prefix, max_tokens, param = "completion", "cmpl-", body.max_tokens, "prompt"
-        prompt_ids, echo_text = await self._prompt(body, prompt)
+        tools, constraint, compile_s = await self._output_rules(body)
+        prompt_ids, echo_text = await self._prompt(body, prompt, tools)
         if not prompt_ids:
             if self.tokenizer.bos_token_id is None:
                 raise APIError(400, "The prompt is empty.", param=param)
@@ -120,7 +128,7 @@ class JobBuilder:
             raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens}).",
                            param="min_tokens")
 
-        constrained = await self._constrained(body)
+        constrained = await self._constrained(body, constraint, compile_s)
 
         request_id = prefix + uuid.uuid4().hex
         if isinstance(body, ChatCompletionRequest):
@@ -133,7 +141,7 @@ class JobBuilder:
                                        constrained)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(kind, request_id, int(time.time()), self.model, prompt_ids, gen, body.stop_strings(),
-                   bool(body.stream), include_usage, arrival, echo_text, top_logprobs=top or 0)
+                   bool(body.stream), include_usage, arrival, echo_text, top_logprobs=top or 0, tools=tools)
 
     def _generation_request(self, body: Body, request_id: str, prompt_ids: list[int], max_tokens: int,
                             logprobs: int | None, prompt_logprobs: int | None,
@@ -157,23 +165,30 @@ class JobBuilder:
             constrained=constrained,
         )
 
-    async def _constrained(self, body: Body) -> ConstrainedOutput | None:
-        """The request's structured output (response_format, guided_*, structured_outputs), compiled
-        (constraints.py: a ConstraintError is a 400 naming the field), or None for free text."""
+    async def _output_rules(self, body: Body) -> tuple[ToolCalling | None, Constraint | None, float | None]:
+        """The request's tools and its output's constraint (response_format, guided_*,
+        structured_outputs, and the tool calls' grammar), compiled (constraints.py, tools.py: a
+        ConstraintError is a 400 naming the field), and the compile time (None: from the cache).
+        (None, None, None): free text."""
         fields = body.constraint_fields()
-        if all(value is None for value in fields.values()):
-            return None
-        key = json.dumps(fields, sort_keys=True)
-        compile_s = None  # served from the cache
-        if key in self._constraints:
-            self._constraints.move_to_end(key)
-            constraint = self._constraints[key]
-        else:  # off the event loop: a schema's checks and compilation take milliseconds
-            constraint, compile_s = await asyncio.to_thread(_timed_compile, fields)
-            self._constraints[key] = constraint
-            if len(self._constraints) > COMPILED_CONSTRAINTS:
-                self._constraints.popitem(last=False)
-        if constraint is None:  # response_format {"type": "text"}
+        tool_fields = body.tool_fields() if isinstance(body, ChatCompletionRequest) else {}
+        if all(value is None for value in (*fields.values(), *tool_fields.values())):
+            return None, None, None
+        key = json.dumps([fields, tool_fields], sort_keys=True, default=str)
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return (*self._compiled[key], None)
+        # off the event loop: a schema's checks and compilation take milliseconds
+        compiled, compile_s = await asyncio.to_thread(_timed_compile, fields, tool_fields)
+        self._compiled[key] = compiled
+        if len(self._compiled) > COMPILED_CONSTRAINTS:
+            self._compiled.popitem(last=False)
+        return (*compiled, compile_s)
+
+    async def _constrained(self, body: Body, constraint: Constraint | None,
+                           compile_s: float | None) -> ConstrainedOutput | None:
+        """The output's constraint, ready to start a grammar per choice; None for free text."""
+        if constraint is None:
             return None
         # The grammar decides where the output may end: it allows EOS (and end-of-turn) only there.
         for name in ("min_tokens", "ignore_eos"):
@@ -202,11 +217,13 @@ class JobBuilder:
         except ValueError as err:
             raise APIError(400, str(err), param="logit_bias") from err
 
-    async def _prompt(self, body: Body, prompt: str | list[int] | None) -> tuple[list[int], str]:
+    async def _prompt(self, body: Body, prompt: str | list[int] | None,
+                      tools: ToolCalling | None = None) -> tuple[list[int], str]:
         """The prompt's token ids, and the text to echo (completions with echo=true)."""
         if isinstance(body, ChatCompletionRequest):
             # off the event loop: prompts can be long
-            return await asyncio.to_thread(chat_ids, self.tokenizer, body.template_messages()), ""
+            messages, template_tools = body.template_messages(), tools.template_tools() if tools else None
+            return await asyncio.to_thread(chat_ids, self.tokenizer, messages, tools=template_tools), ""
         prompt = body.prompts()[0] if prompt is None else prompt
         if isinstance(prompt, str):
             special = body.add_special_tokens is not False

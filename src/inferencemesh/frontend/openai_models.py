@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from inferencemesh.frontend.engine_api import InvalidRequest
 from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 
@@ -73,7 +74,7 @@ REFUSED: dict[str, str] = {
     # OpenAI chat
     "audio": "audio output is not supported",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tools are not supported", "prediction": "predicted outputs are not supported",
+    "prediction": "predicted outputs are not supported",
     "reasoning_effort": "this model does not reason", "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported", "moderation": "moderation is not supported",
     # vLLM: structured output's engine options (the engine is llguidance, JSON whitespace flexible),
@@ -216,18 +217,53 @@ class TextContentPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class MessageToolCall(_Body):
+    """A tool call an assistant turn made (what a client sends back with the tool's result)."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only for an assistant turn (OpenAI's schema: one that carried tool calls): it reads as ""
     content: Text | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
     name: Text | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # declared so that it is refused, never dropped (unsupported)
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _content_needed(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise PydanticCustomError("missing", "content is required unless the role is assistant")
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only an assistant message carries tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("missing", "a tool message needs the tool_call_id it answers")
         return self
+
+    def template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it: "developer" is OpenAI's newer name for "system"
+        (templates only know the latter); a call's arguments as an object (templates render them
+        with tojson, as transformers and vLLM pass them)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text()}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _arguments(call.function.arguments,
+                                                      f"messages.{index}.tool_calls.{j}.function.arguments")}}
+                for j, call in enumerate(self.tool_calls)]
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -243,8 +279,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None  # vLLM: only false
+    # Function calling (tools.py checks them: a bad one is its 400, naming the field)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -253,19 +291,23 @@ class ChatCompletionRequest(_SamplingRequest):
             return "max_tokens", "max_tokens must be at least 1"
         if self.echo:
             return "echo", "echo is not supported for chat"
-        if self.tools:
-            return "tools", "tools are not supported"
-        calls = next((i for i, m in enumerate(self.messages) if m.tool_calls), None)
-        if calls is not None:
-            return f"messages.{calls}.tool_calls", "tool calls in the history are not supported (tools are not)"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported"
         return super().unsupported()
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it; InvalidRequest names a call whose arguments are not JSON."""
+        return [m.template_message(i) for i, m in enumerate(self.messages)]
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The function-calling fields, as tools.tool_calling_from_request takes them."""
+        return {"tools": self.tools, "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
+
+
+def _arguments(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequest(f"{param} is not JSON text", param=param) from None

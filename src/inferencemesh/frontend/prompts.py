@@ -15,9 +15,11 @@ A chat without special strings in its contents gets exactly the ids it always go
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import uuid
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,29 +32,31 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, text: str, *, add_special_token
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             add_special_tokens: bool = False) -> list[int]:
-    """The chat template's rendering of `messages`, tokenised. By default the template alone
-    places BOS and control tokens (add_special_tokens=False); a 400 naming `messages` when the
-    model has no template or the template rejects the conversation."""
+def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+    """The chat template's rendering of `messages` (and of `tools`, OpenAI's function tools),
+    tokenised. By default the template alone places BOS and control tokens
+    (add_special_tokens=False); a 400 naming `messages` when the model has no template or the
+    template rejects the conversation."""
     if not tokenizer.chat_template:
         raise APIError(400, "This model has no chat template; use /v1/completions.", param="messages")
     controls = _special_pattern(tokenizer)
+    _refuse_controls_outside_contents(controls, messages, tools)
     # Only the contents that hold a special string get a placeholder: every other message renders
     # as it always did (a template may branch on its content, e.g. on an empty one).
     marks = {i: f"\ue000{uuid.uuid4().hex}\ue001" for i, m in enumerate(messages)  # private use: plain text
              if controls is not None and controls.search(m["content"])}
     marked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
     try:
-        text = _render(tokenizer, messages, add_generation_prompt, continue_final_message)
-        template = _render(tokenizer, marked, add_generation_prompt, continue_final_message) if marks else text
+        text = _render(tokenizer, messages, tools, add_generation_prompt, continue_final_message)
+        template = _render(tokenizer, marked, tools, add_generation_prompt, continue_final_message) if marks else text
     except Exception as exc:  # templates raise on conversations they reject (e.g. role order)
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
     if not marks:
         return text_ids(tokenizer, text, add_special_tokens=add_special_tokens)
     assert controls is not None
-    contents = {mark: messages[i]["content"] for i, mark in marks.items()}
+    contents: dict[str, str] = {mark: messages[i]["content"] for i, mark in marks.items()}
     pieces = re.split("(" + "|".join(map(re.escape, contents)) + ")", template)  # template, content, ...
     if "".join(contents.get(p, p) for p in pieces) != text:
         # The template changes contents (e.g. trims them): the placeholders cannot say where each
@@ -75,9 +79,25 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
     return ids + _plain_ids(tokenizer, text_run)
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool,
-            continue_final_message: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+def _refuse_controls_outside_contents(controls: re.Pattern[str] | None, messages: list[dict[str, Any]],
+                                      tools: list[dict[str, Any]] | None) -> None:
+    """Contents are placed safely (above); the tools' definitions and a history's tool calls are
+    rendered by the template as JSON, where a control string could not be told from the
+    template's own: they are refused (a 400 naming the field), never rendered."""
+    if controls is None:
+        return
+    fields = [(f"tools.{i}", tool) for i, tool in enumerate(tools or [])]
+    fields += [(f"messages.{i}.tool_calls", m["tool_calls"]) for i, m in enumerate(messages) if m.get("tool_calls")]
+    for param, value in fields:
+        found = controls.search(json.dumps(value, ensure_ascii=False))
+        if found:
+            raise APIError(400, f"{param} contains the model's control token {found.group(0)!r}", param=param)
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            add_generation_prompt: bool, continue_final_message: bool) -> str:
+    text = tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None,  # type: ignore[arg-type]
+                                         add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False)
     assert isinstance(text, str)  # tokenize=False: the rendered text
     return text

@@ -156,7 +156,8 @@ class Serving:
 
     async def _stream(self, runs: list[Run]) -> AsyncGenerator[str, None]:
         """The SSE body: every choice's chunks as they come (each carries its index), then usage
-        (when asked) and [DONE], as the shaper ends a stream. A failure is reported in-band: the headers are sent already."""
+        (when asked) and [DONE], as the shaper ends a stream. A failure is reported in-band: the
+        headers are sent already."""
         first = runs[0].job
         chunks = merged([self._choice_chunks(run) for run in runs])
         try:

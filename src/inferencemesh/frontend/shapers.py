@@ -1,6 +1,6 @@
 """One shaper per endpoint: how /v1/chat/completions and /v1/completions lay out the same
 generated pieces (a chat message or delta, a completion's text; their two logprobs shapes; a
-completion's echoed prompt). The Responses API will be a third."""
+completion's echoed prompt; a chat message's tool calls)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from inferencemesh.frontend.generation import Piece, Run
 from inferencemesh.frontend.jobs import Job
 from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.sse import DONE, sse
+from inferencemesh.frontend.tools import ToolCallDelta, merged_calls
 
 
 class Shaper:
@@ -77,7 +78,19 @@ class ChatShaper(Shaper):
         return [self._delta(run.job, {"role": "assistant", "content": ""}, None, None)]
 
     def delta(self, job: Job, piece: Piece) -> dict[str, Any]:
-        return self._delta(job, {"content": piece.text}, None, self.logprobs(job, piece.tokens, piece.logprobs))
+        delta: dict[str, Any] = {"content": piece.text} if piece.text or not piece.tool_calls else {}
+        if piece.tool_calls:
+            delta["tool_calls"] = [self._call_fragment(fragment) for fragment in piece.tool_calls]
+        return self._delta(job, delta, None, self.logprobs(job, piece.tokens, piece.logprobs))
+
+    @staticmethod
+    def _call_fragment(fragment: ToolCallDelta) -> dict[str, Any]:
+        """OpenAI's delta.tool_calls[] entry: the first fragment of a call names it, later ones
+        append to its arguments."""
+        if fragment.id is None:
+            return {"index": fragment.index, "function": {"arguments": fragment.arguments}}
+        return {"index": fragment.index, "id": fragment.id, "type": "function",
+                "function": {"name": fragment.name, "arguments": fragment.arguments}}
 
     def closing(self, job: Job) -> dict[str, Any]:
         return self._delta(job, {}, job.finish_reason, None)
@@ -88,7 +101,12 @@ class ChatShaper(Shaper):
         return {"index": job.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def choice(self, run: Run, pieces: list[Piece]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(piece.text for piece in pieces), "refusal": None}
+        content = "".join(piece.text for piece in pieces)
+        calls = merged_calls([fragment for piece in pieces for fragment in piece.tool_calls])
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None,
+                                   "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
         return {"index": run.job.index, "message": message, "logprobs": self._all_logprobs(run, pieces),
                 "finish_reason": run.job.finish_reason}
 

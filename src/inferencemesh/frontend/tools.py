@@ -1,0 +1,316 @@
+"""Function calling: a request's tools checked, written into the prompt by the chat template,
+enforced by a grammar, and parsed back out of the output as OpenAI's tool calls.
+
+The call format is Hermes' (Qwen2.5's, and the bundled models' chat template): each call is
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and parallel calls follow one another, separated by a newline. The grammar (llguidance Lark)
+decides what the model may write, by tool_choice:
+
+    none       no grammar from the tools, and the tools stay out of the prompt: the answer is text
+    auto       text (not starting with "<tool_call>"), or one or more calls
+    required   one or more calls
+    named      exactly one call, to that function (parallel_tool_calls does not apply)
+
+Each call's arguments are its function's JSON schema (`%json`, strict or not: llguidance enforces
+what the schema says either way; `strict` adds OpenAI's subset rules, checked here), so a call
+always parses and matches its schema. With auto and a response_format, the text is that format.
+parallel_tool_calls false allows one call.
+
+The parser (ToolCallParser) reads the same format back as the text streams: content before a
+call is decided is held back only while it could still be the start of "<tool_call>"; a call's
+name is sent as soon as it is complete, its arguments as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import llguidance
+
+from inferencemesh.frontend.constraints import (
+    JSON_WHITESPACE_FLEXIBLE,
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    json_schema_constraint,
+    validated_grammar,
+)
+
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOLS_BYTES = 256 * 1024  # every function's definition together, as compact JSON
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
+CALL_OPEN = "<tool_call>\n"
+CALL_CLOSE = "}\n</tool_call>"  # the wrapper object's closing brace, then the tag
+CALL_SEPARATOR = "\n"  # between parallel calls
+_ARGUMENTS_KEY = '", "arguments": '
+# Arguments as Python's json.dumps writes them (what chat templates render a history's calls with).
+_ARGUMENTS_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+NO_PARAMETERS = {"type": "object", "properties": {}}  # OpenAI: a function without parameters takes none
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of a tool call the model is writing (OpenAI's streamed delta.tool_calls[]): the
+    first fragment of call `index` carries its id and function name, later ones only append to
+    its arguments (JSON text)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+class ToolChoice(Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    FUNCTION = "function"  # a named function
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: str  # its JSON schema, canonical text (sorted keys, compact)
+    strict: bool
+
+    def template_entry(self) -> dict[str, Any]:
+        """The function as chat templates take it (OpenAI's tool shape)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """A request's tools and how it lets the model use them."""
+
+    functions: tuple[Function, ...]
+    choice: ToolChoice
+    forced: str | None = None  # ToolChoice.FUNCTION: the function's name
+    parallel: bool = True
+
+    @property
+    def may_call(self) -> bool:
+        return self.choice is not ToolChoice.NONE
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template writes into the prompt (None with tool_choice none)."""
+        return [f.template_entry() for f in self.functions] if self.may_call else None
+
+    def constraint(self, text: Constraint | None) -> Constraint | None:
+        """The output's constraint: calls (and, with auto, text in `text`'s format or free)."""
+        if not self.may_call:
+            return text
+        if text is not None and text.kind not in (ConstraintKind.JSON_OBJECT, ConstraintKind.JSON_SCHEMA):
+            raise ConstraintError(text.param, f"{text.kind.value} output cannot be combined with tools; "
+                                              "use a JSON schema (response_format) or no tools")
+        lark = self._lark(text)
+        grammar = validated_grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+        spec = json.dumps({"lark": lark}, sort_keys=True)
+        return Constraint(ConstraintKind.TOOL_CALLS, spec, grammar, "tools")
+
+    def _lark(self, text: Constraint | None) -> str:
+        callable_ = [f for f in self.functions if self.forced is None or f.name == self.forced]
+        lines = [
+            "start: " + ("calls" if self.choice is not ToolChoice.AUTO else "text | calls"),
+            # a named function is called once; otherwise parallel_tool_calls allows more calls
+            "calls: call" + (f" ({json.dumps(CALL_SEPARATOR)} call)*" if self.parallel and self.forced is None else ""),
+            "call: " + " | ".join(f"call_{i}" for i in range(len(callable_))),
+        ]
+        if self.choice is ToolChoice.AUTO:
+            if text is None:  # free text, but not a call's start: a call must parse as one
+                lines += ["text: TEXT", "TEXT: /(?s:.+)/ & ~/<tool_call>(?s:.*)/"]
+            else:
+                schema = {**json.loads(text.spec), "x-guidance": {"whitespace_flexible": JSON_WHITESPACE_FLEXIBLE}}
+                lines.append(f"text: %json {json.dumps(schema)}")
+        for i, function in enumerate(callable_):
+            head = f'{CALL_OPEN}{{"name": "{function.name}{_ARGUMENTS_KEY}'
+            lines.append(f"call_{i}: {json.dumps(head)} arguments_{i} {json.dumps(CALL_CLOSE)}")
+            schema = {**json.loads(function.parameters), "x-guidance": _ARGUMENTS_FORMAT}
+            lines.append(f"arguments_{i}: %json {json.dumps(schema)}")
+        return "\n".join(lines)
+
+
+def tool_calling_from_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolCalling | None:
+    """The request's tools, checked (ConstraintError: a 400 naming the field), or None without tools."""
+    if parallel_tool_calls not in (None, True, False):
+        raise ConstraintError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if not tools:
+        if isinstance(tool_choice, Mapping) or tool_choice == "required":
+            raise ConstraintError("tool_choice", "tool_choice is only allowed when tools are specified")
+        return None
+    if not isinstance(tools, list):
+        raise ConstraintError("tools", "tools must be a list")
+    if len(tools) > MAX_TOOLS:
+        raise ConstraintError("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8", "replace"))
+    if size > MAX_TOOLS_BYTES:
+        raise ConstraintError("tools", f"the tools are {size} bytes; the limit is {MAX_TOOLS_BYTES}")
+    functions = tuple(_function(tool, f"tools.{i}") for i, tool in enumerate(tools))
+    names = [f.name for f in functions]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate is not None:
+        raise ConstraintError("tools", f"two tools are named {duplicate!r}")
+    choice, forced = _tool_choice(tool_choice, names)
+    return ToolCalling(functions, choice, forced, parallel=parallel_tool_calls is not False)
+
+
+def _function(tool: Any, param: str) -> Function:
+    if not isinstance(tool, Mapping):
+        raise ConstraintError(param, "a tool must be an object")
+    if tool.get("type") != "function":
+        raise ConstraintError(f"{param}.type", f"tool type {tool.get('type')!r} is not supported; only function")
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise ConstraintError(f"{param}.function", "a function tool needs a function object")
+    name = function.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+        raise ConstraintError(f"{param}.function.name",
+                              "a function name is 1 to 64 characters of a-z, A-Z, 0-9, underscores and dashes")
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ConstraintError(f"{param}.function.description", "a function's description must be a string")
+    strict = function.get("strict")
+    if strict not in (None, True, False):
+        raise ConstraintError(f"{param}.function.strict", "strict must be a boolean")
+    parameters = function.get("parameters", NO_PARAMETERS)
+    if parameters is None:
+        parameters = NO_PARAMETERS
+    # The schema's checks (metaschema, strict subset, what llguidance can enforce) are the
+    # structured outputs' own.
+    checked = json_schema_constraint(parameters, f"{param}.function.parameters", strict=bool(strict), name=name)
+    if not isinstance(json.loads(checked.spec), dict) or json.loads(checked.spec).get("type", "object") != "object":
+        raise ConstraintError(f"{param}.function.parameters", "a function's parameters must be an object schema")
+    return Function(name, description, checked.spec, bool(strict))
+
+
+def _tool_choice(tool_choice: Any, names: list[str]) -> tuple[ToolChoice, str | None]:
+    if tool_choice is None:
+        return ToolChoice.AUTO, None  # OpenAI's default when tools are given
+    if isinstance(tool_choice, str):
+        try:
+            choice = ToolChoice(tool_choice)
+        except ValueError:
+            choice = ToolChoice.FUNCTION  # refused just below
+        if choice is not ToolChoice.FUNCTION:
+            return choice, None
+        raise ConstraintError("tool_choice", "tool_choice must be none, auto, required or a named function")
+    if not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function":
+        raise ConstraintError("tool_choice", "tool_choice must be none, auto, required or "
+                                             '{"type": "function", "function": {"name": ...}}')
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice.get("function"), Mapping) \
+        else None
+    if name not in names:
+        raise ConstraintError("tool_choice", f"tool_choice names {name!r}, which is not one of the tools")
+    return ToolChoice.FUNCTION, name
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolCallParser:
+    """Splits one choice's output text, as it streams, into content and tool-call fragments."""
+
+    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+        self._new_id = new_id
+        self._buffer = ""
+        self._state = "start"  # start | text | head | arguments | between
+        self.calls = 0  # calls begun
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """The content and the call fragments that text completes (some may be held back)."""
+        self._buffer += text
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while self._step(content, deltas):
+            pass
+        return "".join(content), _coalesced(deltas)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """What was held back, at the end of the output (a call cut short keeps its partial arguments)."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "arguments":
+            return "", [ToolCallDelta(self.calls - 1, rest)] if rest else []
+        if self._state == "between":
+            return "", []  # a separator the output ended after
+        return rest, []  # text, or a call's start that never became one: nothing is lost
+
+    def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        """One transition; False when it needs more text."""
+        buffer = self._buffer
+        if self._state in ("start", "between"):
+            opening = (CALL_SEPARATOR if self._state == "between" else "") + CALL_OPEN
+            if buffer.startswith(opening):
+                self._buffer, self._state = buffer[len(opening):], "head"
+                return True
+            if opening.startswith(buffer):
+                return False  # could still be a call
+            self._state = "text"
+            return True
+        if self._state == "text":
+            content.append(buffer)
+            self._buffer = ""
+            return False
+        if self._state == "head":
+            if not buffer.startswith('{"name": "'[: len(buffer)]):
+                self._state, self._buffer = "text", CALL_OPEN + buffer  # not a call after all
+                return True
+            end = buffer.find(_ARGUMENTS_KEY)
+            if end < 0:
+                return False
+            deltas.append(ToolCallDelta(self.calls, "", id=self._new_id(), name=buffer[len('{"name": "'):end]))
+            self.calls += 1
+            self._buffer, self._state = buffer[end + len(_ARGUMENTS_KEY):], "arguments"
+            return True
+        # arguments: up to the call's closing; a raw newline cannot occur inside compact JSON
+        end = buffer.find(CALL_CLOSE)
+        if end >= 0:
+            if end:
+                deltas.append(ToolCallDelta(self.calls - 1, buffer[:end]))
+            self._buffer, self._state = buffer[end + len(CALL_CLOSE):], "between"
+            return True
+        keep = next((n for n in range(min(len(buffer), len(CALL_CLOSE) - 1), 0, -1)
+                     if CALL_CLOSE.startswith(buffer[-n:])), 0)
+        if len(buffer) > keep:
+            deltas.append(ToolCallDelta(self.calls - 1, buffer[: len(buffer) - keep]))
+            self._buffer = buffer[len(buffer) - keep:]
+        return False
+
+
+def _coalesced(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One fragment per call: a call's name and the arguments after it in the same text go together."""
+    out: list[ToolCallDelta] = []
+    for delta in deltas:
+        if out and out[-1].index == delta.index and delta.id is None:
+            last = out[-1]
+            out[-1] = ToolCallDelta(last.index, last.arguments + delta.arguments, last.id, last.name)
+        else:
+            out.append(delta)
+    return out
+
+
+def merged_calls(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
+    """A choice's fragments as whole tool calls, OpenAI's message.tool_calls."""
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if delta.id is not None:
+            call["id"] = delta.id
+        if delta.name is not None:
+            call["function"]["name"] = delta.name
+        call["function"]["arguments"] += delta.arguments
+    return [calls[index] for index in sorted(calls)]
