@@ -302,9 +302,19 @@ def test_stop_string_matcher() -> None:
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "min_tokens": 2}, "min_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
     ("/v1/completions", {"model": "M", "prompt": "x", "guided_choice": ["a"]}, "guided_choice"),  # the fixture
-    ("/v1/chat/completions", {"model": "M", "messages": [  # what every client sends back after a tool call
-        {"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [  # a history's tool call whose arguments are not JSON
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [  # a tool result must say which call it answers
+        {"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "tools"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "web_search"}]}, "tools"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, None),
 ])

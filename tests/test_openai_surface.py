@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from fixture_engine import serve
@@ -297,9 +298,42 @@ def honoured_checks(api: Api, tokenizer, model) -> dict:
 
     for field, (value, valid) in STRUCTURED.items():
         checks[field] = partial(constrained, field, value, valid)
+    if api.chat:
+        checks.update(tool_checks(api, greedy))
     checks["response_format"] = lambda: (expect(api.text(response_format={"type": "text"}) == greedy),
                                          constrained("response_format", SCHEMA_FORMAT, STRUCTURED["guided_json"][1]))
     return checks
+
+
+# Two functions whose arguments are bounded, so that a call always ends within the test's tokens.
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}, "strict": True}} for name in ("inc", "dec")]
+
+
+def tool_checks(api: Api, greedy: str) -> dict:
+    """tools, tool_choice and parallel_tool_calls, each with a check that fails if it is ignored."""
+    def calls(**fields) -> tuple[str, list[dict]]:
+        choice = api.ok(tools=TOOLS, ignore_eos=None, max_tokens=60, **fields)["choices"][0]
+        return choice["finish_reason"], choice["message"].get("tool_calls") or []
+
+    def tools() -> None:  # required: the answer is a call to one of the tools, its arguments valid
+        finish, made = calls(tool_choice="required", parallel_tool_calls=False)
+        assert finish == "tool_calls" and len(made) == 1 and made[0]["function"]["name"] in ("inc", "dec")
+        jsonschema.validate(json.loads(made[0]["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+
+    def tool_choice() -> None:
+        for name in ("inc", "dec"):  # a named function is the one called, once
+            finish, made = calls(tool_choice={"type": "function", "function": {"name": name}})
+            assert finish == "tool_calls" and [c["function"]["name"] for c in made] == [name]
+        # none: no call, and the tools stay out of the prompt (the answer is the tool-less one)
+        assert api.text(tools=TOOLS, tool_choice="none") == greedy
+
+    def parallel_tool_calls() -> None:  # the bundled model, greedy, calls again and again unless told not to
+        assert len(calls(tool_choice="required", parallel_tool_calls=True)[1]) > 1
+        assert len(calls(tool_choice="required", parallel_tool_calls=False)[1]) == 1
+
+    return {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
 
 
 LABELS = {"user": "someone", "metadata": {"k": "v"}, "safety_identifier": "x", "prompt_cache_key": "k",
@@ -307,13 +341,12 @@ LABELS = {"user": "someone", "metadata": {"k": "v"}, "safety_identifier": "x", "
 # A value of each field that asks for what we do (accepted) and one that does not (refused).
 ACCEPTED_REFUSED = {
     "best_of": (1, 2), "suffix": ("", "x"),
-    "tool_choice": ("none", "required"), "store": (False, True), "modalities": (["text"], ["text", "audio"]),
+    "store": (False, True), "modalities": (["text"], ["text", "audio"]),
     "skip_special_tokens": (True, False), "spaces_between_special_tokens": (True, False),
     "add_generation_prompt": (True, False), "echo": (False, True),
-    "tools": (None, [{"type": "function", "function": {"name": "f"}}]),
 }
 OTHER_REFUSED = {"audio": {"voice": "alloy", "format": "mp3"}, "functions": [{"name": "f"}], "function_call": "auto",
-                 "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
+                 "prediction": {"type": "content", "content": "x"},
                  "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "moderation": {}}
 
 
