@@ -105,6 +105,7 @@ def test_auto_allows_text_or_calls_and_nothing_half_way(ll_tokenizer, tokenizer)
     assert not ok("<tool_call>\nnot a call")  # a call's start must become a call
     assert not ok(call_text("get_weather", {"city": "a city name too long"}))  # its schema holds (maxLength)
     assert not ok(call_text("send_mail", {"to": "x"}))  # only the tools given
+    assert not ok(call_text("add", {"a": 1, "b": 2, "c": 3}))  # arguments are the signature (closed_objects)
     assert not ok(PARIS + "\n" + SUM, parallel=False)
     # with a response_format, the text answer is in that format
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": CITY, "strict": True}}

@@ -302,7 +302,7 @@ def _check_strict(schema: Any, param: str) -> None:
     its properties in required and sets additionalProperties to false."""
     if not isinstance(schema, dict) or not _is_object_schema(schema):
         raise ConstraintError(param, "strict mode requires the root schema to be an object (type: object)")
-    for pointer, sub in _subschemas(schema, "#"):
+    for pointer, sub in subschemas(schema, "#"):
         if not _is_object_schema(sub):
             continue
         if sub.get("additionalProperties") is not False:
@@ -339,22 +339,22 @@ _SCHEMA_ONE = (
 )
 
 
-def _subschemas(schema: dict[str, Any], pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def subschemas(schema: dict[str, Any], pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every schema object within schema (itself first), with its JSON pointer."""
     yield pointer, schema
     for key in _SCHEMA_MAPS:
         for name, sub in (schema.get(key) or {}).items():
             if isinstance(sub, dict):
-                yield from _subschemas(sub, f"{pointer}/{key}/{name}")
+                yield from subschemas(sub, f"{pointer}/{key}/{name}")
     for key in _SCHEMA_LISTS:
         for index, sub in enumerate(schema.get(key) or []):
             if isinstance(sub, dict):
-                yield from _subschemas(sub, f"{pointer}/{key}/{index}")
+                yield from subschemas(sub, f"{pointer}/{key}/{index}")
     for key in _SCHEMA_ONE:
         sub = schema.get(key)
         if isinstance(sub, dict):
-            yield from _subschemas(sub, f"{pointer}/{key}")
+            yield from subschemas(sub, f"{pointer}/{key}")
         elif isinstance(sub, list):  # draft-4 style tuple items
             for index, item in enumerate(sub):
                 if isinstance(item, dict):
-                    yield from _subschemas(item, f"{pointer}/{key}/{index}")
+                    yield from subschemas(item, f"{pointer}/{key}/{index}")

@@ -17,7 +17,9 @@ decides what the model may write, by tool_choice:
 
 Each call's arguments are its function's JSON schema (`%json`, strict or not: llguidance enforces
 what the schema says either way; `strict` adds OpenAI's subset rules, checked here), so a call
-always parses and matches its schema. With auto and a response_format, the text is that format.
+always parses and matches its schema. An object that lists its properties and does not say
+whether others are allowed is closed (closed_objects): arguments are a signature. With auto
+and a response_format, the text is that format.
 parallel_tool_calls false allows one call.
 
 The parser (ToolCallParser) reads the same format back as the text streams: content before a
@@ -43,6 +45,7 @@ from inferencemesh.frontend.constraints import (
     ConstraintError,
     ConstraintKind,
     json_schema_constraint,
+    subschemas,
     validated_grammar,
 )
 
@@ -139,9 +142,20 @@ class ToolCalling:
         for i, function in enumerate(callable_):
             head = f'{CALL_OPEN}{{"name": "{function.name}{_ARGUMENTS_KEY}'
             lines.append(f"call_{i}: {json.dumps(head)} arguments_{i} {json.dumps(CALL_CLOSE)}")
-            schema = {**json.loads(function.parameters), "x-guidance": _ARGUMENTS_FORMAT}
+            schema = {**closed_objects(json.loads(function.parameters)), "x-guidance": _ARGUMENTS_FORMAT}
             lines.append(f"arguments_{i}: %json {json.dumps(schema)}")
         return "\n".join(lines)
+
+
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """schema with every object that lists its properties closed (additionalProperties false) unless
+    it says otherwise. A function's parameters are its signature: an argument it does not name
+    would fail the call, and a small model left free to add some rambles on until max_tokens."""
+    schema = json.loads(json.dumps(schema))  # a copy: the request's schema is reported as it was
+    for _, sub in subschemas(schema, "#"):
+        if "properties" in sub and "additionalProperties" not in sub:
+            sub["additionalProperties"] = False
+    return schema
 
 
 def tool_calling_from_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolCalling | None:
