@@ -66,6 +66,13 @@ def test_tokenize_chat_counts_what_a_chat_completion_sends(http: httpx.Client, f
     open_turn = http.post("/tokenize", json={"messages": prefill, "add_generation_prompt": False,
                                              "continue_final_message": True}).json()["tokens"]
     assert fm.tokenizer.decode(open_turn).endswith("    return a +")
+    # Tools are rendered as a chat request with them renders them: the template's tools section.
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}}}}}]
+    with_tools = http.post("/tokenize", json={"messages": CHAT, "tools": tools}).json()["tokens"]
+    text = fm.tokenizer.apply_chat_template(CHAT, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert with_tools == fm.tokenizer(text, add_special_tokens=False)["input_ids"] and len(with_tools) > len(
+        out["tokens"])
 
 
 def test_detokenize_inverts_tokenize(http: httpx.Client, fm: FixtureModel) -> None:
@@ -87,7 +94,7 @@ def test_version_and_health(http: httpx.Client) -> None:
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
-    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"messages": CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400,

@@ -83,17 +83,14 @@ class ToolChoice(Enum):
 @dataclass(frozen=True)
 class Function:
     name: str
-    description: str | None
     parameters: str  # its JSON schema, canonical text (sorted keys, compact)
     strict: bool
+    definition: str  # the tool as the request gave it (JSON text): what the chat template renders
 
     def template_entry(self) -> dict[str, Any]:
-        """The function as chat templates take it (OpenAI's tool shape)."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            function["description"] = self.description
-        function["parameters"] = json.loads(self.parameters)
-        return {"type": "function", "function": function}
+        """The tool as chat templates take it: as the client wrote it (its keys in its order)."""
+        entry: dict[str, Any] = json.loads(self.definition)
+        return entry
 
 
 @dataclass(frozen=True)
@@ -208,7 +205,7 @@ def _function(tool: Any, param: str) -> Function:
     checked = json_schema_constraint(parameters, f"{param}.function.parameters", strict=bool(strict), name=name)
     if not isinstance(json.loads(checked.spec), dict) or json.loads(checked.spec).get("type", "object") != "object":
         raise ConstraintError(f"{param}.function.parameters", "a function's parameters must be an object schema")
-    return Function(name, description, checked.spec, bool(strict))
+    return Function(name, checked.spec, bool(strict), json.dumps(tool, ensure_ascii=False))
 
 
 def _tool_choice(tool_choice: Any, names: list[str]) -> tuple[ToolChoice, str | None]:

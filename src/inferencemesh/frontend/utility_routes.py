@@ -27,6 +27,7 @@ from inferencemesh.frontend.errors import APIError
 from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
 from inferencemesh.frontend.prompts import chat_ids, text_ids
 from inferencemesh.frontend.responses import GENERATION_ERRORS
+from inferencemesh.frontend.tools import tool_calling_from_request
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 
@@ -62,15 +63,13 @@ class TokenizeChatRequest(_Utility):
     tools: list[dict[str, Any]] | None = None
 
     def refused(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported"
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
         if self.continue_final_message and self.messages[-1].role != "assistant":
             return "continue_final_message", "continue_final_message needs a final assistant message"
         return super().refused()
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         # The chat endpoint's own mapping of messages to the template's (one decision, one place).
         return ChatCompletionRequest.model_construct(messages=self.messages).template_messages()
 
@@ -105,9 +104,12 @@ async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) ->
     parsed = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     front = _frontend(request, parsed.model)
     if chat:
+        # The tools as a chat request with them renders them (tool_choice auto): the same count.
+        calling = await asyncio.to_thread(tool_calling_from_request, parsed.tools, None, None)
         ids = await asyncio.to_thread(  # off the event loop: prompts can be long
             chat_ids, front.tokenizer, parsed.template_messages(), add_generation_prompt=parsed.add_generation_prompt,
-            continue_final_message=parsed.continue_final_message, add_special_tokens=parsed.add_special_tokens)
+            continue_final_message=parsed.continue_final_message, add_special_tokens=parsed.add_special_tokens,
+            tools=calling.template_tools() if calling else None)
     else:
         ids = await asyncio.to_thread(text_ids, front.tokenizer, parsed.prompt,
                                       add_special_tokens=parsed.add_special_tokens)
