@@ -11,9 +11,12 @@ and `.parse()` fills a pydantic model.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
+import httpx
 import jsonschema
 import pytest
 import torch
@@ -172,3 +175,57 @@ def test_a_constraint_the_engine_cannot_enforce_is_a_400_naming_it(served) -> No
             "type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
                 "type": "object", "properties": {"a": {"type": "string"}}}}})  # strict: "a" must be required
     assert refused.value.body["param"].startswith("response_format.json_schema.schema")
+
+
+def test_constrained_requests_that_fail_or_vanish_hurt_no_other(served) -> None:
+    """While two free-text streams decode, constrained requests are refused (an invalid schema, one
+    over the size limit, a grammar llguidance rejects) and a constrained stream's client leaves
+    after a few chunks: the free streams' text is what each gets alone, nothing stays running, and
+    the constrained request then answers as it did before."""
+    client, model = served
+    free = {"model": model, "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = client.completions.create(**free).choices[0].text
+    constrained = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                   "extra_body": {"response_format": schema_format("nested")}}
+    before = client.completions.create(**constrained).choices[0].text
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 64}
+                                             for i in range(1200)}}
+    refused_bodies = [{"guided_json": {"type": "objekt"}}, {"guided_json": huge}, {"guided_grammar": "start: ("},
+                      {"guided_regex": "(unclosed"}]
+
+    def stream_free() -> str:
+        return "".join(c.choices[0].text for c in client.completions.create(**free, stream=True) if c.choices)
+
+    def refused(extra: dict[str, Any]) -> int:
+        with pytest.raises(BadRequestError) as err:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=8, extra_body=extra)
+        return err.value.status_code
+
+    def vanish() -> int:
+        stream = client.completions.create(**constrained, stream=True)
+        seen = 0
+        for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        stream.close()  # the client leaves mid-stream
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        innocents = [pool.submit(stream_free) for _ in range(2)]
+        codes = list(pool.map(refused, refused_bodies * 2))
+        left = [pool.submit(vanish) for _ in range(2)]
+        assert [f.result() for f in innocents] == [alone, alone]
+    assert codes == [400] * len(codes) and [f.result() for f in left] == [3, 3]
+    base = str(client.base_url).removesuffix("/v1/")
+    deadline = time.monotonic() + 30
+    while (running := _gauge(httpx.get(f"{base}/metrics").text, "num_requests_running")) and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running == 0
+    assert client.completions.create(**constrained).choices[0].text == before
+
+
+def _gauge(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{")[0].endswith(name) and not line.startswith("#"))
