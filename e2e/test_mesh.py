@@ -226,6 +226,24 @@ def test_a_strict_json_schema_is_followed_through_the_pods(shared_mesh: dict) ->
     assert counter(text, "inferencemesh_structured_output_requests_total") >= 1
 
 
+def test_a_tool_call_comes_back_through_the_pods(shared_mesh: dict) -> None:
+    """Function calling on the cluster: the tools reach the prompt through the image's chat template,
+    the call grammar's masks reach the last stage pod, and the call parses and matches its schema."""
+    import jsonschema
+
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                  "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters, "strict": True}}]
+    with port_forward(shared_mesh["namespace"], *frontend_service(shared_mesh)) as base:
+        reply = openai_client(base).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], max_completion_tokens=64,
+            temperature=0, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
 # ---- (8): metrics ------------------------------------------------------------------------------
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:
