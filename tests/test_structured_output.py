@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
+import grammar_reference
 import httpx
 import jsonschema
 import pytest
@@ -27,9 +28,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.frontend.constraints import constraint_from_request
-from inferencemesh.frontend.grammar import SessionGrammar, grammar_tokenizer
-from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
-from inferencemesh.token_masks import apply_token_masks
 
 pytestmark = pytest.mark.slow
 
@@ -89,24 +87,10 @@ def reference() -> tuple[Any, Any]:
 
 
 def constrained_greedy(reference: tuple[Any, Any], prompt: str, fields: dict[str, Any]) -> str:
-    """The model's greedy output under the grammar, written out without the serving code: each
-    step, transformers' logits of the whole sequence, masked by the same llguidance grammar."""
     model, tokenizer = reference
-    vocab = tokenizer.get_vocab()
-    stops = sorted({tokenizer.eos_token_id, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)})
-    grammar = SessionGrammar(constraint_from_request(**fields), grammar_tokenizer(tokenizer, len(tokenizer), stops))
-    ids = tokenizer(prompt).input_ids
-    out: list[int] = []
-    with torch.inference_mode():
-        while len(out) < MAX_TOKENS:
-            logits = model(torch.tensor([ids + out])).logits[0, -1:, : len(tokenizer)].float()
-            masks, _ = grammar.window_masks([])
-            token = int(apply_token_masks(logits, masks).argmax())
-            if token in stops:
-                break
-            grammar.commit([token])
-            out.append(token)
-    return tokenizer.decode(out, skip_special_tokens=True)
+    constraint = constraint_from_request(**fields)
+    assert constraint is not None
+    return grammar_reference.constrained_greedy(model, tokenizer, tokenizer(prompt).input_ids, constraint, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", SCHEMAS)

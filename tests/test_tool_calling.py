@@ -18,16 +18,14 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from grammar_reference import constrained_greedy
 from mesh_helpers import serving
 from openai import OpenAI
 from openai_spec import errors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.frontend.grammar import SessionGrammar, grammar_tokenizer
-from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
 from inferencemesh.frontend.tools import tool_calling_from_request
-from inferencemesh.token_masks import apply_token_masks
 
 pytestmark = pytest.mark.slow
 
@@ -72,26 +70,13 @@ def model_greedy(messages: list[dict[str, Any]], tool_choice: Any, parallel: boo
     model_dir = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    vocab = tokenizer.get_vocab()
-    stops = sorted({tokenizer.eos_token_id, *(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)})
     calling = tool_calling_from_request(TOOLS, tool_choice, parallel)
     assert calling is not None
     constraint = calling.constraint(None)
     assert constraint is not None
-    grammar = SessionGrammar(constraint, grammar_tokenizer(tokenizer, len(tokenizer), stops))
     ids = tokenizer.apply_chat_template(messages, tools=calling.template_tools(), add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]
-    out: list[int] = []
-    with torch.inference_mode():
-        while len(out) < MAX_TOKENS:
-            logits = model(torch.tensor([ids + out])).logits[0, -1:, : len(tokenizer)].float()
-            masks, _ = grammar.window_masks([])
-            token = int(apply_token_masks(logits, masks).argmax())
-            if token in stops:
-                break
-            grammar.commit([token])
-            out.append(token)
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return constrained_greedy(model, tokenizer, ids, constraint, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
