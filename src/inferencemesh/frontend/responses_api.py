@@ -195,7 +195,7 @@ class CreateResponseRequest(_Body):
                 fmt.update(name=given.name, schema=given.schema_, strict=given.strict)
                 if given.description is not None:
                     fmt["description"] = given.description
-        return {
+        echoed = {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": self.max_tool_calls,
@@ -217,12 +217,15 @@ class CreateResponseRequest(_Body):
             "safety_identifier": self.safety_identifier,
             "prompt_cache_key": self.prompt_cache_key,
         }
+        if self.user is None:  # the spec's user is a string, never null: absent when not sent
+            del echoed["user"]
+        return echoed
 
 
 # --- input items -> chat messages -------------------------------------------------------------
 
 _MESSAGE_PARTS = {"input_text", "output_text"}  # the text parts; images, files, audio are refused
-_ASSISTANT_PARTS = {"output_text", "input_text"}  # an earlier response's message: its output_text
+_ASSISTANT_PARTS = {"output_text", "input_text", "refusal"}  # an earlier response's message (a refusal: its text)
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
@@ -255,7 +258,7 @@ def _text_parts(content: Any, param: str, allowed: set[str]) -> str:
         if part["type"] not in allowed:
             raise _bad(f"{where}.type", f"content parts of type {part['type']!r} are not supported here "
                                         f"(only {', '.join(sorted(allowed))}: this model reads text)")
-        texts.append(_string(part, "text", where))
+        texts.append(_string(part, "refusal" if part["type"] == "refusal" else "text", where))
     return "".join(texts)
 
 
@@ -334,9 +337,7 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 # --- the answer: a Response, or its events ---------------------------------------------------------
 
 
-def _response_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
+def _response_usage(usage: dict[str, int]) -> dict[str, Any]:
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -446,16 +447,17 @@ class ResponsesShaper(Shaper):
 
     def _response(self, job: Job, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None,
                   error: dict[str, Any] | None = None) -> dict[str, Any]:
-        finished = status in ("completed", "incomplete", "failed")
-        return {
+        body = {
             "id": job.id, "object": "response", "created_at": job.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": job.model, "output": copy.deepcopy(output),
             **self.requests.get(job.id, {}),
-            "usage": _response_usage(usage) if finished else None,
         }
+        if usage is not None:  # the spec's usage is never null: absent until the response is done
+            body["usage"] = _response_usage(usage)
+        return body
 
     @staticmethod
     def _status(job: Job) -> str:
