@@ -290,8 +290,10 @@ def test_a_failure_after_the_headers_is_an_error_then_response_failed() -> None:
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "A stage is gone."}
     # a stream that fails before it started (a late start): the same two events, numbered from 0
     shaper, job = make_job("stop")
-    events = parse_events("".join(shaper.stream_error(job, error)))
+    overloaded = APIError(429, "Busy.", type="rate_limit_error", code="overloaded").body()
+    events = parse_events("".join(shaper.stream_error(job, overloaded)))
     assert [e["type"] for e in events] == ["error", "response.failed"]
+    assert events[0]["code"] == "overloaded" and events[1]["response"]["error"]["code"] == "rate_limit_exceeded"
 
 
 def test_the_echo_of_a_structured_request() -> None:

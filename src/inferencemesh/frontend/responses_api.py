@@ -428,6 +428,10 @@ class OutputItems:
         return events + self.close("incomplete" if finish_reason == "length" else "completed")
 
 
+# response.failed's error.code (an enum of OpenAI's) for an error's type; others: server_error
+FAILED_CODES = {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}
+
+
 class ResponsesShaper(Shaper):
     """Responses' layout of the chat engine path's pieces: a Response object, or its typed events
     (`event: <type>` + `data: <json>`, numbered by sequence_number, no [DONE]). The request's
@@ -512,7 +516,7 @@ class ResponsesShaper(Shaper):
     def stream_error(self, job: Job, error: dict[str, Any]) -> list[str]:
         """An `error` event (OpenAI's error fields), then `response.failed` carrying the response."""
         body = error.get("error", {})
-        code = {429: "rate_limit_exceeded"}.get(_status_of(body), "server_error")
+        code = FAILED_CODES.get(body.get("type", ""), "server_error")
         failed = self._response(job, "failed", self._state(job)["output"].items, None,
                                 error={"code": code, "message": body.get("message", "")})
         return [self.chunk(job, {"events": [
@@ -523,11 +527,6 @@ class ResponsesShaper(Shaper):
     def logprobs(self, job: Job, tokens: list[int], entries: Sequence[TokenLogprob | None] | None,
                  ) -> dict[str, Any] | None:
         return None  # never asked for: top_logprobs and include are refused
-
-
-def _status_of(error: dict[str, Any]) -> int:
-    """429 for an overload (its type), else 0: what response.failed's code distinguishes."""
-    return 429 if error.get("type") in ("rate_limit_exceeded", "overloaded") or error.get("code") == "overloaded" else 0
 
 
 # --- the routes ----------------------------------------------------------------------------------
