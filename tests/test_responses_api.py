@@ -460,3 +460,34 @@ def test_responses_are_not_stored(served: Served) -> None:
         check(answer.json(), "ErrorResponse")
         assert "not store" in answer.json()["error"]["message"]
     assert httpx.get(f"{base}/v1/responses/resp_123/input_items", timeout=30).status_code == 404
+
+
+# --- in process: the echoed settings are forgotten once a response is answered -----------------
+
+
+@pytest.mark.slow
+def test_every_answer_forgets_its_request() -> None:
+    """The shaper keeps each response's echoed settings only while it is answered: whole, streamed,
+    refused by the engine, or a stream its client left early; none stay behind."""
+    from fixture_engine import build_fixture_model, serve
+
+    from inferencemesh.frontend.app import create_app
+
+    fm = build_fixture_model()
+    app = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name)
+    kept = app.state.frontend.shapers["response"].requests
+    body = {"model": fm.name, "input": "def add(a, b):", "max_output_tokens": 6}
+    with serve(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+        assert http.post("/v1/responses", json=body).status_code == 200
+        assert kept == {}
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
+            events = parse_events("".join(streamed.iter_text()))
+        assert events[-1]["type"] in ("response.completed", "response.incomplete") and kept == {}
+        assert http.post("/v1/responses", json={**body, "max_output_tokens": 10**6}).status_code == 400  # context
+        assert kept == {}
+        with http.stream("POST", "/v1/responses", json={**body, "stream": True, "max_output_tokens": 64}) as left:
+            next(left.iter_lines())  # the client goes away after the first line
+        deadline = time.monotonic() + 10
+        while kept and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kept == {}
