@@ -423,6 +423,33 @@ def test_json_schema_output_parses_and_validates(served: Served) -> None:
 
 
 @pytest.mark.slow
+def test_an_openai_agents_agent_runs_on_it(served: Served) -> None:
+    """The openai-agents SDK (its default model class is the Responses API's): a structured-output
+    agent, run whole and streamed, gets the same pydantic answer (greedy)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no network here
+    base, _, model = served
+
+    async def run() -> tuple[Any, Any]:
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        agent = Agent(name="config", instructions="Answer with a service config.", output_type=Service,
+                      model=OpenAIResponsesModel(model=model, openai_client=client),
+                      model_settings=ModelSettings(max_tokens=80, temperature=0))
+        whole = await Runner.run(agent, "The web service.")
+        streamed = Runner.run_streamed(agent, "The web service.")
+        async for _ in streamed.stream_events():
+            pass
+        return whole.final_output, streamed.final_output
+
+    whole, streamed = asyncio.run(run())
+    assert isinstance(whole, Service) and whole == streamed
+
+
+@pytest.mark.slow
 def test_refused_parameters_are_400s_naming_them(served: Served) -> None:
     base, _, model = served
     cases: dict[str, dict[str, Any]] = {
