@@ -165,6 +165,27 @@ def test_unservable_input_is_a_400_naming_it(body: dict[str, Any], param: str | 
     assert refused(**body).param == param
 
 
+def test_chat_parameters_are_named_as_the_request_has_them() -> None:
+    """An error found once the request is a chat request (the prompt's length, the schema,
+    main's tool checks) names the Responses parameter, not the chat one."""
+    request = CreateResponseRequest.model_validate_json(json.dumps({"model": MODEL, "instructions": "i", "input": [
+        {"role": "user", "content": "a"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}]}))
+    request.chat_request()
+    name = request.responses_param
+    assert [name(f"messages.{i}") for i in range(4)] == ["instructions", "input.0", "input.1", "input.3"]
+    assert name("messages.2.tool_calls.1.function.arguments") == "input.1"  # the turn's first call
+    assert (name("messages"), name("messages.9"), name(None)) == ("input", "input", None)
+    assert name("response_format.json_schema.schema") == "text.format.schema"
+    assert name("response_format") == "text.format"
+    assert name("max_completion_tokens") == "max_output_tokens"
+    assert name("tools.1.function.parameters") == "tools.1.parameters"
+    assert name("tool_choice.function.name") == "tool_choice.name"
+    assert name("temperature") == "temperature"
+
+
 def test_developer_and_refusal_parts_are_text() -> None:
     chat = convert(input=[{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}])
     assert chat["messages"] == [{"role": "assistant", "content": "No."}]
@@ -501,7 +522,7 @@ def test_every_answer_forgets_its_request() -> None:
     from inferencemesh.frontend.app import create_app
 
     fm = build_fixture_model()
-    app = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name)
+    app = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name)  # type: ignore[arg-type]  # a list, not Sequence
     kept = app.state.frontend.shapers["response"].requests
     body = {"model": fm.name, "input": "def add(a, b):", "max_output_tokens": 6}
     with serve(app) as base, httpx.Client(base_url=base, timeout=60) as http:
@@ -510,7 +531,14 @@ def test_every_answer_forgets_its_request() -> None:
         with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
             events = parse_events("".join(streamed.iter_text()))
         assert events[-1]["type"] in ("response.completed", "response.incomplete") and kept == {}
-        assert http.post("/v1/responses", json={**body, "max_output_tokens": 10**6}).status_code == 400  # context
+        too_long = http.post("/v1/responses", json={**body, "max_output_tokens": 10**6})
+        assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "input")  # chat's "messages"
+        assert kept == {}
+        schema = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
+        bad_schema = http.post("/v1/responses", json={**body, "text": {"format": {"type": "json_schema", "name": "s",
+                                                                                  "schema": schema}}})
+        assert bad_schema.status_code == 400 and bad_schema.json()["error"]["param"].startswith("text.format"), \
+            bad_schema.text
         assert kept == {}
         with http.stream("POST", "/v1/responses", json={**body, "stream": True, "max_output_tokens": 64}) as left:
             next(left.iter_lines())  # the client goes away after the first line

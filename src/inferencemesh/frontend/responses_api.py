@@ -31,10 +31,10 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from inferencemesh.frontend.engine_api import TokenLogprob
-from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.engine_api import EngineError, TokenLogprob
+from inferencemesh.frontend.errors import APIError, as_api_error
 from inferencemesh.frontend.generation import Piece, Run, ToolCallDelta
 from inferencemesh.frontend.jobs import Job
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, Float, Int, Text
@@ -117,6 +117,7 @@ class CreateResponseRequest(_Body):
     safety_identifier: Annotated[Text, Field(max_length=64)] | None = None
     prompt_cache_key: Text | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
+    _origins: list[str] = PrivateAttr(default_factory=list)  # chat_request(): each chat message's input item
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first requested feature we cannot honour, else None."""
@@ -143,10 +144,11 @@ class CreateResponseRequest(_Body):
         refused = self.unsupported()
         if refused is not None:
             raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
-        messages: list[dict[str, Any]] = []
+        messages, origins = input_messages(self.input)
         if self.instructions is not None:
-            messages.append({"role": "system", "content": self.instructions})
-        messages += input_messages(self.input)
+            messages.insert(0, {"role": "system", "content": self.instructions})
+            origins.insert(0, "instructions")
+        self._origins = origins
         chat: dict[str, Any] = {"model": self.model, "messages": messages}
         if self.tools:
             chat["tools"] = [chat_tool(i, tool) for i, tool in enumerate(self.tools)]
@@ -166,6 +168,26 @@ class CreateResponseRequest(_Body):
         except ValidationError as err:  # a shape the checks above let through: still a 400
             first = err.errors()[0]
             raise APIError(400, f"Invalid request: {first['msg']}", param=None) from err
+
+    def responses_param(self, param: str | None) -> str | None:
+        """A chat request's parameter (an error's param, after chat_request()) as this request
+        names it: messages.N the input item (or instructions) it came from, response_format
+        text.format, max_completion_tokens max_output_tokens, tools.N.function.x tools.N.x."""
+        if param is None:
+            return None
+        head, _, rest = param.partition(".")
+        if head == "messages":
+            index = rest.partition(".")[0]
+            known = index.isdigit() and int(index) < len(self._origins)
+            return self._origins[int(index)] if known else "input"
+        if head in ("max_completion_tokens", "max_tokens"):
+            return "max_output_tokens"
+        if head == "response_format":
+            rest = rest.removeprefix("json_schema").lstrip(".")
+            return "text.format" + (f".{rest}" if rest else "")
+        if head in ("tools", "tool_choice"):
+            return param.replace(".function.", ".").replace(".function", "")
+        return param
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = self.text.format if self.text is not None else None
@@ -262,16 +284,19 @@ def _text_parts(content: Any, param: str, allowed: set[str]) -> str:
     return "".join(texts)
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """Responses' input as chat messages: a string is one user message; message items keep their
     role (developer as system's newer name stays developer: chat reads it as system);
     function_call items become an assistant turn's tool_calls (consecutive calls, and calls right
-    after an assistant message, join that turn), function_call_output items tool messages."""
+    after an assistant message, join that turn), function_call_output items tool messages.
+    Also each message's origin, the input item it came from (input.N): an error about a chat
+    message names the item."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     if not items:
         raise _bad("input", "input must hold at least one item")
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
     for i, item in enumerate(items):
         param = f"input.{i}"
         kind = item.get("type", "message" if "role" in item else None)
@@ -285,6 +310,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": _text_parts(item.get("content"), f"{param}.content",
                                                                   _ASSISTANT_PARTS if role == "assistant"
                                                                   else _MESSAGE_PARTS)})
+            origins.append(param)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", param), "type": "function",
                     "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)}}
@@ -295,11 +321,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     last["content"] = None
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(param)
         else:
             output = item.get("output")
             text = output if isinstance(output, str) else _text_parts(output, f"{param}.output", {"input_text"})
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": text})
-    return messages
+            origins.append(param)
+    return messages, origins
 
 
 def chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
@@ -582,6 +610,11 @@ async def create_response(body: CreateResponseRequest, request: Request) -> Resp
     shaper.expect(response_id, body.echo())
     try:
         answer: Response = await front.handle(request, chat, shape="response", request_id=response_id)
+    except (APIError, EngineError) as exc:  # checked as a chat request: name the parameter as this request has it
+        shaper.forget(response_id)
+        err = as_api_error(exc)
+        err.param = body.responses_param(err.param)
+        raise err from exc
     except BaseException:
         shaper.forget(response_id)
         raise
