@@ -279,6 +279,31 @@ def test_function_calls_in_a_stream() -> None:
     assert without_ids(whole) == without_ids(final["output"])
 
 
+def test_the_openai_clients_stream_state_accumulates_the_function_calls() -> None:
+    """The state machine behind the openai client's responses.stream() (a private module: the
+    helper itself needs a server) turns our events into its parsed function calls."""
+    from openai import omit
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    shaper, job = make_job("tool_calls", tools=TOOLS)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}
+    tools: Any = [{"type": "function", "name": "weather", "parameters": city, "strict": True}]
+    state = ResponseStreamState(input_tools=tools, text_format=omit)
+    seen = [out for event in stream_of(shaper, job, TOOL_PIECES)
+            for out in state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))]  # type: ignore[arg-type]
+    snapshots = [e.snapshot for e in seen if e.type == "response.function_call_arguments.delta"]
+    assert snapshots == ['{"city":', '{"city":"Paris"}', '{"city":"Rome"}']
+    final = seen[-1]
+    assert final.type == "response.completed"
+    message, *calls = final.response.output
+    assert message.content[0].text == "I will check both."  # type: ignore[union-attr, index]
+    assert [(c.call_id, c.parsed_arguments) for c in calls] == [  # type: ignore[union-attr]
+        ("call_a", {"city": "Paris"}), ("call_b", {"city": "Rome"})]
+
+
 def test_a_stream_cut_by_the_length_limit_is_incomplete() -> None:
     shaper, job = make_job("length", max_output_tokens=2)
     events = stream_of(shaper, job, [Piece("Hel", [1], None), Piece("lo", [2], None)])
