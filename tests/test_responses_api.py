@@ -17,6 +17,8 @@ from typing import Annotated, Any
 import httpx
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mesh_helpers import serving
 from openai import OpenAI
 from openai_spec import errors
@@ -535,22 +537,32 @@ def test_responses_are_not_stored(served: Served) -> None:
     assert httpx.get(f"{base}/v1/responses/resp_123/input_items", timeout=30).status_code == 404
 
 
-# --- in process: the echoed settings are forgotten once a response is answered -----------------
+# --- in process: the fixture engine behind the real app -----------------------------------------
 
 
-@pytest.mark.slow
-def test_every_answer_forgets_its_request() -> None:
-    """The shaper keeps each response's echoed settings only while it is answered: whole, streamed,
-    refused by the engine, or a stream its client left early; none stay behind."""
-    from fixture_engine import build_fixture_model, serve
+@pytest.fixture(scope="module")
+def inprocess() -> Iterator[tuple[str, Any, Any, str]]:
+    """(URL, app, engine, model name): the app over the fixture engine, short context."""
+    from fixture_engine import TransformersEngine, build_fixture_model, serve
 
     from inferencemesh.frontend.app import create_app
 
     fm = build_fixture_model()
-    app = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name)  # type: ignore[arg-type]  # a list, not Sequence
+    engine = TransformersEngine(fm.engine.model, model_name=fm.name, max_context=128)
+    app = create_app(engine, fm.tokenizer, served_model_name=fm.name,  # type: ignore[arg-type]  # a list, not Sequence
+                     max_body_bytes=64 * 1024)
+    with serve(app) as url:
+        yield url, app, engine, fm.name
+
+
+@pytest.mark.slow
+def test_every_answer_forgets_its_request(inprocess: tuple[str, Any, Any, str]) -> None:
+    """The shaper keeps each response's echoed settings only while it is answered: whole, streamed,
+    refused by the engine, or a stream its client left early; none stay behind."""
+    base, app, _, model = inprocess
     kept = app.state.frontend.shapers["response"].requests
-    body = {"model": fm.name, "input": "def add(a, b):", "max_output_tokens": 6}
-    with serve(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+    body = {"model": model, "input": "def add(a, b):", "max_output_tokens": 6}
+    with httpx.Client(base_url=base, timeout=60) as http:
         assert http.post("/v1/responses", json=body).status_code == 200
         assert kept == {}
         with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
@@ -559,6 +571,7 @@ def test_every_answer_forgets_its_request() -> None:
         too_long = http.post("/v1/responses", json={**body, "max_output_tokens": 10**6})
         assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "input")  # chat's "messages"
         assert kept == {}
+        # an engine-side 400 about response_format (this engine constrains nothing) names text.format
         schema = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
         bad_schema = http.post("/v1/responses", json={**body, "text": {"format": {"type": "json_schema", "name": "s",
                                                                                   "schema": schema}}})
@@ -571,3 +584,87 @@ def test_every_answer_forgets_its_request() -> None:
         while kept and time.monotonic() < deadline:
             time.sleep(0.05)
         assert kept == {}
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=8)
+TEXTS = st.text(max_size=12)
+PART_TYPES = st.sampled_from(["input_text", "output_text", "refusal", "input_image", "input_file", "x"])
+PARTS = st.builds(lambda t, text, refusal: {"type": t, "text": text, "refusal": refusal}, PART_TYPES, TEXTS, TEXTS)
+ITEMS = st.one_of(
+    st.builds(lambda role, content: {"role": role, "content": content},
+              st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]),
+              TEXTS | st.lists(PARTS, max_size=2) | JSON),
+    st.builds(lambda call, name, args: {"type": "function_call", "call_id": call, "name": name, "arguments": args},
+              TEXTS, TEXTS, TEXTS | JSON),
+    st.builds(lambda call, out: {"type": "function_call_output", "call_id": call, "output": out},
+              TEXTS | JSON, TEXTS | st.lists(PARTS, max_size=2)),
+    st.dictionaries(st.sampled_from(["type", "role", "content", "id", "call_id"]), JSON, max_size=4),
+)
+FIELDS = {
+    "input": TEXTS | st.lists(ITEMS, max_size=4), "instructions": TEXTS | JSON,
+    "max_output_tokens": st.integers(1, 8) | JSON, "stream": st.booleans(), "temperature": st.floats(0, 2) | JSON,
+    "top_p": st.floats(0, 1), "metadata": st.dictionaries(TEXTS, TEXTS, max_size=2) | JSON,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]), "name": TEXTS}),
+                      max_size=2) | JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | JSON,
+    "text": st.fixed_dictionaries({"format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+        "type": "json_schema", "name": "s", "schema": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                                                       "required": ["a"], "additionalProperties": False}}]) | JSON}),
+    "store": JSON, "previous_response_id": JSON, "include": JSON, "truncation": JSON, "user": TEXTS | JSON,
+    "service_tier": st.sampled_from(["auto", "default", "x"]), "stream_options": JSON,
+}
+
+
+GOOD_ITEMS = st.one_of(
+    st.builds(lambda role, text: {"role": role, "content": text}, st.sampled_from(["user", "system", "assistant"]),
+              TEXTS),
+    st.builds(lambda text: {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+              TEXTS),
+    st.builds(lambda call: {"type": "function_call_output", "call_id": call, "output": "1"}, TEXTS))
+
+
+def fuzzed_bodies(model: str) -> st.SearchStrategy:
+    fields = st.fixed_dictionaries({"input": FIELDS["input"]},
+                                   optional={k: v for k, v in FIELDS.items() if k != "input"})
+    served = st.fixed_dictionaries(  # well-formed: these reach the engine
+        {"model": st.just(model), "input": TEXTS | st.lists(GOOD_ITEMS, min_size=1, max_size=3),
+         "max_output_tokens": st.integers(1, 6)},
+        optional={"instructions": TEXTS, "temperature": st.floats(0, 2),
+                  "metadata": st.dictionaries(TEXTS, TEXTS, max_size=2)})
+    return st.one_of(served, served.map(lambda body: {**body, "stream": True}),
+                     fields.map(lambda body: {**body, "model": model, "max_output_tokens": 4}),
+                     fields.map(lambda body: {**body, "model": model}), JSON)
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_never_5xx(inprocess: tuple[str, Any, Any, str]) -> None:
+    """Whatever arrives: no 5xx, errors in OpenAI's format, every answer (whole or streamed) valid
+    against OpenAI's spec, and no engine session or echoed settings left behind."""
+    base, app, engine, model = inprocess
+    answered: list[str] = []  # what each body got: a status, and for 200s whether streamed
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    @given(fuzzed_bodies(model))
+    def run(body: Any) -> None:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            answer = http.post("/v1/responses", content=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"})
+        assert answer.status_code < 500, (answer.status_code, answer.text[:500], body)
+        answered.append(f"{answer.status_code} {answer.headers['content-type'].split(';')[0]}")
+        if answer.status_code != 200:
+            assert answer.status_code in (400, 404), (answer.status_code, answer.text[:500])
+            check(answer.json(), "ErrorResponse")
+        elif answer.headers["content-type"].startswith("text/event-stream"):
+            assert parse_events(answer.text)[-1]["type"] in ("response.completed", "response.incomplete")
+        else:
+            check(answer.json(), "Response")
+
+    run()
+    assert engine.open_sessions == 0
+    assert app.state.frontend.shapers["response"].requests == {}
+    # the bodies reached the engine too, whole and streamed, not only the checks
+    assert answered.count("200 application/json") >= 5 and answered.count("200 text/event-stream") >= 5, \
+        sorted(answered)
