@@ -535,6 +535,8 @@ def test_responses_are_not_stored(served: Served) -> None:
         check(answer.json(), "ErrorResponse")
         assert "not store" in answer.json()["error"]["message"]
     assert httpx.get(f"{base}/v1/responses/resp_123/input_items", timeout=30).status_code == 404
+    cancel = httpx.post(f"{base}/v1/responses/resp_123/cancel", timeout=30)
+    assert cancel.status_code == 404 and "not store" in cancel.json()["error"]["message"]
 
 
 # --- in process: the fixture engine behind the real app -----------------------------------------

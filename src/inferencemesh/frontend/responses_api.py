@@ -639,3 +639,8 @@ async def get_response(response_id: str) -> Response:
 @router.delete("/v1/responses/{response_id:path}", responses={**NOT_STORED, **COMMON_ERRORS})
 async def delete_response(response_id: str) -> Response:
     raise _not_stored(response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses={**NOT_STORED, **COMMON_ERRORS})
+async def cancel_response(response_id: str) -> Response:
+    raise _not_stored(response_id)  # only background responses can be cancelled: there are none
