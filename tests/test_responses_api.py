@@ -158,6 +158,7 @@ def test_tools_tool_choice_and_text_format_become_chat_fields() -> None:
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "file_search"}]}, "tools.1.type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
 ])
 def test_unservable_input_is_a_400_naming_it(body: dict[str, Any], param: str | None) -> None:
     if param is None:
@@ -231,12 +232,14 @@ def without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_function_calls_in_a_response() -> None:
-    shaper, job = make_job("tool_calls", tools=TOOLS, tool_choice="auto", metadata={"k": "v"})
+    shaper, job = make_job("tool_calls", tools=TOOLS, tool_choice={"type": "function", "name": "weather"},
+                           metadata={"k": "v"})
     choice = shaper.choice(SimpleNamespace(job=job), TOOL_PIECES)  # type: ignore[arg-type]
     body = shaper.response(job, [choice], {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12})
     check(body, "Response")
     assert (body["status"], body["store"], body["metadata"], body["incomplete_details"]) == \
         ("completed", False, {"k": "v"}, None)
+    assert body["tool_choice"] == {"type": "function", "name": "weather"}
     assert body["tools"] == [{"type": "function", "name": "weather", "description": "w",
                               "parameters": {"type": "object"}, "strict": True}]
     message, first, second = body["output"]

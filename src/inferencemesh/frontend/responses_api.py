@@ -111,7 +111,9 @@ class CreateResponseRequest(_Body):
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None
     stream: bool | None = None
     stream_options: StreamOptionsParam | None = None
-    metadata: Annotated[dict[str, Annotated[Text, Field(max_length=512)]], Field(max_length=16)] | None = None
+    # OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
     # labels: accepted and echoed, they change nothing about the answer
     user: Text | None = None
     safety_identifier: Annotated[Text, Field(max_length=64)] | None = None
@@ -231,7 +233,7 @@ class CreateResponseRequest(_Body):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "text": {"format": fmt, "verbosity": "medium"},
-            "tool_choice": self.tool_choice if self.tool_choice is not None else "auto",
+            "tool_choice": tool_choice_echo(self.tool_choice),
             "tools": [echo_tool(FunctionToolParam.model_validate(t)) for t in self.tools or []],
             "top_logprobs": 0,
             "truncation": "disabled",
@@ -347,6 +349,13 @@ def chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
     if checked.parameters is not None:
         function["parameters"] = checked.parameters
     return {"type": "function", "function": function}
+
+
+def tool_choice_echo(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
+    """tool_choice as a Response reports it (checked already by chat_tool_choice)."""
+    if choice is None or isinstance(choice, str):
+        return choice or "auto"
+    return {"type": "function", "name": choice["name"]}
 
 
 def echo_tool(tool: FunctionToolParam) -> dict[str, Any]:
