@@ -3,6 +3,7 @@
     create_app(engine, tokenizer, served_model_name=...) -> FastAPI
 
 Routes: GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
+POST /v1/responses (OpenAI's Responses API, stateless: responses_api.py),
 GET /health (liveness), GET /ready (engine ready), GET /metrics (Prometheus), and vLLM's
 POST /tokenize, POST /detokenize, GET /version (utility_routes.py).
 Every error, including FastAPI's own validation errors, is answered in OpenAI's error JSON.
@@ -42,6 +43,7 @@ from inferencemesh.frontend.responses import (
     openapi_document,
     streamed,
 )
+from inferencemesh.frontend.responses_api import router as responses_router
 from inferencemesh.frontend.serving import Serving
 from inferencemesh.frontend.sse import SSE_KEEPALIVE_S
 from inferencemesh.frontend.utility_routes import router as utility_router
@@ -151,6 +153,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await front.handle(request, body)
 
+    app.include_router(responses_router)  # POST /v1/responses (GET/DELETE: 404, nothing is stored)
     app.include_router(utility_router)  # vLLM's /tokenize, /detokenize, /version
 
     app.add_middleware(RequestGuard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),

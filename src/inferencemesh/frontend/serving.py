@@ -30,6 +30,7 @@ from inferencemesh.frontend.jobs import Body, Job, JobBuilder
 from inferencemesh.frontend.logprobs import LogprobsFormatter
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import CompletionRequest
+from inferencemesh.frontend.responses_api import ResponsesShaper
 from inferencemesh.frontend.shapers import ChatShaper, CompletionShaper, Shaper
 from inferencemesh.frontend.sse import SSE_KEEPALIVE_S, EventStream, merged, with_keepalive
 
@@ -49,7 +50,8 @@ class Serving:
         self.jobs = JobBuilder(engine, tokenizer, model, metrics)
         self.vocab_size = self.jobs.vocab_size
         formatter = LogprobsFormatter(tokenizer)
-        self.shapers: dict[str, Shaper] = {"chat": ChatShaper(formatter), "completion": CompletionShaper(formatter)}
+        self.shapers: dict[str, Shaper] = {"chat": ChatShaper(formatter), "completion": CompletionShaper(formatter),
+                                           "response": ResponsesShaper(formatter)}
 
     def error_response(self, err: APIError) -> JSONResponse:
         self._count_error(err)
