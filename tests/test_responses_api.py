@@ -500,6 +500,80 @@ def test_an_openai_agents_agent_runs_on_it(served: Served) -> None:
     assert isinstance(whole, Service) and whole == streamed
 
 
+ADD_TOOL = {"type": "function", "name": "add", "description": "a + b", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}
+
+
+@pytest.mark.slow
+def test_function_tools_call_stream_and_take_their_output_back(served: Served) -> None:
+    """A function call comes back as a function_call item (whole and streamed, every event the
+    spec's), and its output sent back as a function_call_output item is in the next prompt."""
+    base, client, model = served
+    asked: dict[str, Any] = {"model": model, "input": "What is 2 + 3?", "tools": [ADD_TOOL],
+                             "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+                             "max_output_tokens": 64}
+    whole = httpx.post(f"{base}/v1/responses", json=asked, timeout=120).json()
+    assert not errors(whole, "Response"), errors(whole, "Response")
+    (call,) = [item for item in whole["output"] if item["type"] == "function_call"]
+    assert call["name"] == "add" and call["call_id"].startswith("call_") and whole["status"] == "completed"
+    jsonschema.validate(json.loads(call["arguments"]), ADD_TOOL["parameters"])
+    events = []
+    with httpx.stream("POST", f"{base}/v1/responses", json={**asked, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    for event in events:
+        assert not errors(event, "ResponseStreamEvent"), (event, errors(event, "ResponseStreamEvent"))
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert arguments == call["arguments"] and events[-1]["type"] == "response.completed"
+    follow = [{"type": "message", "role": "user", "content": "What is 2 + 3?"},
+              {"type": "function_call", "call_id": call["call_id"], "name": "add", "arguments": call["arguments"]}]
+    answers = [client.responses.create(model=model, input=[*follow, {"type": "function_call_output",  # type: ignore
+                                                                     "call_id": call["call_id"], "output": output}],
+                                       tools=[ADD_TOOL], temperature=0, max_output_tokens=8)  # type: ignore
+               for output in ("5", "a much longer tool output, with more tokens")]
+    assert answers[0].usage is not None and answers[1].usage is not None
+    assert answers[1].usage.input_tokens > answers[0].usage.input_tokens  # the output is in the prompt
+
+
+@pytest.mark.slow
+def test_an_openai_agents_agent_calls_a_function_tool_over_responses(served: Served) -> None:
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import ToolCallOutputItem
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # no network here
+    base, _, model = served
+    seen: list[tuple[int, int]] = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        seen.append((a, b))
+        return a + b
+
+    async def run() -> Any:
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        # The tool's result is the agent's answer (stop_on_first_tool): a second turn in free text
+        # would run the bundled code model to max_output_tokens, which the SDK takes as a failure
+        # over the Responses API ("incomplete").
+        agent = Agent(name="adder", instructions="Use the add tool.", tools=[add],
+                      model=OpenAIResponsesModel(model=model, openai_client=client),
+                      tool_use_behavior="stop_on_first_tool",
+                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                                   max_tokens=48))
+        return await Runner.run(agent, "What is 2 + 3?", max_turns=2)
+
+    result = asyncio.run(run())
+    outputs = [item for item in result.new_items if isinstance(item, ToolCallOutputItem)]
+    assert len(seen) == 1 and outputs and str(outputs[0].output) == str(sum(seen[0]))
+    assert str(result.final_output) == str(sum(seen[0]))
+
+
 @pytest.mark.slow
 def test_refused_parameters_are_400s_naming_them(served: Served) -> None:
     base, _, model = served
