@@ -424,13 +424,13 @@ def session_at(tokenizer: GrammarTokenizer, schema: dict[str, Any], tokens: list
 
 
 def test_window_rows_equal_the_draft_masks(tokenizer: GrammarTokenizer, hf_tokenizer: Any) -> None:
-    grammar = session(tokenizer, guided_json=SCHEMAS["flat"])
-    drafts = allowed_path(grammar, 6)
-    masks, usable = grammar.window_masks(drafts)
+    drafts = allowed_path(session(tokenizer, guided_json=SCHEMAS["flat"]), 6)
+    masks, usable = session(tokenizer, guided_json=SCHEMAS["flat"]).window_masks(drafts)
     assert usable == len(drafts)
-    for i in range(usable + 1):
-        after = grammar.mask_after(drafts[:i])
+    for i in range(usable + 1):  # each from a grammar of its own: computed, not remembered
+        after = session(tokenizer, guided_json=SCHEMAS["flat"]).mask_after(drafts[:i])
         assert after is not None and torch.equal(masks[i], after[0])
+    grammar = session(tokenizer, guided_json=SCHEMAS["flat"])
     assert grammar.mask_after([*drafts, hf_tokenizer.convert_tokens_to_ids("x"), 5000]) is None
 
 
@@ -518,3 +518,21 @@ def test_a_constraint_from_elsewhere_still_gets_a_400(tokenizer: GrammarTokenize
     with pytest.raises(ConstraintError) as caught:
         SessionGrammar(bad, tokenizer)
     assert caught.value.param == "guided_regex"
+
+
+def test_a_draft_models_masks_are_not_computed_twice_for_its_window(tokenizer: GrammarTokenizer) -> None:
+    """A draft model asks for the mask after each of its drafts; the verify window's rows for the
+    same prefixes are then copies, not computed again, and equal what a fresh grammar computes."""
+    drafts = allowed_path(session(tokenizer, guided_json=SCHEMAS["flat"]), 5)
+    drafted, fresh = (session(tokenizer, guided_json=SCHEMAS["flat"]) for _ in range(2))
+    for i in range(len(drafts)):  # the draft model, token by token
+        assert drafted.mask_after(drafts[:i]) is not None
+    assert drafted.mask_fills == len(drafts)
+    masks, usable = drafted.window_masks(drafts)
+    assert usable == len(drafts) and drafted.mask_fills == len(drafts) + 1  # only the bonus row is new
+    assert torch.equal(masks, fresh.window_masks(drafts)[0])
+    drafted.commit(drafts[:2])  # a commit moves the state: nothing remembered applies any more
+    fills = drafted.mask_fills
+    assert torch.equal(drafted.window_masks([])[0], session_at(tokenizer, SCHEMAS["flat"], drafts[:2]).window_masks(
+        [])[0])
+    assert drafted.mask_fills == fills + 1

@@ -33,6 +33,10 @@ import torch
 from inferencemesh.frontend.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError
 from inferencemesh.token_masks import WORD_BITS, apply_token_masks, is_allowed, mask_words
 
+# Masks a session keeps between commits (a draft window's worth and then some): 8 KB each for
+# a 64k vocabulary, 19 KB for 150k.
+MAX_REMEMBERED_MASKS = 32
+
 
 @dataclass(frozen=True, eq=False)
 class GrammarTokenizer:
@@ -113,6 +117,11 @@ class SessionGrammar:
         if self._matcher.is_error():  # tokenizer-dependent failures the up-front validation cannot see
             raise ConstraintError(constraint.param, f"cannot enforce this constraint: {self._matcher.get_error()}")
         self.committed = 0  # tokens the grammar has advanced by
+        # Masks computed since the last commit, by the drafts they follow: a draft model asks for
+        # the mask after each of its drafts (mask_after), and the verify window then needs those
+        # same rows again (window_masks), which are copied instead of computed twice.
+        self._computed: dict[tuple[int, ...], torch.Tensor] = {}
+        self.mask_fills = 0  # masks computed (not copied), for tests and benchmarks
 
     # -- committed state ---------------------------------------------------------------------
 
@@ -132,6 +141,7 @@ class SessionGrammar:
             for token in tokens:
                 self._consume(token)
             self.committed += len(tokens)
+            self._computed.clear()
 
     def _valid_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar allows from here (never puts the matcher in error)."""
@@ -210,7 +220,7 @@ class SessionGrammar:
             limit = len(drafts) if rows else self._valid_prefix(drafts)
             for token in drafts[:limit]:
                 if rows:
-                    self._fill(masks, allowed)
+                    self._fill(masks, allowed, tuple(drafts[:allowed]))
                     if not is_allowed(masks[allowed], token):
                         break
                 if token in eos:
@@ -222,7 +232,7 @@ class SessionGrammar:
                 self._consume(token)
                 consumed = allowed = allowed + 1
             if rows or allowed == len(drafts):
-                self._fill(masks, allowed)
+                self._fill(masks, allowed, tuple(drafts[:allowed]))
         finally:
             self._rollback(consumed)
         return allowed
@@ -233,12 +243,21 @@ class SessionGrammar:
             word, bit = divmod(token, WORD_BITS)
             masks[row, word] = int(masks[row, word]) | ((1 << bit) if bit < 31 else -(1 << 31))  # int32 bits
 
-    def _fill(self, masks: torch.Tensor, row: int) -> None:
-        # Writes llguidance's mask straight into the row; the GIL is released while it computes.
+    def _fill(self, masks: torch.Tensor, row: int, after: tuple[int, ...]) -> None:
+        """masks[row] = the mask in the matcher's current state, which is after `after` (the drafts
+        consumed on scratch): copied when computed since the last commit."""
         target = masks[row]
+        known = self._computed.get(after)
+        if known is not None:
+            target.copy_(known)
+            return
+        # Writes llguidance's mask straight into the row; the GIL is released while it computes.
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
         if self._matcher.is_error():
             raise RuntimeError(f"llguidance failed computing a mask: {self._matcher.get_error()}")
+        self.mask_fills += 1
+        if len(self._computed) < MAX_REMEMBERED_MASKS:
+            self._computed[after] = target.clone()
 
     def _rollback(self, count: int) -> None:
         if count and not self._matcher.rollback(count):
