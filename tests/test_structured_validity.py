@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 from mesh_helpers import serving
@@ -144,10 +145,16 @@ def test_the_matrix_covers_strict_and_non_strict_schemas() -> None:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def served(request) -> Iterator[tuple[str, OpenAI, str]]:
+def served(request) -> Iterator[tuple[str, str, OpenAI, str]]:
     with serving(*CONFIGS[request.param], *ALWAYS_SPECULATE) as (base, _, _):
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield request.param, client, client.models.list().data[0].id
+        yield request.param, base, client, client.models.list().data[0].id
+
+
+def draft_tokens(base: str) -> float:
+    """Draft tokens the server has proposed for verification (its Prometheus counter)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+               if line.startswith("inferencemesh_spec_decode_num_draft_tokens_total"))
 
 
 def ask(client: OpenAI, model: str, name: str, endpoint: str, **sampling: Any) -> list[tuple[str | None, str]]:
@@ -181,7 +188,7 @@ def problem(name: str, finish_reason: str | None, output: str) -> str | None:
 
 
 def test_every_schema_is_followed_greedy_and_sampled(served) -> None:
-    config, client, model = served
+    config, base, client, model = served
     # greedy on one endpoint and sampled on the other, alternating by schema: both endpoints see both
     requests = []
     for index, name in enumerate(SCHEMAS):
@@ -199,6 +206,8 @@ def test_every_schema_is_followed_greedy_and_sampled(served) -> None:
             why = problem(name, finish_reason, output)
             if why:
                 failures.append(f"{name} / {endpoint} / {sampling}: {why}: {output!r}")
+    # the speculative configurations speculated under the grammars (drafts were verified)
+    assert (draft_tokens(base) > 0) == (CONFIGS[config][-1] != "none"), draft_tokens(base)
     assert not failures, f"{config}: {len(failures)} of {sum(len(c) for c in replies)} outputs:\n" + "\n".join(
         failures)
 
