@@ -2,9 +2,10 @@
 sampled, on both endpoints, through `inferencemesh serve` with one stage and no speculation and
 with two stages and each speculation strategy (n-grams, the bundled draft model, auto).
 
-Every output must end by the grammar (finish_reason "stop", never max_tokens), parse, and
-validate against its schema (formats checked too); a greedy output is the same text in every
-configuration (neither the split nor speculation may change a greedy answer).
+Every output must end by the grammar (finish_reason "stop", never max_tokens), parse without
+duplicate keys, validate against its schema (formats checked too) and write its properties in the
+schema's order; the speculative configurations must have proposed drafts; a greedy output is the
+same text in every configuration (neither the split nor speculation may change a greedy answer).
 """
 
 from __future__ import annotations
