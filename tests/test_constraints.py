@@ -73,12 +73,16 @@ def test_no_constraint_is_none() -> None:
     assert constraint_from_request(response_format={"type": "text"}, guided_regex="a") is not None
 
 
-def test_the_schema_spec_is_canonical() -> None:
-    shuffled = dict(reversed(list(PERSON.items())))
+def test_the_schema_spec_is_compact_and_keeps_the_properties_order() -> None:
     one = constraint_from_request(guided_json=PERSON)
-    two = constraint_from_request(guided_json=json.dumps(shuffled, indent=2))
+    two = constraint_from_request(guided_json=json.dumps(PERSON, indent=2))
     assert one is not None and two is not None
     assert one.spec == two.spec and one.grammar == two.grammar
+    # the output writes properties in the schema's order (OpenAI's rule), so the spec keeps it
+    reordered = {**PERSON, "properties": dict(reversed(list(PERSON["properties"].items())))}
+    three = constraint_from_request(guided_json=reordered)
+    assert three is not None and list(json.loads(three.spec)["properties"]) == ["age", "name"]
+    assert list(json.loads(one.spec)["properties"]) == ["name", "age"]
 
 
 def test_strict_schema_carries_its_name_and_flag() -> None:

@@ -536,3 +536,21 @@ def test_a_draft_models_masks_are_not_computed_twice_for_its_window(tokenizer: G
     assert torch.equal(drafted.window_masks([])[0], session_at(tokenizer, SCHEMAS["flat"], drafts[:2]).window_masks(
         [])[0])
     assert drafted.mask_fills == fills + 1
+
+
+def test_an_objects_properties_come_in_its_schemas_order(hf_tokenizer: Any, tokenizer: GrammarTokenizer) -> None:
+    # OpenAI's rule: the output writes properties in the schema's order (it was alphabetical: the
+    # schema's keys were sorted before compiling)
+    def accepts(properties: list[str], text: str) -> bool:
+        schema = {"type": "object", "properties": {name: {"type": "integer"} for name in properties},
+                  "required": properties, "additionalProperties": False}
+        grammar = SessionGrammar(constraint_from_request(guided_json=schema), tokenizer)
+        try:
+            grammar.commit(hf_tokenizer(text, add_special_tokens=False).input_ids)
+        except GrammarViolation:
+            return False
+        return grammar.is_accepting
+
+    assert accepts(["zeta", "alpha"], '{"zeta":1,"alpha":2}')
+    assert not accepts(["zeta", "alpha"], '{"alpha":2,"zeta":1}')
+    assert accepts(["alpha", "zeta"], '{"alpha":2,"zeta":1}')

@@ -207,7 +207,9 @@ def json_schema_constraint(schema: Any, param: str, *, strict: bool = False, nam
     if not isinstance(schema, Mapping):
         raise ConstraintError(param, "a JSON schema must be an object")
     try:
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        # keys in the client's order: the output writes an object's properties in its schema's order
+        # (OpenAI's rule; a schema can put "reasoning" before "answer"), sorted they came out alphabetical
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ConstraintError(param, f"the JSON schema is not JSON: {exc}") from None
     try:

@@ -174,7 +174,8 @@ class JobBuilder:
         tool_fields = body.tool_fields() if isinstance(body, ChatCompletionRequest) else {}
         if all(value is None for value in (*fields.values(), *tool_fields.values())):
             return None, None, None
-        key = json.dumps([fields, tool_fields], sort_keys=True, default=str)
+        # not sorted: two schemas that differ only in their properties' order are different constraints
+        key = json.dumps([fields, tool_fields], default=str)
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return (*self._compiled[key], None)
