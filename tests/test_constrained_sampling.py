@@ -80,3 +80,4 @@ def test_without_the_masks_at_verification_the_distribution_is_wrong(target: tor
     q = masked_probs(torch.randn(VOCAB, generator=torch.Generator().manual_seed(4)), ALLOWED[0])
     counts = first_tokens(target, q, with_masks=False)  # the draft follows the grammar, the target does not
     assert chi_square(counts, masked_probs(target[0], ALLOWED[0])) > CHI2_CRITICAL_DF4
+

@@ -130,14 +130,18 @@ def test_chat_parse_fills_a_pydantic_model_and_a_streamed_schema_is_the_same_tex
     jsonschema.validate(json.loads(streamed), SCHEMAS["nested"])
 
 
-def test_langchain_with_structured_output_by_json_schema(served) -> None:
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_in_each_method(served, method: str) -> None:
+    """LangChain's schema methods: a json_schema response_format, and a forced tool call (function
+    calling: the grammar of the tool's schema). (Its json_mode is response_format json_object, which
+    bounds nothing: the bundled code model writes one long object until max_tokens; json_object
+    itself is checked in test_openai_surface.py.)"""
     from langchain_openai import ChatOpenAI
 
     client, model = served
     chat = ChatOpenAI(model=model, base_url=str(client.base_url), api_key="unused", temperature=0,
                       max_completion_tokens=MAX_TOKENS, max_retries=0)
-    service = chat.with_structured_output(Service, method="json_schema", strict=True).invoke(
-        "Describe the service as JSON.")
+    service = chat.with_structured_output(Service, method=method, strict=True).invoke("Describe the service as JSON.")
     assert isinstance(service, Service)
 
 
