@@ -305,6 +305,12 @@ def test_stop_string_matcher() -> None:
     ("/v1/chat/completions", {"model": "M", "messages": [  # a history's tool call whose arguments are not JSON
         {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [  # an escaped lone surrogate in a call's arguments
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}]},
+     "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools"),
     ("/v1/chat/completions", {"model": "M", "messages": [  # a tool result must say which call it answers
         {"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]}, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tool_choice": {
@@ -320,7 +326,9 @@ def test_stop_string_matcher() -> None:
 ])
 def test_bad_bodies_are_400(http: httpx.Client, fm: FixtureModel, path: str, body: dict, param: str | None) -> None:
     body = {**body, "model": fm.name} if "model" in body else body
-    err = check_error(http.post(path, json=body), 400)
+    # ASCII JSON, as most clients send: a lone surrogate travels as its \ud800 escape
+    err = check_error(http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}),
+                      400)
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] is not None and err["param"].split(".")[0] == param, err

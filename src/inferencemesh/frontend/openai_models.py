@@ -308,6 +308,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def _arguments(text: str, param: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
-        raise InvalidRequest(f"{param} is not JSON text", param=param) from None
+        arguments = json.loads(text)
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate cannot be rendered
+    except ValueError:  # UnicodeEncodeError included
+        raise InvalidRequest(f"{param} is not JSON text of valid Unicode", param=param) from None
+    return arguments

@@ -167,7 +167,10 @@ def tool_calling_from_request(tools: Any, tool_choice: Any, parallel_tool_calls:
         raise ConstraintError("tools", "tools must be a list")
     if len(tools) > MAX_TOOLS:
         raise ConstraintError("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
-    size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8", "replace"))
+    try:  # a lone surrogate (JSON's \ud800 escape) could not be tokenized when the template renders the tools
+        size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConstraintError("tools", "the tools contain a lone surrogate (invalid Unicode)") from None
     if size > MAX_TOOLS_BYTES:
         raise ConstraintError("tools", f"the tools are {size} bytes; the limit is {MAX_TOOLS_BYTES}")
     functions = tuple(_function(tool, f"tools.{i}") for i, tool in enumerate(tools))
