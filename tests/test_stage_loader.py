@@ -154,7 +154,7 @@ def test_unsupported_family_is_refused(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     save_file({"wte.weight": torch.zeros(4, 4)}, str(model / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported; supported: llama, mistral"):
+    with pytest.raises(CheckpointError, match="'gpt2' cannot be served: not the standard layout: its decoder"):
         StageRuntime(model, 0, 2)
 
 
@@ -271,7 +271,7 @@ def test_hub_unsupported_family_is_refused_before_any_weights(tmp_path, offline)
     save_file({"w": torch.zeros(2)}, str(src / "model.safetensors"))
     cache = tmp_path / "hf-cache"
     populate_hub_cache(cache, "org/falcon", {p.name: p for p in src.iterdir()}, keep={"config.json"})
-    with pytest.raises(CheckpointError, match="org/falcon: model_type 'falcon' is not supported"):
+    with pytest.raises(CheckpointError, match="org/falcon: model_type 'falcon' cannot be served: not the standard"):
         StageRuntime("org/falcon", 0, 2, cache_dir=str(cache))
     assert len(offline) == 1
 

@@ -301,7 +301,7 @@ def test_length_dependent_rope_is_computed_per_forward(tmp_path, prompt):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected = model.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_LEN:].tolist()
     chain = Chain(path, SPLITS[2], dtype="float32")
-    assert chain.stages[0]._rope_table is None
+    assert chain.stages[0]._rope_tables == {None: None}
     assert PROMPT_LEN + NEW_TOKENS > 32  # the decode crosses into the rescaled range
     assert chain.greedy(prompt, NEW_TOKENS) == expected
 

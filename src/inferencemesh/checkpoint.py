@@ -26,7 +26,6 @@ CONFIG_FILES = [
     "chat_template.jinja",
     "model-package.json",
 ]
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -192,11 +191,16 @@ def refuse_without_safetensors(where: str | Path, files: list[str]) -> None:
 
 
 def check_supported(config: dict, where: str | Path) -> None:
-    model_type = config.get("model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    """Refuse, with the reason, a checkpoint whose family cannot be split into stages (see
+    modeling/families.py: any decoder-only causal LM of the installed transformers with the
+    standard embed -> layers -> norm -> head layout is served)."""
+    from inferencemesh.modeling import families  # transformers and torch, only when a config is checked
+
+    why = families.refusal(config)
+    if why is not None:
+        model_type = config.get("model_type", "")
+        raise CheckpointError(f"{where}: model_type {model_type!r} cannot be served: {why} "
+                              "(`inferencemesh models` lists the families served)")
 
 
 def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) -> CheckpointFacts:

@@ -258,8 +258,15 @@ def start_operator(cluster: ControlPlane, kubeconfig: Path, workdir: Path, env: 
            "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--metrics-port", str(metrics_port)]
     for ns in namespaces:
         cmd += ["--namespace", ns]
+    # As in its image (Dockerfile, target operator): no torch, no transformers. A sitecustomize
+    # makes importing them fail, so a path of the operator that needs them fails here too.
+    image_like = workdir / "operator-python"
+    image_like.mkdir(exist_ok=True)
+    (image_like / "sitecustomize.py").write_text(
+        "import sys\nfor _name in ('torch', 'transformers'):\n    sys.modules[_name] = None  # not in the image\n")
+    python_path = os.pathsep.join(p for p in (str(image_like), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HF_HUB_OFFLINE": "1",
-                "INFERENCEMESH_RESYNC_SECONDS": "30", **env}
+                "INFERENCEMESH_RESYNC_SECONDS": "30", "PYTHONPATH": python_path, **env}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     op = OperatorProcess(proc, f"http://127.0.0.1:{live_port}/healthz", f"http://127.0.0.1:{metrics_port}/metrics",

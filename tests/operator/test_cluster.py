@@ -301,6 +301,22 @@ def test_impossible_specs_end_planned_false(cluster: ControlPlane, ns: str, tiny
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
 
 
+def test_a_family_that_cannot_be_split_ends_planned_false_in_one_line(cluster: ControlPlane, ns: str,
+                                                                      tmp_path: Path) -> None:
+    """The operator (run without torch and transformers, as in its image) reads the same family
+    decision as `plan` and `serve` (modeling/families.py's recorded table) and names the reason."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 4, "n_embd": 64}))
+    cluster.apply(mesh_doc("gpt2", {"model": {"name": str(model)}}), ns)
+    st = wait_condition(cluster, "gpt2", "Planned", "False", "ModelUnreadable")
+    message = cond(st, "Planned")["message"]
+    assert "model_type 'gpt2' cannot be served: not the standard layout: its decoder is model.transformer" in message
+    assert "\n" not in message
+    assert children(cluster, "gpt2") == {}
+    cluster.kubectl("delete", "inferencemesh", "gpt2", "-n", ns, "--wait=false")
+
+
 def test_an_embedded_first_stage_has_no_stage_0_objects_and_switching_it_prunes_or_restores_them(
         cluster: ControlPlane, ns: str, tiny_model: Path) -> None:
     name = "embed"

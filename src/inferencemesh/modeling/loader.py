@@ -9,12 +9,12 @@ model is never materialised. Pickle-based weights are refused.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,19 +30,12 @@ from inferencemesh.checkpoint import (
     TensorInfo,
 )
 from inferencemesh.compute_dtype import choose_dtype
-from inferencemesh.modeling import attention
+from inferencemesh.modeling import attention, families
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, float], None]
 
-# model_type -> (transformers module, class-name prefix) of the decoder layer, norm and rotary classes.
-FAMILIES = {
-    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
-}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -223,55 +216,93 @@ def load_stage(
     )
     on_progress("loading", 0.0)
     config = AutoConfig.from_pretrained(model_dir)
-    # transformers' sdpa attention, reached through our registered name (see attention.py); the
-    # runtime passes it sdpa-style boolean masks.
-    config._attn_implementation = attention.NAME
     torch_device = resolve_device(device)
     choice = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=torch_device.type == "cpu")
     log.info("layers %d:%d compute in %s on %s", layer_start, layer_end, choice, torch_device)
     torch_dtype = resolve_dtype(choice.name, facts.checkpoint_dtype)
     first, last = layer_start == 0, layer_end == facts.num_layers
 
-    module_path, prefix = FAMILIES[facts.model_type]
-    family = importlib.import_module(module_path)
-    decoder_cls = getattr(family, f"{prefix}DecoderLayer")
-    norm_cls = getattr(family, f"{prefix}RMSNorm")
-    rotary_cls = getattr(family, f"{prefix}RotaryEmbedding")
-
-    # Shapes only: nothing is allocated until the loaded tensors are assigned.
-    with torch.device("meta"):
-        embed = nn.Embedding(facts.vocab_size, facts.hidden_size, config.pad_token_id) if first else None
-        layers = nn.ModuleList(decoder_cls(config, i) for i in range(layer_start, layer_end))
-        norm = norm_cls(facts.hidden_size, eps=config.rms_norm_eps) if last else None
-        lm_head = nn.Linear(facts.hidden_size, facts.vocab_size, bias=False) if last else None
-
+    # The family's own causal LM, parameters on the meta device (nothing allocated): the stage
+    # keeps the modules it runs, and the checkpoint's tensors for those are assigned into them
+    # through transformers' own key conversion (MoE experts stored one by one are fused into the
+    # module's expert tensors as from_pretrained fuses them).
+    config._attn_implementation = "eager"  # built as eager (a family refusing sdpa, Gemma2, still builds) ...
+    model = families.build_causal_lm(config)
+    # ... and run through our registered name (see attention.py): transformers' sdpa attention
+    # (eager where scores are soft-capped), fed the runtime's sdpa-style boolean masks.
+    config._attn_implementation = attention.NAME
+    if (why := families.layout_refusal(model, config)) is not None:
+        raise CheckpointError(f"{source}: {facts.model_type} cannot be split into stages: {why}")
+    base = model.model
+    for module in model.modules():  # the compute dtype, still on meta (free): loading keeps a parameter's dtype
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point() and param.dtype != torch_dtype:
+                module._parameters[name] = nn.Parameter(param.to(torch_dtype), requires_grad=False)
     tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress)
-    if embed is not None:
-        embed.load_state_dict({"weight": tensors.pop("model.embed_tokens.weight")}, assign=True)
-    for layer, i in zip(layers, range(layer_start, layer_end), strict=True):
-        prefix_i = f"model.layers.{i}."
-        own = {k.removeprefix(prefix_i): tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix_i)]}
-        layer.load_state_dict(own, assign=True, strict=True)
-    if last:
-        assert norm is not None and lm_head is not None  # built above for the last stage
-        norm.load_state_dict({"weight": tensors.pop("model.norm.weight")}, assign=True)
-        if "lm_head.weight" in tensors and not facts.tie_word_embeddings:
-            head = tensors.pop("lm_head.weight")
-        elif facts.tie_word_embeddings:
-            # A tied head is the embedding matrix; share the very tensor when this stage also embeds.
-            head = embed.weight if embed is not None else tensors.pop("model.embed_tokens.weight")
-            tensors.pop("lm_head.weight", None)
-        else:
+    tied_head = None
+    if last and (facts.tie_word_embeddings or "lm_head.weight" not in tensors):
+        if not facts.tie_word_embeddings:
             raise CheckpointError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
-        lm_head.load_state_dict({"weight": head}, assign=True)
-    if tensors:
-        log.debug("unused tensors in the stage's selection: %s", sorted(tensors))
+        tensors.pop("lm_head.weight", None)
+        # A tied head is the embedding matrix: read as the embedding's, shared below.
+        tied_head = tensors["model.embed_tokens.weight"] if not first else None
+        if tied_head is not None:
+            tensors.pop("model.embed_tokens.weight")
+    _assign(model, tensors, torch_dtype, source)
 
-    rotary = rotary_cls(config=config).to(torch_device)  # small and computed, so built for real
-    for module in (embed, layers, norm, lm_head):
-        if module is not None:
-            module.eval().requires_grad_(False)
+    embed = base.embed_tokens if first else None
+    layers = nn.ModuleList(base.layers[layer_start:layer_end])
+    norm = base.norm if last else None
+    lm_head = model.lm_head if last else None
+    if lm_head is not None:
+        if embed is not None and facts.tie_word_embeddings:
+            lm_head.weight = embed.weight  # the very tensor, held once
+        elif tied_head is not None:
+            lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
+    stage_modules = [m for m in (embed, layers, norm, lm_head) if m is not None]
+    unloaded = [f"{i}:{n}" for i, m in enumerate(stage_modules) for n, p in m.named_parameters()
+                if p.device.type == "meta"]
+    if unloaded:
+        raise CheckpointError(f"{source}: the checkpoint has no tensors for {', '.join(unloaded[:5])}"
+                              f"{' ...' if len(unloaded) > 5 else ''} (layers {layer_start}:{layer_end})")
+    for module in stage_modules:
+        module.to(torch_device)  # buffers (computed at construction) join the loaded weights
+    rotary = base.rotary_emb.to(torch_device)  # small and computed, so built for real
+    for module in stage_modules:
+        module.eval().requires_grad_(False)
+    del model, base
     return StageModules(facts, config, model_dir, embed, layers, norm, lm_head, rotary, torch_dtype, torch_device)
+
+
+def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: str | Path) -> None:
+    """Assign checkpoint tensors into the meta-built model, keys converted as transformers'
+    from_pretrained converts them (renamings, per-expert tensors merged into fused ones)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    # Tensors stored under the module's own names are assigned as they are (no copy); only the
+    # rest (per-expert tensors to fuse, renamed keys) go through the conversion, which copies.
+    own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    direct = {name: tensors.pop(name) for name in [n for n in tensors if n in own]}
+    model.load_state_dict(direct, assign=True, strict=False)
+    direct.clear()
+    if not tensors:
+        return
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        mapping: Any = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+        load = LoadStateDictConfig(weight_mapping=mapping, dtype=dtype)
+        info, _ = convert_and_load_state_dict_in_model(model, tensors, load)  # type: ignore[arg-type]
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    unexpected = sorted(getattr(info, "unexpected_keys", None) or [])
+    if unexpected:
+        log.debug("%s: checkpoint tensors the model has no place for: %s", source, unexpected[:10])
+    tensors.clear()
 
 
 def _read_tensors(

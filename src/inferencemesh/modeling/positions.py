@@ -16,16 +16,21 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
 def rope_table(config: Any, rotary: torch.nn.Module, max_context: int, dtype: torch.dtype,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+               device: torch.device, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos, sin [1, max_context, head_dim] from the model's rotary module, or None when the
-    rotary type depends on the sequence length and must be computed per forward."""
+    rotary type depends on the sequence length and must be computed per forward. layer_type:
+    the layer type whose table it is, for a family with rotary parameters per type (Gemma3)."""
     # transformers 5 names it rope_parameters, 4.x rope_scaling (None for the default rope).
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        rope = rope.get(layer_type) or {}
     if rope.get("rope_type", rope.get("type", "default")) not in STATIC_ROPE:
         return None
     positions = torch.arange(max_context, device=device)[None]
     probe = torch.empty(0, dtype=dtype, device=device)
     with torch.inference_mode():
+        if layer_type is not None:
+            return rotary(probe, positions, layer_type)
         return rotary(probe, positions)
 
 

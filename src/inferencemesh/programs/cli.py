@@ -45,12 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command, (config_type, help_text) in PROGRAMS.items():
         add_arguments(config_type, sub.add_parser(command, help=help_text))
+    sub.add_parser("models", help="list the model families served (from modeling/families.py)")
     return parser
+
+
+def print_models() -> int:
+    """The families served and the per-family hooks, from the one table (modeling/families.py)."""
+    from inferencemesh.modeling import families
+
+    print("Verified exact at 1, 2 and 3 stages against transformers (tests/test_families.py):")
+    print("  " + ", ".join(families.VERIFIED))
+    print("Any other decoder-only *ForCausalLM of the installed transformers with the standard")
+    print("embed -> layers -> norm -> lm_head layout is served by the same path; others are refused")
+    print("with the reason at plan time (docs/families.md lists what the survey found).")
+    print("Per-family differences:")
+    for hook in families.HOOKS:
+        print(f"  {hook.name:<24} {hook.example:<30} {hook.what} [{hook.where}]")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "models":
+        return print_models()
     prepare_process()  # before torch loads; started by serve or bench: die with that parent
     try:
         return _run(args)

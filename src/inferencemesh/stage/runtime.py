@@ -13,6 +13,7 @@ logits, only for the last row unless asked for all (speculative verification).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ from inferencemesh.modeling.attention import (
     padded_mask,
     padded_pays,
 )
-from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling.families import forward_hooks
+from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.stage.kv import PaddedBatch, Scratch, SessionKV
 from inferencemesh.stage.packed import PackedLinear, pack_linears, packs
@@ -63,8 +65,11 @@ class StageRuntime:
         cache_dir: str | None = None,
         max_context: int = 2048,
         on_progress: Callable[[str, float], None] | None = None,
+        modules: StageModules | None = None,
     ) -> None:
-        stage = load_stage(
+        """modules: layers [layer_start, layer_end) already loaded (load_stage) from source,
+        used as they are (the draft model, which loads once and may run its own forward)."""
+        stage = modules or load_stage(
             source,
             layer_start,
             layer_end,
@@ -107,7 +112,18 @@ class StageRuntime:
         self._windows = [sliding_window(self.config, i) for i in range(layer_start, layer_end)]
         self._smallest_window = min((w for w in self._windows if w is not None), default=None)
         self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
-        self._rope_table = rope_table(self.config, self._rotary, max_context, self.dtype, self.device)
+        # The layers' name for the KV cache argument: `cache` from transformers 5.x's rename on
+        # (passing the old name warns on every call), `past_key_values` before it.
+        takes_cache = bool(self._layers) and "cache" in inspect.signature(type(self._layers[0]).forward).parameters
+        self._cache_kwarg = "cache" if takes_cache else "past_key_values"
+        # What the family's forward does around the layers (modeling/families.py HOOKS).
+        self._hooks = forward_hooks(self.config)
+        # Rotary per layer type where the family has one per type (Gemma3), else one for all.
+        layer_types = list(getattr(self.config, "layer_types", None) or [])
+        self._rope_keys: list[str | None] = [layer_types[i] if self._hooks.rotary_per_layer_type else None
+                                             for i in range(layer_start, layer_end)]
+        self._rope_tables = {key: rope_table(self.config, self._rotary, max_context, self.dtype, self.device,
+                                             layer_type=key) for key in set(self._rope_keys)}
         self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
         # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
         # "padded" / "per-session" forced (benchmarks, exactness tests).
@@ -154,16 +170,16 @@ class StageRuntime:
 
         kv.truncate(pos_start)
         kv.begin(pos_start, count)
-        position_embeddings = self._rope(x, pos_start, count)
+        ropes = {key: self._rope(x, pos_start, count, key) for key in self._rope_tables}
         masks = self._masks(pos_start, count)
-        for layer, mask in zip(self._layers, masks, strict=True):
+        for layer, mask, key in zip(self._layers, masks, self._rope_keys, strict=True):
             x = layer(
                 x,
                 attention_mask=mask,
                 position_ids=None,
-                past_key_values=kv,
+                **{self._cache_kwarg: kv},
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                position_embeddings=ropes[key],
             )
         kv.end()
 
@@ -178,7 +194,16 @@ class StageRuntime:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's float32 logits of hidden rows x [1, T, H]: [T, vocab]."""
         assert self._norm is not None and self._lm_head is not None  # the last stage has both
-        return self._lm_head(self._norm(x))[0].float()
+        logits = self._lm_head(self._norm(x))[0]
+        hooks = self._hooks
+        if hooks.logit_multiplier is None and hooks.final_softcap is None:
+            return logits.float()
+        logits = logits.float()  # transformers applies these in the model's dtype; float32 here
+        if hooks.logit_multiplier is not None:
+            logits = logits * hooks.logit_multiplier
+        if hooks.final_softcap is not None:
+            logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
+        return logits
 
     def check_positions(self, kv: SessionKV, pos_start: int, count: int) -> None:
         """PositionError unless [pos_start, pos_start + count) continues what the cache holds."""
@@ -208,12 +233,15 @@ class StageRuntime:
             seg.kv.truncate(seg.pos_start)
             seg.kv.begin(seg.pos_start, count)
         x = torch.cat(pieces, dim=1)
-        ropes = [self._rope(p, seg.pos_start, count) for p, seg, count in zip(pieces, segments, counts, strict=True)]
-        position_embeddings = (torch.cat([c for c, _ in ropes], dim=1), torch.cat([s for _, s in ropes], dim=1))
+        by_key = {}
+        for key in self._rope_tables:
+            ropes = [self._rope(p, seg.pos_start, count, key)
+                     for p, seg, count in zip(pieces, segments, counts, strict=True)]
+            by_key[key] = (torch.cat([c for c, _ in ropes], dim=1), torch.cat([s for _, s in ropes], dim=1))
         packed = _PackedCache(self, segments, counts)
-        for layer in self._layers:
-            x = layer(x, attention_mask=None, position_ids=None, past_key_values=packed, use_cache=True,
-                      position_embeddings=position_embeddings)
+        for layer, key in zip(self._layers, self._rope_keys, strict=True):
+            x = layer(x, attention_mask=None, position_ids=None, **{self._cache_kwarg: packed}, use_cache=True,
+                      position_embeddings=by_key[key])
         packed.finish()
         for seg in segments:
             seg.kv.end()
@@ -243,7 +271,10 @@ class StageRuntime:
             if low < 0 or high >= self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
             assert self._embed is not None  # the first stage has it
-            return self._embed(token_ids.to(device=self.device, dtype=torch.long))[None]
+            x = self._embed(token_ids.to(device=self.device, dtype=torch.long))[None]
+            if self._hooks.embedding_multiplier is not None:
+                x = x * self._hooks.embedding_multiplier
+            return x
         if hidden is None or token_ids is not None:
             raise ValueError("a stage after the first takes hidden states (and no token_ids)")
         if hidden.dim() != 2 or hidden.shape[0] == 0 or hidden.shape[1] != self.hidden_size:
@@ -252,11 +283,15 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ positions
 
-    def _rope(self, x: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope_table is not None:
-            cos, sin = self._rope_table
+    def _rope(self, x: torch.Tensor, start: int, count: int, key: str | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._rope_tables[key]
+        if table is not None:
+            cos, sin = table
             return cos[:, start : start + count], sin[:, start : start + count]
         positions = torch.arange(start, start + count, device=self.device)[None]
+        if key is not None:
+            return self._rotary(x, positions, key)
         return self._rotary(x, positions)
 
     def _masks(self, start: int, count: int) -> list[torch.Tensor | None]:
