@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
-from inferencemesh.frontend.proposers.draft_model import DraftCache, DraftModel
+from inferencemesh.frontend.proposers.draft_model import Cache, DraftModel
 from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities
 from inferencemesh.speculation import WindowPolicy
 
@@ -55,7 +55,7 @@ class DraftProposer(WindowedProposer):
 
     # The steps draft_together() drives, for one request among several.
 
-    def _begin(self, history: list[int]) -> tuple[DraftCache, int, list[int]] | None:
+    def _begin(self, history: list[int]) -> tuple[Cache, int, list[int]] | None:
         """The catch-up feed (what the draft has not seen of the history), or None: no room."""
         self._k = min(self.window.k, self.draft.max_context - len(history) - 1)
         if self._k < 1:
@@ -72,7 +72,7 @@ class DraftProposer(WindowedProposer):
         self._first_position, self._tokens, self._rows = len(history), [], []
         return self.cache, agree, history[agree:]
 
-    def _next(self, logits: torch.Tensor) -> tuple[DraftCache, int, list[int]] | None:
+    def _next(self, logits: torch.Tensor) -> tuple[Cache, int, list[int]] | None:
         """Draw the next draft token from `logits`; the feed for the one after, or None when done."""
         position = self._first_position + len(self._tokens)
         # The target's transforms (penalties, bias, min_tokens, the grammar's mask) on the draft
@@ -109,13 +109,13 @@ class DraftProposer(WindowedProposer):
         """After a failure the draft's cache may hold half-written positions: start again from
         nothing (the next proposal feeds the whole history)."""
         self.fed = []
-        self.cache.length = 0
+        self.cache.forget()
 
     def close(self) -> None:
         self.cache.release()
 
 
-_Feed = tuple[DraftCache, int, list[int]]
+_Feed = tuple[Cache, int, list[int]]
 
 
 def draft_together(jobs: list[tuple[DraftProposer, list[int]]]) -> list[Proposal | Exception | None]:

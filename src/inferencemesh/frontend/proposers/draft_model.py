@@ -1,22 +1,28 @@
-"""The draft model: a whole small decoder in the frontend process, with a lean forward pass.
+"""The draft model: a whole small decoder in the frontend process, run in one of two forms.
 
-A draft step pushes one token through a small model, so on CPU its cost is framework
-overhead, not arithmetic: transformers' decoder layers spend a few hundred microseconds per
-layer on bookkeeping (cache objects, seven separate projections, mask plumbing) around
-matmuls that take a fraction of that. Measured on the bundled 2-layer draft: 1.9 ms per step
-through the layers, which made a 4-token proposal cost as much as a target round trip.
+The draft runs every family the stages run. Its general form is the stage runtime itself over
+all the layers (stage/runtime.py: the family's own decoder layers, hooks and KV cache), so a
+family added to the stages is a draft family too, with nothing written twice.
 
-The draft only steers speculation (the target verifies every token, and with sampling the
-draft's exact probabilities travel with the window), so it runs a forward of its own for the
-families the stages serve: fused QKV and gate/up projections on weights laid out once for the
-matmul, rotary from a table, keys and values written in place into a per-request buffer,
-about fifteen tensor ops per layer. Weights come through the stage loader (safetensors only,
-same family checks); on CPU the draft computes in float32, which runs single-row matmuls of
-this size faster than bfloat16.
+A draft step pushes one token through a small model, so on CPU its cost is framework overhead,
+not arithmetic. For the Llama layout (separate q/k/v/o and gate/up/down projections, RMSNorms
+before attention and MLP, SiLU, optional q/k norms and biases, no forward hooks: Llama, Mistral,
+Qwen2, Qwen3 and their kind) there is also a lean forward: fused QKV and gate/up projections on
+weights laid out once for the matmul, rotary from a table, keys and values written in place,
+about fifteen tensor ops per layer. Measured on the bundled 2-layer draft (AVX2, float32): 0.80 ms
+per step at batch 1 against 1.47 ms through the stage runtime, 2.6 against 3.8 ms at batch 8. It
+is used only where it reproduces the general form's logits on a probe at load (a family whose
+modules read alike but compute otherwise, such as Gemma's (1 + weight) norms, falls back), and
+the draft only steers speculation: the target verifies every token, and with sampling the
+draft's exact probabilities travel with the window.
+
+Weights come through the stage loader (safetensors only, same family checks); on CPU the draft
+computes in float32, which runs single-row matmuls of this size faster than bfloat16.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from inferencemesh.checkpoint import read_checkpoint
-from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling.families import forward_hooks
+from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.speculation import draft_dtype
+from inferencemesh.stage.kv import SessionKV
+from inferencemesh.stage.runtime import Segment, StageRuntime
+
+log = logging.getLogger("inferencemesh.speculative")
 
 _GROWTH = 256  # cache positions added at a time
 
@@ -65,9 +76,10 @@ def _bias(linear: torch.nn.Linear, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class DraftCache:
-    """One request's draft KV: keys and values [layers, kv_heads, capacity, head_dim], grown as needed."""
+    """One request's draft KV for the lean forward: keys and values [layers, kv_heads, capacity,
+    head_dim], grown as needed."""
 
-    def __init__(self, model: DraftModel) -> None:
+    def __init__(self, model: _LeanForward) -> None:
         self.model = model
         self.length = 0  # positions held
         self.k: torch.Tensor | None = None
@@ -92,45 +104,177 @@ class DraftCache:
         assert self.k is not None and self.v is not None, "the draft cache is used before reserve()"
         return self.k, self.v
 
+    def forget(self) -> None:
+        """Hold nothing (the next feed starts at position 0); the buffers stay for reuse."""
+        self.length = 0
+
     def release(self) -> None:
         self.k = self.v = None
         self.length = 0
 
 
+class _StageCache:
+    """One request's draft KV for the stage-runtime form: a stage session's cache."""
+
+    def __init__(self, kv: SessionKV) -> None:
+        self.kv = kv
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def forget(self) -> None:
+        self.kv.truncate(0)
+
+    def release(self) -> None:
+        self.kv.release()
+
+
+Cache = DraftCache | _StageCache
+
+
+class NotLean(Exception):
+    """The family's layers are not the Llama layout the lean forward computes."""
+
+
+# Logits of the probe that picks the form: the lean forward must agree with the stage runtime
+# to within this fraction of the logits' scale (float32 summation order differs; a family the
+# lean forward does not compute differs by whole units).
+_PROBE_TOLERANCE = {torch.float32: 1e-3}
+_PROBE_TOLERANCE_16BIT = 5e-2
+
+
 class DraftModel:
-    """A small Llama-family model run whole in this process to propose tokens."""
+    """A small model of any family the stages serve, run whole in this process to propose tokens."""
 
     def __init__(self, source: str, *, dtype: str = "auto", device: str = "auto", max_context: int = 2048,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, form: str = "auto") -> None:
         """vocab_size: the target's (its padded embedding size), which the draft's logits are fitted
         to: a checkpoint family's small and large models may pad their embeddings differently (as
         Qwen2.5's do) while sharing the tokenizer, and the stages verify distributions of the
         target's width. Rows the target lacks are dropped (nothing can propose them); rows the
-        draft lacks get -inf (it never proposes them). None: the draft's own size."""
+        draft lacks get -inf (it never proposes them). None: the draft's own size.
+        form: "auto" (lean where it agrees with the stage runtime), "lean" (refused where it
+        cannot be) or "stage" (the stage runtime): see the module docstring."""
+        if form not in ("auto", "lean", "stage"):
+            raise ValueError(f"draft form must be auto, lean or stage, not {form!r}")
         facts = read_checkpoint(source)
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu) or dtype, device=device)
-        config: Any = stage.config  # a transformers PretrainedConfig, read by attribute
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"draft activation {config.hidden_act!r} is not supported (silu only)")
         self.source = source
         self.dtype, self.device = stage.dtype, stage.device
         self.max_context = max_context
         self.embedding_rows = facts.vocab_size  # token ids the draft can read
         self.vocab_size = vocab_size or facts.vocab_size  # the width of its logits
+        self._missing_rows = max(0, self.vocab_size - self.embedding_rows)
+        lean: _LeanForward | None = None
+        why = "asked for the stage runtime"
+        if form != "stage":
+            try:
+                lean = _LeanForward(stage, max_context, self.vocab_size)
+            except NotLean as err:
+                why = str(err)
+        # The stage runtime over every layer: the general form, and the reference the lean one is checked against.
+        runtime: StageRuntime | None = StageRuntime(source, 0, facts.num_layers, max_context=max_context,
+                                                    modules=stage)
+        if lean is not None and form == "auto":
+            assert runtime is not None
+            disagreement = _disagreement(lean, runtime)
+            if disagreement is not None:
+                lean, why = None, disagreement
+        if lean is None and form == "lean":
+            raise ValueError(f"the lean draft forward cannot run {source}: {why}")
+        self.form = "lean" if lean is not None else "stage"
+        self._lean = lean
+        self._runtime = None if lean is not None else runtime
+        del runtime, stage
+        log.info("draft %s (%s) runs %s", source, facts.model_type,
+                 "the lean forward" if self.form == "lean" else f"through the stage runtime ({why})")
+
+    def new_cache(self) -> Cache:
+        if self._lean is not None:
+            return DraftCache(self._lean)
+        assert self._runtime is not None  # one form or the other
+        return _StageCache(self._runtime.new_session())
+
+    def forward(self, cache: Cache, pos_start: int, token_ids: list[int]) -> torch.Tensor:
+        """Feed token_ids at positions [pos_start, ...) (the cache is truncated to pos_start
+        first, as on the stages); returns float32 logits [vocab] of the last position only."""
+        return self.forward_packed([(cache, pos_start, token_ids)])[0]
+
+    @torch.inference_mode()
+    def forward_packed(self, feeds: list[tuple[Cache, int, list[int]]]) -> list[torch.Tensor]:
+        """forward() for several requests in one pass: their tokens share the matmuls, each
+        attends over its own cache. Per feed, float32 logits [vocab] of its last position."""
+        for cache, pos_start, token_ids in feeds:
+            stop = pos_start + len(token_ids)
+            if not token_ids or not 0 <= pos_start <= cache.length or stop > self.max_context:
+                raise ValueError(f"draft positions [{pos_start}, {stop}) with {cache.length} cached "
+                                 f"and max_context {self.max_context}")
+        if self._lean is not None:
+            logits = self._lean.forward_packed(feeds)  # type: ignore[arg-type]  # lean caches
+        else:
+            assert self._runtime is not None
+            segments = [Segment(cache.kv, pos_start, torch.tensor(token_ids), "last")  # type: ignore[union-attr]
+                        for cache, pos_start, token_ids in feeds]
+            rows = self._runtime.forward_batch(segments)
+            logits = torch.cat([row for row in rows if row is not None])[:, : self.vocab_size]
+        if self._missing_rows:
+            logits = F.pad(logits, (0, self._missing_rows), value=float("-inf"))
+        return list(logits)
+
+
+def _disagreement(lean: _LeanForward, runtime: StageRuntime) -> str | None:
+    """Why the lean forward is not this model (its logits on a probe differ from the stage
+    runtime's), or None: a prefill and two single steps, compared at every step."""
+    probe = [(7 + 31 * i) % lean.embedding_rows for i in range(10)]
+    cache, kv = DraftCache(lean), runtime.new_session()
+    worst, scale = 0.0, 1.0
+    for start, stop in ((0, 8), (8, 9), (9, 10)):
+        ours = lean.forward_packed([(cache, start, probe[start:stop])])[0]
+        theirs = runtime.forward(kv, start, token_ids=torch.tensor(probe[start:stop]))
+        assert theirs is not None  # the whole model ends in its head
+        theirs = theirs[-1, : ours.shape[0]]
+        worst = max(worst, float((ours - theirs).abs().max()))
+        scale = max(scale, float(theirs.abs().max()))
+    cache.release()
+    tolerance = _PROBE_TOLERANCE.get(lean.dtype, _PROBE_TOLERANCE_16BIT) * scale
+    if not worst <= tolerance:  # (NaN disagrees too)
+        return f"the lean forward's logits differ from the family's own by {worst:.3g} (scale {scale:.3g})"
+    return None
+
+
+class _LeanForward:
+    """The hand-fused forward for the Llama layout (see the module docstring)."""
+
+    def __init__(self, stage: StageModules, max_context: int, vocab_size: int) -> None:
+        config: Any = stage.config  # a transformers PretrainedConfig, read by attribute
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotLean(f"activation {config.hidden_act!r} (the lean forward computes SiLU)")
+        hooks = forward_hooks(config)
+        if hooks != type(hooks)(None, None, None, False) or getattr(config, "attn_logit_softcapping", None):
+            raise NotLean("the family's forward adds hooks around the layers (modeling/families.py)")
+        facts = stage.facts
+        self.dtype, self.device = stage.dtype, stage.device
+        self.max_context = max_context
+        self.embedding_rows = facts.vocab_size
         self.hidden_size = facts.hidden_size
         self.heads, self.kv_heads = int(config.num_attention_heads), facts.num_kv_heads
         self.head_dim = int(getattr(config, "head_dim", None) or facts.head_dim)
         assert stage.embed is not None and stage.norm is not None and stage.lm_head is not None  # the whole model
-        self.layers = [self._layer(config, layer, index) for index, layer in enumerate(stage.layers)]
-        final_norm: Any = stage.norm  # the family's RMSNorm module
-        self.norm, self.norm_eps = final_norm.weight.detach().to(self.dtype), float(final_norm.variance_epsilon)
+        try:
+            self.layers = [self._layer(config, layer, index) for index, layer in enumerate(stage.layers)]
+            final_norm: Any = stage.norm  # the family's RMSNorm module
+            self.norm, self.norm_eps = final_norm.weight.detach().to(self.dtype), float(final_norm.variance_epsilon)
+        except AttributeError as err:  # a module the Llama layout has and this family's lacks
+            raise NotLean(f"its layers are not the Llama layout ({err})") from err
         tied = stage.lm_head.weight is stage.embed.weight
         # [hidden, vocab], cut to the target's width once here rather than per step.
-        self.head = _t(stage.lm_head, self.dtype)[:, : self.vocab_size].contiguous()
-        self._missing_rows = max(0, self.vocab_size - self.embedding_rows)
-        # A tied embedding is read from the head's columns rather than held twice.
-        self.embedding = None if tied else stage.embed.weight.detach().to(self.dtype)
+        self.head = _t(stage.lm_head, self.dtype)[:, :vocab_size].contiguous()
+        # A tied embedding is read from the head's columns rather than held twice (when the
+        # head keeps every row the embedding has).
+        keep_embedding = not tied or self.head.shape[1] < self.embedding_rows
+        self.embedding = stage.embed.weight.detach().to(self.dtype) if keep_embedding else None
         self.rotary = stage.rotary
         table = rope_table(config, stage.rotary, max_context, self.dtype, self.device)
         half = self.head_dim // 2
@@ -142,7 +286,6 @@ class DraftModel:
         if table is not None:
             cos, sin = table
             self.cos, self.sin_signed = cos[0, :, None, :], (sin * sign)[0, :, None, :]  # [positions, 1, head_dim]
-        del stage
 
     def _layer(self, config: Any, layer: Any, index: int) -> _Layer:
         # (layer: a transformers decoder layer of the family's layout; its parts are read by name)
@@ -166,25 +309,12 @@ class DraftModel:
             window=sliding_window(config, index),
         )
 
-    def new_cache(self) -> DraftCache:
-        return DraftCache(self)
-
-    def forward(self, cache: DraftCache, pos_start: int, token_ids: list[int]) -> torch.Tensor:
-        """Feed token_ids at positions [pos_start, ...) (the cache is truncated to pos_start
-        first, as on the stages); returns float32 logits [vocab] of the last position only."""
-        return self.forward_packed([(cache, pos_start, token_ids)])[0]
-
     @torch.inference_mode()
-    def forward_packed(self, feeds: list[tuple[DraftCache, int, list[int]]]) -> list[torch.Tensor]:
-        """forward() for several requests in one pass: their tokens share the matmuls, each
-        attends over its own cache. Per feed, float32 logits [vocab] of its last position."""
+    def forward_packed(self, feeds: list[tuple[DraftCache, int, list[int]]]) -> torch.Tensor:
+        """DraftModel.forward_packed in this form: float32 logits [feeds, head width]."""
         counts = [len(token_ids) for _, _, token_ids in feeds]
         for (cache, pos_start, _), count in zip(feeds, counts, strict=True):
-            stop = pos_start + count
-            if count == 0 or not 0 <= pos_start <= cache.length or stop > self.max_context:
-                raise ValueError(f"draft positions [{pos_start}, {stop}) with {cache.length} cached "
-                                 f"and max_context {self.max_context}")
-            cache.reserve(stop)
+            cache.reserve(pos_start + count)  # positions checked by DraftModel.forward_packed
         ids = torch.tensor([t for _, _, token_ids in feeds for t in token_ids], device=self.device)
         x = self.embedding[ids] if self.embedding is not None else self.head.index_select(1, ids).t()
         ropes = [self._rope(pos_start, count) for (_, pos_start, _), count in zip(feeds, counts, strict=True)]
@@ -229,10 +359,7 @@ class DraftModel:
             end += count
             lasts.append(end - 1)
         last = F.rms_norm(x[lasts], hidden_shape, self.norm, self.norm_eps)
-        logits = torch.mm(last, self.head).float()
-        if self._missing_rows:
-            logits = F.pad(logits, (0, self._missing_rows), value=float("-inf"))
-        return list(logits)
+        return torch.mm(last, self.head).float()
 
     def _rope(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cos is not None and self.sin_signed is not None:
