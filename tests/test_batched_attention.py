@@ -11,7 +11,7 @@ from tiny_models import FAMILIES, write_tiny_model
 
 from inferencemesh.modeling.attention import padded_mask
 from inferencemesh.modeling.positions import attention_mask
-from inferencemesh.stage.runtime import Segment, StageRuntime
+from inferencemesh.modeling.runtime import Segment, StageRuntime
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
 
 def test_a_stage_plan_and_serve_agree_on_a_bf16_checkpoint(tmp_path: Path) -> None:
     """The stage loads a bf16 checkpoint in the dtype `plan` sized it for, on this machine's CPU."""
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.bfloat16)
     want = choose_dtype("auto", "bfloat16", on_cpu=True).name

@@ -17,8 +17,8 @@ from inferencemesh.frontend.constraints import constraint_from_request
 from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
 from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
 from inferencemesh.frontend.proposers.base import Proposal, Proposer
+from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
-from inferencemesh.stage.runtime import StageRuntime
 from inferencemesh.token_masks import allowed_tokens, is_allowed
 
 

@@ -18,10 +18,10 @@ from inferencemesh.frontend.proposers.base import Proposal
 from inferencemesh.frontend.proposers.draft import DraftBatcher, DraftProposer, draft_together
 from inferencemesh.frontend.proposers.draft_model import DraftModel
 from inferencemesh.modeling import families
+from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.planner import PlanInputs
 from inferencemesh.sampling import SamplingParams
 from inferencemesh.speculation import WindowPolicy
-from inferencemesh.stage.runtime import Segment, StageRuntime
 
 LAYERS = 4
 PROMPT, NEW = 12, 10
@@ -181,6 +181,23 @@ def test_plan_bytes_per_layer_match_the_checkpoint(root, family):
     if family == "qwen2_moe":  # uneven: the dense layer is smaller than the expert layers
         assert per_layer[1] < per_layer[0] == per_layer[2]
         assert any(".experts." in n for n in facts.stage_tensor_names(0, 1))
+
+
+def test_uneven_moe_layers_are_planned_by_what_each_stage_holds(root):
+    """Qwen2-MoE with a dense layer among expert layers (4x fewer bytes): the plan balances real
+    bytes, and each planned stage's weight bytes are what loading that stage allocates."""
+    from inferencemesh.modeling.loader import load_stage
+    from inferencemesh.planner import plan_stages
+
+    path = root / "qwen2_moe" if (root / "qwen2_moe").exists() else write(root, "qwen2_moe")
+    facts = read_local(path)
+    inputs = PlanInputs.from_checkpoint(facts, dtype="float32", context_length=64, max_sessions=1)
+    for count in (2, 3):
+        for stage in plan_stages(inputs, count):
+            held = load_stage(path, stage.layer_start, stage.layer_end, dtype="float32", device="cpu")
+            modules = [m for m in (held.embed, held.layers, held.norm, held.lm_head) if m is not None]
+            tensors = {id(p): p for m in modules for p in m.parameters()}  # a tied head counted once
+            assert sum(p.numel() * p.element_size() for p in tensors.values()) == stage.weight_bytes, stage
 
 
 @pytest.mark.parametrize(("family", "why"), [

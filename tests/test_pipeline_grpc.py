@@ -12,10 +12,10 @@ from wire import STATUS, exchange, failures, hidden_batch
 
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
-from inferencemesh.stage.runtime import StageRuntime
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

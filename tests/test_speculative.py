@@ -16,9 +16,9 @@ from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.frontend.proposers.build import resolve_speculation
 from inferencemesh.frontend.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
+from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.speculation import WindowPolicy
-from inferencemesh.stage.runtime import StageRuntime
 
 TARGET = bundled_path(DEFAULT_MODEL)
 CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \

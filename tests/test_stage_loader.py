@@ -28,7 +28,7 @@ from tiny_models import write_tiny_model
 from inferencemesh.checkpoint import CONFIG_FILES, SAFETENSORS_INDEX, CheckpointError
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling.loader import load_stage
-from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.modeling.runtime import StageRuntime
 
 REPO = "inferencemesh-tests/tiny-llama"
 
@@ -282,7 +282,7 @@ _PEAK_RSS = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(1)
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
     rt = StageRuntime(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), dtype="float32")
     kv = rt.new_session()
     feed = {"token_ids": torch.arange(8)} if rt.is_first else {"hidden": torch.randn(8, rt.hidden_size)}

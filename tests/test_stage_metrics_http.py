@@ -10,7 +10,7 @@ import pytest
 from tiny_models import write_tiny_model
 
 from inferencemesh.config import StageConfig
-from inferencemesh.stage.runtime import StageRuntime
+from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.stage.server import start_stage_server
 
 

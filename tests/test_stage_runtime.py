@@ -14,7 +14,7 @@ import torch
 from tiny_models import EOS_ID, FAMILIES, write_tiny_model
 from transformers import AutoModelForCausalLM
 
-from inferencemesh.stage.runtime import PositionError, StageRuntime
+from inferencemesh.modeling.runtime import PositionError, StageRuntime
 
 NUM_LAYERS = 4
 PROMPT_LEN = 21
@@ -265,7 +265,7 @@ def test_bfloat16_split_equals_unsplit_and_tracks_float32(models, prompt, refere
 def test_packed_linear_matches_nn_linear():
     from torch import nn
 
-    from inferencemesh.stage.packed import PackedLinear
+    from inferencemesh.modeling.packed import PackedLinear
 
     torch.manual_seed(0)
     # Within the dtype's rounding, not bit-exact: two CPU kernels accumulate in different orders
@@ -287,7 +287,7 @@ def test_a_16_bit_weight_is_packed_only_where_onednn_packs_it():
     nn.Linear's (the stage's bfloat16 prefill was 10x slower than transformers' on AVX2)."""
     from torch import nn
 
-    from inferencemesh.stage.packed import _mkldnn_packs, packs
+    from inferencemesh.modeling.packed import _mkldnn_packs, packs
 
     assert packs(nn.Linear(8, 8))  # float32: the transposed layout streams faster for one row
     for dtype in (torch.bfloat16, torch.float16):

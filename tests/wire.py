@@ -74,7 +74,7 @@ class StageServers:
     `settings` are StageConfig fields every stage shares."""
 
     def __init__(self, model: Path, splits: list[tuple[int, int]], max_context: int = 128, **settings) -> None:
-        from inferencemesh.stage.runtime import StageRuntime
+        from inferencemesh.modeling.runtime import StageRuntime
         from inferencemesh.stage.server import start_stage_server
 
         self.loop = asyncio.new_event_loop()

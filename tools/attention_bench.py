@@ -30,8 +30,8 @@ import torch
 
 from inferencemesh.checkpoint import read_local
 from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.modeling.runtime import Segment, StageRuntime, _PackedCache
 from inferencemesh.programs.bench.models import make_shape_model
-from inferencemesh.stage.runtime import Segment, StageRuntime, _PackedCache
 
 FORMS = ("per-session", "padded")
 

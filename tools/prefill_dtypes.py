@@ -30,7 +30,7 @@ from inferencemesh.compute_dtype import choose_dtype, cpu_flags
 def stage_against_transformers(model: str, tokens: int, dtypes: list[str], rounds: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
     torch.set_num_threads(threads)
     layers = read_local(model).num_layers

@@ -10,7 +10,7 @@ half-precision one; the query and the output are converted, a row at a time.
 A batched pass (several sessions' frames packed in one sequence, see the stage runtime)
 reaches attention in one of two forms. PackedAttention: each session's queries over its own
 cache, one sdpa call per session. PaddedAttention: the sessions' caches gathered once per pass
-(stage.kv.PaddedBatch) into one zero-padded [N, kv_heads, longest, head_dim] tensor per layer
+(modeling.kv.PaddedBatch) into one zero-padded [N, kv_heads, longest, head_dim] tensor per layer
 with a causal mask per session, one sdpa call for all. Decode attention is memory-bound and the
 gather copies every cached position, about what attention itself then reads, so it pays only
 where the per-call overhead outweighs that copy: several sessions over short caches

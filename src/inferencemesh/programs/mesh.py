@@ -17,7 +17,7 @@ from inferencemesh.stage.local import LocalStage
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
 
 def frontend_pipeline(config: FrontendConfig, first_stage_runtime: StageRuntime | None = None,

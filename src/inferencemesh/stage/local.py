@@ -33,7 +33,7 @@ from inferencemesh.stage.service import InlineExecutor, StageService
 from inferencemesh.stage.stream import NextStage, StageStream
 
 if TYPE_CHECKING:
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
 log = logging.getLogger("inferencemesh.stage.local")
 

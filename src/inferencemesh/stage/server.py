@@ -27,7 +27,7 @@ from inferencemesh.stage.service import StageService
 from inferencemesh.stage.stream import StageStream
 
 if TYPE_CHECKING:
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
 
 async def _pump(batches: AsyncIterator[pb.Batch], stream: StageStream) -> None:

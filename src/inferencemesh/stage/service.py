@@ -35,7 +35,7 @@ from inferencemesh.stage.sessions import Owner
 from inferencemesh.stage.worker import Job, StageWorker
 
 if TYPE_CHECKING:
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
 log = logging.getLogger("inferencemesh.stage")
 
@@ -84,7 +84,7 @@ class StageService:
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the layer range (on a background thread); the stage is ready once it is done."""
         from inferencemesh.bundled import resolve_model
-        from inferencemesh.stage.runtime import StageRuntime
+        from inferencemesh.modeling.runtime import StageRuntime
 
         o = self.options
         try:

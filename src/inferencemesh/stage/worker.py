@@ -27,7 +27,7 @@ from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import Owner, SessionsFull, SessionTable, StageSession, fork, fork_refusal
 
 if TYPE_CHECKING:
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
 log = logging.getLogger("inferencemesh.stage")
 
@@ -209,7 +209,7 @@ class StageWorker:
         """Several sessions' frames in one forward pass. Per job: hidden states (stages before
         the last), a Prediction or None (the last stage: None for a prompt chunk that wants no
         prediction, whose head is skipped), or the Fault that job alone gets."""
-        from inferencemesh.stage.runtime import PositionError, Segment  # torch-heavy: loaded when first used
+        from inferencemesh.modeling.runtime import PositionError, Segment  # torch-heavy: loaded when first used
 
         rt = self.runtime
         results: list = [None] * len(jobs)

@@ -1,7 +1,7 @@
 """The draft model: a whole small decoder in the frontend process, run in one of two forms.
 
 The draft runs every family the stages run. Its general form is the stage runtime itself over
-all the layers (stage/runtime.py: the family's own decoder layers, hooks and KV cache), so a
+all the layers (modeling/runtime.py: the family's own decoder layers, hooks and KV cache), so a
 family added to the stages is a draft family too, with nothing written twice.
 
 A draft step pushes one token through a small model, so on CPU its cost is framework overhead,
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from inferencemesh.checkpoint import read_checkpoint
 from inferencemesh.modeling.families import forward_hooks
+from inferencemesh.modeling.kv import SessionKV
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
+from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.speculation import draft_dtype
-from inferencemesh.stage.kv import SessionKV
-from inferencemesh.stage.runtime import Segment, StageRuntime
 
 log = logging.getLogger("inferencemesh.speculative")
 

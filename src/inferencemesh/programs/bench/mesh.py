@@ -33,7 +33,7 @@ FIRST_STAGE_LABELS = {"embedded": "embedded", "process": "grpc"}
 
 def in_process_pipeline(model: BenchModel, max_context: int) -> Pipeline:
     """The whole model as one stage in this process: no network, no other process."""
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
     return in_process_mesh_pipeline([StageRuntime(model.model_dir, 0, model.facts.num_layers, dtype=model.dtype_name,
                                                   max_context=max_context)])
@@ -53,7 +53,7 @@ class BenchMesh:
 def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, env: dict[str, str] | None = None,
                first_stage: str = "process") -> BenchMesh:
     from inferencemesh.checkpoint import read_local
-    from inferencemesh.stage.runtime import StageRuntime
+    from inferencemesh.modeling.runtime import StageRuntime
 
     facts = read_local(model_dir)
     plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name), count)

@@ -30,10 +30,10 @@ from inferencemesh.modeling.attention import (
     padded_pays,
 )
 from inferencemesh.modeling.families import forward_hooks
+from inferencemesh.modeling.kv import PaddedBatch, Scratch, SessionKV
 from inferencemesh.modeling.loader import StageModules, load_stage
+from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
-from inferencemesh.stage.kv import PaddedBatch, Scratch, SessionKV
-from inferencemesh.stage.packed import PackedLinear, pack_linears, packs
 
 
 class PositionError(ValueError):
