@@ -42,6 +42,12 @@ FAMILY = {
     # Uneven layers: layer 1 is dense (mlp_only_layers), the others carry experts.
     "qwen2_moe": dict(MOE, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
     "qwen3_moe": dict(MOE, head_dim=16),
+    # Attention sinks, alternating windows, experts.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    # Its router reads its own linear's weight (not packed); queries scaled by position (position_ids).
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
+    "ministral3": dict(head_dim=16),
 }
 assert set(FAMILY) == set(families.VERIFIED)
 

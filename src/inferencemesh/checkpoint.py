@@ -219,7 +219,26 @@ def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) ->
     facts = CheckpointFacts(config)
     for shard in shards:
         facts.tensors.update(_tensors_from_header(read_safetensors_header(model_dir / shard), shard))
+    if headers_of is None:
+        check_tensor_names(facts, model_dir)
     return facts
+
+
+def check_tensor_names(facts: CheckpointFacts, where: str | Path) -> None:
+    """Refuse a checkpoint whose tensors are not named as the standard layout names them
+    (model.embed_tokens., model.layers.N.): a plan counts and a stage selects its layers by
+    these names (some families' checkpoints keep older names, transformer.h.N., that
+    transformers renames only as it loads them)."""
+    if not facts.tensors:
+        return  # no weights at all: refused where they are looked for
+    empty = [i for i, size in enumerate(facts.layer_bytes()) if not size]
+    missing = (["model.embed_tokens."] if not facts.group_bytes("embed") else []) + \
+        ([f"model.layers.{empty[0]}."] if empty else [])
+    if missing:
+        some = ", ".join(sorted(facts.tensors)[:3])
+        raise CheckpointError(f"{where}: model_type {facts.model_type!r} cannot be served: its checkpoint has no "
+                              f"tensors named {' or '.join(missing)} (it names them e.g. {some}), which is how a "
+                              "plan counts and a stage selects its layers")
 
 
 def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = None) -> CheckpointFacts:
@@ -240,6 +259,7 @@ def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = N
     for shard, file_meta in meta.files_metadata.items():
         for name, tensor in file_meta.tensors.items():
             facts.tensors[name] = TensorInfo(name, tensor.dtype, tuple(tensor.shape), shard)
+    check_tensor_names(facts, repo_id)
     return facts
 
 

@@ -105,13 +105,13 @@ def stage_attention(
     if isinstance(key, PackedAttention):  # each session's queries over its own cache
         cache_dtype = key.parts[0][0].dtype  # converted once for the pass, not per session
         queries = query.to(cache_dtype).split(key.counts, dim=2)
-        attend = softcapped_attention if kwargs.get("softcap") else sdpa_attention_forward
+        attend = eager_attention if _needs_eager(kwargs) else sdpa_attention_forward
         outs = [attend(module, q, k, v, mask, **kwargs)[0]
                 for q, (k, v, mask) in zip(queries, key.parts, strict=True)]
         return torch.cat(outs, dim=1).to(query.dtype), None
-    if kwargs.get("softcap"):  # Gemma2: sdpa cannot cap scores, so these layers attend eagerly
-        return softcapped_attention(module, query.to(key.dtype), key, value, attention_mask,
-                                    **kwargs)[0].to(query.dtype), None
+    if _needs_eager(kwargs):
+        return eager_attention(module, query.to(key.dtype), key, value, attention_mask,
+                               **kwargs)[0].to(query.dtype), None
     # (transformers annotates attention_mask as a Tensor; None, which it takes, means causal.)
     if key.dtype == query.dtype:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[arg-type]
@@ -120,25 +120,40 @@ def stage_attention(
     return out.to(query.dtype), None
 
 
-def softcapped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-                         attention_mask: torch.Tensor | None, *, softcap: float, scaling: float | None = None,
-                         **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention with scores capped as tanh(s / softcap) * softcap (Gemma2's
-    attn_logit_softcapping), at the layer's own scaling; the masks are the sdpa-style ones the
-    rest of this module takes (boolean, True = attend; None = causal for several queries)."""
+def _needs_eager(kwargs: dict[str, Any]) -> bool:
+    """Whether a layer's attention does what sdpa cannot: capped scores (Gemma2) or sinks (gpt-oss)."""
+    return bool(kwargs.get("softcap")) or kwargs.get("s_aux") is not None
+
+
+def eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None, *, softcap: float | None = None,
+                    s_aux: torch.Tensor | None = None, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention computed out, for what sdpa cannot do, at the layer's own scaling:
+    - softcap: scores capped as tanh(s / softcap) * softcap (Gemma2's attn_logit_softcapping);
+    - s_aux: one learned sink logit per head, a column beside the keys in the softmax that takes
+      its share of the probability and is then dropped (gpt-oss, granite-swa: `sinks`).
+    The masks are the sdpa-style ones the rest of this module takes (boolean, True = attend;
+    None = causal for several queries)."""
     assert value is not None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None and query.shape[2] > 1:  # sdpa's is_causal, aligned top-left
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sinks = s_aux.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        probs = probs.to(query.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 

@@ -33,11 +33,22 @@ from typing import Any
 # (docs/families.md lists what the survey found); `inferencemesh models` prints both.
 VERIFIED = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
-    "mixtral", "qwen2_moe", "qwen3_moe",
+    "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "hunyuan_v1_moe", "ministral3",
 )
 
 # Layer kinds a stage's KV cache and masks implement (config.layer_types).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+# config.logits_scaling divides the logits (Granite, MuP) except in these families, which multiply.
+LOGITS_SCALING_MULTIPLIES = {"hyperclovax"}
+
+# Families whose model's forward does something around its layers that no hook here applies:
+# refused with the reason rather than served wrong (tools/survey_families.py found them).
+FORWARD_NOT_APPLIED = {
+    "nanochat": "its model normalises the embeddings (with the final norm) before the first layer",
+    "doge": "its attention builds a dynamic mask from a materialised attention mask, which a stage's "
+            "causal prefill does not pass",
+}
 
 
 @dataclass(frozen=True)
@@ -68,8 +79,11 @@ HOOKS: tuple[Hook, ...] = (
          "runtime", lambda c: bool(_number(c, "final_logit_softcapping"))),
     Hook("logit_scale", "cohere", "logits x config.logit_scale", "runtime",
          lambda c: _number(c, "logit_scale") not in (None, 1.0)),
-    Hook("logits_scaling", "granite", "logits / config.logits_scaling", "runtime",
-         lambda c: _number(c, "logits_scaling") not in (None, 1.0)),
+    Hook("logits_scaling", "granite, hyperclovax", "logits / config.logits_scaling (x in the families of "
+         "LOGITS_SCALING_MULTIPLIES)", "runtime", lambda c: _number(c, "logits_scaling") not in (None, 1.0)),
+    Hook("attention_sinks", "gpt_oss, granite_swa", "a learned sink logit per head beside the keys in the "
+         "softmax (the layer passes s_aux): the stage's attention function honours it", "runtime",
+         lambda c: c.model_type in ("gpt_oss", "flint", "granite_swa", "granitemoe_swa")),
     Hook("attention_softcapping", "gemma2", "attention scores tanh-capped (attn_logit_softcapping) at the "
          "layer's own scaling: the stage's attention function honours softcap and scaling", "runtime",
          lambda c: bool(_number(c, "attn_logit_softcapping"))),
@@ -103,8 +117,8 @@ class ForwardHooks:
 
 def forward_hooks(config: Any) -> ForwardHooks:
     scale = _number(config, "logit_scale")
-    divide = _number(config, "logits_scaling")
-    multiplier = (scale or 1.0) / (divide or 1.0)
+    scaling = _number(config, "logits_scaling") or 1.0
+    multiplier = (scale or 1.0) * (scaling if config.model_type in LOGITS_SCALING_MULTIPLIES else 1.0 / scaling)
     embed = _number(config, "embedding_multiplier")
     return ForwardHooks(
         embedding_multiplier=embed if embed not in (None, 1.0) else None,
@@ -252,6 +266,8 @@ def _transformers_installed() -> bool:
 
 # --------------------------------------------------------------------------- the recorded table
 
+_CANNOT_BUILD = "transformers cannot build it from its config"
+
 TABLE_PATH = Path(__file__).with_name("family_table.json")
 
 
@@ -284,7 +300,10 @@ def build_family_table() -> dict:
             except Exception as err:  # a default config its own class rejects
                 refusals[model_type] = f"its default config does not build ({type(err).__name__})"
                 continue
-            refusals[model_type] = _refusal(json.dumps(config, sort_keys=True, default=str))
+            why = _refusal(json.dumps(config, sort_keys=True, default=str))
+            # A default config that leaves sizes unset (head_dim None) says nothing of the
+            # family: a real checkpoint sets them. Not refused here; its stages decide.
+            refusals[model_type] = None if why and why.startswith(_CANNOT_BUILD) else why
     finally:
         hf_logging.set_verbosity(verbosity)
     return {"transformers": transformers.__version__, "refusals": refusals}
@@ -310,13 +329,42 @@ def _refusal(config_json: str) -> str | None:
         return f"its config.json does not build a {model_type} config ({type(err).__name__}: {err})"
     # The config object, not the raw dict: its class fills in what config.json leaves out
     # (layer_types) and maps the family's own names (n_layer) to the common ones.
-    if (why := config_refusal(lambda name: getattr(config, name, None))) is not None:
+    if (why := config_refusal(lambda name: _attr(config, name))) is not None:
+        return why
+    if model_type in FORWARD_NOT_APPLIED:
+        return FORWARD_NOT_APPLIED[model_type]
+    if (why := cache_refusal(config)) is not None:
         return why
     try:
         model = build_causal_lm(config, meta=True)
     except Exception as err:
-        return f"transformers cannot build it from its config ({type(err).__name__}: {err})"
+        return f"{_CANNOT_BUILD} ({type(err).__name__}: {err})"
     return layout_refusal(model, config)
+
+
+def _attr(config: Any, name: str) -> Any:
+    """config.name, or None where it has none (a heterogeneous config raises for a per-layer
+    attribute read globally: its layers are checked one by one later)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
+
+
+def cache_refusal(config: Any) -> str | None:
+    """Why a stage's KV cache (keys and values of num_key_value_heads x head_dim in every layer,
+    rotated by one rotary table per layer type) cannot hold what this family's layers cache."""
+    if _attr(config, "kv_lora_rank"):
+        return ("its layers use multi-head latent attention and cache a compressed latent (kv_lora_rank), not "
+                "keys and values of num_key_value_heads x head_dim")
+    head_dim = _attr(config, "head_dim") or _attr(config, "qk_head_dim")
+    v_head_dim = _attr(config, "v_head_dim")
+    if v_head_dim and head_dim and v_head_dim != head_dim:
+        return f"its values are {v_head_dim} wide and its keys {head_dim}; a stage caches both at one width"
+    rope = _attr(config, "rope_parameters")
+    if isinstance(rope, dict) and any(rope.get(kind, {}) is None for kind in _layer_types(config)):
+        return "some of its layer types have no rotary embedding (positions reach them another way)"
+    return None
 
 
 def layout_refusal(model: Any, config: Any) -> str | None:
@@ -348,6 +396,11 @@ def layout_refusal(model: Any, config: Any) -> str | None:
         return f"its causal LM has weights beside the model and the head ({', '.join(extra_top)})"
     if not isinstance(getattr(base, "rotary_emb", None), nn.Module):
         return "it has no rotary embedding module (absolute or learned positions, or rotary inside each layer)"
+    key_projections = [getattr(getattr(layer, "self_attn", None), "k_proj", None) for layer in base.layers]
+    kv_widths = {proj.out_features for proj in key_projections if isinstance(proj, nn.Linear)}
+    if len(kv_widths) > 1:
+        return ("its layers hold keys of different widths (different numbers of key/value heads per layer type); "
+                "a stage caches the same width in every layer")
     params = inspect.signature(type(base.layers[0]).forward).parameters
     if "position_embeddings" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return "its decoder layers do not take rotary position_embeddings"

@@ -18,6 +18,8 @@ layers' forward code (norms, rotary, attention, MLP) stays theirs.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -67,12 +69,29 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` that packs() with a PackedLinear. Returns how many."""
+    """Replace every nn.Linear under `module` that packs() with a PackedLinear, except one whose
+    parent's forward reads its weight (a MoE router reading `self.wg.weight.dtype`, Hunyuan).
+    Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and packs(child):
+        if type(child) is nn.Linear and packs(child) and not _reads_weight(type(module), name):
             setattr(module, name, PackedLinear(child))
             count += 1
         else:
             count += pack_linears(child)
     return count
+
+
+_READS_WEIGHT: dict[tuple[type, str], bool] = {}
+
+
+def _reads_weight(parent: type[nn.Module], name: str) -> bool:
+    """Whether the forward of module class `parent` reads its child `name`'s weight."""
+    key = (parent, name)
+    if key not in _READS_WEIGHT:
+        try:
+            source = inspect.getsource(parent.forward)
+        except (OSError, TypeError):  # no source to read: assume it may
+            source = f"self.{name}.weight"
+        _READS_WEIGHT[key] = f"self.{name}.weight" in source
+    return _READS_WEIGHT[key]

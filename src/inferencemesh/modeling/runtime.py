@@ -176,7 +176,7 @@ class StageRuntime:
             x = layer(
                 x,
                 attention_mask=mask,
-                position_ids=None,
+                position_ids=self._positions(pos_start, count),
                 **{self._cache_kwarg: kv},
                 use_cache=True,
                 position_embeddings=ropes[key],
@@ -239,8 +239,10 @@ class StageRuntime:
                      for p, seg, count in zip(pieces, segments, counts, strict=True)]
             by_key[key] = (torch.cat([c for c, _ in ropes], dim=1), torch.cat([s for _, s in ropes], dim=1))
         packed = _PackedCache(self, segments, counts)
+        positions = torch.cat([self._positions(seg.pos_start, count)
+                               for seg, count in zip(segments, counts, strict=True)], dim=1)
         for layer, key in zip(self._layers, self._rope_keys, strict=True):
-            x = layer(x, attention_mask=None, position_ids=None, **{self._cache_kwarg: packed}, use_cache=True,
+            x = layer(x, attention_mask=None, position_ids=positions, **{self._cache_kwarg: packed}, use_cache=True,
                       position_embeddings=by_key[key])
         packed.finish()
         for seg in segments:
@@ -293,6 +295,11 @@ class StageRuntime:
         if key is not None:
             return self._rotary(x, positions, key)
         return self._rotary(x, positions)
+
+    def _positions(self, start: int, count: int) -> torch.Tensor:
+        """position_ids [1, count]: rotary comes precomputed (position_embeddings), but some
+        families' layers read the positions themselves (Ministral3 scales queries by them)."""
+        return torch.arange(start, start + count, device=self.device)[None]
 
     def _masks(self, start: int, count: int) -> list[torch.Tensor | None]:
         """Boolean attention masks per layer (see positions.attention_mask), one per distinct window."""

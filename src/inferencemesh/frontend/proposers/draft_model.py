@@ -11,9 +11,9 @@ Qwen2, Qwen3 and their kind) there is also a lean forward: fused QKV and gate/up
 weights laid out once for the matmul, rotary from a table, keys and values written in place,
 about fifteen tensor ops per layer. Measured on the bundled 2-layer draft (AVX2, float32): 0.80 ms
 per step at batch 1 against 1.47 ms through the stage runtime, 2.6 against 3.8 ms at batch 8. It
-is used only where it reproduces the general form's logits on a probe at load (a family whose
-modules read alike but compute otherwise, such as Gemma's (1 + weight) norms, falls back), and
-the draft only steers speculation: the target verifies every token, and with sampling the
+is used only for those families' layers (LEAN_LAYERS) and only where it reproduces the general
+form's logits on a probe at load (a rotary or norm it does not compute falls back), and the
+draft only steers speculation: the target verifies every token, and with sampling the
 draft's exact probabilities travel with the window.
 
 Weights come through the stage loader (safetensors only, same family checks); on CPU the draft
@@ -133,6 +133,12 @@ class _StageCache:
 Cache = DraftCache | _StageCache
 
 
+# The decoder layers the lean forward computes. A family whose layers read alike may still
+# compute otherwise where a short probe cannot see it (Ministral3 scales queries by position
+# beyond its original context), so the lean form is for these, and only where the probe agrees.
+LEAN_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+
+
 class NotLean(Exception):
     """The family's layers are not the Llama layout the lean forward computes."""
 
@@ -249,6 +255,9 @@ class _LeanForward:
 
     def __init__(self, stage: StageModules, max_context: int, vocab_size: int) -> None:
         config: Any = stage.config  # a transformers PretrainedConfig, read by attribute
+        layer_class = type(stage.layers[0]).__name__ if len(stage.layers) else ""
+        if layer_class not in LEAN_LAYERS:
+            raise NotLean(f"its layers ({layer_class}) are not ones the lean forward computes")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotLean(f"activation {config.hidden_act!r} (the lean forward computes SiLU)")
         hooks = forward_hooks(config)
