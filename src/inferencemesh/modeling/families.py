@@ -233,6 +233,8 @@ def refusal(config: dict) -> str | None:
         return _refusal(json.dumps(config, sort_keys=True, default=str))
     table = family_table()
     model_type = config.get("model_type", "")
+    if model_type in table["undecided"]:
+        return config_refusal(config.get)  # its stages decide, from transformers and the real config
     if model_type not in table["refusals"]:
         return (f"model_type {model_type!r} is not in this release's family table (transformers "
                 f"{table['transformers']}; `inferencemesh models` lists the families served)")
@@ -273,9 +275,10 @@ TABLE_PATH = Path(__file__).with_name("family_table.json")
 
 @functools.cache
 def family_table() -> dict:
-    """{"transformers": version, "refusals": {model_type: reason or None}}: refusal() of each
-    causal-LM family's default config, recorded by `python -m inferencemesh.modeling.families`
-    for the places without transformers (tests/test_families.py checks it is current)."""
+    """{"transformers": version, "refusals": {model_type: reason or None}, "undecided": [...]}:
+    refusal() of each causal-LM family's default config, recorded by `python -m
+    inferencemesh.modeling.families` for the places without transformers (tests/test_families.py
+    checks it is current); "undecided": families whose default config builds no model."""
     table: dict = json.loads(TABLE_PATH.read_text())
     return table
 
@@ -290,6 +293,7 @@ def build_family_table() -> dict:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # default configs of old families warn about their token ids
     refusals: dict[str, str | None] = {}
+    undecided: list[str] = []
     try:
         for model_type, config_cls in sorted(CONFIG_MAPPING.items()):
             try:
@@ -301,12 +305,15 @@ def build_family_table() -> dict:
                 refusals[model_type] = f"its default config does not build ({type(err).__name__})"
                 continue
             why = _refusal(json.dumps(config, sort_keys=True, default=str))
-            # A default config that leaves sizes unset (head_dim None) says nothing of the
-            # family: a real checkpoint sets them. Not refused here; its stages decide.
-            refusals[model_type] = None if why and why.startswith(_CANNOT_BUILD) else why
+            if why and why.startswith(_CANNOT_BUILD):
+                # A default config that leaves sizes unset (head_dim None) says nothing of the
+                # family: a real checkpoint sets them. Not refused here; its stages decide.
+                undecided.append(model_type)
+            else:
+                refusals[model_type] = why
     finally:
         hf_logging.set_verbosity(verbosity)
-    return {"transformers": transformers.__version__, "refusals": refusals}
+    return {"transformers": transformers.__version__, "refusals": refusals, "undecided": undecided}
 
 
 @functools.lru_cache(maxsize=64)

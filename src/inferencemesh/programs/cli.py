@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Any
 
 from inferencemesh.checkpoint import CheckpointError
@@ -53,11 +54,18 @@ def print_models() -> int:
     """The families served and the per-family hooks, from the one table (modeling/families.py)."""
     from inferencemesh.modeling import families
 
-    print("Verified exact at 1, 2 and 3 stages against transformers (tests/test_families.py):")
-    print("  " + ", ".join(families.VERIFIED))
-    print("Any other decoder-only *ForCausalLM of the installed transformers with the standard")
-    print("embed -> layers -> norm -> lm_head layout is served by the same path; others are refused")
-    print("with the reason at plan time (docs/families.md lists what the survey found).")
+    table = families.family_table()
+    served = sorted(name for name, why in table["refusals"].items() if why is None)
+    refused = len(table["refusals"]) - len(served)
+    print("Verified exact at 1, 2 and 3 stages, as target and as draft (tests/test_families.py):")
+    print(textwrap.fill(", ".join(families.VERIFIED), 100, initial_indent="  ", subsequent_indent="  "))
+    print(f"Pass the family check, served by the same general path (transformers {table['transformers']}'s "
+          "causal-LM families with the standard layout; a checkpoint's tensor names are checked too):")
+    print(textwrap.fill(", ".join(served), 100, initial_indent="  ", subsequent_indent="  "))
+    print("Decided from a checkpoint's own config (their default configs build no model):")
+    print(textwrap.fill(", ".join(table["undecided"]), 100, initial_indent="  ", subsequent_indent="  "))
+    print(f"The other {refused} are refused with the reason by `inferencemesh plan --model M` (and serve, the "
+          "stages, the operator). docs/families.md has the survey of every family.")
     print("Per-family differences:")
     for hook in families.HOOKS:
         print(f"  {hook.name:<24} {hook.example:<30} {hook.what} [{hook.where}]")
