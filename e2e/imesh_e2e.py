@@ -203,9 +203,12 @@ print(json.dumps(out))
 """
 
 
-def run_client_pod(ns: str, name: str, image: str, pull_policy: str, url: str, timeout: float = 300) -> dict:
-    """Run CLIENT_SCRIPT in a pod of its own (not part of the mesh); return its JSON output."""
-    container = {"name": "client", "image": image, "command": ["python", "-c", CLIENT_SCRIPT, url, MODEL],
+def run_client_pod(ns: str, name: str, image: str, pull_policy: str, url: str, timeout: float = 300, *,
+                   command: list[str] | None = None) -> dict:
+    """Run CLIENT_SCRIPT (or `command`, which prints one JSON line last) in a pod of its own (not
+    part of the mesh); return its JSON output."""
+    command = command or ["python", "-c", CLIENT_SCRIPT, url, MODEL]
+    container = {"name": "client", "image": image, "command": command,
                  "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
     if pull_policy:
         container["imagePullPolicy"] = pull_policy

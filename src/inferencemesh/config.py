@@ -301,6 +301,8 @@ class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, LocalMeshOpti
 
     stages: str = option("2", "a number, or auto (needs --stage-memory)")
     json: bool = switch("print the plan as JSON")
+    layout: bool = switch("print spec.model.layout for an InferenceMesh whose model the operator cannot read "
+                          "(spec.model.pvc): the checkpoint's sizes in --dtype on --device")
 
     def check(self) -> PlanConfig:
         _check_positive(self)

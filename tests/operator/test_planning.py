@@ -52,6 +52,21 @@ def test_the_prefix_cache_tokens_are_planned(tiny_model: Path) -> None:
                              ).inputs.kv_bytes_per_layer == 10 * 500
 
 
+def test_the_layout_plan_prints_is_the_plan_of_the_checkpoint(tiny_model: Path) -> None:
+    """`inferencemesh plan --layout` (what a user puts in spec.model.layout for a PVC model) reads
+    back, through the operator, as the very planner inputs the operator makes from the checkpoint."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--model", str(tiny_model), "--layout",
+                          "--json", "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    fields = {"contextLength": 100, "maxSessions": 3, "prefixCacheTokens": 50}
+    by_layout = parse_spec({"model": {"name": "m", "pvc": {"claimName": "models"}, **json.loads(out)}, **fields})
+    from_checkpoint = parse_spec({"model": {"name": str(tiny_model), "dtype": "float32"}, **fields})
+    assert ModelFacts().info(by_layout).inputs == ModelFacts().info(from_checkpoint).inputs
+
+
 def test_bigger_budget_gets_more_layers(tiny_model: Path) -> None:
     info = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}}))
     whole = info.inputs.stage_bytes(0, 4, 4)[2]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from inferencemesh.bundled import SCHEME, resolve_model
 from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, hub_errors, read_hub, read_local
-from inferencemesh.operator.spec import MeshSpec
+from inferencemesh.operator.spec import Layout, MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
 
 HUB_CACHE_SECONDS = 600.0
@@ -38,6 +38,16 @@ class ModelInfo:
     # Where the operator read a bundled or local model: its model-package.json, and a package's relative draft.
     model_dir: Path | None = None
     facts: CheckpointFacts | None = None  # None: known only by spec.model.layout
+
+
+def layout_of(facts: CheckpointFacts, *, dtype: str | None, on_cpu: bool) -> Layout:
+    """spec.model.layout for a checkpoint the operator cannot read (spec.model.pvc), in the
+    planner's own terms (inputs_from_layout reads it back): its sizes in the compute dtype, the KV
+    bytes per token and layer, and one size for every layer, the largest (an uneven MoE is then
+    planned as if every layer were its heaviest: never short of memory)."""
+    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=1, max_sessions=1, on_cpu=on_cpu)
+    return Layout(num_layers=facts.num_layers, layer_bytes=max(inputs.layer_bytes), embed_bytes=inputs.embed_bytes,
+                  head_bytes=inputs.tail_bytes, kv_bytes_per_token=inputs.kv_bytes_per_layer)
 
 
 def inputs_from_layout(spec: MeshSpec) -> PlanInputs:

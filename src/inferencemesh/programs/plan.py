@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint
 from inferencemesh.config import PlanConfig, ServeConfig
@@ -84,7 +86,16 @@ def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, Checkpo
 
 
 def run_plan(config: PlanConfig) -> int:
-    model, _, plan = plan_from_settings(config)
+    model, facts, plan = plan_from_settings(config)
+    if config.layout:
+        from inferencemesh.compute_dtype import choose_dtype
+        from inferencemesh.operator.modelfacts import layout_of
+
+        on_cpu = _on_cpu(config.device)
+        dtype = choose_dtype(config.dtype, facts.checkpoint_dtype, on_cpu=on_cpu).name
+        layout = {"layout": layout_of(facts, dtype=dtype, on_cpu=on_cpu).model_dump(by_alias=True)}
+        print(json.dumps(layout, indent=2) if config.json else yaml.safe_dump(layout, sort_keys=False).rstrip("\n"))
+        return 0
     if config.json:
         print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
     else:
