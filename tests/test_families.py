@@ -268,3 +268,19 @@ def test_the_models_command_lists_what_is_served():
     assert "gpt_oss" in out and "qwen3_moe" in served and "cohere" in served
     assert "deepseek_v3" not in served and "gpt2" not in served
     assert all(hook.name in out for hook in families.HOOKS)
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    ('{"model_type": "llama", "num_hidden_layers": "four"}', "does not build a llama config"),
+    ('{"model_type": "llama", "num_hidden_layers": 100000000}', "not between 1 and 4096"),
+    ('{"model_type": "llama", "num_hidden_layers": 0}', "not between 1 and 4096"),
+    ('{"model_type": 5}', "unknown to the installed transformers"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"model_type": "llama",', "not JSON"),
+])
+def test_a_hostile_config_is_refused_in_one_line(tmp_path, config, why):
+    """Never a traceback or a hang (a huge layer count is refused before anything is built)."""
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match=why) as caught:
+        read_local(tmp_path)
+    assert "\n" not in str(caught.value)

@@ -190,6 +190,17 @@ def refuse_without_safetensors(where: str | Path, files: list[str]) -> None:
         )
 
 
+def config_of(text: str, where: str | Path) -> dict:
+    """A config.json's object, or CheckpointError saying why it is not one."""
+    try:
+        config = json.loads(text)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: config.json is not JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: config.json is not a JSON object")
+    return config
+
+
 def check_supported(config: dict, where: str | Path) -> None:
     """Refuse, with the reason, a checkpoint whose family cannot be split into stages (see
     modeling/families.py: any decoder-only causal LM of the installed transformers with the
@@ -212,7 +223,7 @@ def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) ->
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-    config = json.loads(config_path.read_text())
+    config = config_of(config_path.read_text(), model_dir)
     check_supported(config, model_dir)
     wmap = weight_map(model_dir)
     shards = sorted(set(wmap.values())) if headers_of is None else headers_of
@@ -249,7 +260,8 @@ def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = N
     """
     from huggingface_hub import HfApi, hf_hub_download
 
-    config = json.loads(Path(hf_hub_download(repo_id, "config.json", revision=revision, token=token)).read_text())
+    config = config_of(Path(hf_hub_download(repo_id, "config.json", revision=revision, token=token)).read_text(),
+                       repo_id)
     check_supported(config, repo_id)
     api = HfApi(token=token)
     files = api.list_repo_files(repo_id, revision=revision)

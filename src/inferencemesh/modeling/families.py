@@ -39,6 +39,10 @@ VERIFIED = (
 # Layer kinds a stage's KV cache and masks implement (config.layer_types).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
+# More layers than any model has (the deepest public ones have a few hundred): a config beyond it
+# is refused before transformers is asked to build it (which would take as long as it is large).
+MAX_LAYERS = 4096
+
 # config.logits_scaling divides the logits (Granite, MuP) except in these families, which multiply.
 LOGITS_SCALING_MULTIPLIES = {"hyperclovax"}
 
@@ -223,12 +227,18 @@ def build_causal_lm(config: Any, *, meta: bool = False) -> Any:
 
 
 def refusal(config: dict) -> str | None:
-    """Why a checkpoint of this config.json cannot be split into stages, or None when it can.
+    """Why a checkpoint of this config.json cannot be split into stages, or None when it can; one
+    line (a status condition's message, a log line).
 
     Decided from the installed transformers (the family's own classes, built on the meta
     device). Where transformers and torch are not installed (the operator's image), from
     FAMILY_TABLE: the same decision recorded per model_type for the transformers release the
     table names, plus the checks a config.json alone answers."""
+    why = _decide(config)
+    return None if why is None else " ".join(why.split())
+
+
+def _decide(config: dict) -> str | None:
     if _transformers_installed():
         return _refusal(json.dumps(config, sort_keys=True, default=str))
     table = family_table()
@@ -248,8 +258,11 @@ def config_refusal(get: Callable[[str], Any]) -> str | None:
         return "it is an encoder-decoder model"
     if get("use_bidirectional_attention"):
         return "its attention is bidirectional, not causal"
-    if not isinstance(get("num_hidden_layers"), int):
+    layers = get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool):
         return "its config has no num_hidden_layers (not a stack of decoder layers a plan can split)"
+    if not 1 <= layers <= MAX_LAYERS:
+        return f"num_hidden_layers {layers} is not between 1 and {MAX_LAYERS}"
     other = sorted(set(get("layer_types") or []) - ATTENTION_LAYER_TYPES)
     if other:
         return (f"its layers include {', '.join(other)} (recurrent, linear or chunked attention state a "

@@ -110,7 +110,7 @@ def locate(
 def _read_config(path: Path, where: str | Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{where}: no config.json (is this a Hugging Face model?)")
-    config = json.loads(path.read_text())
+    config = checkpoint.config_of(path.read_text(), where)
     checkpoint.check_supported(config, where)  # before any weight is fetched
     return config
 
