@@ -48,6 +48,10 @@ FAMILY = {
     # Its router reads its own linear's weight (not packed); queries scaled by position (position_ids).
     "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
     "ministral3": dict(head_dim=16),
+    # The multipliers their forwards apply around the layers, moved off 1.0.
+    "granite": dict(embedding_multiplier=4.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.25),
+    "cohere": dict(logit_scale=0.5),
+    "hyperclovax": dict(logits_scaling=2.0, head_dim=16),
 }
 assert set(FAMILY) == set(families.VERIFIED)
 
@@ -216,6 +220,14 @@ def test_unsplittable_families_are_refused_with_the_reason(tmp_path, family, why
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=f"cannot be served: .*{why}"):
         read_local(tmp_path)
+
+
+def test_every_hook_is_exercised_by_a_verified_family():
+    """Each per-family difference of HOOKS is switched on by some family's config above, so the
+    exactness tests cover it."""
+    configs = [AutoConfig.for_model(family, **{**BASE, **FAMILY[family]}) for family in FAMILY]
+    for hook in families.HOOKS:
+        assert any(hook.applies(config) for config in configs), hook.name
 
 
 def test_hooks_switch_on_from_the_config():

@@ -33,7 +33,8 @@ from typing import Any
 # (docs/families.md lists what the survey found); `inferencemesh models` prints both.
 VERIFIED = (
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
-    "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "hunyuan_v1_moe", "ministral3",
+    "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "hunyuan_v1_moe", "ministral3", "granite", "cohere",
+    "hyperclovax",
 )
 
 # Layer kinds a stage's KV cache and masks implement (config.layer_types).
