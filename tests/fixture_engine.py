@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import os
 import random
 import socket
@@ -202,7 +203,9 @@ class _Session:
     def forward(self, ids: list[int]) -> torch.Tensor:
         """float32 logits of every row of `ids`."""
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache, use_cache=True)
+            # transformers 5 names the argument `cache` (the old name warns on every call)
+            cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+            out = self.model(input_ids=torch.tensor([ids]), **{cache_kwarg: self.cache}, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[0].float()
 
