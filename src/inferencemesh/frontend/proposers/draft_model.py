@@ -146,8 +146,8 @@ class NotLean(Exception):
 # Logits of the probe that picks the form: the lean forward must agree with the stage runtime
 # to within this fraction of the logits' scale (float32 summation order differs; a family the
 # lean forward does not compute differs by whole units).
-_PROBE_TOLERANCE = {torch.float32: 1e-3}
-_PROBE_TOLERANCE_16BIT = 5e-2
+PROBE_TOLERANCE_FLOAT32 = 1e-3
+PROBE_TOLERANCE_16BIT = 5e-2
 
 
 class DraftModel:
@@ -181,10 +181,8 @@ class DraftModel:
             except NotLean as err:
                 why = str(err)
         # The stage runtime over every layer: the general form, and the reference the lean one is checked against.
-        runtime: StageRuntime | None = StageRuntime(source, 0, facts.num_layers, max_context=max_context,
-                                                    modules=stage)
+        runtime = StageRuntime(source, 0, facts.num_layers, max_context=max_context, modules=stage)
         if lean is not None and form == "auto":
-            assert runtime is not None
             disagreement = _disagreement(lean, runtime)
             if disagreement is not None:
                 lean, why = None, disagreement
@@ -244,7 +242,7 @@ def _disagreement(lean: _LeanForward, runtime: StageRuntime) -> str | None:
         worst = max(worst, float((ours - theirs).abs().max()))
         scale = max(scale, float(theirs.abs().max()))
     cache.release()
-    tolerance = _PROBE_TOLERANCE.get(lean.dtype, _PROBE_TOLERANCE_16BIT) * scale
+    tolerance = (PROBE_TOLERANCE_FLOAT32 if lean.dtype == torch.float32 else PROBE_TOLERANCE_16BIT) * scale
     if not worst <= tolerance:  # (NaN disagrees too)
         return f"the lean forward's logits differ from the family's own by {worst:.3g} (scale {scale:.3g})"
     return None
