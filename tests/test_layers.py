@@ -1,8 +1,8 @@
 """The import direction: shared foundations at the bottom, the three libraries on top of them and
 blind to each other's internals, the programs over everything.
 
-    programs (cli, serve, stage, frontend, plan, bench, operator)   (top: may import anything below)
-    stage | frontend | operator                  (none imports another, nor the top)
+    programs (cli, serve, stage, frontend, plan, bench, operator, router)   (top: may import anything below)
+    stage | frontend | operator | router         (none imports another, nor the top)
     protocol, modeling, planner, checkpoint, sampling, config, speculation, tls, bundled
 
 A module's layer is its path under src/inferencemesh (import names are paths). There is no
@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-LIBRARIES = {"stage", "frontend", "operator"}
+LIBRARIES = {"stage", "frontend", "operator", "router"}
 TOP = {"programs", "__main__"}
 
 
@@ -58,6 +58,7 @@ ALLOWED = {
     "stage": {"bottom", "external", "stage"},
     "frontend": {"bottom", "external", "frontend"},
     "operator": {"bottom", "external", "operator"},
+    "router": {"bottom", "external", "router"},
 }
 
 

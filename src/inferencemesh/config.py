@@ -34,6 +34,7 @@ DEFAULT_MAX_BATCH_TOKENS = 256
 # first stage's VERIFY frames took 12.5 ms with 2 frontend threads, 4.7 ms with 1).
 DEFAULT_DRAFT_THREADS = 1
 DEFAULT_RECOVERY_TIMEOUT = 180.0
+DEFAULT_DRAIN_TIMEOUT = 30.0  # Kubernetes' default terminationGracePeriodSeconds is 30 s
 # Speculation is off while this many requests run (vLLM's speculative_disable_by_batch_size): a
 # busy pipeline batches its sessions' decode steps and has no spare compute for drafts it will
 # reject. Measured on 2 cores, bundled models, 2 stages, draft ÷ none at 1/2/4/8 concurrent
@@ -226,6 +227,12 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     # its layers: seconds on a warm machine, over a minute for a rescheduled pod on a busy node.
     recovery_timeout: float = option(DEFAULT_RECOVERY_TIMEOUT, "seconds an in-flight request waits for a "
                                      "lost stage to return before it fails", parse=float)
+    # SIGTERM (a pod's deletion, a rollout, a scale-down) drains: /ready and new requests answer
+    # 503 while the requests in flight finish (frontend.drain). A pod's terminationGracePeriodSeconds
+    # must cover its preStop sleep plus this.
+    drain_timeout: float = option(DEFAULT_DRAIN_TIMEOUT, "seconds a stopping frontend lets its requests in "
+                                  "flight finish (new ones get 503) before it stops (0: stop at once)",
+                                  parse=float)
 
     def check(self) -> FrontendConfig:
         if not self.stage_addresses and self.first_stage_layers is None:
@@ -271,27 +278,106 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
                                      f"(0: --port + {SERVE_STAGE_METRICS_OFFSET} + i)", parse=int)
     stage_threads: int = option(0, "compute threads of each stage process (0: the machine's CPUs divided "
                                    "among the stages, so they do not preempt each other)", parse=int)
+    replicas: int = option(1, "complete pipelines (each its stages and frontend on a free port) behind a router "
+                              "on --port that sends each request to the replica most likely to hold its prefix "
+                              "(1: no router, the frontend itself on --port)", parse=int)
 
     def check(self) -> ServeConfig:
         _check_prefix_cache(self)
         _check_positive(self)
         return self
 
-    def stage_metrics_ports(self, count: int) -> list[int]:
-        """The /metrics ports of `count` stages: derived, never random."""
-        first = self.stage_metrics_port or self.port + SERVE_STAGE_METRICS_OFFSET
+    def stage_metrics_ports(self, count: int, replica: int = 0) -> list[int]:
+        """The /metrics ports of `count` stages of pipeline `replica` (pipeline r's follow r's
+        predecessors': r * count + i): derived, never random."""
+        first = (self.stage_metrics_port or self.port + SERVE_STAGE_METRICS_OFFSET) + replica * count
         return [first + i for i in range(count)]
+
+    def base_stage_port_of(self, replica: int) -> int:
+        """Pipeline `replica`'s first stage gRPC port under --base-stage-port (0: free ports)."""
+        processes = self.stages - int(self.embed_first_stage)
+        return self.base_stage_port + replica * processes if self.base_stage_port else 0
 
     def ports(self) -> list[tuple[str, str, int]]:
         """(what, host, port) of every fixed port the mesh listens on (stage gRPC ports are picked
-        free unless --base-stage-port); stage processes are 1.. with the first stage embedded."""
+        free unless --base-stage-port); stage processes are 1.. with the first stage embedded; with
+        --replicas N, each pipeline's (the frontends' ports are picked free, the router is on --port)."""
         first = int(self.embed_first_stage)
         own = [("OpenAI endpoint (--port)", self.host, self.port)]
-        if self.base_stage_port:
-            own += [(f"stage {i} gRPC (--base-stage-port)", "127.0.0.1", self.base_stage_port + i - first)
+        for r in range(self.replicas):
+            which = f"pipeline {r} " if self.replicas > 1 else ""
+            if self.base_stage_port:
+                base = self.base_stage_port_of(r)
+                own += [(f"{which}stage {i} gRPC (--base-stage-port)", "127.0.0.1", base + i - first)
+                        for i in range(first, self.stages)]
+            metrics = self.stage_metrics_ports(self.stages, r)
+            own += [(f"{which}stage {i} metrics (--stage-metrics-port)", "", metrics[i])
                     for i in range(first, self.stages)]
-        metrics = self.stage_metrics_ports(self.stages)
-        return own + [(f"stage {i} metrics (--stage-metrics-port)", "", metrics[i]) for i in range(first, self.stages)]
+        return own
+
+
+# The router's defaults. A block of 128 characters is about 32 tokens of English or code: short
+# enough that a shared system prompt spans several blocks, long enough that hashing a 100 kB
+# prompt is a few hundred blake2b calls. The load bound follows SGLang's cache-aware policy (a
+# cached replica is skipped only when it is both 8 requests and 1.5x busier than the least
+# loaded): with the frontend's 16 sessions, 8 requests more is half a replica's batch, which
+# costs more than recomputing a prefix.
+ROUTER_BLOCK_CHARS = 128
+ROUTER_AFFINITY_TTL_S = 600.0
+ROUTER_AFFINITY_ENTRIES = 200_000
+ROUTER_BALANCE_ABS = 8.0
+ROUTER_BALANCE_REL = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """`inferencemesh router`: one endpoint in front of N replicas' frontends, each request sent to
+    the replica most likely to hold its prompt's prefix in its prefix cache (router/)."""
+
+    host: str = option("0.0.0.0", "address to listen on")  # noqa: S104 - a pod serves its Service
+    port: int = option(FRONTEND_PORT, "HTTP port of the routed OpenAI endpoint", parse=int)
+    frontends: tuple[str, ...] = option((), "the replicas' frontends, comma-separated base URLs "
+                                        "(http://10.0.0.5:8000), each optionally NAME=URL", parse=_comma_separated,
+                                        render=",".join)
+    frontends_service: str | None = option(None, "a Kubernetes Service whose EndpointSlices (its ready endpoints) "
+                                                 "are the replicas' frontends, watched")
+    namespace: str | None = option(None, "the Service's namespace (default: this pod's)")
+    frontend_port: int = option(FRONTEND_PORT, "the frontends' port where an EndpointSlice names no port "
+                                               "called http", parse=int)
+    block_chars: int = option(ROUTER_BLOCK_CHARS, "characters of a prompt per prefix block (the unit of "
+                                                  "prefix affinity)", parse=int)
+    affinity_ttl: float = option(ROUTER_AFFINITY_TTL_S, "seconds a prefix block stays associated with the "
+                                                        "replica it was last sent to", parse=float)
+    affinity_entries: int = option(ROUTER_AFFINITY_ENTRIES, "prefix blocks remembered (least recently used "
+                                                            "dropped first)", parse=int)
+    balance_abs: float = option(ROUTER_BALANCE_ABS, "a replica holding the prefix is skipped when its load "
+                                                    "(requests in flight + waiting) exceeds the least loaded's by "
+                                                    "more than this ...", parse=float)
+    balance_rel: float = option(ROUTER_BALANCE_REL, "... and is more than this many times the least loaded's",
+                                parse=float)
+    max_body_bytes: int = option(4 * 1024 * 1024, "largest request body (413 beyond)", parse=int)
+    load_poll_interval: float = option(1.0, "seconds between reads of each frontend's /metrics "
+                                            "(inferencemesh_num_requests_waiting)", parse=float)
+
+    def check(self) -> RouterConfig:
+        if bool(self.frontends) == bool(self.frontends_service):
+            raise ConfigError("give the replicas either as --frontends URL,... or as --frontends-service NAME "
+                              "(a Kubernetes Service), " + ("not both" if self.frontends else "one of them"))
+        if self.namespace and not self.frontends_service:
+            raise ConfigError("--namespace is the namespace of --frontends-service: it needs one")
+        for name in ("block_chars", "affinity_entries", "max_body_bytes", "frontend_port"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
+        for name in ("affinity_ttl", "load_poll_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag_name(name)} must be more than 0, not {getattr(self, name)}")
+        if self.balance_abs < 0 or self.balance_rel < 1:
+            raise ConfigError("--balance-abs must be 0 or more and --balance-rel at least 1")
+        return self
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of every port this program listens on."""
+        return [("router endpoint (--port)", self.host, self.port)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,12 +469,12 @@ def _check_positive(config: Any) -> None:
     """The counts every program shares; a field of another type under the same name (plan's
     `--stages auto`, bench's comma-separated lists) is its own type's to check."""
     for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages",
-                 "max_message_bytes"):
+                 "max_message_bytes", "replicas"):
         value = getattr(config, name, 1)
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     for name in ("threads", "stage_threads", "speculative_disable_by_batch_size",  # 0: automatic / off
-                 "prefix_cache_tokens"):
+                 "prefix_cache_tokens", "drain_timeout"):
         value = getattr(config, name, 0)
-        if isinstance(value, int) and value < 0:
+        if isinstance(value, int | float) and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")

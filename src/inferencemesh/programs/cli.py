@@ -6,6 +6,7 @@
     inferencemesh plan       print the memory-planned layer ranges
     inferencemesh bench      throughput / latency benchmarks, JSON out
     inferencemesh operator   the Kubernetes operator (kopf)
+    inferencemesh router     one endpoint over N replicas' frontends, prefix-aware
 
 Every command's flags come from its config type (config.py), which also renders them for
 child processes and pods.
@@ -16,10 +17,18 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from typing import Any
+from typing import Any, NoReturn
 
 from inferencemesh.checkpoint import CheckpointError
-from inferencemesh.config import BenchConfig, FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
+from inferencemesh.config import (
+    BenchConfig,
+    FrontendConfig,
+    OperatorConfig,
+    PlanConfig,
+    RouterConfig,
+    ServeConfig,
+    StageConfig,
+)
 from inferencemesh.flags import ConfigError, add_arguments, from_args
 from inferencemesh.planner import PlanError
 from inferencemesh.programs.process import (
@@ -28,6 +37,7 @@ from inferencemesh.programs.process import (
     prepare_process,
     relay_hangup_as_terminate,
     set_up_process,
+    write_termination_message,
 )
 
 # Each command, its config type and its one-line help.
@@ -38,11 +48,23 @@ PROGRAMS: dict[str, tuple[type, str]] = {
     "plan": (PlanConfig, "print the memory-planned layer ranges"),
     "bench": (BenchConfig, "benchmarks: tokens/s, TPOT, TTFT, per-hop overhead; JSON out"),
     "operator": (OperatorConfig, "run the Kubernetes operator"),
+    "router": (RouterConfig, "one endpoint over N replicas' frontends, each request to the replica likeliest "
+                             "to hold its prefix"),
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose exits on an error (a bad flag, and main's
+    one-line errors) also leave their line in the termination message (a pod's status)."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if status and message:
+            write_termination_message(message)
+        super().exit(status, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inferencemesh", description=__doc__.split("\n")[0])
+    parser = Parser(prog="inferencemesh", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command, (config_type, help_text) in PROGRAMS.items():
         add_arguments(config_type, sub.add_parser(command, help=help_text))
@@ -84,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"inferencemesh {args.command}: error: {err}\n")
     except KeyboardInterrupt:  # Ctrl-C while a program had no handler of its own (plan, bench)
         return 130
+    except Exception as err:  # a bug: the traceback on stderr, its one-line summary in the termination message
+        write_termination_message(f"inferencemesh {args.command}: unexpected error: {type(err).__name__}: {err}")
+        raise
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -120,6 +145,11 @@ def _run(args: argparse.Namespace) -> int:
         from inferencemesh.programs.operator import run_operator
 
         return run_operator(config)
+    if args.command == "router":
+        from inferencemesh.programs.router import run_router
+
+        relay_hangup_as_terminate()  # uvicorn handles SIGTERM (and SIGINT) itself, SIGHUP not
+        return run_router(config)
     raise AssertionError(args.command)
 
 

@@ -19,6 +19,10 @@ neither alone covers every case:
 
 Ports. A port that is taken is found before anything loads, and reported in one line that
 names it (PortInUse), instead of after minutes of loading as a traceback.
+
+Termination message. A program that exits on an error also leaves its one-line message in the
+container's termination-message file (write_termination_message), where Kubernetes shows it in
+the pod's status and the operator quotes it when a pipeline crash-loops.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ PDEATHSIG_ENV = "INFERENCEMESH_PARENT_DEATH_SIGNAL"
 # How long a child whose parent died may take to stop gracefully before it exits hard.
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Where an exiting program writes why: Kubernetes' terminationMessagePath (written if it exists),
+# or the file this environment variable names (created if need be).
+TERMINATION_LOG_ENV = "INFERENCEMESH_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_MESSAGE_BYTES = 4096  # what the kubelet reads of the file
 
 _lifeline: tuple[int, int] | None = None  # (read end, write end), made once per parent process
 _lifeline_lock = threading.Lock()
@@ -82,6 +91,8 @@ PROFILES = {
     "bench": ProcessProfile(logs=False, tensors=True),  # prints its own results; torch threads per configuration
     "serve": ProcessProfile(logs=False, tensors=False),  # prints; its children log
     "plan": ProcessProfile(logs=False, tensors=False),
+    # no torch in its pod; httpx's line per request (every relayed one) costs time and says nothing
+    "router": ProcessProfile(logs=True, tensors=False, quiet=("httpx",)),
     # kopf logs through its own handler (kopf.configure); one line per watch event and per probe
     # drowns what matters, and errors still show.
     "operator": ProcessProfile(logs=False, tensors=False, inferencemesh_level=logging.INFO,
@@ -214,6 +225,24 @@ def relay_hangup_as_terminate() -> None:
     starts serving): a SIGHUP becomes a SIGTERM to this process, and meets whatever handles
     SIGTERM by then (before that, the default: exit)."""
     signal.signal(signal.SIGHUP, lambda _signum, _frame: os.kill(os.getpid(), signal.SIGTERM))
+
+
+# ---- the termination message ----------------------------------------------------------------
+
+
+def write_termination_message(message: str) -> None:
+    """Write `message` (one line: whitespace runs become one space) to the termination-message
+    file: $INFERENCEMESH_TERMINATION_LOG, else /dev/termination-log where it exists (a container's).
+    Best effort: a file that cannot be written is skipped, silently."""
+    path = os.environ.get(TERMINATION_LOG_ENV) or DEFAULT_TERMINATION_LOG
+    line = " ".join(message.split()).encode("utf-8", "replace")[:TERMINATION_MESSAGE_BYTES - 1]
+    try:
+        if path == DEFAULT_TERMINATION_LOG and not os.path.exists(path):
+            return
+        with open(path, "wb") as out:
+            out.write(line.decode("utf-8", "ignore").encode() + b"\n")
+    except Exception:  # noqa: BLE001, S110 - never fail an exit for its message
+        pass
 
 
 # ---- ports ----------------------------------------------------------------------------------

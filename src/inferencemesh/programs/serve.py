@@ -7,6 +7,11 @@ be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this 
 whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
 and tests start.
 
+With --replicas N, serve runs N such pipelines (LocalPipeline: the unit of start, readiness,
+restarts and stop), each its own stages and certificates and its frontend on a free loopback
+port, the CPUs shared among all their stage processes, and `inferencemesh router` on --port in
+front of their frontends, started once every frontend is ready.
+
 Stage traffic is mutual TLS even here: the stages listen on loopback only, but any local user
 could reach a plaintext port (free compute, the model path, every session slot). Unless
 --tls-dir brings certificates, each run makes its own (run_certificates): a CA and one leaf per
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
@@ -34,7 +40,7 @@ from typing import Any
 import yaml
 
 from inferencemesh import tls
-from inferencemesh.config import FrontendConfig, ServeConfig, StageConfig
+from inferencemesh.config import FrontendConfig, RouterConfig, ServeConfig, StageConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.flags import derive, to_argv
 from inferencemesh.planner import StagePlan, render_plan
@@ -214,11 +220,15 @@ def run_certificates(names: list[str]) -> Iterator[dict[str, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def scrape_config(frontend: str, stages: list[str]) -> str:
-    """A Prometheus `scrape_configs` section for a local mesh (targets are HOST:PORT). Stage series
-    carry their own `stage` label, so the targets need none."""
-    jobs = [{"job_name": "inferencemesh-frontend", "static_configs": [{"targets": [frontend]}]},
+def scrape_config(frontend: str | list[str], stages: list[str], router: str | None = None) -> str:
+    """A Prometheus `scrape_configs` section for a local mesh (targets are HOST:PORT): its
+    frontend(s), its stages, and with --replicas N the router. Stage series carry their own
+    `stage` label, so the targets need none."""
+    frontends = [frontend] if isinstance(frontend, str) else list(frontend)
+    jobs = [{"job_name": "inferencemesh-frontend", "static_configs": [{"targets": frontends}]},
             {"job_name": "inferencemesh-stages", "static_configs": [{"targets": list(stages)}]}]
+    if router is not None:
+        jobs.append({"job_name": "inferencemesh-router", "static_configs": [{"targets": [router]}]})
     return yaml.safe_dump({"scrape_configs": jobs}, sort_keys=False)
 
 
@@ -232,34 +242,110 @@ def accepting(host: str, port: int) -> bool:
         return False
 
 
+def answers_ready(port: int) -> bool:
+    """Whether the frontend on loopback `port` says it is ready (GET /ready: 200)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1.0) as response:  # noqa: S310
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class LocalPipeline:
+    """One complete pipeline of `serve`: its stage processes and its frontend process, on `port`."""
+
+    label: str  # "" alone; "pipeline R: " as one of --replicas N
+    stages: LocalStages
+    frontend: ManagedProcess
+    host: str
+    port: int
+
+    def start_stages(self) -> None:
+        self.stages.start()
+
+    def wait_stages(self, stopping: Callable[[], bool]) -> None:
+        """Until every stage is SERVING (RuntimeError, TimeoutError: one failed)."""
+        stages = self.stages
+        stages.wait_ready(stopping=stopping, on_ready=lambda i: print(
+            f"inferencemesh: {self.label}stage {stages.configs[i].stage_index} ready on {stages.addresses[i]} "
+            f"(metrics :{stages.metrics_ports[i]})", flush=True))
+
+    def supervise(self) -> bool:
+        """Restart the stages that exited; False once the frontend exited (the pipeline is over)."""
+        for proc in self.stages.restart_dead():
+            print(f"inferencemesh: {self.label}{proc.name} had exited; restarted it (restart {proc.restarts})",
+                  file=sys.stderr, flush=True)
+        if not self.frontend.alive():
+            print(f"inferencemesh: {self.label}frontend exited ({self.frontend.returncode})", file=sys.stderr)
+            return False
+        return True
+
+    def stop(self) -> None:
+        self.frontend.stop()
+        self.stages.stop()
+
+
+# A pipeline's certificates: each stage process's tls dir by stage index, and the frontend's
+# (None, None: serve's --tls-dir, if any, for all).
+PipelineCertificates = tuple[dict[int, str] | None, str | None]
+
+
+def build_pipeline(config: ServeConfig, model: str, plan: list[StagePlan], max_message_bytes: int,
+                   certificates: PipelineCertificates, *, replica: int, threads: int) -> LocalPipeline:
+    """Pipeline `replica` of `serve`: alone, its frontend on --host:--port; one of --replicas N, on a
+    free loopback port behind the router. Each stage process computes on `threads`."""
+    stage_tls, frontend_tls = certificates
+    embed = config.embed_first_stage
+    alone = config.replicas == 1
+    stages = LocalStages(stage_template(model, config, threads=threads, max_message_bytes=max_message_bytes), plan,
+                         base_port=config.base_stage_port_of(replica),
+                         metrics_ports=config.stage_metrics_ports(len(plan), replica)[int(embed):],
+                         embed_first=embed, tls_dirs=stage_tls)
+    settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls,
+                               max_message_bytes=max_message_bytes)
+    if not alone:
+        settings = dataclasses.replace(settings, host="127.0.0.1", port=free_port())
+    frontend = ManagedProcess(f"frontend-{replica}" if not alone else "frontend",
+                              CLI + ["frontend", *to_argv(settings)], stages.env)
+    return LocalPipeline("" if alone else f"pipeline {replica}: ", stages, frontend, settings.host, settings.port)
+
+
+def router_config(config: ServeConfig, pipelines: list[LocalPipeline]) -> RouterConfig:
+    """The router of --replicas N: on --host:--port, in front of each pipeline's frontend (p0, p1, ...)."""
+    return RouterConfig(host=config.host, port=config.port,
+                        frontends=tuple(f"p{r}=http://127.0.0.1:{p.port}" for r, p in enumerate(pipelines))).check()
+
+
 def run_serve(config: ServeConfig) -> int:
     model, facts, plan = plan_from_settings(config)
-    print(f"inferencemesh: serving {model}\n{render_plan(plan)}", flush=True)
+    print(f"inferencemesh: serving {model}" + (f" as {config.replicas} pipelines behind a router"
+                                               if config.replicas > 1 else "") + f"\n{render_plan(plan)}", flush=True)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
                           max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions)
     if config.tls_dir:  # brought by the user: every process presents it
-        return _serve_mesh(config, model, plan, limit, None, None)
+        return _serve_mesh(config, model, plan, limit, [(None, None)] * config.replicas)
     processes = range(int(config.embed_first_stage), len(plan))  # the stages that run as processes
-    with run_certificates([*(f"stage-{i}" for i in processes), "frontend"]) as dirs:
-        return _serve_mesh(config, model, plan, limit, {i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"])
+    with contextlib.ExitStack() as stack:
+        certificates: list[PipelineCertificates] = []
+        for _ in range(config.replicas):  # each pipeline its own CA: one's frontend cannot call another's stages
+            dirs = stack.enter_context(run_certificates([*(f"stage-{i}" for i in processes), "frontend"]))
+            certificates.append(({i: dirs[f"stage-{i}"] for i in processes}, dirs["frontend"]))
+        return _serve_mesh(config, model, plan, limit, certificates)
 
 
 def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_message_bytes: int,
-                stage_tls: dict[int, str] | None, frontend_tls: str | None) -> int:
-    """The mesh's processes, until a stop signal or the frontend's exit; `max_message_bytes`: the
-    plan's message limit, for both ends of every stage stream; `stage_tls` and `frontend_tls`:
-    their certificates (None: serve's --tls-dir, if any, for all)."""
+                certificates: list[PipelineCertificates]) -> int:
+    """The mesh's processes, until a stop signal or a frontend's (or the router's) exit;
+    `max_message_bytes`: the plan's message limit, for both ends of every stage stream;
+    `certificates`: each pipeline's."""
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
     # (with the first stage embedded, the frontend process is the one that computes stage 0)
-    threads = config.stage_threads or share_of_cpus(len(plan))
-    embed = config.embed_first_stage
-    stages = LocalStages(stage_template(model, config, threads=threads, max_message_bytes=max_message_bytes), plan,
-                         base_port=config.base_stage_port,
-                         metrics_ports=config.stage_metrics_ports(len(plan))[int(embed):], embed_first=embed,
-                         tls_dirs=stage_tls)
-    frontend_settings = frontend_config(config, model, stages, threads=threads, tls_dir=frontend_tls,
-                                        max_message_bytes=max_message_bytes)
-    frontend = ManagedProcess("frontend", CLI + ["frontend", *to_argv(frontend_settings)], stages.env)
+    threads = config.stage_threads or share_of_cpus(config.replicas * len(plan))
+    pipelines = [build_pipeline(config, model, plan, max_message_bytes, certificates[r], replica=r, threads=threads)
+                 for r in range(config.replicas)]
+    router = (ManagedProcess("router", CLI + ["router", *to_argv(router_config(config, pipelines))])
+              if config.replicas > 1 else None)
     stopping = False
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
@@ -268,43 +354,59 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
 
     on_stop_signals(request_stop)
     try:
-        stages.start()
+        for pipeline in pipelines:
+            pipeline.start_stages()
         try:
-            stages.wait_ready(stopping=lambda: stopping, on_ready=lambda i: print(
-                f"inferencemesh: stage {stages.configs[i].stage_index} ready on {stages.addresses[i]} "
-                f"(metrics :{stages.metrics_ports[i]})", flush=True))
+            for pipeline in pipelines:
+                pipeline.wait_stages(lambda: stopping)
         except (RuntimeError, TimeoutError) as err:
             print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
             return 130 if stopping else 1
-        frontend.start()
+        for pipeline in pipelines:
+            pipeline.frontend.start()
         announced = False
         while not stopping:
-            # The endpoint is announced once the frontend listens on it, never before: a user (or a
-            # script) that reads the line may connect at once.
-            if not announced and frontend.alive() and accepting(config.host, config.port):
+            # The router starts once every frontend is ready (it would send requests to one still
+            # loading); the endpoint is announced once it listens, never before: a user (or a script)
+            # that reads the line may connect at once.
+            if router is not None and router.process is None and all(
+                    p.frontend.alive() and answers_ready(p.port) for p in pipelines):
+                router.start()
+            if not announced and (router or pipelines[0].frontend).alive() and accepting(config.host, config.port):
                 announced = True
-                announce(config, stages)
+                announce(config, pipelines)
             time.sleep(0.5)
             if stopping:
                 break
-            for proc in stages.restart_dead():
-                print(f"inferencemesh: {proc.name} had exited; restarted it (restart {proc.restarts})",
-                      file=sys.stderr, flush=True)
-            if not frontend.alive():
-                print(f"inferencemesh: frontend exited ({frontend.returncode})", file=sys.stderr)
+            if not all([pipeline.supervise() for pipeline in pipelines]):
+                return 1
+            if router is not None and router.process is not None and not router.alive():
+                print(f"inferencemesh: router exited ({router.returncode})", file=sys.stderr)
                 return 1
         return 0
     finally:
-        frontend.stop()
-        stages.stop()
+        if router is not None:
+            router.stop()
+        for pipeline in pipelines:
+            pipeline.stop()
         print("inferencemesh: stopped", flush=True)
 
 
-def announce(config: ServeConfig, stages: LocalStages) -> None:
-    """What a user needs once the mesh serves: Prometheus targets and the endpoint."""
+def announce(config: ServeConfig, pipelines: list[LocalPipeline]) -> None:
+    """What a user needs once the mesh serves: Prometheus targets and the endpoint(s)."""
     host = "127.0.0.1" if config.host in ("", "0.0.0.0") else config.host  # noqa: S104 - compared, not bound
+    routed = len(pipelines) > 1
+    stage_targets = [f"127.0.0.1:{p}" for pipeline in pipelines for p in pipeline.stages.metrics_ports]
+    frontends = [f"127.0.0.1:{p.port}" for p in pipelines] if routed else f"{host}:{config.port}"
     print("inferencemesh: Prometheus scrape configuration (prometheus.yml):\n"
-          + scrape_config(f"{host}:{config.port}", [f"127.0.0.1:{p}" for p in stages.metrics_ports]), flush=True)
-    if stages.first_index:
-        print(f"inferencemesh: stage 0 runs inside the frontend (its metrics on :{config.port}/metrics)", flush=True)
+          + scrape_config(frontends, stage_targets, f"{host}:{config.port}" if routed else None), flush=True)
+    for pipeline in pipelines:
+        if pipeline.stages.first_index:
+            print(f"inferencemesh: {pipeline.label}stage 0 runs inside the frontend (its metrics on "
+                  f":{pipeline.port}/metrics)", flush=True)
+        if routed:
+            print(f"inferencemesh: {pipeline.label}frontend http://127.0.0.1:{pipeline.port}/v1", flush=True)
+    if routed:
+        print(f"inferencemesh: router over {len(pipelines)} pipelines (prefix-aware; GET /router/replicas)",
+              flush=True)
     print(f"inferencemesh: OpenAI endpoint http://{config.host}:{config.port}/v1 (Ctrl-C to stop)", flush=True)

@@ -1,0 +1,84 @@
+"""`inferencemesh serve --replicas 2`: two whole pipelines of the bundled model behind the router,
+as a user runs it, with the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from mesh_helpers import serving
+from openai import OpenAI
+
+pytestmark = pytest.mark.slow
+
+
+def routed(base: str) -> dict[str, int]:
+    return {r["name"]: r["routed"] for r in httpx.get(f"{base}/router/replicas", timeout=5).json()["replicas"]}
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        found += [int(p) for p in out]
+        todo += [int(p) for p in out]
+    return found
+
+
+def test_two_replicas_behind_the_router() -> None:
+    with serving("--replicas", "2", "--stages", "1", "--max-context", "512") as (base, proc, lines):
+        deadline = time.monotonic() + 30  # the router answers /ready a moment before serve announces it
+        while not any("OpenAI endpoint" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        text = "".join(lines)
+        frontends = re.findall(r"pipeline (\d): frontend (http://127\.0\.0\.1:\d+)/v1", text)
+        assert [n for n, _ in frontends] == ["0", "1"] and "router over 2 pipelines" in text, text
+        children = descendants(proc.pid)
+        commands = sorted(Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3].decode() for c in children)
+        assert commands == ["frontend", "frontend", "router"], commands
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        assert set(routed(base)) == {"p0", "p1"}
+
+        # a long shared prefix: every request lands where the first went
+        prefix = "".join(f"def helper_{i}(x):\n    return x * {i}\n\n" for i in range(12))
+        before = routed(base)
+        for i in range(5):
+            done = client.completions.create(model=model, prompt=prefix + f"def main_{i}(", max_tokens=4,
+                                             temperature=0)
+            assert done.choices[0].text is not None
+        after = routed(base)
+        gained = {name: after[name] - before[name] for name in after}
+        assert sorted(gained.values()) == [0, 5], gained
+
+        # a burst of 16 different prompts: all answered, both replicas used
+        before = routed(base)
+
+        def ask(i: int) -> int:
+            raw = client.completions.with_raw_response.create(model=model, prompt=f"# task {i}: {'x' * i}\nimport",
+                                                              max_tokens=4, temperature=0)
+            return raw.status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(ask, range(16)))
+        assert statuses == [200] * 16
+        after = routed(base)
+        gained = {name: after[name] - before[name] for name in after}
+        assert sum(gained.values()) == 16 and all(n > 0 for n in gained.values()), gained
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'inferencemesh_router_prefix_affinity_hits_total{replica=' in metrics
+        # each pipeline's frontend answers on its own port too
+        assert all(httpx.get(f"{url}/ready").status_code == 200 for _, url in frontends)
+    # serving() stopped serve (SIGINT): nothing it started is left
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{c}") for c in children):
+        assert time.monotonic() < deadline, [c for c in children if os.path.exists(f"/proc/{c}")]
+        time.sleep(0.2)
