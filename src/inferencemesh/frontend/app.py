@@ -4,8 +4,9 @@
 
 Routes: GET /v1/models[/{id}], POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
 POST /v1/responses (OpenAI's Responses API, stateless: responses_api.py),
-GET /health (liveness), GET /ready (engine ready), GET /metrics (Prometheus), and vLLM's
-POST /tokenize, POST /detokenize, GET /version (utility_routes.py).
+GET /health (liveness), GET /ready (engine ready, not draining), GET /metrics (Prometheus), and vLLM's
+POST /tokenize, POST /detokenize, GET /version (utility_routes.py). A stopping frontend drains
+(drain.py): /ready and new generation requests answer 503 while those in flight finish.
 Every error, including FastAPI's own validation errors, is answered in OpenAI's error JSON.
 Where the rest lives: the guard (guard.py) checks the key and the body's size; a body becomes
 jobs (jobs.py), which run on the engine (generation.py) and are answered (serving.py) in each
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from inferencemesh.frontend.drain import Drain, DrainGuard, draining_error
 from inferencemesh.frontend.engine_api import Engine, EngineError
 from inferencemesh.frontend.errors import APIError, from_engine_error
 from inferencemesh.frontend.guard import RequestGuard
@@ -73,14 +75,18 @@ def invalid_body(errors: Sequence[Any]) -> APIError:
 def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_model_name: str,
                api_key: str | None = None, auth_exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics"),
                max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None,
-               body_timeout_s: float = BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
-    """The frontend's ASGI app. api_key None or "": no authentication."""
+               body_timeout_s: float = BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S,
+               drain: Drain | None = None) -> FastAPI:
+    """The frontend's ASGI app. api_key None or "": no authentication. drain: the state a stopping
+    server drains through (default: one of its own, app.state.drain)."""
     front = Serving(engine, tokenizer, served_model_name, metrics or FrontendMetrics(served_model_name),
                       sse_keepalive_s)
+    drain = drain or Drain(front.metrics)
     app = FastAPI(title="InferenceMesh", description="OpenAI-compatible endpoint of an InferenceMesh.",
                   docs_url=None, redoc_url=None)
     app.state.frontend = front
     app.state.metrics = front.metrics
+    app.state.drain = drain
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -123,6 +129,8 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
     @app.get("/ready", responses={503: {"model": ErrorResponse, "description": "The model is not ready yet"},
                                   **COMMON_ERRORS})
     async def ready() -> Response:
+        if drain.draining:  # the kubelet marks the pod unready: routers and endpoints stop sending to it
+            return front.error_response(draining_error())
         if await engine_ready(engine):
             return JSONResponse({"status": "ready"})
         return front.error_response(APIError(503, "The model is not ready yet.", type="service_unavailable",
@@ -158,4 +166,5 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
 
     app.add_middleware(RequestGuard, api_key=api_key or None, exempt=tuple(auth_exempt_paths),
                        max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, reject=front.error_response)
+    app.add_middleware(DrainGuard, drain=drain, reject=front.error_response)  # outermost: counts every request
     return app

@@ -14,10 +14,11 @@ class APIError(Exception):
     """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002 - OpenAI's word
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None) -> None:
         message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, for a Retry-After header (a temporary refusal)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -77,6 +77,9 @@ class FrontendMetrics:
         self.request_errors = Counter(
             PREFIX + "request_errors_total", "Requests answered with an error, by HTTP status code.",
             m + ["status"], registry=registry)
+        self.draining = Gauge(
+            PREFIX + "draining", "1 while this frontend drains (stopping: new requests get 503, those in flight "
+            "finish).", m, registry=registry)
 
         # Prefix cache (updated by the engine), in tokens as vLLM counts them.
         self.prefix_cache_queries = Counter(
@@ -147,7 +150,7 @@ class FrontendMetrics:
                        self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
                        self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight,
                        self.prefix_cache_queries, self.prefix_cache_hits, self.grammar_compile_seconds,
-                       self.grammar_mask_seconds):
+                       self.grammar_mask_seconds, self.draining):
             metric.labels(model)
         for constraint_kind in CONSTRAINT_KINDS:
             self.structured_output_requests.labels(model, constraint_kind)
@@ -165,6 +168,9 @@ class FrontendMetrics:
     def track_request(self, arrival: float, prompt_tokens: int) -> RequestTracker:
         """Start tracking an admitted request that arrived at `arrival` (time.perf_counter())."""
         return RequestTracker(self, arrival, prompt_tokens)
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining.labels(self.model).set(1 if draining else 0)
 
     # --- helpers for the engine -------------------------------------------------------------
 

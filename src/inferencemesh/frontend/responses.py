@@ -132,7 +132,8 @@ GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     429: {**_ERROR, "description": "Overloaded: retry after the Retry-After header's seconds"},
     500: {**_ERROR, "description": "Generation failed inside the server"},
     502: {**_ERROR, "description": "A pipeline stage failed"},
-    503: {**_ERROR, "description": "The model is not ready yet"},
+    503: {**_ERROR, "description": "The model is not ready yet, or this replica is draining (retry after the "
+                                   "Retry-After header's seconds)"},
 }
 
 

@@ -55,8 +55,10 @@ class Serving:
 
     def error_response(self, err: APIError) -> JSONResponse:
         self._count_error(err)
-        # Overload is temporary: tell clients (the openai client honours it) when to come back.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+        # Overload (a draining replica too) is temporary: tell clients (the openai client honours it)
+        # when to come back.
+        retry_after = err.retry_after if err.retry_after is not None else RETRY_AFTER_S if err.status == 429 else None
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     def _count_error(self, err: APIError, request_id: str | None = None) -> None:
