@@ -3,7 +3,7 @@
 The control plane is BRIEF §5 steps 1-5: etcd + kube-apiserver (RBAC, a static admin token,
 service-account keys) + kube-controller-manager (garbage collector, Deployment and ReplicaSet
 controllers) on free loopback ports. There is no scheduler and no node: pods stay Pending, and
-tests play kubelet by patching pod status. Binaries come from `bash tools/k8s/ensure_binaries.sh`;
+tests play kubelet by patching pod status (pod_status, Kubelet). Binaries come from `bash tools/k8s/ensure_binaries.sh`;
 without them the cluster tests fail (never skip) and say so.
 """
 
@@ -310,3 +310,86 @@ def helm_install(cfg: object, chart: Path, name: str, values: dict, namespace: s
         "helm_install", cfg._raw(), _native.HANDLE(0), _native.HANDLE(0), str(chart), name,  # type: ignore[attr-defined]
         json.dumps(values), json.dumps(opts))
     return json.loads(payload)
+
+
+# ---- playing kubelet ----------------------------------------------------------------------------
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_status(pod: dict, *, ready: bool, waiting: str | None = None, restarts: int = 0,
+               terminated_message: str | None = None, exit_code: int = 1) -> dict:
+    """What a kubelet would report for the pod's single container; terminated_message: its last run
+    ended with this termination message (as a crash loop's lastState.terminated)."""
+    now = _now()
+    container = pod["spec"]["containers"][0]["name"]
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {"startedAt": now}}
+    flag = "True" if ready else "False"
+    status: dict = {"name": container, "ready": ready, "restartCount": restarts, "image": "img", "imageID": "",
+                    "started": ready, "state": state}
+    if terminated_message is not None:
+        status["lastState"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "message": terminated_message,
+                                              "startedAt": now, "finishedAt": now}}
+    return {"status": {
+        "phase": "Running",
+        "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
+                       (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
+        "containerStatuses": [status],
+    }}
+
+
+def patch_pod_status(cluster: ControlPlane, pod: dict, namespace: str, **kwargs: object) -> None:
+    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(pod_status(pod, **kwargs)))  # type: ignore[arg-type]
+
+
+def _is_ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+class Kubelet:
+    """A stand-in for the kubelets of a namespace: every `interval` it reports each pod matching
+    `selector` as running and ready, except pods being deleted and those whose name starts with a
+    prefix in `hold` (a test reports those itself: a crash loop, a pipeline kept unready). Used as a
+    context manager; a background thread."""
+
+    def __init__(self, cluster: ControlPlane, namespace: str, selector: str, interval: float = 0.5) -> None:
+        import threading
+
+        self.cluster, self.namespace, self.selector, self.interval = cluster, namespace, selector, interval
+        self.hold: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Kubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def tick(self) -> None:
+        proc = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", self.selector, "-o", "json",
+                                    check=False)
+        if proc.returncode != 0:
+            return
+        for pod in json.loads(proc.stdout)["items"]:
+            name = pod["metadata"]["name"]
+            if pod["metadata"].get("deletionTimestamp") or _is_ready(pod) or \
+                    any(name.startswith(prefix) for prefix in set(self.hold)):
+                continue
+            self.cluster.kubectl("patch", "pod", name, "-n", self.namespace, "--subresource=status",
+                                 "--type=merge", "-p", json.dumps(pod_status(pod, ready=True)), check=False)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001,S110 - a pod gone between list and patch: next tick
+                pass
+            self._stop.wait(self.interval)

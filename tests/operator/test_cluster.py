@@ -7,20 +7,20 @@ writing pod status, which the real ReplicaSet/Deployment controllers turn into r
 
 from __future__ import annotations
 
-import datetime
 import json
+import re
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from imesh_k8s import REPO, ControlPlane, OperatorProcess, wait_for
+from imesh_k8s import REPO, ControlPlane, Kubelet, OperatorProcess, patch_pod_status, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 NS = "mesh-tests"
 EXAMPLE = REPO / "examples" / "inferencemesh.yaml"
-CHILD_KINDS = "configmaps,deployments,services,networkpolicies"
+CHILD_KINDS = "configmaps,deployments,services,networkpolicies,serviceaccounts,roles,rolebindings"
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +65,7 @@ def mesh_doc(name: str, spec: dict) -> dict:
 def set_pod_status(cluster: ControlPlane, pod: dict, *, ready: bool, waiting: str | None = None,
                    restarts: int = 0) -> None:
     """What a kubelet would report for the pod's single container."""
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    container = pod["spec"]["containers"][0]["name"]
-    state = {"waiting": {"reason": waiting}} if waiting else {"running": {"startedAt": now}}
-    flag = "True" if ready else "False"
-    status = {"status": {
-        "phase": "Running",
-        "conditions": [{"type": t, "status": s, "lastTransitionTime": now} for t, s in
-                       (("PodScheduled", "True"), ("Initialized", "True"), ("ContainersReady", flag), ("Ready", flag))],
-        "containerStatuses": [{"name": container, "ready": ready, "restartCount": restarts, "image": "img",
-                               "imageID": "", "started": ready, "state": state}],
-    }}
-    cluster.kubectl("patch", "pod", pod["metadata"]["name"], "-n", NS, "--subresource=status", "--type=merge",
-                    "-p", json.dumps(status))
+    patch_pod_status(cluster, pod, NS, ready=ready, waiting=waiting, restarts=restarts)
 
 
 def pods_of(cluster: ControlPlane, base: str) -> list[dict]:
@@ -119,8 +107,10 @@ def test_the_example_creates_planned_children(cluster: ControlPlane, ns: str) ->
     st = wait_condition(cluster, "code", "Planned", "True")
     mesh = cluster.get_json("inferencemesh", "code", "-n", ns)
     objs = children(cluster, "code")
-    stage_names = [f"code-stage-{i}" for i in range(2)]
-    assert set(objs) == ({("ConfigMap", "code-plan"), ("Deployment", "code-frontend"), ("Service", "code-frontend")}
+    stage_names = [f"code-p0-stage-{i}" for i in range(2)]
+    assert set(objs) == ({("ConfigMap", "code-plan"), ("Deployment", "code-p0-frontend"),
+                          ("Service", "code-frontend"), ("Service", "code-pipelines"), ("Deployment", "code-router"),
+                          ("ServiceAccount", "code-router"), ("Role", "code-router"), ("RoleBinding", "code-router")}
                          | {(k, n) for n in stage_names for k in ("Deployment", "Service", "NetworkPolicy")})
     for obj in objs.values():
         (ref,) = obj["metadata"]["ownerReferences"]
@@ -129,18 +119,27 @@ def test_the_example_creates_planned_children(cluster: ControlPlane, ns: str) ->
     ranges = [(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
     assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[0][1] == ranges[1][0]
     for i, (start, end) in enumerate(ranges):
-        args = objs[("Deployment", f"code-stage-{i}")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = objs[("Deployment", f"code-p0-stage-{i}")]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--layers") + 1] == f"{start}:{end}"
         assert st["stages"][i]["layers"] == f"{start}:{end}" and st["stages"][i]["ready"] is False
-    args0 = objs[("Deployment", "code-stage-0")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args0[args0.index("--downstream") + 1] == f"code-stage-1.{ns}.svc:50051"
-    front = objs[("Deployment", "code-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert front[front.index("--stage-addresses") + 1] == f"code-stage-0.{ns}.svc:50051,code-stage-1.{ns}.svc:50051"
-    policy = objs[("NetworkPolicy", "code-stage-1")]["spec"]
+    args0 = objs[("Deployment", "code-p0-stage-0")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args0[args0.index("--downstream") + 1] == f"code-p0-stage-1.{ns}.svc:50051"
+    front = objs[("Deployment", "code-p0-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert front[front.index("--stage-addresses") + 1] == \
+        f"code-p0-stage-0.{ns}.svc:50051,code-p0-stage-1.{ns}.svc:50051"
+    policy = objs[("NetworkPolicy", "code-p0-stage-1")]["spec"]
     sources = [p["podSelector"]["matchLabels"] for p in policy["ingress"][0]["from"]]
-    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "frontend"} in sources
-    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "stage",
+    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "frontend",
+            "inferencemesh.io/pipeline": "0"} in sources
+    assert {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "stage", "inferencemesh.io/pipeline": "0",
             "inferencemesh.io/stage": "0"} in sources
+    # the router may read EndpointSlices and nothing else, and the API server took its Role from the operator
+    assert objs[("Role", "code-router")]["rules"] == [{"apiGroups": ["discovery.k8s.io"],
+                                                       "resources": ["endpointslices"],
+                                                       "verbs": ["get", "list", "watch"]}]
+    assert objs[("Service", "code-frontend")]["spec"]["selector"] == \
+        {"inferencemesh.io/mesh": "code", "app.kubernetes.io/component": "router"}
+    assert [p["state"] for p in st["pipelines"]] == ["Progressing"] and st["pipelinesSummary"] == "0/1"
     assert st["phase"] == "Progressing" and st["observedGeneration"] == mesh["metadata"]["generation"]
     assert cond(st, "StagesReady")["status"] == "False" and cond(st, "Ready")["status"] == "False"
     assert cond(st, "Degraded")["status"] == "False"
@@ -154,20 +153,23 @@ def test_the_example_creates_planned_children(cluster: ControlPlane, ns: str) ->
 
 def test_kubectl_get_shows_the_printer_columns(cluster: ControlPlane, ns: str) -> None:
     out = cluster.kubectl("get", "imesh", "code", "-n", ns).stdout.splitlines()
-    assert out[0].split() == ["NAME", "MODEL", "STAGES", "READY", "ENDPOINT", "AGE"]
+    assert out[0].split() == ["NAME", "MODEL", "PIPELINES", "STAGES", "READY", "ENDPOINT", "AGE"]
     row = out[1].split()
-    assert row[:5] == ["code", "bundled://imesh-code-target", "0/2", "False", f"http://code-frontend.{ns}.svc:8000/v1"]
+    assert row[:6] == ["code", "bundled://imesh-code-target", "0/1", "0/2", "False",
+                       f"http://code-frontend.{ns}.svc:8000/v1"]
     wide = cluster.kubectl("get", "imesh", "code", "-n", ns, "-o", "wide").stdout.splitlines()
     assert "PHASE" in wide[0].split() and "Progressing" in wide[1].split()
 
 
 def test_pod_readiness_makes_the_mesh_ready_and_a_crash_loop_degrades_it(cluster: ControlPlane, ns: str) -> None:
-    pods = wait_for(lambda: len(pods_of(cluster, "code")) == 3 and pods_of(cluster, "code"), 60, "3 pods")
+    # two stages, the frontend and the router
+    pods = wait_for(lambda: len(pods_of(cluster, "code")) == 4 and pods_of(cluster, "code"), 60, "4 pods")
     for pod in pods:  # type: ignore[union-attr]
         set_pod_status(cluster, pod, ready=True)
     st = wait_condition(cluster, "code", "Ready", "True", timeout=90)
     assert st["phase"] == "Ready" and st["stagesSummary"] == "2/2" and all(s["ready"] for s in st["stages"])
     assert cond(st, "StagesReady")["status"] == "True" and cond(st, "FrontendReady")["status"] == "True"
+    assert st["replicas"] == 1 and st["pipelinesSummary"] == "1/1" and st["pipelines"][0]["state"] == "Ready"
     wait_for(lambda: ("Normal", "Ready") in events_for(cluster, "code"), 30, "a Ready event")
 
     stage1 = next(p for p in pods_of(cluster, "code") if p["metadata"]["labels"].get("inferencemesh.io/stage") == "1")
@@ -242,39 +244,69 @@ def test_a_restarted_operator_resumes_without_writing(cluster: ControlPlane, ns:
     assert _versions(cluster, ns, "code") == before
 
 
-def test_an_update_replans_and_rolls_the_children(cluster: ControlPlane, ns: str) -> None:
+def pipeline_states(status: dict) -> dict[int, str]:
+    return {p["index"]: p["state"] for p in status.get("pipelines") or []}
+
+
+def test_an_update_replans_and_replaces_the_pipeline(cluster: ControlPlane, ns: str) -> None:
+    """A new plan is a new revision: a new pipeline starts beside the old one, which serves until
+    the new one is ready and then drains."""
     old = status_of(cluster, "code")
-    old_stage0 = children(cluster, "code")[("Deployment", "code-stage-0")]
-    cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge", "-p", '{"spec":{"stages":{"count":3}}}')
-    st = wait_for(lambda: (s := status_of(cluster, "code")).get("stagesSummary", "").endswith("/3") and s, 60,
-                  "a 3-stage plan")
-    assert st["planHash"] != old["planHash"] and len(st["stages"]) == 3
-    objs = children(cluster, "code")
-    plan = json.loads(objs[("ConfigMap", "code-plan")]["data"]["plan.json"])
-    ranges = [(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
-    assert [s["layers"] for s in st["stages"]] == [f"{a}:{b}" for a, b in ranges]
-    for kind in ("Deployment", "Service", "NetworkPolicy"):
-        assert (kind, "code-stage-2") in objs
-    stage0 = objs[("Deployment", "code-stage-0")]
-    args = stage0["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--layers") + 1] == f"{ranges[0][0]}:{ranges[0][1]}"
-    assert args[args.index("--num-stages") + 1] == "3"
-    assert stage0["metadata"]["generation"] > old_stage0["metadata"]["generation"]  # rolled
-    front = objs[("Deployment", "code-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert len(front[front.index("--stage-addresses") + 1].split(",")) == 3
-    wait_for(lambda: ("Normal", "Replanned") in events_for(cluster, "code"), 30, "a Replanned event")
+    old_stage0 = children(cluster, "code")[("Deployment", "code-p0-stage-0")]
+    with Kubelet(cluster, ns, "inferencemesh.io/mesh=code") as kubelet:
+        kubelet.hold.add("code-p1-")  # the new pipeline's pods stay unready until released
+        cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge",
+                        "-p", '{"spec":{"stages":{"count":3}}}')
+        st = wait_for(lambda: (s := status_of(cluster, "code")).get("stagesSummary", "").endswith("/3") and s, 60,
+                      "a 3-stage plan")
+        assert st["planHash"] != old["planHash"] and len(st["stages"]) == 3
+        objs = wait_for(lambda: (o := children(cluster, "code")) and ("Deployment", "code-p1-frontend") in o and o,
+                        60, "the new pipeline's frontend")
+        plan = json.loads(objs[("ConfigMap", "code-plan")]["data"]["plan.json"])
+        ranges = [(s["layer_start"], s["layer_end"]) for s in plan["stages"]]
+        assert [s["layers"] for s in st["stages"]] == [f"{a}:{b}" for a, b in ranges]
+        for kind in ("Deployment", "Service", "NetworkPolicy"):
+            assert (kind, "code-p1-stage-2") in objs
+        stage0 = objs[("Deployment", "code-p1-stage-0")]
+        args = stage0["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--layers") + 1] == f"{ranges[0][0]}:{ranges[0][1]}"
+        assert args[args.index("--num-stages") + 1] == "3"
+        front = objs[("Deployment", "code-p1-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert len(front[front.index("--stage-addresses") + 1].split(",")) == 3
+        # the old pipeline serves, untouched, until the new one is ready
+        assert objs[("Deployment", "code-p0-stage-0")]["metadata"]["generation"] == \
+            old_stage0["metadata"]["generation"]
+        assert ("Deployment", "code-p0-frontend") in objs
+        wait_for(lambda: pipeline_states(status_of(cluster, "code")) == {0: "Outdated", 1: "Progressing"}, 30,
+                 "pipeline 0 Outdated and pipeline 1 Progressing")
+        wait_for(lambda: ("Normal", "Replanned") in events_for(cluster, "code"), 30, "a Replanned event")
+        assert ("Deployment", "code-p0-frontend") in children(cluster, "code")
 
-    cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge", "-p", '{"spec":{"stages":{"count":2}}}')
-    wait_for(lambda: not any(name == "code-stage-2" for _, name in children(cluster, "code")), 60,
-             "stage 2's objects to go")
-    assert status_of(cluster, "code")["stagesSummary"].endswith("/2")
+        kubelet.hold.clear()  # the new pipeline gets ready: the old one drains and goes
+        wait_for(lambda: not any(n.startswith("code-p0-") for _, n in children(cluster, "code")), 90,
+                 "the old pipeline's objects to go")
+        st = wait_condition(cluster, "code", "Ready", "True", timeout=60)
+        assert pipeline_states(st) == {1: "Ready"} and st["stagesSummary"] == "3/3"
+
+        cluster.kubectl("patch", "inferencemesh", "code", "-n", ns, "--type=merge",
+                        "-p", '{"spec":{"stages":{"count":2}}}')
+        wait_for(lambda: not any(n.endswith("-stage-2") for _, n in children(cluster, "code")), 90,
+                 "stage 2's objects to go")
+        st = wait_condition(cluster, "code", "Ready", "True", timeout=60)
+        assert st["stagesSummary"] == "2/2" and pipeline_states(st) == {0: "Ready"}  # the lowest free index
 
 
-def test_scale_subresource_scales_the_frontend(cluster: ControlPlane, ns: str) -> None:
-    cluster.kubectl("scale", "inferencemesh", "code", "-n", ns, "--replicas=2")
-    wait_for(lambda: children(cluster, "code")[("Deployment", "code-frontend")]["spec"]["replicas"] == 2, 60,
-             "the frontend Deployment at 2 replicas")
-    wait_for(lambda: status_of(cluster, "code").get("frontendReplicas") == 2, 60, "status.frontendReplicas == 2")
+def test_scale_subresource_scales_the_pipelines(cluster: ControlPlane, ns: str) -> None:
+    with Kubelet(cluster, ns, "inferencemesh.io/mesh=code"):
+        cluster.kubectl("scale", "inferencemesh", "code", "-n", ns, "--replicas=2")
+        objs = wait_for(lambda: (o := children(cluster, "code")) and ("Deployment", "code-p1-frontend") in o and o, 60,
+                        "pipeline 1's frontend")
+        assert {("Deployment", "code-p1-stage-0"), ("Deployment", "code-p1-stage-1")} <= set(objs)  # type: ignore[arg-type]
+        wait_for(lambda: status_of(cluster, "code").get("replicas") == 2, 60, "status.replicas == 2")
+        cluster.kubectl("scale", "inferencemesh", "code", "-n", ns, "--replicas=1")
+        wait_for(lambda: not any(n.startswith("code-p1-") for _, n in children(cluster, "code")), 60,
+                 "pipeline 1 to go")
+        wait_for(lambda: status_of(cluster, "code").get("pipelinesSummary") == "1/1", 60, "1/1 pipelines")
 
 
 @pytest.mark.parametrize(("name", "stages", "reason", "message"), [
@@ -297,7 +329,7 @@ def test_impossible_specs_end_planned_false(cluster: ControlPlane, ns: str, tiny
     cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=json",
                     "-p", '[{"op": "replace", "path": "/spec/stages", "value": {"count": 2}}]')
     wait_condition(cluster, name, "Planned", "True")
-    assert ("Deployment", f"{name}-stage-1") in children(cluster, name)
+    assert ("Deployment", f"{name}-p0-stage-1") in children(cluster, name)
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
 
 
@@ -323,45 +355,51 @@ def test_an_embedded_first_stage_has_no_stage_0_objects_and_switching_it_prunes_
     cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 2},
                                   "frontend": {"embedFirstStage": True}}), ns)
     wait_condition(cluster, name, "Planned", "True")
-    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-frontend") in o and o, 60,
+    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-p0-frontend") in o and o, 60,
                     "the embedded mesh's children")
-    assert not any(key[1] == f"{name}-stage-0" for key in objs)  # type: ignore[union-attr]
-    assert {("Deployment", f"{name}-stage-1"), ("Service", f"{name}-stage-1"),
-            ("NetworkPolicy", f"{name}-stage-1")} <= set(objs)  # type: ignore[arg-type]
-    front = objs[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert not any(key[1].endswith("-stage-0") for key in objs)  # type: ignore[union-attr]
+    assert {("Deployment", f"{name}-p0-stage-1"), ("Service", f"{name}-p0-stage-1"),
+            ("NetworkPolicy", f"{name}-p0-stage-1")} <= set(objs)  # type: ignore[arg-type]
+    front = objs[("Deployment", f"{name}-p0-frontend")]["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
     args = front["args"]
     assert args[args.index("--first-stage-layers") + 1] == "0:2"
-    assert args[args.index("--stage-addresses") + 1] == f"{name}-stage-1.{ns}.svc:50051"
+    assert args[args.index("--stage-addresses") + 1] == f"{name}-p0-stage-1.{ns}.svc:50051"
     assert front["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    policy = objs[("NetworkPolicy", f"{name}-stage-1")]["spec"]  # type: ignore[index]
+    policy = objs[("NetworkPolicy", f"{name}-p0-stage-1")]["spec"]  # type: ignore[index]
     assert [p["podSelector"]["matchLabels"] for p in policy["ingress"][0]["from"]] == [
-        {"inferencemesh.io/mesh": name, "app.kubernetes.io/component": "frontend"}]
+        {"inferencemesh.io/mesh": name, "app.kubernetes.io/component": "frontend", "inferencemesh.io/pipeline": "0"}]
 
     # readiness comes from the frontend: no stage-0 Deployment is waited for
-    pods = wait_for(lambda: len(pods_of(cluster, name)) == 2 and pods_of(cluster, name), 60, "2 pods")
+    pods = wait_for(lambda: len(pods_of(cluster, name)) == 3 and pods_of(cluster, name), 60, "3 pods")
     for pod in pods:  # type: ignore[union-attr]
         set_pod_status(cluster, pod, ready=True)
     st = wait_condition(cluster, name, "Ready", "True", timeout=90)
     assert st["stagesSummary"] == "2/2" and st["stages"][0]["embedded"] is True and "address" not in st["stages"][0]
 
-    # off: stage 0 gets its own objects, and the frontend names it as its first stage
-    cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
-                    "-p", '{"spec":{"frontend":{"embedFirstStage":false}}}')
-    def frontend_args(o: dict) -> list[str]:
-        return o[("Deployment", f"{name}-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    def current(o: dict) -> int | None:
+        """The one pipeline left (a switch replaces the pipeline: a new revision), if the rollout is over."""
+        indexes = {int(m.group(1)) for _, n in o if (m := re.match(rf"{name}-p(\d+)-", n))}
+        return indexes.pop() if len(indexes) == 1 else None
 
-    # (one reconcile writes the children one by one: wait for the frontend's update too)
-    objs = wait_for(lambda: (o := children(cluster, name)) and ("Deployment", f"{name}-stage-0") in o
-                    and "--first-stage-layers" not in frontend_args(o) and o, 60, "stage 0's objects to appear")
-    assert {("Service", f"{name}-stage-0"), ("NetworkPolicy", f"{name}-stage-0")} <= set(objs)  # type: ignore[arg-type]
-    args = frontend_args(objs)  # type: ignore[arg-type]
-    assert len(args[args.index("--stage-addresses") + 1].split(",")) == 2
+    def frontend_args(o: dict, k: int) -> list[str]:
+        return o[("Deployment", f"{name}-p{k}-frontend")]["spec"]["template"]["spec"]["containers"][0]["args"]
 
-    # on again: they are pruned
-    cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
-                    "-p", '{"spec":{"frontend":{"embedFirstStage":true}}}')
-    wait_for(lambda: not any(n == f"{name}-stage-0" for _, n in children(cluster, name)), 60,
-             "stage 0's objects to be pruned")
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}"):
+        # off: stage 0 gets its own objects, and the frontend names it as its first stage
+        cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
+                        "-p", '{"spec":{"frontend":{"embedFirstStage":false}}}')
+        objs = wait_for(lambda: (o := children(cluster, name)) and (k := current(o)) is not None
+                        and ("Deployment", f"{name}-p{k}-stage-0") in o and o, 90, "stage 0's objects to appear")
+        k = current(objs)  # type: ignore[arg-type]
+        assert {("Service", f"{name}-p{k}-stage-0"), ("NetworkPolicy", f"{name}-p{k}-stage-0")} <= set(objs)  # type: ignore[arg-type]
+        args = frontend_args(objs, k)  # type: ignore[arg-type]
+        assert "--first-stage-layers" not in args and len(args[args.index("--stage-addresses") + 1].split(",")) == 2
+
+        # on again: they are pruned
+        cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
+                        "-p", '{"spec":{"frontend":{"embedFirstStage":true}}}')
+        wait_for(lambda: (o := children(cluster, name)) and current(o) is not None
+                 and not any(n.endswith("-stage-0") for _, n in o), 90, "stage 0's objects to be pruned")
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
 
 

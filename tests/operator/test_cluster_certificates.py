@@ -18,7 +18,7 @@ from inferencemesh.certificates import expires_at
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 NS = "mesh-certs"
 NAME = "sec"
-COMPONENTS = ("sec-stage-0", "sec-stage-1", "sec-frontend")
+COMPONENTS = ("sec-p0-stage-0", "sec-p0-stage-1", "sec-p0-frontend")
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +98,25 @@ def test_a_shortened_lifetime_renews_the_certificates_and_rolls_the_pods(cluster
     wait_for(lambda: renewed(first), 90, "a second renewal, two thirds into the 60s lifetime", 2)  # type: ignore[arg-type]
 
 
+def mounted(cluster: ControlPlane) -> dict[str, str]:
+    """Each of the mesh's Deployments whose pods mount a TLS Secret, with that Secret."""
+    deps = cluster.get_json("deployments", "-n", NS, "-l", f"inferencemesh.io/mesh={NAME}")["items"]
+    return {d["metadata"]["name"]: v["secret"]["secretName"] for d in deps
+            for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"}
+
+
 def test_bring_your_own_secret_wins(cluster: ControlPlane, ns: str) -> None:
+    # other Secrets are another revision of the pipeline: it is replaced (its pods never got ready here)
     cluster.kubectl("patch", "inferencemesh", NAME, "-n", ns, "--type=merge",
                     "-p", '{"spec":{"security":{"mtlsSecretName":"mine"}}}')
     wait_for(lambda: not secrets(cluster), 60, "the operator's Secrets to go")
-    for c in COMPONENTS:
-        volumes = {v["name"]: v for v in template(cluster, c)["spec"]["volumes"]}
-        assert volumes["tls"]["secret"]["secretName"] == "mine"
+    wait_for(lambda: (m := mounted(cluster)) and len(m) == 3 and set(m.values()) == {"mine"}, 60,
+             "a pipeline mounting the user's Secret, and only that")
     cluster.kubectl("patch", "inferencemesh", NAME, "-n", ns, "--type=json",
                     "-p", '[{"op": "remove", "path": "/spec/security/mtlsSecretName"}]')
     wait_for(lambda: len(secrets(cluster)) == 4, 60, "the operator's Secrets back")
+    wait_for(lambda: (m := mounted(cluster)) and len(m) == 3 and all(s == f"{d}-tls" for d, s in m.items()), 60,
+             "each pod mounting its own Secret again")
 
 
 def test_deleting_the_mesh_collects_its_secrets(cluster: ControlPlane, ns: str) -> None:

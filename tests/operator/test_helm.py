@@ -48,6 +48,12 @@ def test_install_and_uninstall_a_namespaced_release(cluster: ControlPlane, chart
         can = lambda *a: cluster.kubectl("auth", "can-i", *a, "--as", sa, check=False).stdout.strip()  # noqa: E731
         assert can("create", "deployments", "-n", "team-b") == "yes"
         assert can("create", "deployments", "-n", "default") == "no"
+        # each mesh's router gets its own ServiceAccount, Role and RoleBinding (read EndpointSlices)
+        for resource in ("serviceaccounts", "roles", "rolebindings"):
+            assert can("create", resource, "-n", "team-b") == "yes", resource
+        assert can("watch", "endpointslices.discovery.k8s.io", "-n", "team-b") == "yes"
+        assert can("create", "endpointslices.discovery.k8s.io", "-n", "team-b") == "no"
+        assert can("create", "roles", "-n", "default") == "no"
         assert can("list", "customresourcedefinitions") == "yes"
         assert [r["name"] for r in cfg.list()] == ["imesh-b"]
         run_namespaced_operator(cluster, tiny_model)
@@ -76,8 +82,14 @@ def run_namespaced_operator(cluster: ControlPlane, tiny_model: Path) -> None:
             return any(c["type"] == "Planned" and c["status"] == "True" for c in status.get("conditions", []))
 
         wait_for(planned, 60, "the namespaced operator to plan team-b/nsmesh")
+        # (the router's Role is granted by the operator: RBAC lets it only grant what it holds itself)
+        wait_for(lambda: len(cluster.get_json("deployments", "-n", "team-b", "-l",
+                                              "inferencemesh.io/mesh=nsmesh")["items"]) == 4, 30,
+                 "nsmesh's Deployments")
         deps = cluster.get_json("deployments", "-n", "team-b", "-l", "inferencemesh.io/mesh=nsmesh")["items"]
-        assert len(deps) == 3
+        assert sorted(d["metadata"]["name"] for d in deps) == \
+            ["nsmesh-p0-frontend", "nsmesh-p0-stage-0", "nsmesh-p0-stage-1", "nsmesh-router"]
+        cluster.kubectl("get", "role,rolebinding,serviceaccount", "nsmesh-router", "-n", "team-b")
         assert "Forbidden" not in op.log(200), op.log()
     finally:
         stop_operator(op)

@@ -45,7 +45,9 @@ def hostile_specs(tiny: str) -> dict[str, tuple[dict, str, str | None]]:
                          "False", "InvalidChild"),
         "bad-node-selector": ({"model": model, "frontend": {"nodeSelector": {"gpu": "a b/c"}}},
                               "False", "InvalidChild"),
+        # deprecated, no effect (one frontend per pipeline): still planned
         "no-frontend": ({"model": model, "frontend": {"replicas": 0}}, "True", "Planned"),
+        "no-pipelines": ({"model": model, "replicas": 0}, "True", "Planned"),
     }
 
 
@@ -76,7 +78,7 @@ def test_hostile_specs_settle_without_crash_or_loop(cluster: ControlPlane, opera
         base = base_name(name)
         deps = cluster.get_json("deployments", "-n", NS, "-l", f"inferencemesh.io/mesh={base}")["items"]
         assert sorted(d["metadata"]["name"] for d in deps) == sorted(
-            [f"{base}-frontend", f"{base}-stage-0", f"{base}-stage-1"])
+            [f"{base}-p0-frontend", f"{base}-p0-stage-0", f"{base}-p0-stage-1", f"{base}-router"])
 
     # no hot loop: over a quiet window the operator barely reconciles (resync is 30 s here)
     time.sleep(3)

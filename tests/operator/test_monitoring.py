@@ -15,6 +15,7 @@ import pytest
 import yaml
 from helm_python import _native
 
+from inferencemesh.operator import names as N
 from inferencemesh.operator import render as R
 from inferencemesh.operator.issuing import settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
@@ -67,12 +68,15 @@ def test_the_meshes_monitor_reaches_every_pod_the_operator_renders() -> None:
     scraped_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
     plan = Plan(tuple(StagePlan(i, a, b, 1, 1, 1, None) for i, (a, b) in enumerate([(0, 4), (4, 8)])), "local",
                 SpeculativeChoice("ngram", "AutoNgram", "x"))
-    certificates = settle(None, {}, R.certificate_subjects(MESH, plan), "inferencemesh m", datetime.timedelta(days=1))
+    prefix = N.pipeline_prefix(N.base_name(MESH["metadata"]["name"]), 0)
+    certificates = settle(None, {}, R.certificate_subjects(MESH["metadata"]["namespace"],
+                                                           R.pipeline_components(plan, prefix)),
+                          "inferencemesh m", datetime.timedelta(days=1))
     objs = R.render_children(MESH, parse_spec({"model": {"name": "bundled://imesh-code-target"}}), plan,
                              R.RenderOptions(), certificates)
     services = [o for o in objs if o["kind"] == "Service"]
     deployments = [o for o in objs if o["kind"] == "Deployment"]
-    assert len(deployments) == 3  # two stages and the frontend
+    assert len(deployments) == 4  # two stages, the frontend and the router
     for deployment in deployments:
         pod = deployment["spec"]["template"]
         (port,) = {p["name"] for p in pod["spec"]["containers"][0]["ports"]} & scraped_ports

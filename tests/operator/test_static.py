@@ -39,11 +39,22 @@ def test_crd_shape() -> None:
     assert crd["spec"]["names"]["kind"] == "InferenceMesh" and crd["spec"]["names"]["shortNames"] == ["imesh"]
     (version,) = crd["spec"]["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
-    assert version["subresources"]["status"] == {} and "specReplicasPath" in version["subresources"]["scale"]
+    assert version["subresources"]["status"] == {}
+    # `kubectl scale imesh` (and an HPA) count pipelines: one frontend pod each
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert columns == ["Model", "Stages", "Ready", "Endpoint", "Age"]
+    assert columns == ["Model", "Pipelines", "Stages", "Ready", "Endpoint", "Age"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
-    assert {"phase", "conditions", "observedGeneration", "stages", "endpoint", "speculative"} <= set(status)
+    assert {"phase", "conditions", "observedGeneration", "stages", "endpoint", "speculative",
+            "replicas", "selector", "pipelines", "pipelinesSummary"} <= set(status)
+    assert not {"frontendReplicas", "frontendSelector"} & set(status)
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["replicas"]["default"] == 1 and spec["replicas"]["minimum"] == 0
+    assert "default" not in spec["frontend"]["properties"]["replicas"]  # deprecated: unset unless given
+    assert spec["restartBudget"]["properties"]["restarts"]["default"] == 5
+    assert spec["restartBudget"]["properties"]["windowSeconds"]["default"] == 600
 
 
 def test_helm_lint_is_clean() -> None:

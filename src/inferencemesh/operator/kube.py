@@ -24,7 +24,10 @@ API_VERSIONS = {
     "Service": "v1",
     "Pod": "v1",
     "Event": "v1",
+    "ServiceAccount": "v1",
     "Deployment": "apps/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
     "InferenceMesh": "inferencemesh.io/v1alpha1",
 }

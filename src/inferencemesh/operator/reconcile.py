@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from kubernetes.client.rest import ApiException
 
 from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.config import FRONTEND_PORT
 from inferencemesh.operator import metrics
 from inferencemesh.operator.frontend_probe import observed_strategy
 from inferencemesh.operator.issuing import MeshCertificates, settle
@@ -27,22 +28,40 @@ from inferencemesh.operator.kube import Kube, Write
 from inferencemesh.operator.modelfacts import ModelFacts, ModelUnavailable
 from inferencemesh.operator.names import (
     HASH_ANNOTATION,
+    LABEL_COMPONENT,
     LABEL_MESH,
     base_name,
     ca_secret_name,
-    frontend_metrics_url,
     frontend_name,
+    pipeline_prefix,
     tls_secret_name,
 )
-from inferencemesh.operator.planning import Plan, make_plan
-from inferencemesh.operator.render import RenderOptions, certificate_subjects, render_children
+from inferencemesh.operator.pipelines import LEGACY, Decision, Live, decide
+from inferencemesh.operator.planning import make_plan
+from inferencemesh.operator.render import (
+    RenderOptions,
+    certificate_subjects,
+    pipeline_components,
+    pipeline_revision,
+    render_children,
+)
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
-from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status, deployment_ready
+from inferencemesh.operator.status import (
+    CONDITION_TYPES,
+    Observed,
+    PlanOutcome,
+    RestartWindow,
+    compute_status,
+    pipeline_of,
+    pipeline_windows,
+)
 from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
-CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy", "Secret")
+CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy", "Secret", "ServiceAccount", "Role",
+               "RoleBinding")
 RETRY_SECONDS = 30.0
+DRAIN_POLL_SECONDS = 5.0  # while a pipeline drains: when to look whether its frontend's pods are gone
 
 
 class ChildConflict(RuntimeError):
@@ -91,6 +110,19 @@ def _owned_by(obj: dict, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
 
 
+def _ready_frontend_address(pods: list[dict], decision: Decision | None) -> str | None:
+    """The pod IP of a ready frontend of a current pipeline: what the frontend says it runs is read there."""
+    running = {i for i, on in (decision.keep if decision else {}).items() if on}
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        status = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        labels = pod["metadata"].get("labels") or {}
+        if (ready and labels.get(LABEL_COMPONENT) == "frontend" and pipeline_of(pod) in running
+                and status.get("podIP")):
+            return str(status["podIP"])
+    return None
+
+
 class Reconciler:
     def __init__(self, kube: Kube, facts: ModelFacts | None = None, options: RenderOptions | None = None,
                  observe: Callable[[str], tuple[str, str] | None] = observed_strategy) -> None:
@@ -132,23 +164,57 @@ class Reconciler:
         base = base_name(name)
         selector = f"{LABEL_MESH}={base}"
         live = {kind: self.kube.list(kind, namespace, selector) for kind in CHILD_KINDS}
+        uid = mesh["metadata"]["uid"]
+        pods = self.kube.list("Pod", namespace, selector)
+        decision: Decision | None = None
+        windows: dict[int, RestartWindow] | None = None
         if spec is not None and outcome.plan is not None:
-            certificates = self._certificates(mesh, spec, outcome.plan, live["Secret"], result)
+            plan = outcome.plan
+            owned = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
+            observed = Observed.of(mesh, spec, outcome, owned, pods)
+            windows = pipeline_windows(mesh, spec, observed, _now())
+            revision = pipeline_revision(mesh, spec, plan, self.options)
+            decision = decide(spec.replicas, revision, [
+                Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.ready, windows[i].failed)
+                for i, p in observed.pipelines.items()], spec.rollout.max_surge)
+            # Pipelines of other revisions, and drained ones, keep their objects as they are (no
+            # spec renders them any more) and their certificates; a drained one loses its frontend.
+            leaving = set(decision.old) | set(decision.drain)
+            leaving_components = []
+            for i in sorted(leaving):
+                leaving_components += [n for n, d in owned.items() if pipeline_of(d) == i]
+                leaving_components.append(frontend_name(base if i == LEGACY else pipeline_prefix(base, i)))
+            components = [c for i in decision.keep for c in pipeline_components(plan, pipeline_prefix(base, i))]
+            protected = {(kind, o["metadata"]["name"]) for kind, objs in live.items() for o in objs
+                         if pipeline_of(o) in leaving
+                         and not (pipeline_of(o) in decision.drain and kind == "Deployment"
+                                  and (o["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == "frontend")}
+            # Their pods mount these: kept even when the new revision brings its own Secret (mtlsSecretName).
+            protected |= {("Secret", tls_secret_name(c)) for c in leaving_components}
+            if leaving_components:
+                protected.add(("Secret", ca_secret_name(base)))
+            certificates = self._certificates(mesh, spec, list(dict.fromkeys(components + leaving_components)),
+                                              live["Secret"], result)
             try:
-                self._converge(mesh, render_children(mesh, spec, outcome.plan, self.options, certificates), live,
-                               result)
+                self._converge(mesh, render_children(mesh, spec, plan, self.options, certificates, decision.keep,
+                                                     revision), live, result, protected)
             except ChildConflict as exc:
                 outcome = PlanOutcome(None, "False", "ChildConflict", str(exc))
             except ChildRejected as exc:
                 outcome = PlanOutcome(None, "False", "InvalidChild", str(exc))
             else:
                 live["Deployment"] = self.kube.list("Deployment", namespace, selector)
-        deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
-        pods = self.kube.list("Pod", namespace, selector)
-        observed = None
-        if spec is not None and outcome.plan is not None and deployment_ready(deployments.get(frontend_name(base))):
-            observed = self.observe(frontend_metrics_url(base, namespace, spec))
-        status = compute_status(mesh, spec, outcome, deployments, pods, _now(), observed_speculative=observed)
+                pods = self.kube.list("Pod", namespace, selector)
+            if decision.drain or decision.remove:  # the frontend's pods going: look again soon
+                result.again_within(DRAIN_POLL_SECONDS)
+        deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
+        speculative = None
+        if spec is not None and outcome.plan is not None:
+            address = _ready_frontend_address(pods, decision)
+            if address is not None:
+                speculative = self.observe(f"http://{address}:{FRONTEND_PORT}/metrics")
+        status = compute_status(mesh, spec, outcome, deployments, pods, _now(), observed_speculative=speculative,
+                                decision=decision if outcome.plan is not None else None, windows=windows)
         self._write_status(mesh, status, result)
         result.phase = status["phase"]
         return result
@@ -171,10 +237,13 @@ class Reconciler:
             return PlanOutcome(None, "False", "ModelUnreadable", f"{type(exc).__name__}: {exc}")
         ranges = ", ".join(f"[{s.layer_start}, {s.layer_end})" for s in plan.stages)
         note = f"; {plan.note}" if plan.note else ""
+        if spec.frontend.replicas is not None:
+            note += (f"; frontend.replicas ({spec.frontend.replicas}) is deprecated and has no effect: each pipeline "
+                     f"has one frontend, and spec.replicas ({spec.replicas}) counts pipelines")
         return PlanOutcome(plan, "True", "Planned",
                            f"{len(plan.stages)} stages, layers {ranges} ({info.source} model){note}")
 
-    def _certificates(self, mesh: dict, spec: MeshSpec, plan: Plan, secrets: list[dict],
+    def _certificates(self, mesh: dict, spec: MeshSpec, components: list[str], secrets: list[dict],
                       result: Result) -> MeshCertificates | None:
         """The mesh's own certificates, read back from the Secrets it owns and renewed where due;
         None when the mesh brings its own Secret or runs without mutual TLS."""
@@ -183,14 +252,16 @@ class Reconciler:
         meta = mesh["metadata"]
         base = base_name(meta["name"])
         held = {s["metadata"]["name"]: _secret_data(s) for s in secrets if _owned_by(s, meta["uid"])}
-        subjects = certificate_subjects(mesh, plan)
+        subjects = certificate_subjects(meta["namespace"], components)
         certificates = settle(held.get(ca_secret_name(base)), {c: held.get(tls_secret_name(c), {}) for c in subjects},
                               subjects, f"inferencemesh {base}", spec.security.lifetime)
         due_in = (certificates.renew_at - datetime.datetime.now(datetime.UTC)).total_seconds()
         result.again_within(max(1.0, due_in))
         return certificates
 
-    def _converge(self, mesh: dict, desired: list[dict], live: dict[str, list[dict]], result: Result) -> None:
+    def _converge(self, mesh: dict, desired: list[dict], live: dict[str, list[dict]], result: Result,
+                  protected: frozenset[tuple[str, str]] | set[tuple[str, str]] = frozenset()) -> None:
+        """Create and replace the desired children, delete the other owned ones except `protected`."""
         uid = mesh["metadata"]["uid"]
         ns = mesh["metadata"]["namespace"]
         # List items carry no kind of their own.
@@ -229,7 +300,7 @@ class Reconciler:
                 raise
             result.writes.append(Write("replace", kind, name))
         for (kind, name), obj in by_key.items():
-            if (kind, name) not in wanted and _owned_by(obj, uid):
+            if (kind, name) not in wanted and (kind, name) not in protected and _owned_by(obj, uid):
                 self.kube.delete(kind, ns, name)
                 result.writes.append(Write("delete", kind, name))
 

@@ -119,7 +119,11 @@ class SecretKeyRef(_Spec):
 class FrontendSpec(_Spec):
     max_batch_tokens: int | None = None  # unset: stages.maxBatchTokens (deprecated), else DEFAULT_MAX_BATCH_TOKENS
     embed_first_stage: bool = False  # stage 0 runs in the frontend pod, which takes stage 0's place
-    replicas: int = 1
+    # Deprecated, no effect: frontends sharing one set of stages. Each pipeline has one frontend;
+    # spec.replicas counts pipelines. Kept so that objects written before still parse.
+    replicas: int | None = None
+    drain_timeout_seconds: int = 30  # in-flight requests finish within this after SIGTERM
+    pre_stop_seconds: int = 5  # the pod stays up this long first, while endpoints and the router forget it
     service: ServiceSpec = ServiceSpec()
     api_key: SecretKeyRef | None = Field(default=None, alias="apiKeySecret")
     resources: dict[str, Any] = {}
@@ -166,6 +170,22 @@ class SpeculativeSpec(_Spec):
     window: WindowSpec | None = None  # unset: the package's declared window, else the frontend's default
 
 
+class RouterSpec(_Spec):
+    replicas: int = 1
+    resources: dict[str, Any] = {}
+    node_selector: dict[str, str] = {}
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+
+class RolloutSpec(_Spec):
+    max_surge: int = Field(default=1, ge=0, le=1)  # pipelines beyond spec.replicas while replacing them
+
+
+class RestartBudgetSpec(_Spec):
+    restarts: int = 5  # container restarts of one pipeline's pods within the window
+    window_seconds: int = 600
+
+
 class TelemetrySpec(_Spec):
     metrics: bool = True
     debug_tracing: bool = False
@@ -197,8 +217,12 @@ class ImagesSpec(_Spec):
 
 class MeshSpec(_Spec):
     model: ModelSpec
+    replicas: int = 1  # pipelines: each a frontend and its own stages (the /scale subresource)
     stages: StagesSpec = StagesSpec()
     frontend: FrontendSpec = FrontendSpec()
+    router: RouterSpec = RouterSpec()
+    restart_budget: RestartBudgetSpec = RestartBudgetSpec()
+    rollout: RolloutSpec = RolloutSpec()
     speculative: SpeculativeSpec = SpeculativeSpec()
     wire_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     context_length: int = 2048

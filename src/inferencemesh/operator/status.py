@@ -1,37 +1,50 @@
 """Pure status computation: plan outcome + observed children -> the InferenceMesh status.
 
-Conditions (each with reason and message):
+Conditions (each with reason and message), over the pipelines of the current revision:
   Planned        True once layer ranges exist; False for an impossible spec (terminal until edited);
                  Unknown while the model cannot be read yet (retried).
-  StagesReady    every stage Deployment has its up-to-date pod ready (a first stage embedded in the
-                 frontend is ready when the frontend Deployment is: it has no Deployment of its own).
-  FrontendReady  the frontend Deployment has its replicas ready (its /ready needs every stage SERVING).
-  Ready          Planned and StagesReady and FrontendReady.
-  Degraded       a pod of the mesh is failing (crash loop, image pull, OOM, failed), or readiness was
-                 lost without a spec change; clears by itself when the pods are back.
+  StagesReady    every stage Deployment of every pipeline has its up-to-date pod ready (a first stage
+                 embedded in the frontend is ready when the frontend is: it has no Deployment of its own).
+  FrontendReady  every pipeline's frontend is ready (its /ready needs every stage SERVING) and so is
+                 the router.
+  Ready          Planned and StagesReady and FrontendReady, with spec.replicas pipelines serving.
+  Degraded       a pipeline Failed (its pods restarted beyond the budget: the head of the crash's
+                 termination message), a pod of the mesh is failing (crash loop, image pull, OOM,
+                 failed), or readiness was lost without a spec change; clears when the pods are back.
+status.pipelines has one entry per pipeline (Ready, Progressing, Degraded, Failed, Outdated,
+Draining) with its restart window; status.replicas and status.selector serve the /scale subresource.
 lastTransitionTime only moves when a condition's status changes, so recomputing an unchanged
 world yields an identical status and the operator writes nothing.
 
 Each condition is decided by one function (planned_condition, stages_condition, frontend_condition,
-ready_condition, degraded_condition) from an Observed view of the children; compute_status puts
-them together with the phase and the other fields.
+ready_condition, degraded_condition) from an Observed view of the children (grouped by pipeline:
+observe_pipelines); compute_status puts them together with the phase and the other fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from inferencemesh.operator.names import (
     LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    LABEL_REVISION,
     LABEL_STAGE,
+    RESET_RESTARTS_ANNOTATION,
     base_name,
     endpoint_url,
     frontend_name,
-    frontend_selector,
+    frontends_selector,
+    pipeline_prefix,
+    router_name,
+    selector_text,
     stage_address,
     stage_name,
 )
+from inferencemesh.operator.pipelines import LEGACY, Decision
 from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.speculation import SpeculativeChoice
@@ -118,61 +131,200 @@ def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str
 
 
 @dataclass(frozen=True)
+class PipelineObserved:
+    """One pipeline's children as they exist (LEGACY: a mesh's children from before pipelines)."""
+
+    index: int
+    revision: str
+    deployments: dict[str, dict]  # by name
+    frontend_pods: list[dict]
+    stage_pods: dict[str, list[dict]]  # by stage index (the label's text)
+
+    def _frontend_deployment(self) -> dict | None:
+        return next((d for d in self.deployments.values() if _component(d) == "frontend"), None)
+
+    @property
+    def has_frontend(self) -> bool:
+        """Its frontend Deployment exists and is not being deleted (not drained)."""
+        dep = self._frontend_deployment()
+        return dep is not None and not dep["metadata"].get("deletionTimestamp")
+
+    @property
+    def frontend_ready(self) -> bool:
+        return deployment_ready(self._frontend_deployment())
+
+    @property
+    def ready(self) -> bool:
+        """Serving: its frontend is ready (whose /ready needs every stage SERVING) and so is every stage pod."""
+        return self.frontend_ready and all(deployment_ready(d) for d in self.deployments.values())
+
+    @property
+    def pods(self) -> list[dict]:
+        return self.frontend_pods + [p for pods in self.stage_pods.values() for p in pods]
+
+    @property
+    def restarts(self) -> int:
+        return sum(int(cs.get("restartCount", 0)) for pod in self.pods
+                   for cs in (pod.get("status") or {}).get("containerStatuses") or [])
+
+    def crash_report(self) -> str:
+        """The head of the termination message of the container that restarted most (the latest
+        such crash on a tie), naming its pod ("" if no container has ended)."""
+        crashes = []
+        for pod in self.pods:
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                ended = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
+                if ended:
+                    crashes.append((int(cs.get("restartCount", 0)), str(ended.get("finishedAt") or ""),
+                                    pod["metadata"]["name"], ended))
+        if not crashes:
+            return ""
+        _, _, name, ended = max(crashes, key=lambda c: c[:3])
+        text = (ended.get("message") or "").strip()
+        head = text.splitlines()[0][:MESSAGE_HEAD] if text else ended.get("reason") or "terminated"
+        return f"pod {name} exited {ended.get('exitCode', '?')}: {head}"
+
+
+MESSAGE_HEAD = 240  # characters of a termination message quoted in the status
+
+
+def _component(obj: dict) -> str:
+    return (obj["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "")
+
+
+def pipeline_of(obj: dict) -> int | None:
+    """The pipeline a stage or frontend child belongs to (LEGACY without the label); None for others."""
+    labels = obj["metadata"].get("labels") or {}
+    if labels.get(LABEL_COMPONENT) not in ("stage", "frontend"):
+        return None
+    text = labels.get(LABEL_PIPELINE)
+    return LEGACY if text is None else int(text) if text.isdigit() else None
+
+
+def observe_pipelines(deployments: list[dict], pods: list[dict]) -> dict[int, PipelineObserved]:
+    """The mesh's pipelines, from its Deployments and pods (a pipeline exists while any of them does)."""
+    found: dict[int, PipelineObserved] = {}
+
+    def entry(obj: dict) -> PipelineObserved | None:
+        index = pipeline_of(obj)
+        if index is None:
+            return None
+        if index not in found:
+            revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION, "")
+            found[index] = PipelineObserved(index, revision, {}, [], {})
+        return found[index]
+
+    for dep in deployments:
+        pipeline = entry(dep)
+        if pipeline is not None:
+            pipeline.deployments[dep["metadata"]["name"]] = dep
+            if _component(dep) == "frontend" or not pipeline.revision:
+                found[pipeline.index] = dataclasses.replace(
+                    pipeline, revision=(dep["metadata"].get("labels") or {}).get(LABEL_REVISION, pipeline.revision))
+    for pod in pods:
+        pipeline = entry(pod)
+        if pipeline is None:
+            continue
+        if _component(pod) == "frontend":
+            pipeline.frontend_pods.append(pod)
+        else:
+            pipeline.stage_pods.setdefault((pod["metadata"].get("labels") or {}).get(LABEL_STAGE, ""), []).append(pod)
+    return found
+
+
+@dataclass(frozen=True)
+class RestartWindow:
+    """A pipeline's restart budget: the window's start and its pods' restart count then."""
+
+    start: str
+    restarts_at_start: int
+    failed: bool
+
+
+def restart_window(previous: dict | None, restarts: int, now: str, window_seconds: int, budget: int,
+                   reset: bool) -> RestartWindow:
+    """Where a pipeline stands against its budget (previous: its status.pipelines entry).
+
+    Windows are consecutive (a window ends window_seconds after it started and the next begins at
+    the count then): restarts straddling two windows may each stay within budget. Failed is kept
+    until `reset` (a spec change or the reset annotation): the pipeline stays for debugging.
+    """
+    if previous is None or reset or "windowStart" not in previous:
+        return RestartWindow(now, restarts, False)
+    start, at_start = str(previous["windowStart"]), int(previous.get("windowRestarts", 0))
+    if previous.get("state") == "Failed":
+        return RestartWindow(start, at_start, True)
+    if restarts < at_start:  # a pod was replaced: its count started again
+        at_start = restarts
+    if _seconds_between(start, now) > window_seconds:
+        return RestartWindow(now, restarts, False)
+    return RestartWindow(start, at_start, restarts - at_start > budget)
+
+
+def _seconds_between(earlier: str, later: str) -> float:
+    parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731 - one use
+    try:
+        return (parse(later) - parse(earlier)).total_seconds()
+    except ValueError:
+        return float("inf")
+
+
+@dataclass(frozen=True)
 class Observed:
-    """What a status is computed from: the plan outcome and the mesh's children, by role."""
+    """What a status is computed from: the plan outcome, the pipelines and the router."""
 
     base: str
     namespace: str
     spec: MeshSpec | None
     outcome: PlanOutcome
-    deployments: dict[str, dict]  # by name
-    stage_pods: dict[str, list[dict]]  # by stage index (the label's text)
-    frontend_pods: list[dict]
+    pipelines: dict[int, PipelineObserved]
+    router: dict | None  # the router's Deployment
     problems: list[str]  # pod_problem of every pod of the mesh
 
     @classmethod
     def of(cls, mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
            pods: list[dict]) -> Observed:
-        stage_pods: dict[str, list[dict]] = {}
-        frontend_pods: list[dict] = []
-        for pod in pods:
-            labels = pod["metadata"].get("labels") or {}
-            if labels.get(LABEL_COMPONENT) == "stage":
-                stage_pods.setdefault(labels.get(LABEL_STAGE, ""), []).append(pod)
-            elif labels.get(LABEL_COMPONENT) == "frontend":
-                frontend_pods.append(pod)
-        problems = [p for p in (pod_problem(pod) for pod in pods) if p]
         meta = mesh["metadata"]
-        return cls(base_name(meta["name"]), meta["namespace"], spec, outcome, deployments, stage_pods,
-                   frontend_pods, problems)
-
-    @property
-    def frontend(self) -> dict | None:
-        return self.deployments.get(frontend_name(self.base))
+        base = base_name(meta["name"])
+        problems = [p for p in (pod_problem(pod) for pod in pods) if p]
+        return cls(base, meta["namespace"], spec, outcome, observe_pipelines(list(deployments.values()), pods),
+                   deployments.get(router_name(base)), problems)
 
 
-def stage_entries(obs: Observed, plan: Plan) -> tuple[list[dict], list[str]]:
-    """status.stages for a plan, and a short account of each stage that is not ready."""
+def stage_entries(obs: Observed, plan: Plan, current: list[PipelineObserved]) -> tuple[list[dict], list[str]]:
+    """status.stages for a plan (ready: in every current pipeline; pod and address: the first one's),
+    and a short account of each stage that is not ready somewhere."""
     entries, not_ready = [], []
     for s in plan.stages:
         embedded = plan.embedded_first_stage and s.index == 0
-        # The embedded first stage lives and is ready in the frontend's pods (whose /ready needs it SERVING).
-        name = frontend_name(obs.base) if embedded else stage_name(obs.base, s.index)
-        ready = deployment_ready(obs.deployments.get(name))
-        mine = obs.frontend_pods if embedded else obs.stage_pods.get(str(s.index), [])
-        newest = _newest(mine)
-        entries.append({
+        readies, pods = [], []
+        for pipeline in current:
+            # The embedded first stage lives and is ready in the frontend's pod (whose /ready needs it SERVING).
+            mine = pipeline.frontend_pods if embedded else pipeline.stage_pods.get(str(s.index), [])
+            name = frontend_name(pipeline_prefix(obs.base, pipeline.index)) if embedded else \
+                stage_name(pipeline_prefix(obs.base, pipeline.index), s.index)
+            ready = deployment_ready(pipeline.deployments.get(name))
+            readies.append(ready)
+            pods.append(mine)
+            if not ready:
+                where = "in the frontend: " if embedded else ""
+                not_ready.append(f"pipeline {pipeline.index} stage {s.index} ({where}{_pending_reason(mine)})")
+        first = current[0] if current else None
+        newest = _newest(pods[0]) if pods else None
+        entry = {
             "index": s.index, "layerStart": s.layer_start, "layerEnd": s.layer_end,
             "layers": f"{s.layer_start}:{s.layer_end}", "plannedBytes": s.total_bytes,
             **({"memoryBytes": s.memory_bytes} if s.memory_bytes else {}),
+            "ready": bool(readies) and all(readies),
             # No pod: leave the key out. An empty string here made kube-apiserver 1.20's merge patch
             # store null and refuse the whole status (seen, and reproduced, in the cluster tests).
-            "ready": ready, **({"pod": newest["metadata"]["name"]} if newest else {}),
-            **({"embedded": True} if embedded else {"address": stage_address(obs.base, obs.namespace, s.index)}),
-        })
-        if not ready:
-            where = "in the frontend: " if embedded else ""
-            not_ready.append(f"stage {s.index} ({where}{_pending_reason(mine)})")
+            **({"pod": newest["metadata"]["name"]} if newest else {}),
+        }
+        if embedded:
+            entry["embedded"] = True
+        elif first is not None:
+            entry["address"] = stage_address(pipeline_prefix(obs.base, first.index), obs.namespace, s.index)
+        entries.append(entry)
     return entries, not_ready
 
 
@@ -180,36 +332,49 @@ def planned_condition(outcome: PlanOutcome) -> Verdict:
     return Verdict(outcome.planned_status, outcome.reason, outcome.message)
 
 
-def stages_condition(outcome: PlanOutcome, entries: list[dict], not_ready: list[str]) -> Verdict:
+def stages_condition(outcome: PlanOutcome, entries: list[dict], not_ready: list[str], replicas: int) -> Verdict:
     """entries: status.stages (without a plan, the last known ones)."""
     if outcome.plan is None:
         return Verdict("Unknown" if not entries else "False", "NotPlanned", "no plan: " + outcome.message)
+    if replicas == 0:
+        return Verdict("False", "ScaledToZero", "spec.replicas is 0")
     n = len(outcome.plan.stages)
-    if not not_ready:
-        return Verdict("True", "AllStagesReady", f"{n} of {n} stages ready")
-    return Verdict("False", "StagesNotReady", f"{n - len(not_ready)} of {n} stages ready; " + "; ".join(not_ready[:4]))
+    if not not_ready and entries and all(e["ready"] for e in entries):
+        return Verdict("True", "AllStagesReady", f"{n} of {n} stages ready in every pipeline")
+    return Verdict("False", "StagesNotReady", "; ".join(not_ready[:4]) or "no pipeline yet")
 
 
-def frontend_condition(obs: Observed) -> Verdict:
-    if deployment_ready(obs.frontend):
-        return Verdict("True", "FrontendReady", "the frontend answers /ready")
-    if obs.frontend is None:
-        return Verdict("False", "NoFrontend", "the frontend Deployment does not exist yet")
-    if obs.spec is not None and obs.spec.frontend.replicas == 0:
-        return Verdict("False", "ScaledToZero", "frontend.replicas is 0")
-    return Verdict("False", "FrontendNotReady", "frontend not ready: " + _pending_reason(obs.frontend_pods))
+def frontend_condition(obs: Observed, current: list[PipelineObserved], replicas: int) -> Verdict:
+    if replicas == 0:
+        return Verdict("False", "ScaledToZero", "spec.replicas is 0")
+    missing = [p for p in current if not p.frontend_ready]
+    if not current:
+        return Verdict("False", "NoFrontend", "no pipeline's frontend exists yet")
+    if missing:
+        p = missing[0]
+        return Verdict("False", "FrontendNotReady",
+                       f"pipeline {p.index}'s frontend not ready: " + _pending_reason(p.frontend_pods))
+    if not deployment_ready(obs.router):
+        return Verdict("False", "RouterNotReady", "the router is not ready")
+    return Verdict("True", "FrontendReady", "every pipeline's frontend answers /ready, and the router routes to them")
 
 
-def ready_condition(planned: Verdict, stages: Verdict, frontend: Verdict) -> Verdict:
-    """Ready when the other three are; else the first that is not says why."""
+def ready_condition(planned: Verdict, stages: Verdict, frontend: Verdict, ready: int, replicas: int) -> Verdict:
+    """Ready when the other three are and spec.replicas pipelines serve; else the first that is not says why."""
     first = next((v for v in (planned, stages, frontend) if v.status != "True"), None)
-    if first is None:
-        return Verdict("True", "Ready", "the OpenAI endpoint is serving")
-    return Verdict("False", first.reason, first.message)
+    if first is not None:
+        return Verdict("False", first.reason, first.message)
+    if ready < replicas:
+        return Verdict("False", "PipelinesNotReady", f"{ready} of {replicas} pipelines ready")
+    return Verdict("True", "Ready", f"the OpenAI endpoint is serving ({ready} pipelines)")
 
 
-def degraded_condition(obs: Observed, ready: Verdict, previous: dict[str, dict], same_generation: bool) -> Verdict:
-    """A pod failing, or readiness lost without a spec change (kept until the mesh is ready again)."""
+def degraded_condition(obs: Observed, ready: Verdict, previous: dict[str, dict], same_generation: bool,
+                       failed: list[str]) -> Verdict:
+    """A pipeline failed, a pod failing, or readiness lost without a spec change (kept until the mesh is
+    ready again)."""
+    if failed:
+        return Verdict("True", "PipelineFailed", "; ".join(failed[:2]))
     if obs.problems:
         return Verdict("True", "PodsFailing", "; ".join(obs.problems[:4]))
     was_ready = previous.get("Ready", {}).get("status") == "True"
@@ -240,27 +405,95 @@ def speculative_status(planned: SpeculativeChoice, observed: tuple[str, str] | N
             "message": f"the frontend runs {strategy} ({reason}); planned was {planned.strategy}: {planned.message}"}
 
 
+def pipeline_windows(mesh: dict, spec: MeshSpec, obs: Observed, now: str) -> dict[int, RestartWindow]:
+    """Each pipeline against its restart budget. It starts afresh on a spec change (a new generation)
+    and when the mesh's RESET_RESTARTS_ANNOTATION takes a new value."""
+    old_status = mesh.get("status") or {}
+    previous = {int(p.get("index", -2)): p for p in old_status.get("pipelines") or [] if isinstance(p, dict)}
+    reset = (int(old_status.get("observedGeneration", -1)) != int(mesh["metadata"].get("generation", 0))
+             or _reset_value(mesh) != old_status.get("restartsReset", ""))
+    budget = spec.restart_budget
+    return {index: restart_window(previous.get(index), p.restarts, now, budget.window_seconds, budget.restarts, reset)
+            for index, p in obs.pipelines.items()}
+
+
+def _reset_value(mesh: dict) -> str:
+    return str((mesh["metadata"].get("annotations") or {}).get(RESET_RESTARTS_ANNOTATION, ""))
+
+
+def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: RestartWindow | None,
+                    budget_text: str) -> dict:
+    p = obs.pipelines.get(index) or PipelineObserved(index, "", {}, [], {})
+    problems = [m for m in (pod_problem(pod) for pod in p.pods) if m]
+    if window is not None and window.failed:
+        state, message = "Failed", f"{p.restarts - window.restarts_at_start} restarts {budget_text}; " \
+            + (p.crash_report() or "no termination message") + "; kept for debugging, nothing routes to it"
+    elif index in decision.drain or (index in obs.pipelines and not p.has_frontend and index not in decision.keep):
+        state, message = "Draining", "its frontend finishes its requests; its stages go after it"
+    elif index in decision.old:
+        state, message = "Outdated", "an older revision, serving until a new pipeline is ready"
+    elif p.ready:
+        state, message = "Ready", "serving"
+    elif problems:
+        state, message = "Degraded", "; ".join(problems[:2])
+    else:
+        state, message = "Progressing", _pending_reason(p.pods) if p.pods else "starting"
+    entry = {"index": index, "name": obs.base if index == LEGACY else pipeline_prefix(obs.base, index),
+             # A LEGACY pipeline has no revision: leave the key out, never "" (kube-apiserver 1.20's merge
+             # patch stores "" as null and refuses the whole status: see stage_entries).
+             **({"revision": p.revision} if p.revision else {}),
+             "state": state, "ready": p.ready and state not in ("Failed", "Draining"),
+             "message": message, "restarts": p.restarts}
+    if window is not None:
+        entry |= {"windowStart": window.start, "windowRestarts": window.restarts_at_start}
+    return entry
+
+
 def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
-                   pods: list[dict], now: str, observed_speculative: tuple[str, str] | None = None) -> dict:
+                   pods: list[dict], now: str, observed_speculative: tuple[str, str] | None = None,
+                   decision: Decision | None = None, windows: dict[int, RestartWindow] | None = None) -> dict:
     """The whole status object. deployments: by name; pods: every pod carrying the mesh label;
     spec: None when it does not parse (then outcome says why and there is no plan);
-    observed_speculative: the (strategy, reason) the running frontend reports, if it could be read."""
+    decision: the pipelines the reconciler runs (pipelines.decide; default: the existing ones);
+    windows: each pipeline against its restart budget (pipeline_windows);
+    observed_speculative: the (strategy, reason) a running frontend reports, if it could be read."""
     obs = Observed.of(mesh, spec, outcome, deployments, pods)
+    windows = windows or {}
+    if decision is None:
+        decision = Decision(keep={i: True for i, p in obs.pipelines.items() if p.has_frontend})
     generation = int(mesh["metadata"].get("generation", 0))
     old_status = mesh.get("status") or {}
     previous = {str(c.get("type")): c for c in old_status.get("conditions") or [] if isinstance(c, dict)}
     plan = outcome.plan
+    replicas = spec.replicas if spec is not None else len(decision.keep)
 
-    entries, not_ready = stage_entries(obs, plan) if plan is not None else (old_status.get("stages") or [], [])
+    current = [obs.pipelines.get(i) or PipelineObserved(i, "", {}, [], {})
+               for i, running in sorted(decision.keep.items()) if running and not (i in windows and windows[i].failed)]
+    entries, not_ready = stage_entries(obs, plan, current) if plan is not None else (old_status.get("stages") or [], [])
     status: dict = {"observedGeneration": generation, "stages": entries}
     if plan is not None:
-        status["stagesSummary"] = f"{len(plan.stages) - len(not_ready)}/{len(plan.stages)}"
+        n = len(plan.stages)
+        ready_stages = min((n - sum(1 for m in not_ready if m.startswith(f"pipeline {p.index} ")) for p in current),
+                           default=0)
+        status["stagesSummary"] = f"{ready_stages}/{n}"
+    budget_text = "" if spec is None else \
+        f"in {spec.restart_budget.window_seconds}s (budget {spec.restart_budget.restarts})"
+    indexes = sorted((set(obs.pipelines) | set(decision.keep)) - set(decision.remove))
+    status["pipelines"] = [_pipeline_entry(obs, i, decision, windows.get(i), budget_text) for i in indexes]
+    failed = [f"pipeline {e['index']} failed: {e['message']}" for e in status["pipelines"] if e["state"] == "Failed"]
+    ready_count = sum(p.ready for p in current)
+    status["replicas"] = ready_count
+    status["selector"] = selector_text(frontends_selector(obs.base))
+    status["pipelinesSummary"] = f"{ready_count}/{replicas}" + (f" ({len(failed)} failed)" if failed else "")
+    if _reset_value(mesh):  # never "": kube-apiserver 1.20's merge patch stores it as null (see stage_entries)
+        status["restartsReset"] = _reset_value(mesh)
+
     planned = planned_condition(outcome)
-    stages = stages_condition(outcome, entries, not_ready)
-    frontend = frontend_condition(obs)
-    ready = ready_condition(planned, stages, frontend)
+    stages = stages_condition(outcome, entries, not_ready, replicas)
+    frontend = frontend_condition(obs, current, replicas)
+    ready = ready_condition(planned, stages, frontend, ready_count, replicas)
     same_generation = int(old_status.get("observedGeneration", -1)) == generation
-    degraded = degraded_condition(obs, ready, previous, same_generation)
+    degraded = degraded_condition(obs, ready, previous, same_generation, failed)
     verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, ready, degraded), strict=True))
     status["conditions"] = [_condition(t, v, generation, previous, now) for t, v in verdicts.items()]
     status["phase"] = phase_of(outcome, ready, degraded)
@@ -273,6 +506,4 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
         for key in ("planHash", "speculative", "endpoint", "stagesSummary"):
             if key in old_status:
                 status[key] = old_status[key]
-    status["frontendReplicas"] = int(((obs.frontend or {}).get("status") or {}).get("replicas", 0))
-    status["frontendSelector"] = ",".join(f"{k}={v}" for k, v in frontend_selector(obs.base).items())
     return status

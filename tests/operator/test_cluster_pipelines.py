@@ -1,0 +1,249 @@
+"""Pipelines against a real kube-apiserver + controllers, the operator under the chart's RBAC (see
+conftest.py): the /scale subresource, draining on a scale-down, a crash loop beyond the restart
+budget, the migration of a mesh from before pipelines. Tests play kubelet (imesh_k8s.Kubelet); a
+finalizer of the test's own holds a terminating pod, as a kubelet would while the pod drains."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from imesh_k8s import ControlPlane, Kubelet, OperatorProcess, patch_pod_status, wait_for
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+NS = "mesh-pipelines"
+GROUP, VERSION, PLURAL = "inferencemesh.io", "v1alpha1", "inferencemeshes"
+HOLD = "test.inferencemesh.io/hold"  # a finalizer: the pod stays terminating until the test lets it go
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: ControlPlane, operator: OperatorProcess) -> str:
+    cluster.kubectl("create", "namespace", NS)
+    return NS
+
+
+@pytest.fixture(scope="module")
+def api(cluster: ControlPlane) -> Iterator[object]:
+    from kubernetes import client, config
+
+    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        yield client.CustomObjectsApi(api_client)
+    finally:
+        api_client.close()
+
+
+def mesh_doc(name: str, spec: dict) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceMesh", "metadata": {"name": name}, "spec": spec}
+
+
+def status_of(cluster: ControlPlane, name: str) -> dict:
+    return cluster.get_json("inferencemesh", name, "-n", NS).get("status") or {}
+
+
+def cond(status: dict, ctype: str) -> dict:
+    return next((c for c in status.get("conditions") or [] if c["type"] == ctype), {})
+
+
+def states(status: dict) -> dict[int, str]:
+    return {p["index"]: p["state"] for p in status.get("pipelines") or []}
+
+
+def deployments(cluster: ControlPlane, base: str) -> dict[str, dict]:
+    items = cluster.get_json("deployments", "-n", NS, "-l", f"inferencemesh.io/mesh={base}")["items"]
+    return {d["metadata"]["name"]: d for d in items}
+
+
+def objects(cluster: ControlPlane, base: str) -> set[tuple[str, str]]:
+    items = cluster.get_json("deployments,services,networkpolicies,secrets", "-n", NS,
+                             "-l", f"inferencemesh.io/mesh={base}")["items"]
+    return {(o["kind"], o["metadata"]["name"]) for o in items}
+
+
+def pods(cluster: ControlPlane, selector: str) -> list[dict]:
+    return cluster.get_json("pods", "-n", NS, "-l", selector)["items"]
+
+
+def hold_pods(cluster: ControlPlane, selector: str) -> list[str]:
+    """Put the test's finalizer on the pods matching `selector`: once deleted, they stay terminating."""
+    names = [p["metadata"]["name"] for p in pods(cluster, selector)]
+    for name in names:
+        cluster.kubectl("patch", "pod", name, "-n", NS, "--type=merge",
+                        "-p", json.dumps({"metadata": {"finalizers": [HOLD]}}))
+    return names
+
+
+def release_pods(cluster: ControlPlane, names: list[str]) -> None:
+    for name in names:
+        cluster.kubectl("patch", "pod", name, "-n", NS, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                        check=False)
+
+
+def identity(dep: dict) -> tuple[str, int]:
+    """What changes when the operator replaces or recreates a Deployment (not when its pods do)."""
+    return dep["metadata"]["uid"], dep["metadata"]["generation"]
+
+
+def test_scale_subresource_sets_the_pipelines_and_a_scale_down_drains_first(
+        cluster: ControlPlane, ns: str, api: object, tiny_model: Path) -> None:
+    name = "sc"
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 2}}), ns)
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}"):
+        wait_for(lambda: cond(status_of(cluster, name), "Ready").get("status") == "True", 90, "sc Ready")
+        scale = api.get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name)  # type: ignore[attr-defined]
+        assert scale["spec"]["replicas"] == 1 and scale["status"]["replicas"] == 1
+        p0 = {n: identity(d) for n, d in deployments(cluster, name).items() if n.startswith("sc-p0-")}
+        assert sorted(p0) == ["sc-p0-frontend", "sc-p0-stage-0", "sc-p0-stage-1"]
+
+        api.patch_namespaced_custom_object_scale(  # type: ignore[attr-defined]
+            GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 2}})
+        assert cluster.get_json("inferencemesh", name, "-n", ns)["spec"]["replicas"] == 2
+        wanted = {(k, f"sc-p1-stage-{i}") for i in range(2) for k in ("Deployment", "Service", "NetworkPolicy")} \
+            | {("Deployment", "sc-p1-frontend"), ("Secret", "sc-p1-frontend-tls"), ("Secret", "sc-p1-stage-0-tls")}
+        wait_for(lambda: wanted <= objects(cluster, name), 60, "pipeline 1's objects")
+        wait_for(lambda: status_of(cluster, name).get("replicas") == 2, 90, "status.replicas == 2")
+        scale = api.get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, name)  # type: ignore[attr-defined]
+        st = status_of(cluster, name)
+        assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+        assert scale["status"]["selector"] == st["selector"] == \
+            f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend"
+        assert len(pods(cluster, scale["status"]["selector"])) == 2  # one frontend pod per pipeline
+        assert st["pipelinesSummary"] == "2/2" and states(st) == {0: "Ready", 1: "Ready"}
+
+        # 2 -> 1: pipeline 1 drains; its frontend pod is held terminating (as while it finishes requests)
+        held = hold_pods(cluster, f"inferencemesh.io/mesh={name},inferencemesh.io/pipeline=1,"
+                                  "app.kubernetes.io/component=frontend")
+        assert len(held) == 1
+        try:
+            api.patch_namespaced_custom_object_scale(  # type: ignore[attr-defined]
+                GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 1}})
+            wait_for(lambda: "sc-p1-frontend" not in deployments(cluster, name), 60, "p1's frontend Deployment to go")
+            wait_for(lambda: states(status_of(cluster, name)).get(1) == "Draining", 30, "pipeline 1 Draining")
+            time.sleep(7)  # beyond the operator's drain poll (5 s): its stages must still be there
+            left = objects(cluster, name)
+            assert {("Deployment", "sc-p1-stage-0"), ("Deployment", "sc-p1-stage-1"),
+                    ("Service", "sc-p1-stage-1")} <= left
+            p1_frontend = (f"inferencemesh.io/mesh={name},inferencemesh.io/pipeline=1,"
+                           "app.kubernetes.io/component=frontend")
+            wait_for(lambda: all(p["metadata"].get("deletionTimestamp") for p in pods(cluster, p1_frontend)), 30,
+                     "p1's frontend pod terminating")
+        finally:
+            release_pods(cluster, held)
+        wait_for(lambda: not any(n.startswith("sc-p1-") for _, n in objects(cluster, name)), 60,
+                 "pipeline 1's stages (and certificates) to go once its frontend pod is gone")
+        st = wait_for(lambda: (s := status_of(cluster, name)) and states(s) == {0: "Ready"} and s, 30,
+                      "one pipeline left")
+        assert st["replicas"] == 1 and st["pipelinesSummary"] == "1/1"
+        assert {n: identity(d) for n, d in deployments(cluster, name).items() if n.startswith("sc-p0-")} == p0
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+
+
+def test_a_crash_loop_beyond_the_budget_fails_only_its_pipeline(cluster: ControlPlane, ns: str,
+                                                                tiny_model: Path) -> None:
+    name = "cr"
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 2}, "replicas": 2,
+                                  "restartBudget": {"restarts": 3, "windowSeconds": 600}}), ns)
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}") as kubelet:
+        wait_for(lambda: status_of(cluster, name).get("replicas") == 2, 90, "two ready pipelines")
+        p0 = {n: identity(d) for n, d in deployments(cluster, name).items() if n.startswith("cr-p0-")}
+        assert len(p0) == 3
+        kubelet.hold.add("cr-p1-stage-1-")
+        (crashing,) = pods(cluster, f"inferencemesh.io/mesh={name},inferencemesh.io/pipeline=1,"
+                                    "inferencemesh.io/stage=1")
+        message = "RuntimeError: CUDA error: out of memory\nTraceback (most recent call last):\n  ..."
+        patch_pod_status(cluster, crashing, NS, ready=False, waiting="CrashLoopBackOff", restarts=2,
+                         terminated_message=message)
+        st = wait_for(lambda: (s := status_of(cluster, name)) and cond(s, "Degraded").get("reason") == "PodsFailing"
+                      and s, 60, "Degraded PodsFailing within the budget")
+        assert states(st)[1] == "Degraded"
+        patch_pod_status(cluster, crashing, NS, ready=False, waiting="CrashLoopBackOff", restarts=5,
+                         terminated_message=message)
+        st = wait_for(lambda: (s := status_of(cluster, name)) and states(s).get(1) == "Failed" and s, 60,
+                      "pipeline 1 Failed")
+        degraded = cond(st, "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "PipelineFailed")
+        assert "RuntimeError: CUDA error: out of memory" in degraded["message"] and "Traceback" not in \
+            degraded["message"]
+        entry = next(p for p in st["pipelines"] if p["index"] == 1)
+        assert entry["restarts"] == 5 and "RuntimeError: CUDA error: out of memory" in entry["message"]
+        assert st["pipelinesSummary"] == "1/2 (1 failed)" and st["phase"] == "Degraded"
+        wait_for(lambda: deployments(cluster, name)["cr-p1-frontend"]["spec"]["replicas"] == 0, 30,
+                 "the failed pipeline's frontend scaled to zero")
+        assert "cr-p1-stage-1" in deployments(cluster, name)  # kept for debugging
+        wait_for(lambda: status_of(cluster, name).get("replicas") == 1, 30, "status.replicas == 1")
+        time.sleep(2)
+        assert {n: identity(d) for n, d in deployments(cluster, name).items() if n.startswith("cr-p0-")} == p0
+        assert states(status_of(cluster, name)) == {0: "Ready", 1: "Failed"}
+        # Failed is sticky: the pod looking well again does not lift it (a reset does)
+        patch_pod_status(cluster, crashing, NS, ready=True, restarts=5)
+        time.sleep(3)
+        assert states(status_of(cluster, name))[1] == "Failed"
+        kubelet.hold.clear()
+        cluster.kubectl("annotate", "inferencemesh", name, "-n", ns, "inferencemesh.io/reset-restarts=1")
+        wait_for(lambda: states(status_of(cluster, name)) == {0: "Ready", 1: "Ready"}, 60,
+                 "the reset to lift the failure")
+        assert deployments(cluster, name)["cr-p1-frontend"]["spec"]["replicas"] == 1
+        assert status_of(cluster, name)["restartsReset"] == "1"
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+
+
+def legacy_deployment(base: str, uid: str, component: str, stage: int | None = None) -> dict:
+    """A child as the operator wrote it before pipelines: no pipeline or revision label."""
+    name = f"{base}-stage-{stage}" if stage is not None else f"{base}-frontend"
+    selector = {"inferencemesh.io/mesh": base, "app.kubernetes.io/component": component}
+    if stage is not None:
+        selector["inferencemesh.io/stage"] = str(stage)
+    labels = {"app.kubernetes.io/name": "inferencemesh", "app.kubernetes.io/instance": base,
+              "app.kubernetes.io/part-of": "inferencemesh", "app.kubernetes.io/managed-by": "inferencemesh-operator",
+              **selector}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "labels": labels, "ownerReferences": [{
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceMesh", "name": base, "uid": uid,
+                "controller": True, "blockOwnerDeletion": True}]},
+            "spec": {"replicas": 1, "selector": {"matchLabels": selector},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": {"containers": [{"name": component, "image": "old:1"}]}}}}
+
+
+def test_a_mesh_from_before_pipelines_is_migrated(cluster: ControlPlane, ns: str, tiny_model: Path) -> None:
+    name = "lg"
+    # a plan that fails leaves the children alone: the legacy ones can be put in place first
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 9}}), ns)
+    wait_for(lambda: cond(status_of(cluster, name), "Planned").get("status") == "False", 60, "lg Planned False")
+    uid = cluster.get_json("inferencemesh", name, "-n", ns)["metadata"]["uid"]
+    for doc in (legacy_deployment(name, uid, "stage", 0), legacy_deployment(name, uid, "stage", 1),
+                legacy_deployment(name, uid, "frontend")):
+        cluster.apply(doc, ns)
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}") as kubelet:
+        wait_for(lambda: all(int((d.get("status") or {}).get("readyReplicas", 0)) == 1
+                             for d in deployments(cluster, name).values()), 60, "the legacy pipeline ready")
+        kubelet.hold.add("lg-p0-")  # the new pipeline stays unready until released
+        cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
+                        "-p", '{"spec":{"stages":{"count":2}}}')
+        wait_for(lambda: {"lg-p0-frontend", "lg-p0-stage-0", "lg-p0-stage-1"} <= set(deployments(cluster, name)), 60,
+                 "the new pipeline 0")
+        st = wait_for(lambda: (s := status_of(cluster, name)) and states(s) == {-1: "Outdated", 0: "Progressing"}
+                      and s, 30, "legacy Outdated, pipeline 0 Progressing")
+        assert next(p for p in st["pipelines"] if p["index"] == -1)["name"] == name
+        assert {"lg-frontend", "lg-stage-0", "lg-stage-1"} <= set(deployments(cluster, name))  # still serving
+        held = hold_pods(cluster, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend,"
+                                  "!inferencemesh.io/pipeline")
+        assert len(held) == 1
+        try:
+            kubelet.hold.clear()  # pipeline 0 gets ready: the legacy frontend goes first
+            wait_for(lambda: "lg-frontend" not in deployments(cluster, name), 60, "the legacy frontend to go")
+            time.sleep(7)
+            assert {"lg-stage-0", "lg-stage-1"} <= set(deployments(cluster, name))  # its frontend pod is still there
+        finally:
+            release_pods(cluster, held)
+        wait_for(lambda: not {"lg-stage-0", "lg-stage-1"} & set(deployments(cluster, name)), 60,
+                 "the legacy stages to go")
+        st = wait_for(lambda: (s := status_of(cluster, name)) and cond(s, "Ready").get("status") == "True" and s, 60,
+                      "lg Ready")
+        assert states(st) == {0: "Ready"}
+        assert sorted(deployments(cluster, name)) == ["lg-p0-frontend", "lg-p0-stage-0", "lg-p0-stage-1",
+                                                      "lg-router"]
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")

@@ -1,0 +1,165 @@
+"""pipelines.decide as a pure function: which pipelines a mesh keeps, starts, drains and removes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from inferencemesh.operator.pipelines import LEGACY, Decision, Live, decide
+
+
+def live(index: int, revision: str = "r1", *, ready: bool = True, frontend: bool = True, pods: int = 1,
+         failed: bool = False) -> Live:
+    return Live(index, revision, frontend, pods if frontend or pods else 0, ready, failed)
+
+
+def test_a_fresh_mesh_starts_every_pipeline() -> None:
+    assert decide(2, "r1", []) == Decision(keep={0: True, 1: True})
+    assert decide(1, "r1", []) == Decision(keep={0: True})
+    assert decide(0, "r1", []) == Decision()
+
+
+def test_a_steady_mesh_changes_nothing() -> None:
+    steady = [live(0), live(1)]
+    assert decide(2, "r1", steady) == Decision(keep={0: True, 1: True})
+
+
+def test_scale_down_drains_the_highest_index() -> None:
+    d = decide(1, "r1", [live(0), live(1)])
+    assert d.keep == {0: True} and d.drain == [1] and d.remove == [] and d.old == []
+    d = decide(1, "r1", [live(0), live(1), live(2)])
+    assert d.keep == {0: True} and d.drain == [1, 2]
+
+
+def test_scale_down_drains_a_failed_then_a_not_ready_pipeline_first() -> None:
+    d = decide(2, "r1", [live(0, ready=False, failed=True), live(1, ready=False), live(2)])
+    assert d.drain == [0] and d.keep == {1: True, 2: True}
+    d = decide(1, "r1", [live(0, ready=False, failed=True), live(1, ready=False), live(2)])
+    assert d.drain == [0, 1] and d.keep == {2: True}
+    d = decide(1, "r1", [live(0, ready=False), live(1)])
+    assert d.drain == [0] and d.keep == {1: True}
+
+
+def test_a_drained_pipeline_is_removed_only_once_its_frontend_pods_are_gone() -> None:
+    d = decide(1, "r1", [live(0), live(1, frontend=False, pods=1)])
+    assert d.drain == [1] and d.remove == [] and d.keep == {0: True}  # still finishing its requests
+    d = decide(1, "r1", [live(0), live(1, frontend=False, pods=0)])
+    assert d.remove == [1] and d.drain == [] and d.keep == {0: True}
+
+
+def test_a_failed_pipeline_keeps_its_place_with_its_frontend_off() -> None:
+    d = decide(2, "r1", [live(0), live(1, ready=False, failed=True)])
+    assert d.keep == {0: True, 1: False} and d.drain == [] and d.remove == []
+
+
+def test_replicas_zero_drains_everything() -> None:
+    d = decide(0, "r2", [live(0, "r2"), live(1, "r1"), live(2, "r2", ready=False)])
+    assert d.keep == {} and d.old == [] and d.drain == [0, 1, 2]
+
+
+def test_indexes_are_reused_lowest_first() -> None:
+    assert decide(3, "r1", [live(1)]).keep == {0: True, 1: True, 2: True}
+    assert decide(2, "r1", [live(0), live(2)]).keep == {0: True, 2: True}
+    # a draining pipeline still holds its index (its objects exist): a new one takes the next free
+    d = decide(2, "r1", [live(0), live(1, frontend=False, pods=1)])
+    assert d.keep == {0: True, 2: True} and d.drain == [1]
+
+
+def test_a_legacy_pipeline_is_replaced_once_the_new_one_is_ready() -> None:
+    legacy = live(LEGACY, "")
+    d = decide(1, "r1", [legacy])
+    assert d.keep == {0: True} and d.old == [LEGACY] and d.drain == []
+    d = decide(1, "r1", [legacy, live(0, ready=False)])
+    assert d.keep == {0: True} and d.old == [LEGACY] and d.drain == []  # the new one is not ready yet
+    d = decide(1, "r1", [legacy, live(0)])
+    assert d.keep == {0: True} and d.old == [] and d.drain == [LEGACY]
+    d = decide(1, "r1", [replace(legacy, has_frontend=False, frontend_pods=0), live(0)])
+    assert d.remove == [LEGACY] and d.keep == {0: True}
+
+
+@dataclass
+class Pipe:
+    index: int
+    revision: str
+    ready: bool = False
+    has_frontend: bool = True
+    frontend_pods: int = 1
+    failed: bool = False
+
+    def as_live(self) -> Live:
+        return Live(self.index, self.revision, self.has_frontend, self.frontend_pods, self.ready, self.failed)
+
+
+def step(pipes: dict[int, Pipe], decision: Decision, revision: str) -> None:
+    """What the reconciler and the cluster make of a decision until the next pass: new pipelines are
+    created (and become ready by the pass after), a drained one loses its frontend, and its frontend
+    pods go one pass later; removed ones vanish."""
+    for index in decision.remove:
+        del pipes[index]
+    for index in decision.drain:
+        p = pipes[index]
+        if not p.has_frontend:
+            p.frontend_pods = 0
+        p.has_frontend, p.ready = False, False
+    for index in decision.keep:
+        if index not in pipes:
+            pipes[index] = Pipe(index, revision)
+        elif pipes[index].has_frontend:
+            pipes[index].ready = True
+
+
+def serving(pipes: dict[int, Pipe]) -> int:
+    return sum(p.ready and p.has_frontend for p in pipes.values())
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_a_rollout_replaces_one_pipeline_at_a_time_and_never_serves_fewer_than_asked(replicas: int) -> None:
+    pipes = {i: Pipe(i, "r1", ready=True) for i in range(replicas)}
+    for _ in range(8 * replicas + 4):
+        decision = decide(replicas, "r2", [p.as_live() for p in pipes.values()])
+        new_unready = [i for i in decision.keep if i not in pipes or not pipes[i].ready]
+        assert len(new_unready) <= 1, f"more than one new pipeline at a time: {decision}"
+        # an old pipeline is drained only while the ready pipelines exceed replicas
+        step(pipes, decision, "r2")
+        assert serving(pipes) >= replicas, f"fewer than {replicas} serving after {decision}: {pipes}"
+        assert sum(p.has_frontend for p in pipes.values()) <= replicas + 1  # a surge of one
+        if all(p.revision == "r2" for p in pipes.values()) and serving(pipes) == replicas == len(pipes):
+            break
+    else:
+        pytest.fail(f"the rollout did not finish: {pipes}")
+    assert decide(replicas, "r2", [p.as_live() for p in pipes.values()]) == \
+        Decision(keep=dict.fromkeys(pipes, True))
+
+
+def test_the_first_step_of_a_rollout_is_exactly_one_new_pipeline() -> None:
+    d = decide(2, "r2", [live(0), live(1)])
+    assert d.keep == {2: True} and d.old == [0, 1] and d.drain == []
+    d = decide(2, "r2", [live(0), live(1), live(2, "r2", ready=False)])
+    assert d.keep == {2: True} and d.old == [0, 1] and d.drain == []  # wait for it to be ready
+    d = decide(2, "r2", [live(0), live(1), live(2, "r2")])
+    assert d.drain == [1] and d.old == [0] and d.keep == {2: True, 3: True}  # 3 ready > 2: one old one goes
+
+
+def test_an_old_pipeline_that_serves_nothing_goes_at_once() -> None:
+    d = decide(2, "r2", [live(0), live(1, ready=False)])
+    # its replacement and the surge start now: never more than replicas + 1 pipelines with a frontend
+    assert d.drain == [1] and d.old == [0] and d.keep == {2: True, 3: True}
+
+
+def test_without_surge_an_old_pipeline_drains_before_its_replacement_starts() -> None:
+    d = decide(2, "r2", [live(0), live(1)], max_surge=0)
+    assert d.drain == [1] and d.old == [0] and d.keep == {2: True}
+
+
+def test_a_pipeline_whose_frontend_was_never_created_is_taken_up_again() -> None:
+    """A reconcile that stopped between a pipeline's stages and its frontend (the API server refused
+    the frontend) leaves a pipeline without one: the next reconcile finishes it under the same index,
+    not removes it and starts another (which would loop: remove, create, remove ...)."""
+    unfinished = live(0, frontend=False, pods=0, ready=False)
+    assert decide(1, "r1", [unfinished]) == Decision(keep={0: True})
+    # a drained pipeline of an old revision is still removed, and one that is not missing too
+    assert decide(1, "r2", [replace(unfinished, revision="r1")]) == Decision(keep={1: True}, remove=[0])
+    assert decide(1, "r1", [live(1), unfinished]) == Decision(keep={1: True}, remove=[0])
+    # scaled down and drained, then scaled up again: the same index comes back
+    assert decide(2, "r1", [live(0), live(1, frontend=False, pods=0)]) == Decision(keep={0: True, 1: True})
