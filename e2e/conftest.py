@@ -17,6 +17,13 @@ tools/cluster/up.sh prints all of these for its local cluster:
 
 Most tests share one mesh (the `shared_mesh` fixture) to keep the run short; a test that changes
 it puts it back. Tests marked `e2e_last` (deleting the mesh, uninstalling the chart) run last.
+
+A mesh runs spec.replicas pipelines (a frontend and its own stage pods each, named <mesh>-p<k>-...)
+behind its router; a change of what a pipeline runs starts a new pipeline (a new k) beside the old
+one. So the tests find pods by labels and the pipeline status.pipelines calls Ready (imesh_e2e's
+stage_pod, frontend_pod, ready_pipeline), never by fixed names, and a test that changed a mesh waits
+for wait_settled (the old pipeline's pods gone too), not just Ready. test_replicas.py runs a mesh of
+two pipelines of its own beside the shared one.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from imesh_e2e import (
     local_serve,
     mesh_doc,
     wait_for,
-    wait_ready,
+    wait_settled,
 )
 
 SHARED_MESH = "e2e"
@@ -117,11 +124,12 @@ def mesh_namespace(settings: dict, release: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def shared_mesh(settings: dict, mesh_namespace: str) -> Iterator[dict]:
-    """The example mesh (small CPU requests), Ready; deleted at the end of the session."""
+    """The example mesh (one pipeline; small CPU requests, so a re-plan's second pipeline fits beside
+    the first), Ready; deleted at the end of the session."""
     doc = mesh_doc(settings, SHARED_MESH, small=True)
     apply(mesh_namespace, doc)
     try:
-        wait_ready(mesh_namespace, SHARED_MESH, settings["timeout"])
+        wait_settled(mesh_namespace, SHARED_MESH, settings["timeout"])
         yield {"namespace": mesh_namespace, "name": SHARED_MESH, "doc": doc}
     finally:
         delete_mesh(mesh_namespace, SHARED_MESH)

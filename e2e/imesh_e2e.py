@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "inferencemesh.yaml"
 MODEL = "imesh-code-target"
 LABEL_MESH = "inferencemesh.io/mesh"
+LABEL_PIPELINE = "inferencemesh.io/pipeline"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_STAGE = "inferencemesh.io/stage"
+FRONTEND_PORT = 8000  # the frontend's and the router's container port
 # Greedy prompts for the exactness checks: code, prose-ish, a repetitive one (n-gram friendly).
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "for i in range(10):\n    print(i)\n"]
 
@@ -74,7 +78,9 @@ def mesh_doc(settings: dict, name: str | None = None, *, small: bool = False) ->
     """examples/inferencemesh.yaml with the images (and pull policy) e2e was given.
 
     small: CPU requests of 100m instead of the example's 500m, so a 2-core test node also fits the
-    mesh at 3 stages and beside another mesh (the example's requests fill such a node)."""
+    mesh beside another mesh, and a re-plan's surge: a new revision starts a whole new pipeline
+    beside the old one (spec.rollout.maxSurge 1), twice the pods for a while (the example's requests
+    fill such a node). The example runs spec.replicas 1 (one pipeline); the router needs no request."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     if name:
         doc["metadata"]["name"] = name
@@ -117,6 +123,57 @@ def wait_ready(ns: str, name: str, timeout: float) -> dict:
     return mesh(ns, name)
 
 
+def pod_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions", []))
+
+
+def pipelines(ns: str, name: str) -> list[dict]:
+    """status.pipelines: one entry per pipeline (index, name, revision, state, ready, message, restarts)."""
+    return (mesh(ns, name).get("status") or {}).get("pipelines") or []
+
+
+def settled(ns: str, name: str) -> bool:
+    """Ready, with exactly spec.replicas pipelines, each Ready, and no pod left of any other pipeline
+    (a re-plan's old pipeline drains after the new one is Ready: Ready alone does not wait for that);
+    every pod of the mesh ready and none terminating."""
+    obj = mesh(ns, name)
+    status = obj.get("status") or {}
+    conds = {c["type"]: c for c in status.get("conditions", [])}
+    if (conds.get("Ready", {}).get("status") != "True"
+            or status.get("observedGeneration") != obj["metadata"]["generation"]):
+        return False
+    entries = status.get("pipelines") or []
+    if len(entries) != obj["spec"].get("replicas", 1) or any(e.get("state") != "Ready" for e in entries):
+        return False
+    indexes = {str(e["index"]) for e in entries}
+    for pod in pods(ns, f"{LABEL_MESH}={name}"):
+        labels = pod["metadata"].get("labels") or {}
+        if pod["metadata"].get("deletionTimestamp") or not pod_ready(pod):
+            return False
+        if labels.get(LABEL_COMPONENT) in ("stage", "frontend") and labels.get(LABEL_PIPELINE) not in indexes:
+            return False
+    return True
+
+
+def wait_settled(ns: str, name: str, timeout: float) -> dict:
+    """wait_ready, and the pipelines settled (settled()): what a test that changed the mesh waits for."""
+    wait_for(lambda: settled(ns, name), timeout,
+             f"InferenceMesh {ns}/{name} to be Ready with spec.replicas Ready pipelines and no other pods", 3)
+    return mesh(ns, name)
+
+
+def ready_pipeline(ns: str, name: str) -> int:
+    """The index of the mesh's Ready pipeline (the lowest, when several are)."""
+    ready = sorted(e["index"] for e in pipelines(ns, name) if e.get("state") == "Ready")
+    assert ready, f"no Ready pipeline in {ns}/{name}: {pipelines(ns, name)}"
+    return ready[0]
+
+
+def prefix(name: str, pipeline: int) -> str:
+    """Pipeline `pipeline`'s object-name prefix: <name>-p<k> (<name>-p<k>-stage-<i>, <name>-p<k>-frontend)."""
+    return f"{name}-p{pipeline}"
+
+
 def pods(ns: str, selector: str) -> list[dict]:
     return get_json("pods", "-n", ns, "-l", selector)["items"]
 
@@ -125,13 +182,40 @@ def running_pods(ns: str, selector: str) -> list[dict]:
     return [p for p in pods(ns, selector) if not p["metadata"].get("deletionTimestamp")]
 
 
-def stage_pod(ns: str, base: str, index: int) -> dict:
-    (pod,) = running_pods(ns, f"{LABEL_MESH}={base},app.kubernetes.io/component=stage,inferencemesh.io/stage={index}")
+def stage_pod(ns: str, base: str, index: int, pipeline: int | None = None) -> dict:
+    """Stage `index`'s pod of `pipeline` (default: the mesh's Ready pipeline, from its status)."""
+    k = ready_pipeline(ns, base) if pipeline is None else pipeline
+    (pod,) = running_pods(ns, f"{LABEL_MESH}={base},{LABEL_COMPONENT}=stage,{LABEL_PIPELINE}={k},{LABEL_STAGE}={index}")
     return pod
 
 
-def frontend_pod(ns: str, base: str) -> dict:
-    return running_pods(ns, f"{LABEL_MESH}={base},app.kubernetes.io/component=frontend")[0]
+def frontend_pod(ns: str, base: str, pipeline: int | None = None) -> dict:
+    """The frontend pod of `pipeline` (default: the mesh's Ready pipeline), a ready one first."""
+    k = ready_pipeline(ns, base) if pipeline is None else pipeline
+    found = running_pods(ns, f"{LABEL_MESH}={base},{LABEL_COMPONENT}=frontend,{LABEL_PIPELINE}={k}")
+    assert found, f"no frontend pod of pipeline {k} of {ns}/{base}"
+    return sorted(found, key=lambda p: not pod_ready(p))[0]
+
+
+def router_pod(ns: str, base: str) -> dict:
+    found = running_pods(ns, f"{LABEL_MESH}={base},{LABEL_COMPONENT}=router")
+    assert found, f"no router pod of {ns}/{base}"
+    return sorted(found, key=lambda p: not pod_ready(p))[0]
+
+
+def router_replicas(base_url: str) -> dict[str, dict]:
+    """The router's GET /router/replicas (through the endpoint Service): replica name -> its entry
+    (name: the frontend Deployment's, e.g. <mesh>-p0-frontend)."""
+    with urllib.request.urlopen(f"{base_url}/router/replicas", timeout=30) as reply:
+        return {r["name"]: r for r in json.load(reply)["replicas"]}
+
+
+def wait_router_replicas(base_url: str, count: int, timeout: float = 60) -> dict[str, dict]:
+    """Until the router routes to exactly `count` replicas (it follows the frontends' readiness
+    through EndpointSlices, a moment after the mesh's status does)."""
+    found = wait_for(lambda: (r := router_replicas(base_url)) and len(r) == count and r, timeout,
+                     f"the router to know {count} replicas")
+    return found  # type: ignore[return-value]
 
 
 def delete_mesh(ns: str, name: str) -> None:

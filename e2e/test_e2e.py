@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import time
-
 import yaml
-from imesh_e2e import free_port, get_json, kubectl, mesh_doc, wait_for
+from imesh_e2e import get_json, kubectl, mesh_doc, port_forward, wait_for, wait_router_replicas
+
+# Every kind of child a mesh has (its router brings a ServiceAccount, a Role and a RoleBinding).
+CHILD_KINDS = ("deployments,replicasets,pods,services,configmaps,networkpolicies,secrets,serviceaccounts,roles,"
+               "rolebindings")
 
 
 def ready(ns: str, name: str) -> bool:
@@ -19,19 +20,20 @@ def test_example_serves_openai_through_its_service(settings: dict, mesh_namespac
 
     ns = mesh_namespace
     doc = mesh_doc(settings)
+    assert doc["spec"]["replicas"] == 1 and "replicas" not in doc["spec"]["frontend"], doc["spec"]
     kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     name = doc["metadata"]["name"]
     try:
         wait_for(lambda: ready(ns, name), settings["timeout"], f"InferenceMesh {name} to be Ready", 5)
         status = get_json("inferencemesh", name, "-n", ns)["status"]
         assert status["phase"] == "Ready" and status["endpoint"].endswith("/v1")
-        port = free_port()
-        forward = subprocess.Popen(["kubectl", "port-forward", "-n", ns, f"svc/{name}-frontend",
-                                    f"{port}:{doc['spec']['frontend']['service']['port']}"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        try:
-            time.sleep(3)
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+        assert status["pipelinesSummary"] == "1/1" and [p["state"] for p in status["pipelines"]] == ["Ready"], status
+        header, row = kubectl("get", "inferencemesh", name, "-n", ns).splitlines()
+        cells = dict(zip(header.split(), row.split(), strict=True))
+        assert cells["PIPELINES"] == "1/1" and cells["STAGES"] == "2/2" and cells["READY"] == "True", cells
+        with port_forward(ns, f"svc/{name}-frontend", doc["spec"]["frontend"]["service"]["port"]) as base:
+            wait_router_replicas(base, 1)
+            client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
             models = [m.id for m in client.models.list().data]
             assert "imesh-code-target" in models
             reply = client.completions.create(model="imesh-code-target", prompt="def add(a, b):", max_tokens=16,
@@ -40,11 +42,7 @@ def test_example_serves_openai_through_its_service(settings: dict, mesh_namespac
             chat = client.chat.completions.create(model="imesh-code-target", max_tokens=16,
                                                   messages=[{"role": "user", "content": "Write a Python loop."}])
             assert chat.choices[0].message.content is not None
-        finally:
-            forward.terminate()
-            forward.wait(10)
     finally:
         kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=true", "--timeout=120s", check=False)
-    wait_for(lambda: not get_json("deployments,replicasets,pods,services,configmaps,networkpolicies", "-n", ns,
-                                  "-l", f"inferencemesh.io/mesh={name}")["items"], 180, "the children to be collected")
-
+    wait_for(lambda: not get_json(CHILD_KINDS, "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"], 180,
+             "the children to be collected")

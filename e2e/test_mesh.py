@@ -1,6 +1,11 @@
 """One mesh on a real cluster, looked at from every side: status, in-cluster names, the OpenAI API
 from outside and inside, exactness against a local `inferencemesh serve`, metrics, a stage lost
-mid-stream, and a re-plan to more stages. The mesh is the `shared_mesh` fixture (conftest.py)."""
+mid-stream, and a re-plan to more stages. The mesh is the `shared_mesh` fixture (conftest.py): one
+pipeline (spec.replicas 1), so its pods are <name>-p<k>-stage-<i> and <name>-p<k>-frontend, k the
+pipeline status.pipelines calls Ready (a re-plan starts a new pipeline, k changes). The endpoint
+Service <name>-frontend selects the router, which relays to the pipelines' frontends: what a test
+reads of a frontend's own /metrics it reads from the frontend pod (the router answers /metrics
+itself)."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 
 import pytest
 from imesh_e2e import (
+    FRONTEND_PORT,
+    LABEL_PIPELINE,
     MODEL,
     PROMPTS,
     ConditionWatcher,
@@ -25,17 +31,21 @@ from imesh_e2e import (
     kubectl,
     mesh,
     pod_http,
+    pod_ready,
     port_forward,
+    prefix,
+    ready_pipeline,
+    router_pod,
     run_client_pod,
     running_pods,
     stage_pod,
     wait_for,
-    wait_ready,
+    wait_router_replicas,
+    wait_settled,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai")
-FRONTEND_PORT = 8000
 
 
 def openai_client(base: str):  # noqa: ANN201
@@ -48,8 +58,9 @@ def frontend_service(m: dict) -> tuple[str, int]:
     return f"svc/{m['name']}-frontend", m["doc"]["spec"]["frontend"]["service"]["port"]
 
 
-def pod_ready(pod: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+def frontend_metrics(ns: str, name: str, pipeline: int | None = None) -> str:
+    """A frontend pod's own /metrics (through the API server's pod proxy; the Service is the router's)."""
+    return pod_http(ns, frontend_pod(ns, name, pipeline)["metadata"]["name"], FRONTEND_PORT, "/metrics")
 
 
 # ---- (1) + (2): installed, planned, Ready, wired by Service names ------------------------------
@@ -64,9 +75,9 @@ def test_the_operator_runs_ready(settings: dict, release: str) -> None:
         assert pod["spec"]["containers"][0]["image"] == settings["operator_image"]
 
 
-def test_the_mesh_is_ready_with_its_columns_filled(shared_mesh: dict) -> None:
+def test_the_mesh_is_ready_with_its_columns_filled(settings: dict, shared_mesh: dict) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    obj = mesh(ns, name)
+    obj = wait_settled(ns, name, settings["timeout"])
     status = obj["status"]
     assert status["phase"] == "Ready"
     conds = conditions(ns, name)
@@ -76,10 +87,17 @@ def test_the_mesh_is_ready_with_its_columns_filled(shared_mesh: dict) -> None:
     assert [(s["layerStart"], s["layerEnd"]) for s in status["stages"]] == [(0, 4), (4, 8)]
     assert all(s["ready"] for s in status["stages"])
     assert status["endpoint"] == f"http://{name}-frontend.{ns}.svc:{FRONTEND_PORT}/v1"
+    # One pipeline (spec.replicas 1, the example's), Ready; the /scale subresource's fields.
+    (pipeline,) = status["pipelines"]
+    assert pipeline["state"] == "Ready" and pipeline["ready"] is True, pipeline
+    assert pipeline["name"] == prefix(name, pipeline["index"]) and pipeline["revision"], pipeline
+    assert status["replicas"] == 1 and status["pipelinesSummary"] == "1/1", status
+    assert status["selector"] == f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend"
     # What `kubectl get imesh` prints: every column filled.
     header, row = kubectl("get", "inferencemesh", name, "-n", ns, "-o", "wide").splitlines()
     cells = dict(zip(header.split(), row.split(), strict=True))
     assert cells["MODEL"] == obj["spec"]["model"]["name"]
+    assert cells["PIPELINES"] == "1/1" and cells["PHASE"] == "Ready", cells
     assert cells["STAGES"] == "2/2" and cells["READY"] == "True" and cells["ENDPOINT"] == status["endpoint"]
     assert "<none>" not in row, row
 
@@ -93,7 +111,9 @@ HEALTH = "from inferencemesh.protocol.health import check; from inferencemesh.tl
 
 def test_stage_and_frontend_reach_the_next_stage_by_service_name(shared_mesh: dict) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    hops = [(stage_pod(ns, name, 0), f"{name}-stage-1"), (frontend_pod(ns, name), f"{name}-stage-0")]
+    k = ready_pipeline(ns, name)
+    hops = [(stage_pod(ns, name, 0, k), f"{prefix(name, k)}-stage-1"),
+            (frontend_pod(ns, name, k), f"{prefix(name, k)}-stage-0")]
     for pod, service in hops:
         cluster_ip = get_json("service", service, "-n", ns)["spec"]["clusterIP"]
         for address in (f"{service}.{ns}.svc:50051", f"{service}.{ns}.svc.cluster.local:50051"):
@@ -149,8 +169,8 @@ def test_models_and_status_name_the_strategy_the_frontend_runs(shared_mesh: dict
     with port_forward(ns, *frontend_service(shared_mesh)) as base:
         import httpx
 
-        (model,) = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]
-        metrics = httpx.get(f"{base}/metrics", timeout=60).text
+        (model,) = httpx.get(f"{base}/v1/models", timeout=60).json()["data"]  # relayed by the router
+    metrics = frontend_metrics(ns, name)
     served = model["inferencemesh"]["speculative"]
     running = strategy_metric(metrics)
     assert running == {served["strategy"]}, f"/v1/models says {served}, the metric says {running}"
@@ -179,15 +199,15 @@ def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: 
     prompt as hits, each stage pod holds the first request as an entry, and the stages compute
     the prompt's tokens but one fewer the second time; the answer is the same."""
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    pods = [stage_pod(ns, name, i)["metadata"]["name"] for i in range(2)]
+    k = ready_pipeline(ns, name)
+    pods = [stage_pod(ns, name, i, k)["metadata"]["name"] for i in range(2)]
 
     def stage_metrics(pod: str, metric: str) -> float:
         return counter(pod_http(ns, pod, 9090, "/metrics"), metric)
 
     prompt = PROMPTS[0] * 3
+    hits_before = counter(frontend_metrics(ns, name, k), "inferencemesh_prefix_cache_hits_total")
     with port_forward(ns, *frontend_service(shared_mesh)) as base:
-        import httpx
-
         client = openai_client(base)
         computed, answers = [], []
         for _ in range(2):
@@ -196,7 +216,8 @@ def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: 
             answers.append(reply.choices[0].text)
             computed.append([stage_metrics(pod, "inferencemesh_stage_tokens_total") - b
                              for pod, b in zip(pods, before, strict=True)])
-        hits = counter(httpx.get(f"{base}/metrics", timeout=60).text, "inferencemesh_prefix_cache_hits_total")
+    # One pipeline: the router sent both to its frontend, whose own counter says what it forked.
+    hits = counter(frontend_metrics(ns, name, k), "inferencemesh_prefix_cache_hits_total") - hits_before
     prompt_tokens = reply.usage.prompt_tokens
     assert answers[0] == answers[1]
     assert hits >= prompt_tokens - 1, f"{hits} prefix-cache hits for a {prompt_tokens}-token prompt"
@@ -209,7 +230,6 @@ def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: 
 def test_a_strict_json_schema_is_followed_through_the_pods(shared_mesh: dict) -> None:
     """Structured output on the cluster: the frontend pod's grammar masks travel to the last stage
     pod, and the answer parses and follows the schema; the frontend counts the request by kind."""
-    import httpx
     import jsonschema
 
     schema = {"type": "object", "properties": {"lang": {"enum": ["python", "rust"]},
@@ -220,7 +240,7 @@ def test_a_strict_json_schema_is_followed_through_the_pods(shared_mesh: dict) ->
             model=MODEL, messages=[{"role": "user", "content": "The service, as JSON."}], max_completion_tokens=64,
             temperature=0.7, seed=11, response_format={"type": "json_schema", "json_schema": {
                 "name": "service", "strict": True, "schema": schema}})
-        text = httpx.get(f"{base}/metrics", timeout=60).text
+    text = frontend_metrics(shared_mesh["namespace"], shared_mesh["name"])
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
     assert counter(text, "inferencemesh_structured_output_requests_total") >= 1
@@ -254,7 +274,8 @@ def test_every_pod_serves_metrics_promtool_accepts(shared_mesh: dict) -> None:
     if not shutil.which("promtool"):
         pytest.skip("promtool not installed (Debian package prometheus)")
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    targets = [stage_pod(ns, name, i) for i in range(2)] + [frontend_pod(ns, name)]
+    k = ready_pipeline(ns, name)
+    targets = [stage_pod(ns, name, i, k) for i in range(2)] + [frontend_pod(ns, name, k), router_pod(ns, name)]
     for pod in targets:
         advertised = pod["metadata"]["annotations"]
         assert advertised.get("prometheus.io/scrape") == "true"
@@ -263,6 +284,8 @@ def test_every_pod_serves_metrics_promtool_accepts(shared_mesh: dict) -> None:
         assert port in declared, f"{pod['metadata']['name']}: metrics port {port} not among {declared}"
         text = pod_http(ns, pod["metadata"]["name"], port, advertised.get("prometheus.io/path", "/metrics"))
         assert "inferencemesh_" in text
+        if pod["metadata"]["labels"]["app.kubernetes.io/component"] == "router":
+            assert "inferencemesh_router_ready_replicas" in text, text[:2000]
         proc = promtool_check(text)
         assert proc.returncode == 0, f"{pod['metadata']['name']}:{port}: {proc.stdout}{proc.stderr}"
 
@@ -293,9 +316,10 @@ def test_a_stage_lost_mid_stream_changes_nothing_in_the_answer(how: str, setting
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
     if how == "sigkill-container" and not settings["containerd_address"]:
         pytest.skip("needs IMESH_E2E_CONTAINERD_ADDRESS (the tests run on the node, e.g. tools/cluster/up.sh)")
-    wait_ready(ns, name, settings["timeout"])
+    wait_settled(ns, name, settings["timeout"])
+    k = ready_pipeline(ns, name)
     index = 1 if how == "delete-pod" else 0
-    victim = stage_pod(ns, name, index)
+    victim = stage_pod(ns, name, index, k)
     started = time.time()
 
     def disrupt() -> None:
@@ -331,19 +355,26 @@ def test_a_stage_lost_mid_stream_changes_nothing_in_the_answer(how: str, setting
             raise AssertionError(f"the stream failed ({failed}); stage {index} was back after {away}") from failed
         assert disturbed == undisturbed
         # The frontend really carried the request over a lost stage (not a stream that finished first).
-        logs = kubectl("logs", "-n", ns, frontend_pod(ns, name)["metadata"]["name"],
+        logs = kubectl("logs", "-n", ns, frontend_pod(ns, name, k)["metadata"]["name"],
                        f"--since={int(time.time() - started) + 5}s")
         assert "recovered in" in logs, logs[-2000:]
         assert ("Degraded", "True") in watch.seen, f"Degraded never showed: {watch.seen}"
-        # And the next request is served normally.
+        # A lost stage is no new revision: the same pipeline serves on.
+        assert ready_pipeline(ns, name) == k
+        # And the next request is served normally (once the router routes to the frontend again:
+        # the frontend was unready while its stage was away).
+        wait_router_replicas(base, 1)
         assert undisturbed.startswith(greedy(client, LONG_PROMPT, max_tokens=8))
     if how == "delete-pod":
-        assert stage_pod(ns, name, index)["metadata"]["name"] != victim["metadata"]["name"]
+        assert stage_pod(ns, name, index, k)["metadata"]["name"] != victim["metadata"]["name"]
     else:
-        assert stage_pod(ns, name, index)["status"]["containerStatuses"][0]["restartCount"] >= 1
+        assert stage_pod(ns, name, index, k)["status"]["containerStatuses"][0]["restartCount"] >= 1
 
 
 # ---- (6): more stages -----------------------------------------------------------------------------
+# A re-plan is a new revision: a new pipeline (the lowest free index) starts beside the old one
+# (spec.rollout.maxSurge 1, the default), and the old one drains once the new one is Ready. The
+# shared mesh has CPU requests of 100m (mesh_doc(small=True)), so the surge fits the 2-core node.
 
 def scale(ns: str, name: str, count: int) -> None:
     patch = json.dumps({"spec": {"stages": {"count": count}}})
@@ -354,31 +385,49 @@ def stage_pods(ns: str, name: str) -> list[dict]:
     return running_pods(ns, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=stage")
 
 
+def pipeline_pod_names(ns: str, name: str, pipeline: int) -> set[str]:
+    """Every pod (stages and frontend, terminating ones included) of one pipeline."""
+    items = get_json("pods", "-n", ns, "-l", f"inferencemesh.io/mesh={name},{LABEL_PIPELINE}={pipeline}")["items"]
+    return {p["metadata"]["name"] for p in items}
+
+
+def owned_names(ns: str, kind: str, name: str) -> set[str]:
+    return {o["metadata"]["name"] for o in get_json(kind, "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]}
+
+
+@pytest.mark.timeout(1500)  # two re-plans, each a new pipeline loading beside the old one on 2 cores
 def test_three_stages_replan_and_answer_the_same(settings: dict, shared_mesh: dict, reference: dict[str, str]) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    wait_ready(ns, name, settings["timeout"])
-    before = {p["metadata"]["name"] for p in stage_pods(ns, name)}
+    wait_settled(ns, name, settings["timeout"])
+    old = ready_pipeline(ns, name)
+    before = pipeline_pod_names(ns, name, old)
     scale(ns, name, 3)
     try:
-        status = wait_ready(ns, name, settings["timeout"])["status"]
+        # Settled: the new pipeline Ready, the old one drained and its pods gone.
+        status = wait_settled(ns, name, settings["timeout"])["status"]
+        (entry,) = status["pipelines"]
+        new = entry["index"]
+        assert new != old, f"a re-plan must start a new pipeline, still {old}: {status['pipelines']}"
         ranges = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]
         assert len(ranges) == 3 and ranges[0][0] == 0 and ranges[-1][1] == 8
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), ranges
         assert status["stagesSummary"] == "3/3"
-        wait_for(lambda: not before & {p["metadata"]["name"] for p in pods_all(ns, name)}, 180,
-                 "the old stage pods to go")
+        assert not pipeline_pod_names(ns, name, old) and not before & pipeline_pod_names(ns, name, new)
         now = stage_pods(ns, name)
         assert len(now) == 3 and all(pod_ready(p) for p in now)
+        assert {p["metadata"]["labels"][LABEL_PIPELINE] for p in now} == {str(new)}
         assert sorted(p["metadata"]["labels"]["inferencemesh.io/stage"] for p in now) == ["0", "1", "2"]
-        # The frontend rolls to the new stage list too; until the old pod is gone, a port-forward
-        # to the Service may still pick it, and it answers for a pipeline that no longer exists.
-        wait_for(lambda: frontends_all_on(ns, name, 3), 300, "every frontend pod to run the 3-stage pipeline")
+        deps = owned_names(ns, "deployments", name)
+        assert {f"{prefix(name, new)}-stage-{i}" for i in range(3)} | {f"{prefix(name, new)}-frontend"} <= deps, deps
+        assert not [d for d in deps if d.startswith(f"{prefix(name, old)}-")], deps
+        assert frontends_all_on(ns, name, 3)
         with port_forward(ns, *frontend_service(shared_mesh)) as base:
+            assert set(wait_router_replicas(base, 1)) == {f"{prefix(name, new)}-frontend"}
             client = openai_client(base)
             assert {prompt: greedy(client, prompt) for prompt in PROMPTS} == reference
     finally:
-        scale(ns, name, 2)  # put the shared mesh back
-        wait_ready(ns, name, settings["timeout"])
+        scale(ns, name, 2)  # put the shared mesh back (one more new pipeline)
+        wait_settled(ns, name, settings["timeout"])
     assert len(mesh(ns, name)["status"]["stages"]) == 2
 
 
@@ -393,50 +442,47 @@ def frontends_all_on(ns: str, name: str, stages: int) -> bool:
                                          and stages_of(p) == stages for p in fronts["items"])
 
 
-def pods_all(ns: str, name: str) -> list[dict]:
-    return get_json("pods", "-n", ns, "-l", f"inferencemesh.io/mesh={name},app.kubernetes.io/component=stage")["items"]
-
-
-def deployments(ns: str, name: str) -> set[str]:
-    items = get_json("deployments", "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]
-    return {d["metadata"]["name"] for d in items}
-
-
+@pytest.mark.timeout(1500)  # two re-plans (on and off), each a new pipeline
 def test_an_embedded_first_stage_serves_the_same_without_a_stage_0_pod(
         settings: dict, shared_mesh: dict, reference: dict[str, str]) -> None:
-    """spec.frontend.embedFirstStage: stage 0's layers move into the frontend pod. No stage-0
-    Deployment or Service is left, stage 1 takes the frontend's batches, the answers are those
-    of `inferencemesh serve`, and stage 0's metrics come from the frontend's /metrics."""
+    """spec.frontend.embedFirstStage: stage 0's layers move into the frontend pod. The new pipeline
+    has no stage-0 Deployment or Service, its stage 1 takes the frontend's batches, the answers are
+    those of `inferencemesh serve`, and stage 0's metrics come from the frontend's /metrics."""
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    wait_ready(ns, name, settings["timeout"])
+    wait_settled(ns, name, settings["timeout"])
+    old = ready_pipeline(ns, name)
     patch = json.dumps({"spec": {"frontend": {"embedFirstStage": True}}})
     kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", patch)
     try:
-        wait_for(lambda: f"{name}-stage-0" not in deployments(ns, name), 120, "the stage-0 Deployment to go")
-        status = wait_ready(ns, name, settings["timeout"])["status"]
+        status = wait_settled(ns, name, settings["timeout"])["status"]
+        new = ready_pipeline(ns, name)
+        assert new != old, f"embedding stage 0 is a new revision: a new pipeline, still {old}"
+        p = prefix(name, new)
         assert [s.get("embedded", False) for s in status["stages"]] == [True, False]
-        services = {s["metadata"]["name"] for s in get_json("services", "-n", ns, "-l",
-                                                             f"inferencemesh.io/mesh={name}")["items"]}
-        assert f"{name}-stage-0" not in services and f"{name}-stage-1" in services
-        wait_for(lambda: [p["metadata"]["labels"]["inferencemesh.io/stage"] for p in stage_pods(ns, name)] == ["1"],
-                 180, "only stage 1's pod to run")
-        front = wait_for(lambda: next((p for p in running_pods(
-            ns, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend")
-            if "--first-stage-layers" in p["spec"]["containers"][0]["args"] and pod_ready(p)), None), 300,
-            "a ready frontend pod that holds stage 0")
+        deps = owned_names(ns, "deployments", name)
+        assert f"{p}-stage-0" not in deps and {f"{p}-stage-1", f"{p}-frontend"} <= deps, deps
+        assert not [d for d in deps if d.startswith(f"{prefix(name, old)}-")], deps
+        services = owned_names(ns, "services", name)
+        assert f"{p}-stage-0" not in services and f"{p}-stage-1" in services, services
+        assert not [s for s in services if s.startswith(f"{prefix(name, old)}-")], services
+        assert [(q["metadata"]["labels"][LABEL_PIPELINE], q["metadata"]["labels"]["inferencemesh.io/stage"])
+                for q in stage_pods(ns, name)] == [(str(new), "1")]
+        front = frontend_pod(ns, name, new)
+        assert pod_ready(front)
         args = front["spec"]["containers"][0]["args"]
+        assert "--first-stage-layers" in args, args
         start, end = (int(x) for x in args[args.index("--first-stage-layers") + 1].split(":"))
         assert (start, end) == (status["stages"][0]["layerStart"], status["stages"][0]["layerEnd"])
         with port_forward(ns, *frontend_service(shared_mesh)) as base:
+            wait_router_replicas(base, 1)
             client = openai_client(base)
             assert {prompt: greedy(client, prompt) for prompt in PROMPTS} == reference
-            families = text_string_to_metric_families(urllib.request.urlopen(f"{base}/metrics", timeout=30).read()
-                                                      .decode())
-            stages = {s.labels.get("stage") for f in families if f.name == "inferencemesh_stage_tokens"
-                      for s in f.samples}
-            assert stages == {"0"}
+        families = text_string_to_metric_families(frontend_metrics(ns, name, new))
+        stages = {s.labels.get("stage") for f in families if f.name == "inferencemesh_stage_tokens"
+                  for s in f.samples}
+        assert stages == {"0"}
     finally:
         patch = json.dumps({"spec": {"frontend": {"embedFirstStage": False}}})
         kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge", "-p", patch)
-        wait_for(lambda: f"{name}-stage-0" in deployments(ns, name), 120, "the stage-0 Deployment to return")
-        wait_ready(ns, name, settings["timeout"])
+        wait_settled(ns, name, settings["timeout"])
+    assert f"{prefix(name, ready_pipeline(ns, name))}-stage-0" in owned_names(ns, "deployments", name)

@@ -199,6 +199,8 @@ def test_moe_checkpoint_from_a_pvc_serves_transformers_greedy_text(settings: dic
         status = mesh(ns, NAME)["status"]
         (a, b), (c, d) = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]  # two stages, planned
         assert a == 0 and b == c and d == MOE_CONFIG["num_hidden_layers"], status["stages"]
+        # One pipeline (spec.replicas defaults to the example's 1): the claim is mounted by its pods.
+        assert status["pipelinesSummary"] == "1/1", status.get("pipelines")
 
         image = settings["frontend_image"] or frontend_pod(ns, NAME)["spec"]["containers"][0]["image"]
         got = run_client_pod(ns, "imesh-e2e-moe-client", image, settings["pull_policy"], status["endpoint"],

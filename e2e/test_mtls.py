@@ -3,8 +3,15 @@ stage and per frontend, the stages accept only this mesh's certificates, the fro
 mutual TLS with the operator's certificates, and the certificates rotate (a shortened lifetime).
 
 The probes run inside the mesh's own frontend pod (`kubectl exec`), where the stage Services resolve
-and the pod's certificate is mounted. "Another mesh" is a real second InferenceMesh with no pods
-(its only stage is embedded in a frontend scaled to 0): the operator still issues its certificates.
+and the pod's certificate is mounted. Certificates are per pipeline component: <name>-p<k>-stage-<i>-tls
+and <name>-p<k>-frontend-tls, k the Ready pipeline (status.pipelines); the CA is the mesh's, <name>-ca.
+
+"Another mesh" is a real second InferenceMesh that runs nothing: one pipeline (spec.replicas 1) whose
+only stage is embedded in its frontend, and whose frontend and router pods may only go to a node that
+does not exist (nodeSelector), so they stay Pending. The operator issues certificates for the
+components of the pipelines it runs, whether their pods are scheduled or not, so that pipeline's
+frontend certificate exists. (With spec.replicas 0 no pipeline exists and the operator issues only
+the mesh's CA, <name>-ca: no leaf certificate to attack with, hence replicas 1 here.)
 """
 
 from __future__ import annotations
@@ -24,14 +31,19 @@ from imesh_e2e import (
     greedy,
     kubectl,
     mesh_doc,
+    pods,
     port_forward,
+    prefix,
+    ready_pipeline,
     wait_for,
     wait_ready,
+    wait_settled,
 )
 
 openai = pytest.importorskip("openai")
 TLS_MOUNT = "/etc/inferencemesh/tls"
 OTHER_MESH = "e2e-other"
+NOWHERE = {"inferencemesh.io/e2e-no-such-node": "true"}  # a nodeSelector no node matches
 
 # Run in a mesh pod: try one stage with no TLS, with the pod's own certificate, and with another
 # certificate and key (argv: address, server name, base64 cert, base64 key, base64 trust roots or "-"
@@ -53,10 +65,12 @@ def secret_data(ns: str, name: str) -> dict[str, bytes]:
 
 
 def tls_hashes(ns: str, name: str) -> dict[str, str]:
-    """Each Deployment of the mesh -> the certificate hash on its pod template."""
+    """Each Deployment of the mesh that mounts a certificate (stages and frontends; the router mounts
+    none) -> the certificate hash on its pod template."""
     items = get_json("deployments", "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]
-    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["inferencemesh.io/tls-hash"]
-            for d in items}
+    found = {d["metadata"]["name"]: (d["spec"]["template"]["metadata"].get("annotations") or {})
+             .get("inferencemesh.io/tls-hash") for d in items}
+    return {k: v for k, v in found.items() if v}
 
 
 def probe(ns: str, pod: str, address: str, cert: bytes, key: bytes, roots: bytes | None) -> dict[str, bool]:
@@ -69,15 +83,24 @@ def probe(ns: str, pod: str, address: str, cert: bytes, key: bytes, roots: bytes
 
 @pytest.fixture(scope="module")
 def other_mesh(settings: dict, shared_mesh: dict) -> Iterator[dict[str, bytes]]:
-    """A second mesh's frontend certificate (tls.crt, tls.key, ca.crt), issued by the operator."""
+    """A second mesh's frontend certificate (tls.crt, tls.key, ca.crt), issued by the operator for
+    its pipeline 0 (a new mesh's first pipeline), whose pods never run (see the module's docstring)."""
     ns = shared_mesh["namespace"]
     doc = mesh_doc(settings, OTHER_MESH, small=True)
+    doc["spec"]["replicas"] = 1
     doc["spec"]["stages"]["count"] = 1
-    doc["spec"]["frontend"].update(embedFirstStage=True, replicas=0)
+    doc["spec"]["frontend"].update(embedFirstStage=True, nodeSelector=NOWHERE)
+    doc["spec"]["router"] = {"nodeSelector": NOWHERE}
     apply(ns, doc)
     try:
-        yield wait_for(lambda: secret_data(ns, f"{OTHER_MESH}-frontend-tls"), 120,  # type: ignore[misc]
-                       "the other mesh's certificate")
+        certificate = wait_for(lambda: secret_data(ns, f"{prefix(OTHER_MESH, 0)}-frontend-tls"), 120,
+                               "the other mesh's certificate")
+        # the leaf's trust bundle starts with the other mesh's own signing CA
+        assert certificate["ca.crt"].startswith(secret_data(ns, f"{OTHER_MESH}-ca")["ca.crt"])  # type: ignore[index]
+        running = [p["metadata"]["name"] for p in pods(ns, f"inferencemesh.io/mesh={OTHER_MESH}")
+                   if (p.get("status") or {}).get("phase") not in (None, "Pending")]
+        assert not running, f"the other mesh should run nothing: {running}"
+        yield certificate  # type: ignore[misc]
     finally:
         delete_mesh(ns, OTHER_MESH)
 
@@ -85,12 +108,13 @@ def other_mesh(settings: dict, shared_mesh: dict) -> Iterator[dict[str, bytes]]:
 def test_stages_refuse_plaintext_and_another_meshs_certificate(settings: dict, shared_mesh: dict,
                                                                other_mesh: dict[str, bytes]) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    wait_ready(ns, name, settings["timeout"])  # an earlier test may have left it rolling
+    wait_settled(ns, name, settings["timeout"])  # an earlier test may have left it rolling
+    k = ready_pipeline(ns, name)
     ours = secret_data(ns, f"{name}-ca")
     assert other_mesh["ca.crt"] != ours["ca.crt"]  # each mesh has a CA of its own
-    pod = frontend_pod(ns, name)["metadata"]["name"]
+    pod = frontend_pod(ns, name, k)["metadata"]["name"]
     for stage in (0, 1):
-        address = f"{name}-stage-{stage}.{ns}.svc:50051"
+        address = f"{prefix(name, k)}-stage-{stage}.{ns}.svc:50051"
         # the other mesh's certificate, trusting this mesh's CA (as an attacker who read the CA would)
         seen = probe(ns, pod, address, other_mesh["tls.crt"], other_mesh["tls.key"], None)
         assert seen == {"plaintext": False, "own": True, "other": False}, (address, seen)
@@ -101,16 +125,18 @@ def test_stages_refuse_plaintext_and_another_meshs_certificate(settings: dict, s
 
 def test_the_frontend_serves_over_mtls_with_the_operators_certificates(settings: dict, shared_mesh: dict) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
-    wait_ready(ns, name, settings["timeout"])
-    frontend = get_json("deployment", f"{name}-frontend", "-n", ns)["spec"]["template"]
+    wait_settled(ns, name, settings["timeout"])
+    k = ready_pipeline(ns, name)
+    component = f"{prefix(name, k)}-frontend"
+    frontend = get_json("deployment", component, "-n", ns)["spec"]["template"]
     volumes = {v["name"]: v for v in frontend["spec"]["volumes"]}
-    assert volumes["tls"]["secret"]["secretName"] == f"{name}-frontend-tls"
+    assert volumes["tls"]["secret"]["secretName"] == f"{component}-tls"
     args = frontend["spec"]["containers"][0]["args"]
     assert args[args.index("--tls-dir") + 1] == TLS_MOUNT
     # the running pod holds exactly the operator's certificate
-    pod = frontend_pod(ns, name)["metadata"]["name"]
+    pod = frontend_pod(ns, name, k)["metadata"]["name"]
     mounted = exec_python(ns, pod, "import sys; sys.stdout.write(open(sys.argv[1]).read())", f"{TLS_MOUNT}/tls.crt")
-    assert mounted.stdout.encode() == secret_data(ns, f"{name}-frontend-tls")["tls.crt"], mounted.stderr
+    assert mounted.stdout.encode() == secret_data(ns, f"{component}-tls")["tls.crt"], mounted.stderr
     # and answers through stages that let in nothing but this mesh's certificates (previous test)
     with port_forward(ns, f"svc/{name}-frontend", shared_mesh["doc"]["spec"]["frontend"]["service"]["port"]) as base:
         from openai import OpenAI
@@ -125,8 +151,11 @@ def test_the_frontend_serves_over_mtls_with_the_operators_certificates(settings:
 def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_mesh: dict) -> None:
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
     lifetime = 180  # seconds: renewed every 120 s, time enough for the pods to roll in between
-    components = [f"{name}-stage-0", f"{name}-stage-1", f"{name}-frontend"]
-    wait_ready(ns, name, settings["timeout"])
+    wait_settled(ns, name, settings["timeout"])
+    # A renewal rolls the pods in place: the certificate is no part of a pipeline's revision, so
+    # the same pipeline (and its component names) serves throughout.
+    k = ready_pipeline(ns, name)
+    components = [f"{prefix(name, k)}-stage-0", f"{prefix(name, k)}-stage-1", f"{prefix(name, k)}-frontend"]
     before = {c: secret_data(ns, f"{c}-tls")["tls.crt"] for c in components}
     hashes = tls_hashes(ns, name)
     patch = {"spec": {"security": {"certificateLifetime": f"{lifetime}s"}}}
@@ -140,6 +169,7 @@ def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_me
             before = {c: secret_data(ns, f"{c}-tls")["tls.crt"] for c in components}
             hashes = tls_hashes(ns, name)
             wait_ready(ns, name, settings["timeout"])
+            assert ready_pipeline(ns, name) == k, "a certificate renewal started a new pipeline"
             with port_forward(ns, f"svc/{name}-frontend",
                               shared_mesh["doc"]["spec"]["frontend"]["service"]["port"]) as base:
                 from openai import OpenAI

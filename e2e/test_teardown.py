@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from imesh_e2e import get_json, kubectl, wait_for
 
-CHILD_KINDS = "deployments,replicasets,pods,services,configmaps,networkpolicies,secrets"
+# The router's ServiceAccount, Role and RoleBinding are children too.
+CHILD_KINDS = ("deployments,replicasets,pods,services,configmaps,networkpolicies,secrets,serviceaccounts,roles,"
+               "rolebindings")
 
 
 @pytest.mark.e2e_last
@@ -15,7 +17,11 @@ def test_deleting_the_mesh_collects_every_child(shared_mesh: dict) -> None:
     selector = f"inferencemesh.io/mesh={name}"
     children = get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"]
     kinds = {c["kind"] for c in children}
-    assert {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy", "Secret"} <= kinds, kinds
+    assert {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy", "Secret", "ServiceAccount",
+            "Role", "RoleBinding"} <= kinds, kinds
+    components = {(c["metadata"].get("labels") or {}).get("app.kubernetes.io/component") for c in children
+                  if c["kind"] == "Pod"}
+    assert {"stage", "frontend", "router"} <= components, components
     kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=true", "--timeout=120s")
     wait_for(lambda: not get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"], 240,
              "every child of the mesh to be garbage-collected")
