@@ -218,6 +218,19 @@ def test_metrics_parse_and_pass_promtool(two) -> None:
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_docs_list_every_router_series() -> None:
+    """docs/metrics.md names every series the router's registry exports (counters as _total)."""
+    from pathlib import Path
+
+    from inferencemesh.router.metrics import RouterMetrics
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    names = [family.name + ("_total" if family.type == "counter" else "")
+             for family in RouterMetrics().registry.collect()]
+    assert len(names) == 9 and all(name.startswith("inferencemesh_router_") for name in names), names
+    assert [name for name in names if f"`{name}" not in docs] == []
+
+
 def test_importing_the_router_loads_no_torch() -> None:
     code = ("import sys, inferencemesh.router.app, inferencemesh.programs.router; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
@@ -225,35 +238,65 @@ def test_importing_the_router_loads_no_torch() -> None:
     assert out.strip() == "[]"
 
 
+@contextlib.contextmanager
+def router_program(*frontends: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`inferencemesh router` as a process, ready (its /ready 200); killed on the way out if it still runs."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "router", "--host", "127.0.0.1",
+                             "--port", str(port), "--frontends", ",".join(frontends)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/ready").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_router_program_stops_on_sigterm_after_its_streams() -> None:
-    """`inferencemesh router` as a pod runs it: SIGTERM lets a stream in flight finish, then it exits 0."""
+    """`inferencemesh router` as a pod runs it: SIGTERM lets a stream in flight finish, then it exits 0
+    (not -15: uvicorn's re-raising of the signal is off, programs.router.RouterServer)."""
     import signal
 
-    with upstreams("a") as (a,):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "inferencemesh", "router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--frontends", a.url], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/ready").status_code == 200:
-                        break
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
-            payload = {"prompt": "p", "stream": True, "chunks": 8, "delay": 0.1}
-            with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=10) as response:
-                chunks = response.iter_raw()
-                first = next(chunks)
-                proc.send_signal(signal.SIGTERM)
+    with upstreams("a") as (a,), router_program(a.url) as (base, proc):
+        payload = {"prompt": "p", "stream": True, "chunks": 8, "delay": 0.1}
+        with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=10) as response:
+            chunks = response.iter_raw()
+            first = next(chunks)
+            proc.send_signal(signal.SIGTERM)
+            rest = b"".join(chunks)
+        assert (first + rest).endswith(b"data: [DONE]\n\n")
+        assert proc.wait(15) == 0, proc.stdout.read()
+
+
+def test_a_second_signal_stops_the_router_at_once() -> None:
+    """SIGTERM, then SIGINT (a second Ctrl-C) while a long stream runs: the router stops now, the
+    stream is cut, and it still exits 0."""
+    import signal
+
+    with upstreams("a") as (a,), router_program(a.url) as (base, proc):
+        payload = {"prompt": "p", "stream": True, "chunks": 100, "delay": 0.2}  # 20 s
+        with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=10) as response:
+            chunks = response.iter_raw()
+            next(chunks)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.poll() is None  # the stream holds it
+            started = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(httpx.HTTPError):
                 rest = b"".join(chunks)
-            assert (first + rest).endswith(b"data: [DONE]\n\n")
-            assert proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+                assert not rest.endswith(b"data: [DONE]\n\n")
+        assert proc.wait(10) == 0, proc.stdout.read()
+        assert time.monotonic() - started < 5
 
 
 def test_a_kept_alive_connection_the_replica_closed_is_replaced() -> None:

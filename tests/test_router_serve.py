@@ -3,8 +3,10 @@ as a user runs it, with the official openai client."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +78,25 @@ def test_two_replicas_behind_the_router() -> None:
         assert 'inferencemesh_router_prefix_affinity_hits_total{replica=' in metrics
         # each pipeline's frontend answers on its own port too
         assert all(httpx.get(f"{url}/ready").status_code == 200 for _, url in frontends)
-    # serving() stopped serve (SIGINT): nothing it started is left
+
+        # Ctrl-C with a long stream in flight: the router holds the stop for it (it goes first);
+        # a second Ctrl-C stops everything at once, the stream cut
+        stream = iter(client.completions.create(model=model, prompt="def long(", max_tokens=400, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        next(stream)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None, "".join(lines)
+        assert "Ctrl-C again to stop at once" in "".join(lines)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0, "".join(lines)
+        assert time.monotonic() - started < 10
+        finished: list[str] = []
+        with contextlib.suppress(Exception):  # the cut connection: the openai client's error or httpx's
+            finished += [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+        assert "length" not in finished  # cut, not run to its 400 tokens
+    # nothing serve started is left
     assert proc.returncode is not None
     deadline = time.monotonic() + 10
     while any(os.path.exists(f"/proc/{c}") for c in children):

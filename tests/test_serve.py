@@ -8,8 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
+from inferencemesh.programs.serve import ManagedProcess, stop_mesh, stop_processes
 from inferencemesh.protocol.health import check
 from inferencemesh.protocol.transport import message_limit
 from inferencemesh.tls import TlsMaterial
@@ -148,14 +151,122 @@ def test_stages_refuse_plaintext_and_take_the_runs_certificates(served) -> None:
     assert root == Path(dirs["frontend"]).parent and root.stat().st_mode & 0o777 == 0o700
 
 
-def test_ctrl_c_stops_every_process(served) -> None:
-    _, proc, lines = served
+def test_ctrl_c_lets_a_stream_finish_then_stops_every_process(served) -> None:
+    """Ctrl-C while a stream runs: the frontend drains (the stream gets every token), then the
+    stages stop, serve exits 0 and leaves nothing behind."""
+    base, proc, lines = served
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
     assert len(children.split()) == 2  # stage 1 and the frontend, which holds stage 0
     certificates = Path(tls_dirs_of_children(proc.pid)["stage"]).parent
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    stream = iter(client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=64, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     proc.send_signal(signal.SIGINT)
+    finished = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+    assert finished == ["length"], "".join(lines)  # all 64 tokens: the stop waited for them
     assert proc.wait(60) == 0, "".join(lines)
+    text = "".join(lines)
+    assert "draining: 1 request(s) in flight" in text and "Ctrl-C again to stop at once" in text, text
     time.sleep(1)
     for pid in children.split():
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     assert not certificates.exists()  # the run's keys go with it
+
+
+# ---- the stop's order and its second Ctrl-C, on stand-in processes (no model) ----------------
+
+# A stand-in for a frontend, stage or router: on SIGTERM it notes the time, stays `grace` seconds
+# (a drain, the router's open streams), notes the time again and exits 0.
+STAND_IN = r"""
+import signal, sys, time
+log, name, grace = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def note(what):
+    with open(log, "a") as out:
+        out.write(f"{name} {what} {time.monotonic()}\n")
+def term(*_):
+    note("term")
+    time.sleep(grace)
+    note("exit")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+note("up")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def stand_in(log: Path, name: str, grace: float) -> ManagedProcess:
+    proc = ManagedProcess(name, [sys.executable, "-c", STAND_IN, str(log), name, str(grace)])
+    proc.start()
+    return proc
+
+
+def wait_up(log: Path, names: list[str]) -> None:
+    deadline = time.monotonic() + 30
+    while not all(f"{name} up" in (log.read_text() if log.exists() else "") for name in names):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def events(log: Path) -> dict[tuple[str, str], float]:
+    return {(name, what): float(at) for name, what, at in (line.split() for line in log.read_text().splitlines())}
+
+
+def stand_in_mesh(log: Path, *, frontend_grace: float, drain_timeout: float) -> tuple[ManagedProcess, list]:
+    """A router and two pipelines (a frontend and two stages each) of stand-ins, all up."""
+    router = stand_in(log, "router", 0.5)
+    pipelines = [SimpleNamespace(frontend=stand_in(log, f"frontend-{r}", frontend_grace), drain_timeout=drain_timeout,
+                                 stages=SimpleNamespace(processes=[stand_in(log, f"stage-{r}-{i}", 0.0)
+                                                                   for i in range(2)]))
+                 for r in range(2)]
+    wait_up(log, ["router", "frontend-0", "frontend-1", "stage-0-0", "stage-0-1", "stage-1-0", "stage-1-1"])
+    return router, pipelines
+
+
+def everything(router: ManagedProcess, pipelines: list) -> list[ManagedProcess]:
+    return [router, *(p.frontend for p in pipelines), *(s for p in pipelines for s in p.stages.processes)]
+
+
+def test_the_stop_goes_router_then_frontends_then_stages(tmp_path: Path) -> None:
+    """The router finishes its streams before a frontend is told to drain, and every frontend has
+    drained before a stage is stopped; all exit on their own (0), none is left."""
+    log = tmp_path / "log"
+    router, pipelines = stand_in_mesh(log, frontend_grace=0.5, drain_timeout=30)
+    stop_mesh(router, pipelines)
+    seen = events(log)
+    frontends = [f"frontend-{r}" for r in range(2)]
+    stages = [f"stage-{r}-{i}" for r in range(2) for i in range(2)]
+    assert all(seen["router", "exit"] <= seen[f, "term"] for f in frontends), seen
+    assert all(seen[f, "exit"] <= seen[s, "term"] for f in frontends for s in stages), seen
+    assert abs(seen["frontend-0", "term"] - seen["frontend-1", "term"]) < 0.4  # drained together, not in turn
+    assert all(proc.returncode == 0 for proc in everything(router, pipelines))
+
+
+def test_a_second_ctrl_c_kills_what_is_left_at_once(tmp_path: Path) -> None:
+    """Frontends that would drain for 60 s: the hurry (serve's second signal) kills them, and the
+    stages after them, without waiting."""
+    log = tmp_path / "log"
+    router, pipelines = stand_in_mesh(log, frontend_grace=60, drain_timeout=60)
+    hurry = threading.Event()
+    threading.Timer(1.0, hurry.set).start()
+    started = time.monotonic()
+    stop_mesh(router, pipelines, hurry.is_set)
+    assert time.monotonic() - started < 5
+    assert router.returncode == 0
+    assert [p.frontend.returncode for p in pipelines] == [-signal.SIGKILL] * 2
+    assert not any(proc.alive() for proc in everything(router, pipelines))
+    for proc in everything(router, pipelines):
+        assert not os.path.exists(f"/proc/{proc.process.pid}")  # reaped, not a zombie
+
+
+def test_a_process_that_outlasts_its_grace_is_killed(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    slow = stand_in(log, "slow", 60)
+    quick = stand_in(log, "quick", 0)
+    wait_up(log, ["slow", "quick"])
+    started = time.monotonic()
+    stop_processes([slow, quick], timeout=1.0)
+    assert 1.0 <= time.monotonic() - started < 4
+    assert (slow.returncode, quick.returncode) == (-signal.SIGKILL, 0)

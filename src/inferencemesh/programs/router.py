@@ -1,23 +1,41 @@
 """`inferencemesh router`: one OpenAI endpoint in front of N replicas' frontends (inferencemesh.router).
 
 SIGTERM (and Ctrl-C) is uvicorn's graceful shutdown: the router stops accepting, lets the requests
-in flight finish (streams included, up to GRACEFUL_SHUTDOWN_S) and exits.
+in flight finish (streams included, up to GRACEFUL_SHUTDOWN_S) and exits 0 (RouterServer); a second
+signal stops it at once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import signal
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from inferencemesh.config import RouterConfig
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 # Within a pod's default 30 s termination grace period.
 GRACEFUL_SHUTDOWN_S = 25
 
 
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, but a graceful stop is a clean exit: uvicorn records the signals it
+    handled and re-raises them once it has served (the process then dies of SIGTERM, status
+    -15, or raises KeyboardInterrupt); this one does not record them, so `inferencemesh router`
+    exits 0 after its streams finished (as the frontend's DrainingServer does). A second
+    signal, SIGTERM or SIGINT, stops it at once (uvicorn's own: a second SIGINT only)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig in (signal.SIGINT, signal.SIGTERM):
+            self.force_exit = True
+        self.should_exit = True
+
+
 def router_server(config: RouterConfig, **settings: Any) -> Any:
     """The uvicorn server of a router (tests run it in a thread)."""
-    import uvicorn
-
     from inferencemesh.http_server import server_config
     from inferencemesh.router.app import create_router
 
@@ -29,7 +47,7 @@ def router_server(config: RouterConfig, **settings: Any) -> Any:
                                "server_header": False, "date_header": False, "lifespan": "on",
                                "proxy_headers": False,
                                "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S, **settings}
-    return uvicorn.Server(server_config(app, **options))
+    return RouterServer(server_config(app, **options))
 
 
 def run_router(config: RouterConfig) -> int:

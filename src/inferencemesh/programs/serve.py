@@ -7,6 +7,12 @@ be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this 
 whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
 and tests start.
 
+The stop (stop_mesh) lets the requests in flight finish, outermost process first: the router
+(with --replicas N) finishes its open streams, then the frontends drain (each up to its
+--drain-timeout), then the stages stop; each step's processes get SIGTERM together and are
+killed if they outlast their grace. A second Ctrl-C (or any stop signal during the stop) kills
+what is left at once.
+
 With --replicas N, serve runs N such pipelines (LocalPipeline: the unit of start, readiness,
 restarts and stop), each its own stages and certificates and its frontend on a free loopback
 port, the CPUs shared among all their stage processes, and `inferencemesh router` on --port in
@@ -49,6 +55,11 @@ from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwa
 from inferencemesh.protocol.transport import message_limit
 
 RESTART_BACKOFF_S = 2.0
+# How long a stopped process may take beyond its own grace (a drain's timeout, the router's
+# graceful shutdown) before it is killed: its exit after that grace (the frontend's last cut
+# requests, the interpreter's teardown).
+STOP_MARGIN_S = 5.0
+STAGE_STOP_S = 10.0  # a stage's graceful stop, SIGTERM to kill
 CLI = [sys.executable, "-m", "inferencemesh"]
 
 
@@ -80,15 +91,38 @@ class ManagedProcess:
         """How the process ended (None: running, or never started)."""
         return None if self.process is None else self.process.returncode
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+    def terminate(self) -> None:
+        """SIGTERM: a graceful stop (a frontend drains, the router finishes its streams)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, and reap it."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout: float = STAGE_STOP_S) -> None:
+        stop_processes([self], timeout)
+
+
+def stop_processes(processes: list[ManagedProcess], timeout: float,
+                   hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stop `processes` together: SIGTERM to each that runs, then wait until all have exited; those
+    still running after `timeout` seconds, or once `hurry()` is true, are killed. Returns once every
+    one has exited."""
+    running = [proc for proc in processes if proc.alive()]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    while any(proc.alive() for proc in running) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
+    for proc in running:
+        proc.kill()
 
 
 class LocalStages:
@@ -175,9 +209,7 @@ class LocalStages:
         return restarted
 
     def stop(self) -> None:
-        for proc in self.processes:
-            with contextlib.suppress(Exception):
-                proc.stop()
+        stop_processes(self.processes, STAGE_STOP_S)
 
 
 def stage_template(model: str, source: ServeConfig | None = None, **fields: Any) -> StageConfig:
@@ -260,6 +292,7 @@ class LocalPipeline:
     frontend: ManagedProcess
     host: str
     port: int
+    drain_timeout: float  # its frontend's --drain-timeout
 
     def start_stages(self) -> None:
         self.stages.start()
@@ -282,8 +315,7 @@ class LocalPipeline:
         return True
 
     def stop(self) -> None:
-        self.frontend.stop()
-        self.stages.stop()
+        stop_mesh(None, [self])
 
 
 # A pipeline's certificates: each stage process's tls dir by stage index, and the frontend's
@@ -308,7 +340,25 @@ def build_pipeline(config: ServeConfig, model: str, plan: list[StagePlan], max_m
         settings = dataclasses.replace(settings, host="127.0.0.1", port=free_port())
     frontend = ManagedProcess(f"frontend-{replica}" if not alone else "frontend",
                               CLI + ["frontend", *to_argv(settings)], stages.env)
-    return LocalPipeline("" if alone else f"pipeline {replica}: ", stages, frontend, settings.host, settings.port)
+    return LocalPipeline("" if alone else f"pipeline {replica}: ", stages, frontend, settings.host, settings.port,
+                         settings.drain_timeout)
+
+
+def stop_mesh(router: ManagedProcess | None, pipelines: list[LocalPipeline],
+              hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stop a mesh so that the requests in flight finish: the router first (its graceful shutdown
+    finishes the streams it relays), then every frontend (each drains: new requests get 503, those
+    in flight finish, up to its --drain-timeout), then every stage. Each step waits for its
+    processes' grace plus STOP_MARGIN_S, then kills them; once `hurry()` is true (a second Ctrl-C),
+    what is left is killed at once."""
+    if router is not None:
+        from inferencemesh.programs.router import GRACEFUL_SHUTDOWN_S
+
+        stop_processes([router], GRACEFUL_SHUTDOWN_S + STOP_MARGIN_S, hurry)
+    if pipelines:
+        stop_processes([p.frontend for p in pipelines], max(p.drain_timeout for p in pipelines) + STOP_MARGIN_S,
+                       hurry)
+        stop_processes([proc for p in pipelines for proc in p.stages.processes], STAGE_STOP_S, hurry)
 
 
 def router_config(config: ServeConfig, pipelines: list[LocalPipeline]) -> RouterConfig:
@@ -346,10 +396,12 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
                  for r in range(config.replicas)]
     router = (ManagedProcess("router", CLI + ["router", *to_argv(router_config(config, pipelines))])
               if config.replicas > 1 else None)
-    stopping = False
+    stopping = hurry = False
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
-        nonlocal stopping
+        nonlocal stopping, hurry
+        if stopping:  # a second signal, or one while the mesh stops after a failure: no more waiting
+            hurry = True
         stopping = True
 
     on_stop_signals(request_stop)
@@ -385,10 +437,11 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
                 return 1
         return 0
     finally:
-        if router is not None:
-            router.stop()
-        for pipeline in pipelines:
-            pipeline.stop()
+        stopping = True  # from here, a signal hurries the stop
+        if not hurry and any(proc.alive() for proc in [router, *(p.frontend for p in pipelines)] if proc):
+            print("inferencemesh: stopping: requests in flight finish first (Ctrl-C again to stop at once)",
+                  flush=True)
+        stop_mesh(router, pipelines, lambda: hurry)
         print("inferencemesh: stopped", flush=True)
 
 
