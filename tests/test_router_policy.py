@@ -83,12 +83,24 @@ def test_block_hashes_are_chained() -> None:
 def test_longest_prefix_per_replica() -> None:
     idx, _ = index()
     shared = block_hashes("s" * 40 + "a" * 40, 10)
+    assert idx.match(shared) == {}
     idx.record(shared[:4], "r1")  # r1 saw the 4-block prefix
-    idx.record(shared, "r2")  # r2 saw all 8 (and is now the last to see the first 4)
+    idx.record(shared, "r2")  # r2 saw all 8
+    assert idx.match(shared) == {"r1": 4, "r2": 8}  # both hold the shared 4: each its own longest prefix
     other = block_hashes("s" * 40 + "b" * 40, 10)
-    assert idx.match(shared) == {"r2": 8}
-    idx.record(other, "r1")
-    assert idx.match(shared) == {"r1": 4, "r2": 8}  # r1 holds the 4 shared blocks again, r2 its 8
+    idx.record(other, "r3")
+    assert idx.match(other) == {"r1": 4, "r2": 4, "r3": 8}
+    assert idx.match(block_hashes("t" * 80, 10)) == {}
+
+
+def test_a_holder_expires_alone() -> None:
+    idx, clock = index(ttl=60.0)
+    blocks = block_hashes("p" * 100, 10)
+    idx.record(blocks, "r1")
+    clock.now += 30
+    idx.record(blocks[:5], "r2")
+    clock.now += 31  # r1's hold expired, r2's not
+    assert idx.match(blocks) == {"r2": 5}
 
 
 def test_entries_expire_after_the_ttl() -> None:

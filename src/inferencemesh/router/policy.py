@@ -7,10 +7,12 @@ longer conversation extends it. The key is cut into fixed-size blocks of charact
 together with the hash of the blocks before it (a chained hash: block i's hash stands for the whole
 prefix 0..i), as the SGLang router's approximate tree and llm-d's prefix indexes do.
 
-The PrefixIndex remembers, per block hash, the replica that was last sent that prefix: an
-approximation of what each replica's prefix cache holds, local to this router, bounded (least
-recently used blocks dropped first) and forgetful (a block expires after a TTL, as a replica's
-cache would have evicted it by then).
+The PrefixIndex remembers, per block hash, the replicas that were sent that prefix (each with the
+time it last was, as SGLang's tree keeps a set of tenants per node): an approximation of what each
+replica's prefix cache holds, local to this router, bounded (least recently used blocks dropped
+first) and forgetful (a replica's hold on a block expires after a TTL, as its cache would have
+evicted it by then). A prefix every conversation shares (a system prompt, the tools) is held by
+every replica that was sent it, and load decides among them.
 
 `choose` orders the replicas to try: the one with the longest prefix match among those that are not
 far busier than the least loaded one, then the rest by load. Far busier (SGLang's cache-aware
@@ -100,40 +102,39 @@ def stable_rank(seed: int, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{replica}".encode(), digest_size=8).digest(), "big")
 
 
-@dataclass
-class _Entry:
-    replica: str
-    last_used: float
-
-
 class PrefixIndex:
-    """block hash -> (the replica last sent that prefix, when), least recently used first; at
-    most `max_entries`, each forgotten `ttl` seconds after its last use. Not thread-safe: the
-    router's event loop owns it."""
+    """block hash -> {replica: when it was last sent that prefix}, least recently used block first;
+    at most `max_entries` blocks, a replica's hold on one forgotten `ttl` seconds after its last use.
+    Not thread-safe: the router's event loop owns it."""
 
     def __init__(self, *, ttl: float, max_entries: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl, self.max_entries, self.clock = ttl, max_entries, clock
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def _expire(self, now: float) -> None:
+        """Drop blocks whose every holder expired (blocks are in order of their last use)."""
         entries = self._entries
         while entries:
-            first = next(iter(entries.values()))
-            if now - first.last_used <= self.ttl:
+            block, holders = next(iter(entries.items()))
+            if now - max(holders.values()) <= self.ttl:
                 break
-            entries.popitem(last=False)
+            del entries[block]
 
     def match(self, blocks: Sequence[int]) -> dict[str, int]:
-        """replica -> how many leading blocks of `blocks` it was last sent (its longest prefix)."""
-        self._expire(self.clock())
+        """replica -> how many leading blocks of `blocks` it was sent (its longest prefix)."""
+        now = self.clock()
+        self._expire(now)
         found: dict[str, int] = {}
         for i, block in enumerate(blocks):
-            entry = self._entries.get(block)
-            if entry is not None:  # a chained hash: the replica saw blocks 0..i
-                found[entry.replica] = i + 1
+            holders = self._entries.get(block)
+            if holders is None:
+                break  # a chained hash: no replica holds a longer prefix
+            for replica, used in holders.items():
+                if now - used <= self.ttl:
+                    found[replica] = i + 1
         return found
 
     def record(self, blocks: Iterable[int], replica: str) -> None:
@@ -141,20 +142,23 @@ class PrefixIndex:
         now = self.clock()
         entries = self._entries
         for block in blocks:
-            entry = entries.get(block)
-            if entry is None:
-                entries[block] = _Entry(replica, now)
+            holders = entries.get(block)
+            if holders is None:
+                entries[block] = {replica: now}
             else:
-                entry.replica, entry.last_used = replica, now
+                holders[replica] = now
                 entries.move_to_end(block)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
         self._expire(now)
 
     def forget(self, replica: str) -> None:
-        """Drop every block of a replica that went away (its cache went with it)."""
-        for block in [b for b, e in self._entries.items() if e.replica == replica]:
-            del self._entries[block]
+        """Drop a replica that went away from every block (its cache went with it)."""
+        for block in list(self._entries):
+            holders = self._entries[block]
+            holders.pop(replica, None)
+            if not holders:
+                del self._entries[block]
 
 
 @dataclass(frozen=True)
