@@ -385,8 +385,10 @@ def render_frontend_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, op
         "startupProbe": {**health, **(LAYERS_STARTUP_PROBE if embedded else {"periodSeconds": 5,
                                                                             "failureThreshold": 120})},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
-        # /ready is true only while every stage answers SERVING, and false once the pod drains.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 1},
+        # /ready is true only while every stage answers SERVING, and false once the pod drains. A
+        # busy node answers slowly: 3 s before a probe counts as failed, two failures to turn unready.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2,
+                           "timeoutSeconds": 3},
     }
     if spec.frontend.pre_stop_seconds:
         # Endpoints and the router forget a terminating pod within this; then SIGTERM starts the drain.
@@ -489,9 +491,13 @@ def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "resources": copy.deepcopy(spec.router.resources),
         "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
-        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
+        # A loaded node starts Python slowly, and a probe's default 1 s is short there (the cluster
+        # tests saw the kubelet kill a router mid-rollout on liveness timeouts).
+        "startupProbe": {**health, "periodSeconds": 2, "failureThreshold": 90, "timeoutSeconds": 3},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
         # Ready once a pipeline is: before that the endpoint has nothing to serve with.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2,
+                           "timeoutSeconds": 3},
     }
     pod = _pod_spec(spec, container, [{"name": "tmp", "emptyDir": {}}], node_selector=spec.router.node_selector,
                     tolerations=spec.router.tolerations, affinity=None)
