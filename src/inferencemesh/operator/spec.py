@@ -122,8 +122,8 @@ class FrontendSpec(_Spec):
     # Deprecated, no effect: frontends sharing one set of stages. Each pipeline has one frontend;
     # spec.replicas counts pipelines. Kept so that objects written before still parse.
     replicas: int | None = None
-    drain_timeout_seconds: int = 30  # in-flight requests finish within this after SIGTERM
-    pre_stop_seconds: int = 5  # the pod stays up this long first, while endpoints and the router forget it
+    drain_timeout_seconds: int = Field(default=30, ge=0, le=3600)  # in-flight requests finish within this after SIGTERM
+    pre_stop_seconds: int = Field(default=5, ge=0, le=300)  # first the pod stays up this long: endpoints forget it
     service: ServiceSpec = ServiceSpec()
     api_key: SecretKeyRef | None = Field(default=None, alias="apiKeySecret")
     resources: dict[str, Any] = {}
@@ -171,7 +171,7 @@ class SpeculativeSpec(_Spec):
 
 
 class RouterSpec(_Spec):
-    replicas: int = 1
+    replicas: int = Field(default=1, ge=1, le=16)
     resources: dict[str, Any] = {}
     node_selector: dict[str, str] = {}
     tolerations: tuple[dict[str, Any], ...] = ()
@@ -182,8 +182,8 @@ class RolloutSpec(_Spec):
 
 
 class RestartBudgetSpec(_Spec):
-    restarts: int = 5  # container restarts of one pipeline's pods within the window
-    window_seconds: int = 600
+    restarts: int = Field(default=5, ge=1, le=1000)  # container restarts of one pipeline's pods within the window
+    window_seconds: int = Field(default=600, ge=60, le=86400)
 
 
 class TelemetrySpec(_Spec):
@@ -217,7 +217,7 @@ class ImagesSpec(_Spec):
 
 class MeshSpec(_Spec):
     model: ModelSpec
-    replicas: int = 1  # pipelines: each a frontend and its own stages (the /scale subresource)
+    replicas: int = Field(default=1, ge=0, le=64)  # pipelines: each a frontend and its own stages (/scale)
     stages: StagesSpec = StagesSpec()
     frontend: FrontendSpec = FrontendSpec()
     router: RouterSpec = RouterSpec()
