@@ -4,6 +4,7 @@ sends keep-alive comments so that a proxy's read timeout does not cut it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from transformers import AutoTokenizer
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.frontend.app import create_app
 from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.http_server import MAX_INCOMPLETE_EVENT_BYTES
 from inferencemesh.frontend.pipeline import GrpcPipeline
 from inferencemesh.frontend.sse import KEEPALIVE_COMMENT
 
@@ -70,6 +72,25 @@ def test_silent_and_slow_loris_connections_are_closed(fm: FixtureModel) -> None:
         for sock in socks:
             sock.close()
         assert closed == 300, f"{closed} of 300 connections were closed"
+        assert _completion(url, fm.name).status_code == 200
+
+
+def test_a_request_head_beyond_the_limit_is_refused_and_a_large_one_within_it_is_served(fm: FixtureModel) -> None:
+    with serve(create_app(fm.engine, fm.tokenizer, served_model_name=fm.name)) as url:
+        # within the limit: a 48 KiB header (a long bearer token, cookies) is served
+        r = httpx.get(url + "/v1/models", headers={"X-Big": "a" * (48 * 1024)}, timeout=30)
+        assert r.status_code == 200
+        # beyond it: refused with a 4xx and the connection closed, not kept
+        with socket.create_connection(("127.0.0.1", _port(url))) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+            for i in range(MAX_INCOMPLETE_EVENT_BYTES // 1024 + 2):
+                sock.sendall(f"X-H{i}: {'b' * 1000}\r\n".encode())
+            sock.settimeout(10)
+            answer = b""
+            with contextlib.suppress(ConnectionError):
+                while chunk := sock.recv(4096):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 4"), answer[:80]
         assert _completion(url, fm.name).status_code == 200
 
 

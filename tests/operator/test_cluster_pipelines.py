@@ -247,3 +247,52 @@ def test_a_mesh_from_before_pipelines_is_migrated(cluster: ControlPlane, ns: str
         assert sorted(deployments(cluster, name)) == ["lg-p0-frontend", "lg-p0-stage-0", "lg-p0-stage-1",
                                                       "lg-router"]
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+
+
+def owner_uids(dep: dict) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for ref in dep["metadata"].get("ownerReferences") or []:
+        found.setdefault(ref["kind"], set()).add(ref["uid"])
+    return found
+
+
+def test_deleting_the_mesh_removes_stages_and_router_after_the_frontends(cluster: ControlPlane, ns: str,
+                                                                         tiny_model: Path) -> None:
+    """The garbage collector's order, with no finalizer: a frontend pod still draining keeps its
+    pipeline's stages and the router; they go once it has."""
+    name = "dl"
+    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 2}, "replicas": 2}), ns)
+    frontends = f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend"
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}"):
+        wait_for(lambda: status_of(cluster, name).get("replicas") == 2, 90, "two ready pipelines")
+        pod_uid = {int(p["metadata"]["labels"]["inferencemesh.io/pipeline"]): p["metadata"]["uid"]
+                   for p in pods(cluster, frontends)}
+        mesh_uid = cluster.get_json("inferencemesh", name, "-n", ns)["metadata"]["uid"]
+        wait_for(lambda: owner_uids(deployments(cluster, name)["dl-router"]).get("Pod") == set(pod_uid.values()),
+                 30, "the router owned by both frontend pods")
+        deps = deployments(cluster, name)
+        for k in (0, 1):
+            for i in (0, 1):
+                assert owner_uids(deps[f"dl-p{k}-stage-{i}"]) == {"InferenceMesh": {mesh_uid}, "Pod": {pod_uid[k]}}
+        assert owner_uids(deps[f"dl-p{k}-frontend"]) == {"InferenceMesh": {mesh_uid}}
+        held = hold_pods(cluster, frontends)
+        assert len(held) == 2
+        try:
+            cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
+            wait_for(lambda: not {"dl-p0-frontend", "dl-p1-frontend"} & set(deployments(cluster, name)), 60,
+                     "the frontend Deployments to go")
+            wait_for(lambda: all(p["metadata"].get("deletionTimestamp") for p in pods(cluster, frontends)), 30,
+                     "the frontend pods terminating")
+            time.sleep(5)  # the garbage collector has had its turn: the frontends' pods still hold the rest
+            assert {"dl-p0-stage-0", "dl-p0-stage-1", "dl-p1-stage-0", "dl-p1-stage-1", "dl-router"} <= \
+                set(deployments(cluster, name))
+            release_pods(cluster, held[:1])  # one pipeline done draining: its stages go, the router stays
+            wait_for(lambda: len(pods(cluster, frontends)) == 1, 30, "one frontend pod gone")
+            (left,) = [int(p["metadata"]["labels"]["inferencemesh.io/pipeline"]) for p in pods(cluster, frontends)]
+            gone = 1 - left
+            wait_for(lambda: not any(n.startswith(f"dl-p{gone}-") for n in deployments(cluster, name)), 60,
+                     f"pipeline {gone}'s stages to go after its frontend")
+            assert {f"dl-p{left}-stage-0", f"dl-p{left}-stage-1", "dl-router"} <= set(deployments(cluster, name))
+        finally:
+            release_pods(cluster, held)
+        wait_for(lambda: not deployments(cluster, name), 60, "every Deployment to go after the last frontend")

@@ -95,6 +95,11 @@ class Kube:
         except NotFoundError:
             pass
 
+    def patch(self, kind: str, namespace: str, name: str, patch: dict) -> dict:
+        """A JSON merge patch of the object (a metadata.resourceVersion in it is a precondition)."""
+        return self._call("patch", self._resource(kind), body=patch, name=name, namespace=namespace,
+                          content_type="application/merge-patch+json")
+
     def patch_status(self, kind: str, namespace: str, name: str, patch: dict) -> dict:
         """A JSON merge patch of the status subresource."""
         status = self._resource(kind).subresources["status"]

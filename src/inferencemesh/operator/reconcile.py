@@ -55,6 +55,7 @@ from inferencemesh.operator.status import (
     pipeline_of,
     pipeline_windows,
 )
+from inferencemesh.operator.teardown import owner_references
 from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
@@ -208,6 +209,7 @@ class Reconciler:
             if decision.drain or decision.remove:  # the frontend's pods going: look again soon
                 result.again_within(DRAIN_POLL_SECONDS)
         deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
+        self._hold_for_frontends(namespace, list(deployments.values()), pods, result)
         speculative = None
         if spec is not None and outcome.plan is not None:
             address = _ready_frontend_address(pods, decision)
@@ -303,6 +305,20 @@ class Reconciler:
             if (kind, name) not in wanted and (kind, name) not in protected and _owned_by(obj, uid):
                 self.kube.delete(kind, ns, name)
                 result.writes.append(Write("delete", kind, name))
+
+    def _hold_for_frontends(self, namespace: str, deployments: list[dict], pods: list[dict], result: Result) -> None:
+        """Stages and the router also owned by the frontend pods they serve (teardown.py)."""
+        for name, references in owner_references(deployments, pods).items():
+            current = next(d for d in deployments if d["metadata"]["name"] == name)
+            patch = {"metadata": {"ownerReferences": references,
+                                  "resourceVersion": current["metadata"]["resourceVersion"]}}
+            try:
+                self.kube.patch("Deployment", namespace, name, patch)
+            except ApiException as exc:
+                if exc.status not in (404, 409):  # gone, or changed since listed: the next reconcile
+                    raise
+                continue
+            result.writes.append(Write("patch", "Deployment", name))
 
     def _write_status(self, mesh: dict, status: dict, result: Result) -> None:
         old = mesh.get("status") or {}
