@@ -23,8 +23,9 @@ from typing import Any
 
 import kopf
 
+from inferencemesh.kube_config import load_api_client
 from inferencemesh.operator import metrics
-from inferencemesh.operator.kube import Kube, load_api_client
+from inferencemesh.operator.kube import Kube
 from inferencemesh.operator.names import LABEL_MANAGED_BY, LABEL_MESH, MANAGED_BY, base_name
 from inferencemesh.operator.reconcile import Reconciler
 from inferencemesh.operator.render import DEFAULT_FRONTEND_IMAGE, DEFAULT_STAGE_IMAGE, RenderOptions

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
@@ -38,15 +38,6 @@ class Write:
     verb: str  # create | replace | delete | patch-status | event
     kind: str
     name: str
-
-
-def load_api_client() -> client.ApiClient:
-    """In a pod: its service account; elsewhere: KUBECONFIG / ~/.kube/config."""
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
 
 
 def _as_dict(_client: DynamicClient, data: dict) -> dict:

@@ -30,6 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferencemesh.flags import ConfigError
+from inferencemesh.kube_config import load_api_client
 
 log = logging.getLogger("inferencemesh.router")
 
@@ -198,14 +199,8 @@ class EndpointSliceWatch:
         self.api_version: str | None = None
 
     def _client(self) -> Any:
-        from kubernetes import client, config
-
         if self._api_client is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._api_client = client.ApiClient()
+            self._api_client = load_api_client()
         return self._api_client
 
     def _resource(self) -> Any:
