@@ -584,13 +584,48 @@ def test_a_crash_looping_pipeline_is_failed_alone_and_recovers_on_a_budget_reset
 
 # ---- deletion -----------------------------------------------------------------------------------
 
-def test_deleting_the_mesh_leaves_nothing_behind(replicated: dict) -> None:
+def test_deleting_the_mesh_mid_stream_drains_then_leaves_nothing_behind(settings: dict, replicated: dict) -> None:
+    """`kubectl delete imesh` while streams run on both pipelines: every stream completes, each
+    frontend pod goes before its stages and the router start going (the garbage collector's order:
+    they are also owned by the frontend pods), and then nothing of the mesh is left."""
     ns = replicated["namespace"]
     selector = f"{LABEL_MESH}={NAME}"
+    wait_settled(ns, NAME, settings["timeout"])
     kinds = {c["kind"] for c in get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"]}
     assert {"Pod", "Deployment", "ReplicaSet", "Service", "Secret", "ConfigMap", "NetworkPolicy", "ServiceAccount",
             "Role", "RoleBinding"} <= kinds, kinds
-    delete_mesh(ns, NAME)
+    streams = 4
+    first_tokens = [threading.Event() for _ in range(streams)]
+    with port_forward(ns, *endpoint(replicated)) as base:  # to the router's pod, which outlives the Service
+        wait_router_replicas(base, 2)
+        client = openai_client(base)
+        with PodRecorder(ns, selector) as recorder, ThreadPoolExecutor(max_workers=streams) as pool:
+            futures = [pool.submit(stream, client, f"# stream {i} of the deletion\n{PROMPTS[i % len(PROMPTS)]}",
+                                   STREAM_TOKENS, lambda n, i=i: first_tokens[i].set()) for i in range(streams)]
+            wait_for(lambda: all(e.is_set() for e in first_tokens) or any(f.done() for f in futures), 300,
+                     "every stream's first token", 0.2)
+            in_flight = router_metric(base, "inferencemesh_router_requests_in_flight")
+            delete_mesh(ns, NAME)
+            results, errors = [], []
+            for f in futures:
+                try:
+                    results.append(f.result(timeout=DRAIN_S + 300))
+                except Exception as err:  # noqa: BLE001 - counted
+                    errors.append(repr(err))
+            wait_for(lambda: set(recorder.seen) <= set(recorder.gone), 300, "every pod of the mesh to be gone", 1)
+    assert sum(in_flight.values()) > 0, f"no stream was in flight when the mesh was deleted: {in_flight}"
+    assert not errors, f"{len(errors)} of {streams} streams failed: {errors[:3]}"
+    assert all(text and finish in ("length", "stop") for text, finish in results), results
+    labels = {n: p["metadata"]["labels"] for n, p in recorder.seen.items()}
+    order = {n: (round(recorder.leaving(n), 1), round(recorder.gone[n], 1)) for n in labels}
+    fronts = {n for n, lab in labels.items() if lab[LABEL_COMPONENT] == "frontend"}
+    assert len(fronts) == REPLICAS, labels
+    for n, lab in labels.items():
+        if lab[LABEL_COMPONENT] == "stage":
+            mine = [f for f in fronts if labels[f].get(LABEL_PIPELINE) == lab.get(LABEL_PIPELINE)]
+            assert recorder.leaving(n) >= max(recorder.gone[f] for f in mine), f"{n} went before its frontend: {order}"
+        elif lab[LABEL_COMPONENT] == "router":
+            assert recorder.leaving(n) >= max(recorder.gone[f] for f in fronts), f"{n} went before a frontend: {order}"
     wait_for(lambda: not get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"], 240,
              "every object of the mesh to be collected")
     assert not kubectl("get", "inferencemesh", NAME, "-n", ns, "--ignore-not-found").strip()
