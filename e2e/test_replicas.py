@@ -35,6 +35,7 @@ from imesh_e2e import (
     LABEL_PIPELINE,
     MODEL,
     PROMPTS,
+    REPO,
     apply,
     conditions,
     delete_mesh,
@@ -66,6 +67,7 @@ NAME = "e2e-rep"
 REPLICAS = 2
 BUDGET = 2  # restarts within the window before a pipeline is Failed
 DRAIN_S = 120
+CHART = REPO / "charts" / "inferencemesh"
 SELECTOR = f"{LABEL_MESH}={NAME},{LABEL_COMPONENT}=frontend"  # status.selector: one frontend pod per pipeline
 CHILD_KINDS = ("pods,deployments,replicasets,services,secrets,configmaps,networkpolicies,serviceaccounts,roles,"
                "rolebindings")
@@ -270,9 +272,7 @@ def test_an_hpa_on_the_mesh_is_accepted_by_the_hpa_controller(settings: dict, re
     ("unable to get metrics for resource cpu ..."); its actual status and reason are printed."""
     ns = replicated["namespace"]
     wait_settled(ns, NAME, settings["timeout"])
-    versions = kubectl("api-versions").split()
-    api = next((v for v in ("autoscaling/v2", "autoscaling/v2beta2") if v in versions), None)
-    assert api, f"neither autoscaling/v2 nor autoscaling/v2beta2 is served: {versions}"
+    api = autoscaling_api()
     hpa = {"apiVersion": api, "kind": "HorizontalPodAutoscaler", "metadata": {"name": NAME},
            "spec": {"scaleTargetRef": {"apiVersion": "inferencemesh.io/v1alpha1", "kind": "InferenceMesh",
                                        "name": NAME},
@@ -281,27 +281,74 @@ def test_an_hpa_on_the_mesh_is_accepted_by_the_hpa_controller(settings: dict, re
                         "type": "Utilization", "averageUtilization": 80}}}]}}
     apply(ns, hpa)
     try:
-        def hpa_conditions() -> dict[str, dict]:
-            obj = json.loads(kubectl("get", f"horizontalpodautoscalers.{api.split('/')[1]}.autoscaling", NAME,
-                                     "-n", ns, "-o", "json"))
-            return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-
-        conds: dict[str, dict] = wait_for(  # type: ignore[assignment]
-            lambda: (c := hpa_conditions()) and "AbleToScale" in c and "ScalingActive" in c and c, 180,
-            "the HPA controller to report on the mesh")
-        describe = kubectl("describe", "hpa", NAME, "-n", ns)
-        print(f"{api} HPA on the InferenceMesh:\n{describe}")  # shown with pytest -rA
-        able, active = conds["AbleToScale"], conds["ScalingActive"]
-        assert able["status"] == "True", f"AbleToScale {able}\n{describe}"
-        assert active["reason"] != "InvalidSelector", f"the HPA could not use status.selector: {active}"
-        assert re.search(rf"Reference:\s+InferenceMesh/{NAME}", describe), describe
-        assert re.search(r"InferenceMesh pods:\s+2 current", describe), describe
-        if active["status"] != "True":  # no metrics-server on the test cluster: expected
-            assert active["reason"] in ("FailedGetResourceMetric", "FailedGetPodsMetric", "ScalingDisabled"), \
-                f"ScalingActive {active}"
+        active = hpa_accepted(ns, api)
+        assert active["reason"] in ("FailedGetResourceMetric", "ScalingDisabled") or active["status"] == "True", \
+            f"ScalingActive {active}"
         assert mesh(ns, NAME)["spec"]["replicas"] == REPLICAS  # min = max: the HPA changed nothing
     finally:
         kubectl("delete", "hpa", NAME, "-n", ns, "--ignore-not-found", check=False)
+
+
+def autoscaling_api() -> str:
+    versions = kubectl("api-versions").split()
+    api = next((v for v in ("autoscaling/v2", "autoscaling/v2beta2") if v in versions), None)
+    assert api, f"neither autoscaling/v2 nor autoscaling/v2beta2 is served: {versions}"
+    return api
+
+
+def hpa_accepted(ns: str, api: str) -> dict:
+    """Wait for the HPA controller's verdict on the HPA named NAME: AbleToScale=True and the mesh's
+    2 ready pipelines counted; its ScalingActive condition, which must not be InvalidSelector."""
+    def hpa_conditions() -> dict[str, dict]:
+        obj = json.loads(kubectl("get", f"horizontalpodautoscalers.{api.split('/')[1]}.autoscaling", NAME,
+                                 "-n", ns, "-o", "json"))
+        return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+    conds: dict[str, dict] = wait_for(  # type: ignore[assignment]
+        lambda: (c := hpa_conditions()) and "AbleToScale" in c and "ScalingActive" in c and c, 180,
+        "the HPA controller to report on the mesh")
+    describe = kubectl("describe", "hpa", NAME, "-n", ns)
+    print(f"{api} HPA on the InferenceMesh:\n{describe}")  # shown with pytest -rA
+    able, active = conds["AbleToScale"], conds["ScalingActive"]
+    assert able["status"] == "True", f"AbleToScale {able}\n{describe}"
+    assert active["reason"] != "InvalidSelector", f"the HPA could not use status.selector: {active}"
+    assert re.search(rf"Reference:\s+InferenceMesh/{NAME}", describe), describe
+    assert re.search(r"InferenceMesh pods:\s+2 current", describe), describe
+    return active
+
+
+def test_a_helm_upgrade_adds_the_charts_hpa_for_the_mesh_and_another_removes_it(
+        settings: dict, release: str, replicated: dict) -> None:
+    """`helm upgrade` of the installed chart with autoscaling for this mesh (min = max = 2 pipelines):
+    the chart's HPA, on the frontends' waiting requests, is accepted by the HPA controller (its Pods
+    metric needs a metrics adapter this cluster lacks: ScalingActive False, FailedGetPodsMetric).
+    Upgrading back to the release's own values removes it; the operator and the mesh are untouched."""
+    import helm_python as helm
+
+    ns = replicated["namespace"]
+    wait_settled(ns, NAME, settings["timeout"])
+    api = autoscaling_api()
+    operator = get_json("deployment", f"{release}-inferencemesh-operator", "-n", settings["operator_namespace"])
+    with helm.Config(namespace=settings["operator_namespace"]) as cfg:
+        values = dict(cfg.get_values(release) or {})  # the user-supplied values, a plain dict
+        scaled = {**values, "autoscaling": {"enabled": True, "kind": "hpa", "mesh": {"name": NAME, "namespace": ns},
+                                            "minReplicas": REPLICAS, "maxReplicas": REPLICAS}}
+        cfg.upgrade(CHART, release, scaled, namespace=settings["operator_namespace"], timeout=300)
+        try:
+            hpa = get_json(f"horizontalpodautoscalers.{api.split('/')[1]}.autoscaling", NAME, "-n", ns)
+            assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "inferencemesh_num_requests_waiting"
+            active = hpa_accepted(ns, api)
+            assert active["status"] == "True" or active["reason"] in ("FailedGetPodsMetric", "ScalingDisabled"), \
+                f"ScalingActive {active}"
+            assert mesh(ns, NAME)["spec"]["replicas"] == REPLICAS
+        finally:
+            cfg.upgrade(CHART, release, values, namespace=settings["operator_namespace"], timeout=300)
+    wait_for(lambda: not kubectl("get", "hpa", NAME, "-n", ns, "--ignore-not-found").strip(), 60,
+             "the chart's HPA to go with the second upgrade")
+    after = get_json("deployment", f"{release}-inferencemesh-operator", "-n", settings["operator_namespace"])
+    assert after["metadata"]["uid"] == operator["metadata"]["uid"]
+    assert after["spec"]["template"] == operator["spec"]["template"]  # the operator was not rolled
+    assert mesh(ns, NAME)["spec"]["replicas"] == REPLICAS and conditions(ns, NAME)["Degraded"]["status"] != "True"
 
 
 # ---- a lost stage in one pipeline ---------------------------------------------------------------
@@ -437,6 +484,32 @@ class PodRecorder:
         self._thread.join(10)
 
 
+def streams_during(base: str, client: OpenAI, count: int, label: str, action: Callable[[], object]
+                   ) -> tuple[dict[str, float], list[tuple[str, str | None]], list[str]]:
+    """`count` greedy streams through the router; once each has its first token, the router's
+    requests in flight per replica are read and `action` runs; then every stream is awaited.
+    Returns (in flight, each stream's (text, finish_reason), each failed stream's error)."""
+    first_tokens = [threading.Event() for _ in range(count)]
+
+    def one(i: int) -> tuple[str, str | None]:
+        return stream(client, f"# stream {i} of {label}\n{PROMPTS[i % len(PROMPTS)]}", STREAM_TOKENS,
+                      lambda n: first_tokens[i].set())
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        futures = [pool.submit(one, i) for i in range(count)]
+        wait_for(lambda: all(e.is_set() for e in first_tokens) or any(f.done() for f in futures), 300,
+                 "every stream's first token", 0.2)
+        in_flight = router_metric(base, "inferencemesh_router_requests_in_flight")
+        action()
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result(timeout=DRAIN_S + 300))
+            except Exception as err:  # noqa: BLE001 - counted
+                errors.append(repr(err))
+    return in_flight, results, errors
+
+
 def kubectl_scale(ns: str, replicas: int) -> None:
     kubectl("scale", "inferencemesh", NAME, "-n", ns, f"--replicas={replicas}")
 
@@ -450,28 +523,12 @@ def test_scaling_down_under_load_drains_a_pipeline_frontend_first_and_scaling_up
     ns = replicated["namespace"]
     wait_settled(ns, NAME, settings["timeout"])
     old_front = frontend_pod(ns, NAME, 1)["metadata"]["name"]
-    first_tokens = [threading.Event() for _ in range(STREAMS)]
-
-    def one(i: int, client: OpenAI) -> tuple[str, str | None]:
-        prompt = f"# stream {i} of the scale test\n{PROMPTS[i % len(PROMPTS)]}"
-        return stream(client, prompt, STREAM_TOKENS, lambda n: first_tokens[i].set())
-
     with port_forward(ns, *endpoint(replicated)) as base:
         wait_router_replicas(base, 2)
         client = openai_client(base)
-        with PodRecorder(ns, f"{LABEL_MESH}={NAME},{LABEL_PIPELINE}=1") as recorder, \
-                StatusWatcher(ns) as watch, ThreadPoolExecutor(max_workers=STREAMS) as pool:
-            futures = [pool.submit(one, i, client) for i in range(STREAMS)]
-            wait_for(lambda: all(e.is_set() for e in first_tokens) or any(f.done() for f in futures), 300,
-                     "every stream's first token", 0.2)
-            in_flight = router_metric(base, "inferencemesh_router_requests_in_flight")
-            kubectl_scale(ns, 1)
-            results, errors = [], []
-            for f in futures:
-                try:
-                    results.append(f.result(timeout=DRAIN_S + 300))
-                except Exception as err:  # noqa: BLE001 - counted
-                    errors.append(repr(err))
+        with PodRecorder(ns, f"{LABEL_MESH}={NAME},{LABEL_PIPELINE}=1") as recorder, StatusWatcher(ns) as watch:
+            in_flight, results, errors = streams_during(base, client, STREAMS, "the scale test",
+                                                        lambda: kubectl_scale(ns, 1))
             wait_settled(ns, NAME, settings["timeout"])
             wait_for(lambda: set(recorder.seen) <= set(recorder.gone), 120, "pipeline 1's pods to be seen gone", 1)
         assert in_flight.get(replica(1), 0) > 0, f"no stream was on pipeline 1 when it was scaled away: {in_flight}"
@@ -595,23 +652,12 @@ def test_deleting_the_mesh_mid_stream_drains_then_leaves_nothing_behind(settings
     assert {"Pod", "Deployment", "ReplicaSet", "Service", "Secret", "ConfigMap", "NetworkPolicy", "ServiceAccount",
             "Role", "RoleBinding"} <= kinds, kinds
     streams = 4
-    first_tokens = [threading.Event() for _ in range(streams)]
     with port_forward(ns, *endpoint(replicated)) as base:  # to the router's pod, which outlives the Service
         wait_router_replicas(base, 2)
         client = openai_client(base)
-        with PodRecorder(ns, selector) as recorder, ThreadPoolExecutor(max_workers=streams) as pool:
-            futures = [pool.submit(stream, client, f"# stream {i} of the deletion\n{PROMPTS[i % len(PROMPTS)]}",
-                                   STREAM_TOKENS, lambda n, i=i: first_tokens[i].set()) for i in range(streams)]
-            wait_for(lambda: all(e.is_set() for e in first_tokens) or any(f.done() for f in futures), 300,
-                     "every stream's first token", 0.2)
-            in_flight = router_metric(base, "inferencemesh_router_requests_in_flight")
-            delete_mesh(ns, NAME)
-            results, errors = [], []
-            for f in futures:
-                try:
-                    results.append(f.result(timeout=DRAIN_S + 300))
-                except Exception as err:  # noqa: BLE001 - counted
-                    errors.append(repr(err))
+        with PodRecorder(ns, selector) as recorder:
+            in_flight, results, errors = streams_during(base, client, streams, "the deletion",
+                                                        lambda: delete_mesh(ns, NAME))
             wait_for(lambda: set(recorder.seen) <= set(recorder.gone), 300, "every pod of the mesh to be gone", 1)
     assert sum(in_flight.values()) > 0, f"no stream was in flight when the mesh was deleted: {in_flight}"
     assert not errors, f"{len(errors)} of {streams} streams failed: {errors[:3]}"
