@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = resolve_model(None)
-MAX_CONTEXT = 256
+MAX_CONTEXT = 2048  # long streams: a fast CPU (native bf16) decodes 240 tokens within a 1 s drain timeout
+STREAM_TOKENS = 600  # a stream that outlasts the drain checks made while it runs
 PROMPT = "def add(a, b):\n"
 ENV = {**os.environ, **QUIET_THREADS, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -151,9 +152,9 @@ def wait_draining(base: str) -> httpx.Response:
 def test_sigterm_lets_a_stream_finish_and_refuses_new_work(mesh) -> None:
     with frontend(mesh) as front:
         model = front.model()
-        alone = streaming(front.base, body(model, 200))
+        alone = streaming(front.base, body(model, STREAM_TOKENS))
         assert alone.ended.wait(60) and alone.done and alone.error is None
-        stream = streaming(front.base, body(model, 200))
+        stream = streaming(front.base, body(model, STREAM_TOKENS))
         front.proc.send_signal(signal.SIGTERM)
 
         ready = wait_draining(front.base)

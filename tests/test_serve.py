@@ -160,12 +160,12 @@ def test_ctrl_c_lets_a_stream_finish_then_stops_every_process(served) -> None:
     certificates = Path(tls_dirs_of_children(proc.pid)["stage"]).parent
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    stream = iter(client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=64, temperature=0,
+    stream = iter(client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=800, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True}))
     next(stream)
     proc.send_signal(signal.SIGINT)
     finished = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
-    assert finished == ["length"], "".join(lines)  # all 64 tokens: the stop waited for them
+    assert finished == ["length"], "".join(lines)  # all 800 tokens: the stop waited for them
     assert proc.wait(60) == 0, "".join(lines)
     text = "".join(lines)
     assert "draining: 1 request(s) in flight" in text and "Ctrl-C again to stop at once" in text, text
