@@ -99,3 +99,14 @@ def operator(cluster: ControlPlane, operator_kubeconfig: Path, bundled_dir: Path
     finally:
         stop_operator(op)
         print("---- operator log (tail) ----\n" + op.log(40))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test that ran with the operator gets the operator's log in its report: the log
+    lives in the control plane's temporary directory, which is gone when the session ends."""
+    outcome = yield
+    report = outcome.get_result()
+    op = getattr(item, "funcargs", {}).get("operator")
+    if report.failed and report.when == "call" and isinstance(op, OperatorProcess):
+        report.sections.append(("operator log (tail)", op.log(80)))

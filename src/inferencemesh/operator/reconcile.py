@@ -315,8 +315,11 @@ class Reconciler:
             try:
                 self.kube.patch("Deployment", namespace, name, patch)
             except ApiException as exc:
-                if exc.status not in (404, 409):  # gone, or changed since listed: the next reconcile
-                    raise
+                # Gone, or changed since listed (404, 409): the next reconcile. Anything else costs only
+                # the deletion order, never the serving pipelines: say so and go on.
+                if exc.status not in (404, 409):
+                    log.warning("could not point Deployment %s/%s at its frontend pods (%s: %s); deleting the "
+                                "mesh may stop it before they drain", namespace, name, exc.status, _api_message(exc))
                 continue
             result.writes.append(Write("patch", "Deployment", name))
 
