@@ -209,7 +209,7 @@ class Reconciler:
             if decision.drain or decision.remove:  # the frontend's pods going: look again soon
                 result.again_within(DRAIN_POLL_SECONDS)
         deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
-        self._hold_for_frontends(namespace, list(deployments.values()), pods, result)
+        self._hold_for_frontends(namespace, deployments, pods, result)
         speculative = None
         if spec is not None and outcome.plan is not None:
             address = _ready_frontend_address(pods, decision)
@@ -306,12 +306,12 @@ class Reconciler:
                 self.kube.delete(kind, ns, name)
                 result.writes.append(Write("delete", kind, name))
 
-    def _hold_for_frontends(self, namespace: str, deployments: list[dict], pods: list[dict], result: Result) -> None:
+    def _hold_for_frontends(self, namespace: str, deployments: dict[str, dict], pods: list[dict],
+                            result: Result) -> None:
         """Stages and the router also owned by the frontend pods they serve (teardown.py)."""
-        for name, references in owner_references(deployments, pods).items():
-            current = next(d for d in deployments if d["metadata"]["name"] == name)
+        for name, references in owner_references(list(deployments.values()), pods).items():
             patch = {"metadata": {"ownerReferences": references,
-                                  "resourceVersion": current["metadata"]["resourceVersion"]}}
+                                  "resourceVersion": deployments[name]["metadata"]["resourceVersion"]}}
             try:
                 self.kube.patch("Deployment", namespace, name, patch)
             except ApiException as exc:
