@@ -120,6 +120,17 @@ def wait_ok(url: str, proc: subprocess.Popen, timeout: float, log: Path | None =
         time.sleep(0.25)
 
 
+def stop(proc: subprocess.Popen, sig: signal.Signals, grace_s: float) -> None:
+    """Stop a process as a user would (`sig`), killing it if it outlasts `grace_s`."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def serve_mesh(stages: int, extra: list[str], logdir: Path) -> Iterator[str]:
     """`inferencemesh serve --replicas 2`, ready (its router answers /ready): its router's base URL.
@@ -146,13 +157,7 @@ def serve_mesh(stages: int, extra: list[str], logdir: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         children.update(descendants(proc.pid) if proc.poll() is None else [])
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, signal.SIGINT, 90)
         deadline = time.monotonic() + 15  # they follow their parent (its lifeline); wait, then kill
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
             time.sleep(0.2)
@@ -176,13 +181,7 @@ def router_process(frontends: dict[str, str], affinity_ttl: float, logdir: Path)
         wait_ok(f"http://127.0.0.1:{port}/ready", proc, 60, log)
         yield f"http://127.0.0.1:{port}"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(35)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, signal.SIGTERM, 35)
 
 
 # ---- metrics ------------------------------------------------------------------------------------
