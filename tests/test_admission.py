@@ -340,3 +340,40 @@ def test_admission_is_first_come_first_served_and_all_or_nothing() -> None:
         assert admission.free == 4
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("order", ["grant, then cancel", "cancel, then grant"])
+def test_a_waiter_cancelled_in_the_loop_iteration_it_is_granted_is_cancelled_and_holds_nothing(order: str) -> None:
+    """asyncio.wait_for (Python 3.11) admitted it anyway and dropped the cancel."""
+    from inferencemesh.frontend.admission import Admission
+
+    async def go() -> None:
+        admission = Admission(2, max_waiting=8, timeout_s=30)
+        async with admission.lease(2) as lease:  # two choices' slots, handed over as the engine does
+            slots = [lease.hand_over(), lease.hand_over()]
+        entered = False
+
+        async def wait_for_both() -> None:
+            nonlocal entered
+            async with admission.lease(2):
+                entered = True
+
+        waiter = asyncio.create_task(wait_for_both())
+        while not admission.waiting:
+            await asyncio.sleep(0)
+        # In one loop iteration, with no await between: the choices end (their slots go to the
+        # waiter) and the waiter's client goes away.
+        if order == "grant, then cancel":
+            for slot in slots:
+                slot.give_back()
+            waiter.cancel()
+        else:
+            waiter.cancel()
+            for slot in slots:
+                slot.give_back()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert not entered and admission.free == 2 and admission.waiting == 0
+
+    for _ in range(20):  # deterministic: every time, not most times
+        asyncio.run(go())

@@ -177,3 +177,64 @@ def test_a_scheduler_task_that_dies_fails_the_waiting_sessions_at_once_and_says_
         err = asyncio.run(go())
     assert err.code == grpc.StatusCode.INTERNAL and f"step-scheduler-{task}" in str(err) and "_Bug" in str(err)
     assert any(f"step-scheduler-{task} ended unexpectedly" in r.getMessage() for r in caplog.records)
+
+
+# ---- cancellation: a cancelled session's send is cancelled, whenever its answer comes ----------
+
+
+async def _in_flight(scheduler: StepScheduler, stage: ScriptedStage, frame: pb.Frame) -> tuple[asyncio.Task, object]:
+    """A send of `frame` on its way (the stage holds its batch): the send's task, and the frame's
+    place in the scheduler (whose `answer` future the send awaits)."""
+    session = PipelineSession(scheduler, frame.session_id, step_timeout=30)
+    stage.holding = True
+    task = asyncio.create_task(session.send(frame))
+    while not scheduler.in_flight:
+        await asyncio.sleep(0)
+    (waiting,) = next(iter(scheduler.in_flight.values()))
+    return task, waiting
+
+
+@pytest.mark.parametrize("order", ["answer, then cancel", "cancel, then answer"])
+def test_a_send_cancelled_in_the_loop_iteration_its_answer_arrives_is_cancelled(order: str) -> None:
+    """asyncio.wait_for (Python 3.11) returned the answer here and dropped the cancel: a cancelled
+    stream's pump went on, blocked on a queue nobody read, and its slot never came back."""
+    async def go() -> None:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        task, waiting = await _in_flight(scheduler, stage, chunk("a", 1, want=True))
+        result = pb.BatchResult(seq=1)
+        result.predictions.add(session_id="a", seq=1, tokens=[7])
+        # Both in one loop iteration, with no await between, as the stream's reader answering a
+        # batch (what it does with each result) and a client's disconnect can come.
+        if order == "answer, then cancel":
+            StepScheduler._answer([waiting], result)
+            task.cancel()
+        else:
+            task.cancel()
+            StepScheduler._answer([waiting], result)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await scheduler.close()
+
+    for _ in range(20):  # deterministic: every time, not most times
+        asyncio.run(go())
+
+
+def test_a_send_still_times_out_as_a_stalled_stage_and_a_release_is_given_up_on_in_time() -> None:
+    async def go() -> None:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        session = PipelineSession(scheduler, "a", step_timeout=0.05)
+        stage.holding = True
+        with pytest.raises(PipelineError, match="no prediction within") as stalled:
+            await session.send(chunk("a", 1, want=True))
+        assert stalled.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        session.step_timeout = 30  # the release's own timeout (RELEASE_ACK_TIMEOUT_S) bounds it
+        closing = asyncio.create_task(session.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()
+        stage.release()
+        assert await asyncio.wait_for(closing, 2) is True
+        await scheduler.close()
+
+    asyncio.run(go())

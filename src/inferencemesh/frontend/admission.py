@@ -103,7 +103,11 @@ class Admission:
         waiter = _Waiter(count, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.granted), self.timeout_s)
+            # Shielded: a cancel must not cancel `granted` itself, which _withdraw reads to know
+            # whether the slots were granted meanwhile. asyncio.timeout, never wait_for, which on
+            # Python 3.11 loses a cancel that comes with the grant.
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.shield(waiter.granted)
         except BaseException as err:
             self._withdraw(waiter)
             if isinstance(err, TimeoutError):

@@ -222,8 +222,12 @@ class PipelineSession:
         self.scheduler.submit(_Waiting(frame, self, answer))  # frames are built fresh per send: no copy
         if answer is None:
             return None
+        # asyncio.timeout, never wait_for: on Python 3.11 wait_for returns the answer when it
+        # arrives in the loop iteration that cancels the caller, and the cancel is lost (a
+        # cancelled stream then went on generating, and held its slot for good).
         try:
-            return await asyncio.wait_for(answer, self.step_timeout)
+            async with asyncio.timeout(self.step_timeout):
+                return await answer
         except TimeoutError as err:
             raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
@@ -238,7 +242,7 @@ class PipelineSession:
         self._closed = True
         self.failure = None  # a failed session is still released where it is held
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE, retain=retain)),
-                                   RELEASE_ACK_TIMEOUT_S)
+            async with asyncio.timeout(RELEASE_ACK_TIMEOUT_S):
+                await self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE, retain=retain))
             return True
         return False

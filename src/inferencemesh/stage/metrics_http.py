@@ -54,7 +54,8 @@ class MetricsEndpoint:
             return
         self.open_connections += 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.read_timeout_s)
+            async with asyncio.timeout(self.read_timeout_s):  # not wait_for: it can lose a cancel (3.11)
+                head = await reader.readuntil(b"\r\n\r\n")
             method, _, rest = head.partition(b" ")
             path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
             if method == b"GET" and path in (b"/", b"/metrics"):
@@ -63,7 +64,8 @@ class MetricsEndpoint:
                 status, kind, body = b"404 Not Found", b"text/plain", b"not found: /metrics serves the metrics\n"
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind + b"\r\nContent-Length: "
                          + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-            await asyncio.wait_for(writer.drain(), self.read_timeout_s)
+            async with asyncio.timeout(self.read_timeout_s):
+                await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a silent, slow or broken client: dropped
         finally:
