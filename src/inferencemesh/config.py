@@ -47,6 +47,10 @@ FRONTEND_PORT = 8000
 # fixed ports, so a static Prometheus configuration survives restarts.
 SERVE_STAGE_METRICS_OFFSET = 100
 API_KEY_ENV = "INFERENCEMESH_API_KEY"
+# The HTTP servers' (frontend's, router's) total deadlines for a request's head and its body: a
+# client that trickles them in is answered 408 and cut off (http_server, frontend.guard, router.app).
+HTTP_HEADER_TIMEOUT_S = 10.0
+HTTP_BODY_TIMEOUT_S = 30.0
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -116,6 +120,20 @@ class BatchingOptions:
     max_batch_tokens: int = option(DEFAULT_MAX_BATCH_TOKENS, "prompt tokens one microbatch carries through the "
                                    "stages (every session's decode and verify frames ride along; a batch's first "
                                    "prompt chunk always goes)", parse=int)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HTTPTimeoutOptions:
+    header_timeout: float = option(HTTP_HEADER_TIMEOUT_S, "seconds a request's head (request line and headers) "
+                                   "may take to arrive, whole, however it trickles in (then 408, connection closed)",
+                                   parse=float)
+    body_timeout: float = option(HTTP_BODY_TIMEOUT_S, "seconds a request's body may take to arrive, whole, after "
+                                 "its head (then 408, connection closed)", parse=float)
+
+    def _check_timeouts(self) -> None:
+        for name in ("header_timeout", "body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag_name(name)} must be more than 0, not {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +222,7 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOptions, StreamOptions,
-                     PrefixCacheOptions):
+                     PrefixCacheOptions, HTTPTimeoutOptions):
     """`inferencemesh frontend`: the OpenAI endpoint in front of the stages (the frontend pod)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
@@ -245,6 +263,7 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
             raise ConfigError(f"--first-stage-layers {start}:{end}: need 0 <= START < END")
         _check_prefix_cache(self)
         _check_positive(self)
+        self._check_timeouts()
         return self
 
     @property
@@ -330,7 +349,7 @@ ROUTER_BALANCE_REL = 1.5
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig:
+class RouterConfig(HTTPTimeoutOptions):
     """`inferencemesh router`: one endpoint in front of N replicas' frontends, each request sent to
     the replica most likely to hold its prompt's prefix in its prefix cache (router/)."""
 
@@ -373,6 +392,7 @@ class RouterConfig:
                 raise ConfigError(f"{flag_name(name)} must be more than 0, not {getattr(self, name)}")
         if self.balance_abs < 0 or self.balance_rel < 1:
             raise ConfigError("--balance-abs must be 0 or more and --balance-rel at least 1")
+        self._check_timeouts()
         return self
 
     def ports(self) -> list[tuple[str, str, int]]:

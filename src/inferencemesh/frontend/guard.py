@@ -15,7 +15,8 @@ from inferencemesh.frontend.errors import APIError
 
 class RequestGuard:
     """Pure ASGI middleware: 401 without the API key, 413 for oversized bodies, 408 for a body
-    that stops arriving.
+    that has not arrived, whole, within body_timeout_s of its head (a total deadline: a body that
+    trickles in a byte every few seconds is cut off as surely as one that stops).
 
     The body is read here, bounded, and replayed to the app: Content-Length can be absent
     (chunked) or wrong, so the bytes actually received are what is counted.
@@ -41,9 +42,10 @@ class RequestGuard:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             return await self._too_large(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
             try:
-                async with asyncio.timeout(self.body_timeout_s):  # a body that stops arriving holds a task
+                async with asyncio.timeout_at(deadline):  # a body that stops or trickles holds a task and a slot
                     message = await receive()
             except TimeoutError:
                 return await self._refuse(scope, receive, send, APIError(
