@@ -74,7 +74,8 @@ class Upstream:
                     self.cancelled.set()
                     raise
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers={"x-replica": self.name})
+            return StreamingResponse(events(), media_type=data.get("media_type", "text/event-stream"),
+                                     headers={"x-replica": self.name})
 
         async def models(request: Request) -> Response:
             self.received.append((request.url.path, b"", dict(request.headers)))
@@ -86,9 +87,12 @@ class Upstream:
                 "token yet.\n# TYPE inferencemesh_num_requests_waiting gauge\n"
                 f'inferencemesh_num_requests_waiting{{model_name="m"}} {self.waiting}\n')
 
+        async def ready(_: Request) -> Response:
+            return JSONResponse({"status": "ready"})
+
         return Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"]),
                                  Route("/v1/completions", generate, methods=["POST"]),
-                                 Route("/v1/models", models), Route("/metrics", metrics)])
+                                 Route("/v1/models", models), Route("/metrics", metrics), Route("/ready", ready)])
 
 
 class ServerThread:

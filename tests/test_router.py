@@ -131,29 +131,52 @@ def test_when_every_replica_refuses_the_last_answer_comes_back(two) -> None:
     assert sum(u.count() for u in ups) == 2  # each tried once
 
 
-def test_a_refused_connection_is_retried() -> None:
+def test_a_refused_connection_is_retried_and_its_replica_is_down() -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with upstreams("a") as (a,), router(f"dead={dead}", f"a={a.url}") as (base, app):
         for i in range(8):
             assert replica_of(base, {"prompt": f"p{i}"}) == "a"
-        assert app.metrics.retries.labels("dead", "connect")._value.get() > 0
+        # down from its first refusal (a request's, or the load poller's): never tried again
+        assert app.metrics.retries.labels("dead", "connect")._value.get() <= 1
+        listed = {r["name"]: r for r in httpx.get(f"{base}/router/replicas").json()["replicas"]}
+        assert not listed["dead"]["up"] and "connect" in listed["dead"]["down"].lower() and listed["a"]["up"]
+        assert "inferencemesh_router_ready_replicas 1.0" in httpx.get(f"{base}/metrics").text
     with router(f"dead={dead}") as (base, _):
         response = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and response.headers["retry-after"]
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_an_error_after_the_first_byte_is_not_retried(two) -> None:
-    ups, base, _ = two
+def test_an_error_after_the_first_byte_is_not_retried_and_ends_the_stream_with_an_error_event(two) -> None:
+    ups, base, app = two
     payload = {"prompt": "breaks", "stream": True, "chunks": 5, "fail_after": 2}
     with httpx.stream("POST", f"{base}/v1/completions", json=payload, timeout=10) as response:
         assert response.status_code == 200
-        got = b""
-        with contextlib.suppress(httpx.HTTPError):
-            for chunk in response.iter_raw():
-                got += chunk
-    assert got.count(b"data: ") == 2 and b"[DONE]" not in got
+        got = b"".join(response.iter_raw())  # the stream ends (no cut connection): with an error event
+    events = [e for e in got.split(b"\n\n") if e]
+    assert len(events) == 3 and b"[DONE]" not in got, got
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["type"] == "server_error" and error["code"] == "replica_failed" and "failed" in error["message"]
     assert sum(u.count() for u in ups) == 1  # no second replica was asked
+    broken = next(u.name for u in ups if u.count())
+    deadline = time.monotonic() + 5  # down after the break, up again once its /ready answers
+    while app.replicas.get(broken).down is not None:
+        assert time.monotonic() < deadline, "the replica never came back up"
+        time.sleep(0.05)
+
+
+def test_an_answer_other_than_sse_that_breaks_off_is_cut_not_completed(two) -> None:
+    """No error event fits a JSON (or any non-SSE) body: the client's connection is cut, so that
+    it cannot take the part that came for the whole answer."""
+    _, base, _ = two
+    payload = {"prompt": "breaks", "stream": True, "chunks": 5, "fail_after": 2, "media_type": "application/json"}
+    got = b""
+    with pytest.raises(httpx.RemoteProtocolError), httpx.stream("POST", f"{base}/v1/completions", json=payload,
+                                                                timeout=10) as response:
+        assert response.status_code == 200
+        for chunk in response.iter_raw():
+            got += chunk
+    assert got.count(b"data: ") == 2 and b"error" not in got
 
 
 def test_a_client_that_goes_away_cancels_the_upstream_request(two) -> None:
@@ -177,6 +200,20 @@ def test_other_paths_and_headers_pass_through(two) -> None:
     assert headers["authorization"] == "Bearer s3cret" and headers["x-custom"] == "1"
     assert headers["host"] != base.removeprefix("http://")  # the replica's own host, not the router's
     assert "server" not in response.headers or response.headers.get_list("server") == ["uvicorn"]
+
+
+def test_a_large_body_waits_for_100_continue_and_goes_through_whole(two) -> None:
+    """A body of EXPECT_CONTINUE_BYTES or more goes once the replica says 100 Continue (uvicorn
+    says it when its app reads the body): it arrives whole, and the next request is served too."""
+    from inferencemesh.router.transport import EXPECT_CONTINUE_BYTES
+
+    _, base, _ = two
+    prompt = "é" * EXPECT_CONTINUE_BYTES
+    with httpx.Client(timeout=10) as client:
+        for _ in range(2):
+            response = client.post(f"{base}/v1/completions", json={"prompt": prompt})
+            assert response.status_code == 200 and response.json()["prompt"] == prompt
+            assert replica_of(base, {"prompt": "small"})
 
 
 def test_a_body_beyond_the_limit_is_refused_in_openai_format() -> None:

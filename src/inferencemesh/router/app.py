@@ -6,12 +6,17 @@
     GET /router/replicas   each replica: url, in flight, reported waiting, routed (JSON, for debugging)
     anything else          relayed to the replica policy.choose picks
 
-A relayed request's body is read once (at most max_body_bytes: 413 beyond) and replayed on each
-retry. The replica's answer goes back as it arrives: status and headers as it sent them (minus
-hop-by-hop ones), then its body bytes chunk by chunk (an SSE stream unbuffered). An answer the
-policy retries (policy.RETRY_STATUSES) or a connection that fails is retried on the next replica,
-each at most once, only while nothing went to the client yet; once the status line went, the
-stream is the client's, and ends as the replica ends it. A client that goes away closes the
+A relayed request's body is read once (at most max_body_bytes: 413 beyond, from its declared
+Content-Length before any byte of it is read; whole within body_timeout seconds: 408 after, both
+closing the connection) and replayed on each retry. The replica's answer goes back as it arrives:
+status and headers as it sent them (minus hop-by-hop ones) with its first body bytes, then the
+rest chunk by chunk (an SSE stream unbuffered). An answer the policy retries
+(policy.RETRY_STATUSES) or a connection that fails before the first body bytes is retried on the
+next replica, each at most once, only while nothing went to the client yet. A replica that
+refused a connection or dropped one is marked down (replicas.Replica.mark_down): requests go to
+the others until its /ready answers. A replica that dies after the first bytes went ends an SSE
+stream with an OpenAI error event (`data: {"error": {...}}`, no `[DONE]`), any other answer by
+cutting the connection: never a complete-looking answer. A client that goes away closes the
 upstream connection, and the replica cancels the request.
 """
 
@@ -21,7 +26,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -30,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from inferencemesh.config import RouterConfig
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixIndex, block_hashes, choose, key_seed, retryable, routing_key
-from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, ReplicaSet, StaticReplicas, cancel
+from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
 from inferencemesh.router.transport import LeanTransport
 
 log = logging.getLogger("inferencemesh.router")
@@ -46,7 +52,9 @@ RETRY_AFTER_S = "1"
 # Content-Length are the client library's to write for the upstream request.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
                         b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade"})
-REQUEST_DROPPED = HOP_BY_HOP | {b"host", b"content-length"}
+# Expect: the router answered the client's 100-continue itself; the transport asks its own.
+REQUEST_DROPPED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+CLOSE = [(b"connection", b"close")]  # a refusal before the body was read: the rest of it is not drained
 OWN_PATHS = ("/health", "/ready", "/metrics", "/router/replicas")
 
 
@@ -69,13 +77,39 @@ async def send_whole(send: Send, status: int, body: bytes, headers: list[tuple[b
 
 
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
-                     retry_after: bool = False) -> None:
+                     retry_after: bool = False, close: bool = False) -> None:
     extra = [(b"retry-after", RETRY_AFTER_S.encode())] if retry_after else []
-    await send_whole(send, status, error_body(message, type_, code), extra)
+    await send_whole(send, status, error_body(message, type_, code), extra + (CLOSE if close else []))
 
 
-class BodyTooLarge(Exception):
-    pass
+def sse_error_event(message: str) -> bytes:
+    """An OpenAI error event for an SSE stream that cannot go on (the openai client raises on it)."""
+    return b"data: " + error_body(message, "server_error", "replica_failed") + b"\n\n"
+
+
+class BodyRefused(Exception):
+    """The request body is refused before it is whole: 413 (too large) or 408 (too slow)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A replica's answer that the next replica may do better than (policy.RETRY_STATUSES), read whole."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class UpstreamFailed(Exception):
+    """A replica failed before any byte of its answer went to the client: the next one may serve."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
 
 
 class RouterApp:
@@ -83,6 +117,7 @@ class RouterApp:
 
     def __init__(self, config: RouterConfig, *, api_client: Any = None) -> None:
         self.config = config
+        self.header_timeout_s = config.header_timeout  # http_server.server_config's, for the request head
         self.replicas = ReplicaSet()
         self.source: StaticReplicas | EndpointSliceWatch = (
             StaticReplicas(self.replicas, config.frontends) if config.frontends else
@@ -90,7 +125,7 @@ class RouterApp:
                                config.frontend_port, api_client=api_client))
         self.index = PrefixIndex(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
         self.metrics = RouterMetrics()
-        self.metrics.ready_replicas.set_function(lambda: len(self.replicas.current()))
+        self.metrics.ready_replicas.set_function(lambda: len(self.replicas.up()))
         self.client: httpx.AsyncClient | None = None  # the load poller's
         self.transport = LeanTransport(connect_timeout=CONNECT_TIMEOUT_S)
         self.poller: LoadPoller | None = None
@@ -164,8 +199,8 @@ class RouterApp:
         if path == "/health":
             await send_whole(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
-            if replicas:
-                await send_whole(send, 200, json.dumps({"status": "ready", "replicas": len(replicas)}).encode())
+            if up := self.replicas.up():
+                await send_whole(send, 200, json.dumps({"status": "ready", "replicas": len(up)}).encode())
             else:
                 await send_error(send, 503, "No replica is ready.", "service_unavailable", "no_replica",
                                  retry_after=True)
@@ -177,37 +212,49 @@ class RouterApp:
                              content_type=CONTENT_TYPE_LATEST.encode())
         else:
             body = {"replicas": [{"name": r.name, "url": r.url, "in_flight": r.in_flight, "waiting": r.waiting,
-                                  "routed": r.routed} for r in replicas.values()],
+                                  "routed": r.routed, "up": r.down is None, "down": r.down}
+                                 for r in replicas.values()],
                     "prefix_blocks": len(self.index)}
             await send_whole(send, 200, json.dumps(body).encode())
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole request body (None: the client went away first)."""
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole request body (None: the client went away first). Refused (BodyRefused) beyond
+        max_body_bytes, declared or received, and when it is not whole within body_timeout seconds
+        of its head, however it trickles in."""
+        limit = self.config.max_body_bytes
+        too_large = BodyRefused(413, f"The request body is larger than {limit} bytes.", "request_too_large")
+        declared = next((value for name, value in scope["headers"] if name.lower() == b"content-length"), None)
+        if declared is not None and (not declared.strip().isdigit() or int(declared) > limit):
+            raise too_large  # before reading a byte of it
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                raise BodyTooLarge
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.config.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise BodyRefused(408, f"The request body did not arrive within {self.config.body_timeout:g} s.",
+                              "request_timeout") from None
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            body = await self._read_body(receive)
-        except BodyTooLarge:
-            await send_error(send, 413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
-                             "invalid_request_error", "request_too_large")
+            body = await self._read_body(scope, receive)
+        except BodyRefused as refused:
+            await send_error(send, refused.status, refused.message, "invalid_request_error", refused.code, close=True)
             return
         if body is None:
             return
         task = asyncio.current_task()
         assert task is not None
-        state = {"done": False, "gone": False}
+        state = {"done": False, "gone": False, "started": False}
 
         async def watch_disconnect() -> None:
             while True:
@@ -218,24 +265,33 @@ class RouterApp:
                         task.cancel()  # wherever _forward waits: the upstream connection closes
                     return
 
+        def tracked(message: Message) -> Awaitable[None]:
+            state["started"] = True
+            return send(message)
+
         watcher = asyncio.create_task(watch_disconnect())
         try:
-            await self._forward(scope, body, send, state)
+            await self._forward(scope, body, tracked, state)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise
             task.uncancel()
+        except Exception:  # a bug of the router's own: an OpenAI-format 500, never uvicorn's plain text
+            log.exception("the router failed on %s %s", scope["method"], scope["path"])
+            if state["started"]:
+                raise
+            await send_error(send, 500, "The router failed on this request.", "server_error", "router_error")
         finally:
             state["done"] = True
             watcher.cancel()
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, state: dict[str, bool]) -> None:
         started = time.perf_counter()
-        transport = self.transport
         method, path = scope["method"], scope["path"]
         key = routing_key(path, body) if method == "POST" else None
         blocks = block_hashes(key, self.config.block_chars)
-        replicas = self.replicas.current()
+        # Down replicas only when none is up: they may be back before the poller has seen it.
+        replicas = self.replicas.up() or self.replicas.current()
         choice = choose({name: r.load for name, r in replicas.items()}, self.index.match(blocks) if blocks else {},
                         seed=key_seed(key), balance_abs=self.config.balance_abs, balance_rel=self.config.balance_rel)
         if not choice.order:
@@ -250,7 +306,7 @@ class RouterApp:
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
         headers = _without(scope["headers"], REQUEST_DROPPED)
-        last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None
+        last: Refusal | None = None
         failed: list[str] = []
         for attempt, name in enumerate(choice.order):
             replica = replicas[name]
@@ -262,57 +318,99 @@ class RouterApp:
             if attempt == 0:
                 self.metrics.overhead.observe(time.perf_counter() - started)
             replica.in_flight += 1
-            response: httpx.Response | None = None
             try:
                 try:
-                    response = await transport.handle_async_request(request)
-                except (httpx.ConnectError, httpx.ConnectTimeout) as err:
-                    self.metrics.retries.labels(name, "connect").inc()
-                    failed.append(f"{name}: {err or type(err).__name__}")
-                    continue
-                except httpx.RemoteProtocolError as err:  # it closed the connection without an answer
-                    self.metrics.retries.labels(name, "disconnected").inc()
-                    failed.append(f"{name}: {err or type(err).__name__}")
+                    answer = await self._attempt(replica, request, retry=attempt + 1 < len(choice.order))
+                except UpstreamFailed as err:
+                    self.metrics.retries.labels(name, err.reason).inc()
+                    failed.append(f"{name}: {err.detail}")
                     continue
                 except httpx.HTTPError as err:
                     log.warning("replica %s failed: %s", name, err)
                     await send_error(send, 502, f"The replica {name} failed: {type(err).__name__}.",
                                      "server_error", "bad_gateway")
                     return
-                status = response.status_code
-                if retryable(status) and attempt + 1 < len(choice.order):
-                    answer = await response.aread()
-                    self.metrics.retries.labels(name, str(status)).inc()
-                    self.metrics.requests.labels(name, f"{status // 100}xx").inc()
-                    last = (status, _without(response.headers.raw, HOP_BY_HOP), answer)
+                if isinstance(answer, Refusal):
+                    last = answer
                     continue
-                if blocks:
-                    self.index.record(blocks, name)
-                replica.routed += 1
-                self.metrics.requests.labels(name, f"{status // 100}xx").inc()
-                await self._relay(name, response, send, state)
-                return
+                response, first, rest = answer
+                try:
+                    if blocks:
+                        self.index.record(blocks, name)
+                    replica.routed += 1
+                    self.metrics.requests.labels(name, f"{response.status_code // 100}xx").inc()
+                    await self._relay(replica, response, first, rest, send, state)
+                    return
+                finally:
+                    await response.aclose()
             finally:
                 replica.in_flight -= 1
-                if response is not None:
-                    await response.aclose()
         if last is not None:  # every replica refused it: the last answer, as it came
-            status, answer_headers, answer = last
-            await send({"type": "http.response.start", "status": status, "headers": answer_headers})
-            await send({"type": "http.response.body", "body": answer, "more_body": False})
+            await send({"type": "http.response.start", "status": last.status, "headers": last.headers})
+            await send({"type": "http.response.body", "body": last.body, "more_body": False})
             return
         log.warning("no replica reachable: %s", "; ".join(failed))
         await send_error(send, 503, "No replica could be reached: " + "; ".join(failed), "service_unavailable",
                          "no_replica", retry_after=True)
 
-    async def _relay(self, name: str, response: httpx.Response, send: Send, state: dict[str, bool]) -> None:
+    async def _attempt(self, replica: Replica, request: httpx.Request, *, retry: bool
+                       ) -> Refusal | tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """One try on `replica`: its Refusal when `retry` and the status is one the policy retries;
+        else the response with its first body bytes read (and an iterator over the rest).
+        UpstreamFailed when it failed before those first bytes."""
+        name = replica.name
+        try:
+            response = await self.transport.handle_async_request(request)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            replica.mark_down(f"connecting: {err or type(err).__name__}")
+            raise UpstreamFailed("connect", str(err) or type(err).__name__) from err
+        except httpx.RemoteProtocolError as err:  # it closed the connection without an answer
+            replica.mark_down(str(err))
+            raise UpstreamFailed("disconnected", str(err) or type(err).__name__) from err
+        status = response.status_code
+        try:
+            if retryable(status) and retry:
+                answer = await response.aread()
+                self.metrics.requests.labels(name, f"{status // 100}xx").inc()
+                self.metrics.retries.labels(name, str(status)).inc()
+                await response.aclose()
+                return Refusal(status, _without(response.headers.raw, HOP_BY_HOP), answer)
+            # The status line waits for the first body bytes: a replica that dies before them (a
+            # stream still in prefill, a non-streamed answer being computed) is retried elsewhere.
+            rest = response.aiter_raw()
+            first = await anext(rest, b"")
+        except httpx.HTTPError as err:
+            await response.aclose()
+            replica.mark_down(f"its answer broke off: {err}")
+            raise UpstreamFailed("disconnected", str(err) or type(err).__name__) from err
+        except BaseException:
+            await response.aclose()
+            raise
+        return response, first, rest
+
+    async def _relay(self, replica: Replica, response: httpx.Response, first: bytes, rest: AsyncIterator[bytes],
+                     send: Send, state: dict[str, bool]) -> None:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": _without(response.headers.raw, HOP_BY_HOP)})
+        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        last = first
         try:
-            async for chunk in response.aiter_raw():
+            if first:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+            async for chunk in rest:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as err:  # after the first byte: the stream ends as the replica ended it
-            log.warning("replica %s ended its answer early: %s", name, err)
+                last = chunk or last
+        except httpx.HTTPError as err:  # after the first bytes: the client must see that it broke
+            replica.mark_down(f"its answer broke off: {err}")
+            log.warning("replica %s ended its answer early: %s", replica.name, err)
+            if not sse:
+                state["done"] = True
+                return  # without the body's end: uvicorn cuts the connection, the client sees it cut
+            # An event of its own: after a whole event's blank line (what was relayed ends one, or
+            # the blank line ends the part that came).
+            event = sse_error_event(f"The replica {replica.name} serving this stream failed: {err}")
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": event if last.endswith(b"\n\n") else b"\n\n" + event})
         state["done"] = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

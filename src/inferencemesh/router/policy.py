@@ -23,6 +23,7 @@ load = the router's own requests in flight to it + the requests its /metrics say
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections import OrderedDict
@@ -36,6 +37,12 @@ from typing import Any
 RETRY_STATUSES = frozenset({429, 502, 503})
 # The paths whose body carries a prompt, and where their prompt is.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# The router's work per request is bounded (it runs on the event loop every request shares): a
+# body beyond KEY_MAX_BODY_BYTES is not parsed for a key (a frontend refuses one beyond 1 MiB by
+# default anyway), and a key stops at KEY_MAX_CHARS (2,048 blocks, about 64k tokens of shared
+# prefix): building and hashing the key of a 4 MB conversation of tiny messages cost about 1 s.
+KEY_MAX_BODY_BYTES = 1024 * 1024
+KEY_MAX_CHARS = 256 * 1024
 
 
 def retryable(status: int) -> bool:
@@ -47,39 +54,65 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def routing_key(path: str, body: bytes | Mapping[str, Any]) -> str | None:
-    """The text a request's prompt starts with, for prefix affinity; None for a request without a
-    prompt (GET /v1/models) or with a body that is not a JSON object."""
+def _joined(parts: Iterable[str], limit: int) -> str:
+    """The parts joined, stopping once `limit` characters are reached (then cut to `limit`)."""
+    taken, size = [], 0
+    for part in parts:
+        taken.append(part)
+        size += len(part)
+        if size >= limit:
+            break
+    return "".join(taken)[:limit]
+
+
+def routing_key(path: str, body: bytes | Mapping[str, Any], max_chars: int = KEY_MAX_CHARS) -> str | None:
+    """The text a request's prompt starts with (its first `max_chars` characters), for prefix
+    affinity; None for a request without a prompt (GET /v1/models), with a body beyond
+    KEY_MAX_BODY_BYTES, or with a body that is not a JSON object (malformed or nested too deep:
+    the replica answers it in OpenAI's format)."""
     if path not in GENERATION_PATHS:
         return None
     if isinstance(body, bytes | bytearray):
+        if len(body) > KEY_MAX_BODY_BYTES:
+            return None
         try:
             data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
     else:
         data = body
     if not isinstance(data, Mapping):
         return None
+    try:
+        return _key_of(path, data, max_chars)
+    except RecursionError:  # a deeply nested prompt or message content
+        return None
+
+
+def _key_of(path: str, data: Mapping[str, Any], max_chars: int) -> str | None:
     if path == "/v1/chat/completions":
         messages = data.get("messages")
         if not isinstance(messages, list):
             return None
-        head = _canonical(data["tools"]) + "\n" if data.get("tools") else ""
+        head = [_canonical(data["tools"]) + "\n"] if data.get("tools") else []
         # One message after another: a conversation's next turn extends the previous key.
-        return head + "".join(_canonical({"role": m.get("role"), "content": m.get("content")})
-                              if isinstance(m, Mapping) else _canonical(m) for m in messages)
+        return _joined(itertools.chain(head, (_canonical({"role": m.get("role"), "content": m.get("content")})
+                                              if isinstance(m, Mapping) else _canonical(m) for m in messages)),
+                       max_chars)
     if path == "/v1/completions":
         prompt = data.get("prompt")
         if prompt is None:
             return None
-        return prompt if isinstance(prompt, str) else _canonical(prompt)
+        if isinstance(prompt, list):  # a batch of prompts, or token ids: its canonical JSON, bounded
+            items = (("," if i else "") + _canonical(item) for i, item in enumerate(prompt))
+            return ("[" + _joined(items, max_chars) + "]")[:max_chars]
+        return (prompt if isinstance(prompt, str) else _canonical(prompt))[:max_chars]
     instructions, given = data.get("instructions"), data.get("input")
     if instructions is None and given is None:
         return None
-    text = given if isinstance(given, str) or given is None else "".join(
-        _canonical(item) for item in given) if isinstance(given, list) else _canonical(given)
-    return (instructions or "") + "\n" + (text or "")
+    parts: Iterable[str] = ([given] if isinstance(given, str) else [] if given is None else
+                            (_canonical(item) for item in given) if isinstance(given, list) else [_canonical(given)])
+    return _joined(itertools.chain([str(instructions or ""), "\n"], parts), max_chars)
 
 
 def block_hashes(key: str | None, block_chars: int) -> list[int]:

@@ -6,7 +6,9 @@
   (list, then watch from the list's resourceVersion; relist on any error or expiry), through
   discovery.k8s.io/v1 where the server has it, else v1beta1 (Kubernetes 1.20 has only that).
 - LoadPoller: every replica's /metrics, read every `interval` seconds by one task, for
-  inferencemesh_num_requests_waiting; a replica whose /metrics fails keeps its last value.
+  inferencemesh_num_requests_waiting; a replica whose /metrics fails keeps its last value. A
+  replica that is down (it refused or dropped a connection: Replica.mark_down) is asked its /ready
+  instead, and is up again once that answers 200.
 
 ReplicaSet holds the current replicas: the watch thread replaces them, the router's event loop
 reads them and counts its requests in flight on them.
@@ -52,10 +54,24 @@ class Replica:
     in_flight: int = 0  # this router's requests to it, not yet finished
     waiting: float = 0.0  # its inferencemesh_num_requests_waiting, last read
     routed: int = 0  # requests this router sent it (answered by it)
+    # Why it is down (it refused a connection, or closed one without an answer or mid-answer): no
+    # request goes to it while another replica is up, until its /ready answers 200. None: up.
+    down: str | None = None
 
     @property
     def load(self) -> float:
         return self.in_flight + self.waiting
+
+    def mark_down(self, reason: str) -> None:
+        if self.down is None:
+            log.warning("replica %s (%s) is down: %s; requests go to the others until its /ready answers",
+                        self.name, self.url, reason)
+        self.down = reason
+
+    def mark_up(self) -> None:
+        if self.down is not None:
+            log.info("replica %s (%s) is up again", self.name, self.url)
+        self.down = None
 
 
 class ReplicaSet:
@@ -90,6 +106,10 @@ class ReplicaSet:
     def current(self) -> dict[str, Replica]:
         """A snapshot (the dict is replaced, never changed in place)."""
         return self._replicas
+
+    def up(self) -> dict[str, Replica]:
+        """The replicas that are not down."""
+        return {name: replica for name, replica in self._replicas.items() if replica.down is None}
 
     def get(self, name: str) -> Replica | None:
         return self._replicas.get(name)
@@ -300,9 +320,15 @@ class LoadPoller:
     async def _poll(self, replica: Replica) -> None:
         try:  # the router's transport has no read timeout of its own: a replica that hangs is cut off here
             async with asyncio.timeout(max(self.interval, 0.5)):
+                if replica.down is not None:  # back once it is ready (a restarted frontend loads first)
+                    if (await self.client.get(replica.url + "/ready")).status_code == 200:
+                        replica.mark_up()
+                    return
                 response = await self.client.get(replica.url + "/metrics")
                 response.raise_for_status()
                 replica.waiting = waiting_of(response.text)
+        except httpx.ConnectError as err:  # refused: nothing listens (a slow answer is only slow)
+            replica.mark_down(str(err) or type(err).__name__)
         except (httpx.HTTPError, ValueError, TimeoutError) as err:
             log.debug("load of %s not read: %s", replica.name, err)
 

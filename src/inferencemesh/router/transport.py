@@ -8,6 +8,11 @@ httpx API (Request, Response, aiter_raw, its exception types) over asyncio strea
 of kept-alive connections per origin. It frames bodies by Content-Length, chunked encoding or
 the connection's end, passes each chunk on as it arrives (an SSE event is one chunk), and
 closes a connection whose response was not read to its end (a client that went away).
+
+A body of EXPECT_CONTINUE_BYTES or more is sent only once the replica says `100 Continue`
+(RFC 9110 10.1.1): a replica that refuses it from its head alone (413 beyond its own body limit)
+answers at once and closes, instead of resetting the connection under a body still being written
+(which the router took for a dead replica: 503 "no replica could be reached" for a 2 MiB body).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import httpx
 
 HEAD_LIMIT = 256 * 1024  # the largest response head accepted
 READ_SIZE = 64 * 1024
+EXPECT_CONTINUE_BYTES = 64 * 1024  # smaller bodies go with their head: one write, no round trip
+CONTINUE_WAIT_S = 1.0  # a replica that never says 100 Continue gets the body after this (curl waits 1 s)
 
 
 class _Connection:
@@ -110,9 +117,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise httpx.UnsupportedProtocol(f"the router speaks plain HTTP to its replicas, not {url.scheme}")
         origin = (url.host, url.port or 80)
         target = url.raw_path
-        head = b"".join([request.method.encode(), b" ", target, b" HTTP/1.1\r\n",
-                         *(name + b": " + value + b"\r\n" for name, value in request.headers.raw), b"\r\n"])
         body = await request.aread()
+        expect = [(b"expect", b"100-continue")] if len(body) >= EXPECT_CONTINUE_BYTES else []
+        head = b"".join([request.method.encode(), b" ", target, b" HTTP/1.1\r\n",
+                         *(name + b": " + value + b"\r\n" for name, value in [*request.headers.raw, *expect]),
+                         b"\r\n"])
         idle = self._idle.get(origin)
         while idle:  # a kept-alive connection; one the replica closed meanwhile fails before any answer
             conn = idle.pop()
@@ -127,18 +136,33 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def _exchange(self, request: httpx.Request, origin: tuple[str, int], conn: _Connection, head: bytes,
                         body: bytes, fresh: bool = False) -> httpx.Response:
+        waiting = len(body) >= EXPECT_CONTINUE_BYTES  # the body waits for 100 Continue
         try:
-            conn.writer.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                conn.writer.write(body)
+            conn.writer.write(head if waiting else head + body)
             await conn.writer.drain()
             while True:
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
+                if waiting:
+                    try:
+                        async with asyncio.timeout(CONTINUE_WAIT_S):
+                            raw = await conn.reader.readuntil(b"\r\n\r\n")
+                    except TimeoutError:
+                        raw = b""
+                else:
+                    raw = await conn.reader.readuntil(b"\r\n\r\n")
+                if not raw:  # no word in time: the body goes anyway
+                    waiting = False
+                    conn.writer.write(body)
+                    await conn.writer.drain()
+                    continue
                 status_line, _, rest = raw.partition(b"\r\n")
                 parts = status_line.split(b" ", 2)
                 status = int(parts[1])
                 if status >= 200 or status == 101:
-                    break  # 1xx (100 Continue): its real answer follows
+                    break
+                if waiting and status == 100:  # go on: the body, then the real answer
+                    waiting = False
+                    conn.writer.write(body)
+                    await conn.writer.drain()
         except asyncio.CancelledError:
             conn.close()
             raise
@@ -153,7 +177,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.close()
             raise httpx.RemoteProtocolError(f"the replica's answer is not HTTP/1.1: {err}") from err
         headers = []
-        length, chunked, keep_alive = -1, False, parts[0] == b"HTTP/1.1"
+        # An answer before the body went (a refusal from the head): the replica expects a body
+        # that will never come, so the connection is not reused.
+        length, chunked, keep_alive = -1, False, parts[0] == b"HTTP/1.1" and not waiting
         for line in rest[:-4].split(b"\r\n") if rest[:-4] else ():
             name, _, value = line.partition(b":")
             name, value = name.strip(), value.strip()
@@ -164,7 +190,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 chunked = b"chunked" in value.lower()
             elif lower == b"connection":
                 tokens = value.lower()
-                keep_alive = b"close" not in tokens and (keep_alive or b"keep-alive" in tokens)
+                keep_alive = b"close" not in tokens and not waiting and (keep_alive or b"keep-alive" in tokens)
             headers.append((name, value))
         if request.method == "HEAD" or status in (204, 304) or length == 0:
             mode = "empty"
