@@ -306,7 +306,7 @@ class PipelineEngine(Generic[PipelineT]):
             emitted = 0
             while True:
                 if conn.grammar is not None:  # the grammar advances by decided tokens only
-                    conn.grammar.commit(_until_stop(prediction.tokens, request))
+                    await conn.grammar.commit_async(_until_stop(prediction.tokens, request))
                 count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
                 emitted += count
                 finish: Literal["stop", "length"] | None = "stop" if stopped else "length" if emitted >= budget \

@@ -11,18 +11,31 @@ there (is_accepting), and once it cannot go on (is_stopped) the mask is EOS alon
 are the GrammarTokenizer's: pass every id that ends generation (e.g. <|im_end|> for chat), or a
 stop token the grammar never allows would be masked out and the output could never end.
 
-Threads and cost: mask computation runs in Rust with the GIL released (llguidance drops it in
-compute_mask/unsafe_compute_mask_ptr and while building a matcher), so masks can be computed on a
-worker thread while the event loop and the pipeline run. One LLMatcher must not be used by two
-threads at once (PyO3 raises "Already borrowed"): each SessionGrammar holds a lock around it.
-Consuming and rolling back tokens keep the GIL but cost microseconds.
+Threads and cost: nothing here runs on the event loop. A constraint's matcher is built once, on
+the low-priority build thread (constrained_output), after the grammar worker compiled its grammar
+in a process of its own (constraints.validated_grammar: a grammar that crashes or outlasts the
+compiler never gets here); it is then probed one token deep (errors llguidance reports only at a
+first token: "too many expressions constructed") and kept: each choice of each request starts from
+a deep copy, which costs microseconds. Masks and commits run on the mask threads
+(window_masks_async, commit_async): llguidance releases the GIL while it computes a mask, not
+while it consumes a token, so a token's work is bounded twice, by llguidance's per-step item limit
+(constraints.MAX_STEP_ITEMS) and by MASK_BUDGET_S of CPU, past which the choice ends with a
+ConstraintError naming the parameter (a 400, or the stream's error event), alone. One LLMatcher
+must not be used by two threads at once (PyO3 raises "Already borrowed"): each SessionGrammar
+holds a lock around it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import threading
+import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +43,31 @@ import llguidance
 import llguidance.hf
 import torch
 
-from inferencemesh.frontend.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError
-from inferencemesh.token_masks import WORD_BITS, apply_token_masks, is_allowed, mask_words
+from inferencemesh.frontend.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError, first_line
+from inferencemesh.token_masks import WORD_BITS, allowed_tokens, apply_token_masks, is_allowed, mask_words
+
+log = logging.getLogger("inferencemesh.frontend")
 
 # Masks a session keeps between commits (a draft window's worth and then some): 8 KB each for
 # a 64k vocabulary, 19 KB for 150k.
 MAX_REMEMBERED_MASKS = 32
+# CPU one token's mask, or one committed token, may cost: a real grammar's mask costs well under
+# 10 ms even over a 150k vocabulary; past this the choice ends (llguidance cannot be interrupted,
+# so this bounds the next token's cost, not this one's: MAX_STEP_ITEMS bounds that).
+MASK_BUDGET_S = 0.1
+MATCHERS = 64  # built matchers kept per tokenizer (agents send the same schema again and again)
+
+
+def _low_priority() -> None:
+    # Linux gives each thread its own nice value: a matcher build waits for CPU the stages and
+    # the event loop do not want.
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+# One build at a time, at the lowest priority; masks on threads of their own (a session's lock
+# keeps one choice's masks in order; other choices' run alongside).
+_BUILDS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build", initializer=_low_priority)
+_MASKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-mask")
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,18 +117,77 @@ def grammar_tokenizer(
         return _CACHE.setdefault(hf_tokenizer, {}).setdefault(key, built)
 
 
+_MATCHERS: weakref.WeakKeyDictionary[GrammarTokenizer, OrderedDict[str, llguidance.LLMatcher | str]] = (
+    weakref.WeakKeyDictionary()
+)
+_MATCHERS_LOCK = threading.Lock()
+
+
+def constraint_matcher(constraint: Constraint, tokenizer: GrammarTokenizer) -> llguidance.LLMatcher:
+    """The constraint's matcher over tokenizer, in its initial state: built and probed once, then
+    remembered (so is a refusal). Shared: copy it (SessionGrammar does), never advance it.
+    Raises ConstraintError for a grammar llguidance refuses with this tokenizer, or at its first
+    token. Blocks for as long as the build takes: call it on the build thread (constrained_output)."""
+    with _MATCHERS_LOCK:
+        built = _MATCHERS.get(tokenizer)
+        known = built.get(constraint.grammar) if built is not None else None
+    if known is None:
+        started = time.perf_counter()
+        try:
+            known = _built(constraint, tokenizer)
+        except ConstraintError as err:
+            known = err.message
+        log.debug("built a %s matcher in %.3fs", constraint.kind.value, time.perf_counter() - started)
+        with _MATCHERS_LOCK:
+            built = _MATCHERS.setdefault(tokenizer, OrderedDict())
+            built[constraint.grammar] = known
+            built.move_to_end(constraint.grammar)
+            if len(built) > MATCHERS:
+                built.popitem(last=False)
+    if isinstance(known, str):
+        raise ConstraintError(constraint.param, known)
+    return known
+
+
+def _built(constraint: Constraint, tokenizer: GrammarTokenizer) -> llguidance.LLMatcher:
+    # log_level 0: refusals are reported through is_error/get_error, not printed to stderr.
+    matcher = llguidance.LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=GRAMMAR_LIMITS)
+    probe = matcher.deep_copy() if not matcher.is_error() else matcher
+    if not probe.is_error():
+        # One token deep: llguidance builds its lexer lazily, and some limits are met only there.
+        mask = torch.empty(tokenizer.words, dtype=torch.int32)
+        probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+        tokens = [t for t in allowed_tokens(mask).tolist() if t not in tokenizer.eos_token_ids]
+        if tokens and not probe.is_error() and probe.consume_token(tokens[-1]):
+            probe.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+    if probe.is_error():  # tokenizer-dependent failures the grammar worker cannot see
+        raise ConstraintError(constraint.param, f"cannot enforce this constraint: {first_line(probe.get_error())}")
+    return matcher
+
+
+async def constrained_output(constraint: Constraint, tokenizer: GrammarTokenizer,
+                             mask_timer: Callable[[float], None] | None = None) -> ConstrainedOutput:
+    """The request's ConstrainedOutput, its matcher built (or found) off the event loop."""
+    matcher = await asyncio.get_running_loop().run_in_executor(_BUILDS, constraint_matcher, constraint, tokenizer)
+    return ConstrainedOutput(constraint, tokenizer, mask_timer, matcher)
+
+
 @dataclass(frozen=True, eq=False)
 class ConstrainedOutput:
     """A request's constraint with the tokenizer it is enforced over: each of its choices starts a
-    SessionGrammar of its own."""
+    SessionGrammar of its own, from a copy of matcher (built on first use when not given)."""
 
     constraint: Constraint
     tokenizer: GrammarTokenizer
     # Where each frame's mask time goes (FrontendMetrics.mask_timer), or None: not measured.
     mask_timer: Callable[[float], None] | None = None
+    matcher: llguidance.LLMatcher | None = None
 
     def start(self) -> SessionGrammar:
-        return SessionGrammar(self.constraint, self.tokenizer, mask_timer=self.mask_timer)
+        matcher = self.matcher if self.matcher is not None else constraint_matcher(self.constraint, self.tokenizer)
+        with _MATCHERS_LOCK:  # a shared matcher: one borrower at a time
+            copy = matcher.deep_copy()
+        return SessionGrammar(self.constraint, self.tokenizer, mask_timer=self.mask_timer, matcher=copy)
 
 
 class GrammarViolation(RuntimeError):
@@ -107,15 +198,15 @@ class SessionGrammar:
     """One generation's grammar state: advanced by commit(), queried by window_masks()."""
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer, *,
-                 mask_timer: Callable[[float], None] | None = None) -> None:
+                 mask_timer: Callable[[float], None] | None = None,
+                 matcher: llguidance.LLMatcher | None = None) -> None:
+        """matcher: this generation's own, in its initial state (default: a copy of the
+        constraint's, built on first use)."""
         self.constraint = constraint
         self.tokenizer = tokenizer
         self.mask_timer = mask_timer  # told each frame's mask time by its caller (session.Connection.token_masks)
         self._lock = threading.Lock()
-        # log_level 0: refusals are reported through is_error/get_error, not printed to stderr.
-        self._matcher = llguidance.LLMatcher(tokenizer.ll, constraint.grammar, log_level=0, limits=GRAMMAR_LIMITS)
-        if self._matcher.is_error():  # tokenizer-dependent failures the up-front validation cannot see
-            raise ConstraintError(constraint.param, f"cannot enforce this constraint: {self._matcher.get_error()}")
+        self._matcher = matcher if matcher is not None else constraint_matcher(constraint, tokenizer).deep_copy()
         self.committed = 0  # tokens the grammar has advanced by
         # Masks computed since the last commit, by the drafts they follow: a draft model asks for
         # the mask after each of its drafts (mask_after), and the verify window then needs those
@@ -124,6 +215,14 @@ class SessionGrammar:
         self.mask_fills = 0  # masks computed (not copied), for tests and benchmarks
 
     # -- committed state ---------------------------------------------------------------------
+
+    async def commit_async(self, tokens: Sequence[int]) -> None:
+        """commit, on a mask thread."""
+        await asyncio.get_running_loop().run_in_executor(_MASKS, self.commit, tokens)
+
+    async def window_masks_async(self, drafts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """window_masks, on a mask thread."""
+        return await asyncio.get_running_loop().run_in_executor(_MASKS, self.window_masks, drafts)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance by tokens the pipeline committed (accepted drafts + the bonus token).
@@ -157,8 +256,24 @@ class SessionGrammar:
         return self._matcher.validate_tokens(prefix) if prefix else 0
 
     def _consume(self, token: int) -> None:
+        started = time.thread_time()
         if not self._matcher.consume_token(token) or self._matcher.is_error():
-            raise RuntimeError(f"llguidance refused token {token} it had allowed: {self._matcher.get_error()}")
+            self._failed()
+        self._within_budget(started)
+
+    def _failed(self) -> None:
+        """The matcher is in its error state: a limit met mid-generation (the grammar allowed the
+        token, llguidance could not go on), the client's constraint at fault."""
+        raise ConstraintError(self.constraint.param, f"the {self.constraint.kind.value} constraint could not be "
+                                                     f"enforced after {self.committed} tokens: "
+                                                     f"{first_line(self._matcher.get_error())}")
+
+    def _within_budget(self, started: float) -> None:
+        spent = time.thread_time() - started
+        if spent > MASK_BUDGET_S:
+            raise ConstraintError(self.constraint.param, f"the {self.constraint.kind.value} constraint costs "
+                                                         f"{1000 * spent:.0f} ms of CPU for one token, more than the "
+                                                         f"{1000 * MASK_BUDGET_S:.0f} ms allowed")
 
     @property
     def is_accepting(self) -> bool:
@@ -252,13 +367,17 @@ class SessionGrammar:
             target.copy_(known)
             return
         # Writes llguidance's mask straight into the row; the GIL is released while it computes.
+        started = time.thread_time()
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
         if self._matcher.is_error():
-            raise RuntimeError(f"llguidance failed computing a mask: {self._matcher.get_error()}")
+            self._failed()
+        self._within_budget(started)
         self.mask_fills += 1
         if len(self._computed) < MAX_REMEMBERED_MASKS:
             self._computed[after] = target.clone()
 
     def _rollback(self, count: int) -> None:
+        if self._matcher.is_error():
+            return  # what put it there is being raised: this choice ends
         if count and not self._matcher.rollback(count):
             raise RuntimeError(f"llguidance could not roll back {count} tokens: {self._matcher.get_error()}")

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from inferencemesh.frontend.constraints import Constraint, constraint_from_request
 from inferencemesh.frontend.engine_api import Engine, GenerationRequest
 from inferencemesh.frontend.errors import APIError
-from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
+from inferencemesh.frontend.grammar import ConstrainedOutput, constrained_output, grammar_tokenizer
 from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest, wire_seed
 from inferencemesh.frontend.prompts import chat_ids, text_ids
@@ -179,7 +179,8 @@ class JobBuilder:
         if key in self._compiled:
             self._compiled.move_to_end(key)
             return (*self._compiled[key], None)
-        # off the event loop: a schema's checks and compilation take milliseconds
+        # off the event loop: a schema's checks take milliseconds, its compile (in the grammar worker's
+        # process, constraints.validated_grammar) up to its CPU budget
         compiled, compile_s = await asyncio.to_thread(_timed_compile, fields, tool_fields)
         self._compiled[key] = compiled
         if len(self._compiled) > COMPILED_CONSTRAINTS:
@@ -198,10 +199,12 @@ class JobBuilder:
                                     "the output ends", param=name)
         tokenizer = await asyncio.to_thread(grammar_tokenizer, self.tokenizer, self.vocab_size,
                                             sorted(self.stop_token_ids))
-        if self.metrics is None:
-            return ConstrainedOutput(constraint, tokenizer)
-        self.metrics.record_constraint(constraint.kind.value, compile_s)
-        return ConstrainedOutput(constraint, tokenizer, self.metrics.mask_timer())
+        # its matcher built (once per constraint) off the event loop, at low priority
+        output = await constrained_output(constraint, tokenizer,
+                                          self.metrics.mask_timer() if self.metrics is not None else None)
+        if self.metrics is not None:
+            self.metrics.record_constraint(constraint.kind.value, compile_s)
+        return output
 
     def _stop_token_ids(self, body: Body) -> frozenset[int]:
         """EOS and end-of-turn tokens (unless ignore_eos, as vLLM does), plus the request's own."""

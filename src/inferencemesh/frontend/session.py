@@ -97,14 +97,15 @@ class Connection:
     async def close(self, retain: bool = False) -> bool:
         return await self.session.close(retain)
 
-    def token_masks(self, drafts: Sequence[int] = ()) -> tuple[bytes, int]:
+    async def token_masks(self, drafts: Sequence[int] = ()) -> tuple[bytes, int]:
         """The wire masks of a frame deciding after `drafts` (none: one row), and how many drafts
-        the grammar allows: the window ends at the first it forbids. Unconstrained: (b"", all)."""
+        the grammar allows: the window ends at the first it forbids. Unconstrained: (b"", all).
+        Computed on a mask thread: a grammar's masks never hold up the event loop."""
         grammar = self.grammar
         if grammar is None:
             return b"", len(drafts)
         started = time.perf_counter()
-        masks, usable = grammar.window_masks(drafts)
+        masks, usable = await grammar.window_masks_async(drafts)
         packed = pack_token_masks(masks, grammar.tokenizer.vocab_size)
         if grammar.mask_timer is not None:
             grammar.mask_timer(time.perf_counter() - started)
@@ -267,7 +268,7 @@ class SessionFrames:
             frame = conn.frame(pb.PREFILL, pos_start=position, token_count=len(piece), token_ids=piece,
                                prompt_logprobs=prompt_logprobs,
                                want_prediction=want_prediction and (prompt_logprobs or last),
-                               token_masks=conn.token_masks()[0] if want_prediction and last else b"")
+                               token_masks=(await conn.token_masks())[0] if want_prediction and last else b"")
             prediction = await conn.session.send(frame)
             if scored is not None:
                 assert prediction is not None
@@ -285,7 +286,7 @@ class SessionFrames:
         started = time.perf_counter()
         proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
         drafts = proposal.tokens[: max(0, self.max_context - len(history) - 1)] if proposal is not None else []
-        masks, usable = conn.token_masks(drafts)  # a draft the grammar forbids ends the window
+        masks, usable = await conn.token_masks(drafts)  # a draft the grammar forbids ends the window
         drafts = drafts[:usable]
         proposed = time.perf_counter()
         sent_ns = time.time_ns() if self.debug_telemetry else 0  # 0: not stamped
