@@ -71,12 +71,62 @@ def test_speculative_sampling_matches_target_distribution() -> None:
     assert len(second) > 500 and stat < CHI2_CRITICAL_P001[dof], f"second token deviates: chi2={stat:.1f}"
 
 
-def test_wrong_acceptance_rule_is_detected(monkeypatch) -> None:
-    """The same statistical test fails when verification accepts every draft token."""
-    monkeypatch.setattr(sampling, "accept", lambda p_token, q_token, u: True)
-    first, _, p = _speculative_samples(6000)
-    stat, dof = chi_square(first, p[0])
+def test_the_chi_square_check_detects_a_wrong_rule() -> None:
+    """The same statistical test fails for a rule that keeps every draft (the drafts' own law, q)."""
+    gen = torch.Generator().manual_seed(7)
+    target_logits = torch.randn(3, 6, generator=gen) * 1.5
+    p = probabilities(target_logits, SamplingParams(temperature=1.0))
+    q = torch.softmax(torch.randn(2, 6, generator=gen) * 1.5, -1)  # as _speculative_samples draws them
+    kept = [int(torch.multinomial(q[0], 1, generator=gen)) for _ in range(6000)]
+    stat, dof = chi_square(kept, p[0])
     assert stat > CHI2_CRITICAL_P001[dof]
+
+
+def test_verification_draws_exactly_what_plain_decoding_draws() -> None:
+    """A seeded token depends only on the target's logits at its position: whatever the drafts
+    (right, wrong, from any q), verification returns the longest prefix of drafts equal to plain
+    decoding's draws, then plain decoding's draw."""
+    gen = torch.Generator().manual_seed(5)
+    for seed in range(200):
+        params = SamplingParams(temperature=0.9, top_k=20, seed=seed)
+        logits = torch.randn(5, 40, generator=gen) * 2
+        plain = [next_token(logits[i], params, 11 + i) for i in range(5)]
+        for cut in range(5):
+            wrong = (plain[cut] + 1 + int(torch.randint(39, (1,), generator=gen))) % 40
+            drafts = (plain[:cut] + [wrong] + plain[cut + 1:])[:4]
+            accepted, tokens = verify(logits, drafts, params, 10, torch.rand(4, 40, generator=gen))
+            assert (accepted, tokens) == (min(cut, 4), plain[: min(cut, 4) + 1])
+
+
+def test_a_speculative_decode_is_the_plain_decode_whatever_the_windows() -> None:
+    """Through a toy model (logits a function of the context), sampled decoding gives the same
+    tokens plainly and speculatively, with drafts from another distribution and window sizes
+    that change from step to step: what made a seeded request depend on its schedule (issue 33)."""
+    vocab, table = 30, torch.randn(30, 30, generator=torch.Generator().manual_seed(9)) * 2.5
+    draft_table = table + torch.randn(30, 30, generator=torch.Generator().manual_seed(10))  # a near draft
+    params = SamplingParams(temperature=1.0, seed=77)
+
+    def logits_after(context: list[int]) -> torch.Tensor:
+        return table[context[-1]] + 0.1 * len(context) * torch.linspace(-1, 1, vocab)
+
+    plain = [4]
+    while len(plain) < 40:
+        plain.append(next_token(logits_after(plain), params, len(plain)))
+    for schedule in ([1], [3, 1, 4], [8, 2], [5]):
+        out, step, accepted_total = [4], 0, 0
+        while len(out) < 40:
+            k = schedule[step % len(schedule)]
+            step += 1
+            drafts: list[int] = []
+            for _ in range(k):  # the draft races over its own q with the target's noise
+                q = probabilities((draft_table[(out + drafts)[-1]])[None], params)[0]
+                drafts.append(sampling.sample(q, params.seed, len(out) + len(drafts)))
+            rows = torch.stack([logits_after(out + drafts[:i]) for i in range(k + 1)])
+            accepted, tokens = verify(rows, drafts, params, len(out) - 1)
+            accepted_total += accepted
+            out += tokens
+        assert out[:40] == plain, schedule
+        assert accepted_total > 0  # the coupled draft does get accepted
 
 
 def test_point_mass_proposals_keep_the_distribution() -> None:

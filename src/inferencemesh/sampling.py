@@ -3,10 +3,19 @@
 The last stage samples here and the frontend's draft model proposes here, so both sides
 warp logits identically. The logits transforms of vLLM's extra sampling parameters (logit
 bias, min_tokens, presence / frequency / repetition penalties) live in `adjust`, which plain
-decoding, both forms of verification and the draft all call. Randomness is a pure function
-of (seed, position, purpose): a token sampled at position p with seed s is the same whether
-the pipeline has one stage or four, and a replayed step after a stage restart draws the
-same numbers.
+decoding, both forms of verification and the draft all call.
+
+Randomness is a pure function of (seed, position): a sampled token is the exponential race
+(the Gumbel-max trick) argmax_v p(v) / E_v over noise E ~ Exp(1)^V drawn from a generator
+keyed by (seed, position), an exact draw from p. Verification uses the same race: a draft
+token is accepted exactly when it is the token the target's race picks there, and the first
+one that is not is replaced by that token (drafter-invariant speculative sampling; the draft
+runs the same race over its own q, so it proposes what the target will pick whenever p and q
+agree enough). A seeded token therefore depends only on the target's logits at its position:
+not on the draft, its window, whether the step decoded or verified, the batch it ran in, nor
+how many stages computed it. (Leviathan's accept-with-min(1, p/q) rule, used before, is just
+as exact in distribution, but its draw at a position depended on whether a draft stood there
+and on q: the same seed gave other tokens whenever the window schedule differed.)
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 
 _MASK63 = (1 << 63) - 1
 GREEDY_BELOW = 1e-5  # a smaller temperature would overflow the logits: it means greedy
-_SALT_SAMPLE, _SALT_ACCEPT, _SALT_RESAMPLE = 0x5A17, 0xACCE, 0x4E5A
+_SALT_SAMPLE = 0x5A17
 
 
 @dataclass(frozen=True)
@@ -182,9 +191,22 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores.softmax(-1)
 
 
+def race_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """The exponential race's noise at `position`: E ~ Exp(1)^vocab, float32 on the CPU, the same
+    numbers wherever the logits live (a CPU generator, read serially: a prefix of a longer draw is
+    the shorter draw, so a draft with a smaller padded vocabulary races the target's first ids)."""
+    u = torch.rand(vocab, generator=generator_for(seed, position, _SALT_SAMPLE))
+    # -log(1 - u) for u in [0, 1): E >= 0; a zero (u == 0) would make 0 / 0 of a token without mass.
+    return torch.neg(torch.log1p(-u)).clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def sample(probs: torch.Tensor, seed: int, position: int) -> int:
-    """One token from a [V] distribution, reproducible from (seed, position)."""
-    return int(torch.multinomial(probs, 1, generator=generator_for(seed, position, _SALT_SAMPLE)))
+    """One token from a [V] distribution, a function of (probs, seed, position) alone: the
+    exponential race argmax p(v) / E_v, an exact draw from probs (the Gumbel-max trick)."""
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise RuntimeError("sampling needs a distribution: finite, non-negative, with mass")
+    noise = race_noise(seed, position, probs.shape[-1]).to(probs.device)
+    return int((probs.float() / noise).argmax())
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, position: int, context: Sequence[int] = ()) -> int:
@@ -194,11 +216,6 @@ def next_token(logits: torch.Tensor, params: SamplingParams, position: int, cont
     if params.greedy:
         return int(logits.argmax())
     return sample(probabilities(logits.unsqueeze(0), params)[0], params.seed, position)
-
-
-def accept(p_token: float, q_token: float, u: float) -> bool:
-    """Speculative sampling's acceptance rule: keep a draft token with probability min(1, p/q)."""
-    return q_token > 0 and u < min(1.0, p_token / q_token)
 
 
 def verify(
@@ -215,12 +232,14 @@ def verify(
     [last accepted token, d_1 .. d_k] starting at pos_start. Returns (accepted, tokens):
     the accepted draft tokens followed by one token of the target's own.
 
-    Greedy: accept the longest prefix equal to the target's argmax. Sampling: speculative
-    sampling (Leviathan et al.): accept d_i with probability min(1, p(d_i)/q(d_i)); on
-    rejection draw from normalize(max(p - q, 0)); when all pass, a bonus token from p.
-    draft_probs [k, V] is q; None means every proposal had q = 1 (n-gram lookup).
+    Greedy: accept the longest prefix equal to the target's argmax. Sampling: accept the longest
+    prefix equal to the target's own seeded draws (`sample` at each position), then that draw:
+    every token is exactly what plain decoding draws there with the same seed, so the output has
+    the target's distribution and does not depend on the drafts. draft_probs (the draft's q) is
+    not needed for that; it is taken for the callers that still send it.
     context: the tokens by position through the window's last draft (see `adjust`).
     """
+    del draft_probs  # the race needs no q: acceptance is token equality with the target's draw
     logits = adjust(logits, params, context)
     k = len(draft_tokens)
     if params.greedy:
@@ -230,22 +249,9 @@ def verify(
             accepted += 1
         return accepted, draft_tokens[:accepted] + [target[accepted]]
 
-    p = probabilities(logits, params)
-    for i, token in enumerate(draft_tokens):
-        position = pos_start + 1 + i  # the position this draft token would occupy
-        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
-        p_token = float(p[i, token])
-        u = float(torch.rand(1, generator=generator_for(params.seed, position, _SALT_ACCEPT)))
-        if accept(p_token, q_token, u):
-            continue
-        if draft_probs is None:
-            residual = p[i].clone()
-            residual[token] = 0.0
-        else:
-            residual = (p[i] - draft_probs[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q up to rounding: any draw from p is exact
-            residual, total = p[i], 1.0
-        gen = generator_for(params.seed, position, _SALT_RESAMPLE)
-        return i, draft_tokens[:i] + [int(torch.multinomial(residual / total, 1, generator=gen))]
-    return k, draft_tokens + [sample(p[k], params.seed, pos_start + 1 + k)]
+    p = probabilities(logits[: k + 1], params)
+    for i in range(k + 1):
+        token = sample(p[i], params.seed, pos_start + 1 + i)  # the position row i decides
+        if i == k or draft_tokens[i] != token:
+            return i, draft_tokens[:i] + [token]
+    raise AssertionError("unreachable: row k always returns")

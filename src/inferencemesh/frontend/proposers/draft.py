@@ -13,13 +13,11 @@ import torch
 
 from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
 from inferencemesh.frontend.proposers.draft_model import Cache, DraftModel
-from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities
+from inferencemesh.sampling import SamplingParams, adjust, probabilities, sample
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
-
-_SALT_DRAFT = 0xD4AF7
 
 
 class DraftProposer(WindowedProposer):
@@ -40,7 +38,6 @@ class DraftProposer(WindowedProposer):
         self._k = 0
         self._first_position = 0
         self._tokens: list[int] = []
-        self._rows: list[torch.Tensor] = []
 
     def propose(self, history: list[int]) -> Proposal | None:
         outcome = draft_together([(self, history)])[0]
@@ -69,15 +66,14 @@ class DraftProposer(WindowedProposer):
         if self.draft.embedding_rows < self.draft.vocab_size and max(history[agree:]) >= self.draft.embedding_rows:
             return None  # a token the smaller draft has no embedding for: it cannot follow this history
         self.fed = history[:]
-        self._first_position, self._tokens, self._rows = len(history), [], []
+        self._first_position, self._tokens = len(history), []
         return self.cache, agree, history[agree:]
 
     def _next(self, logits: torch.Tensor) -> tuple[Cache, int, list[int]] | None:
         """Draw the next draft token from `logits`; the feed for the one after, or None when done."""
         position = self._first_position + len(self._tokens)
         # The target's transforms (penalties, bias, min_tokens, the grammar's mask) on the draft
-        # too: its proposals then follow what the target will accept; q stays the distribution
-        # actually drawn from.
+        # too: its proposals then follow what the target will accept.
         grammar = self.grammar
         if grammar is not None and logits.shape[-1] >= grammar.tokenizer.vocab_size:
             logits = grammar.constrain_draft_logits(logits.clone(), self._tokens)
@@ -85,15 +81,14 @@ class DraftProposer(WindowedProposer):
         if self.params.greedy:
             token = int(logits.argmax())
         else:
-            q = probabilities(logits[None], self.params)[0]
-            gen = generator_for(self.params.seed ^ _SALT_DRAFT, position, _SALT_DRAFT)
+            # The target's own race (seed, position) over q: where q is close to p the draft picks
+            # what the target will, and the target's pick never depends on what was proposed.
             try:
-                token = int(torch.multinomial(q, 1, generator=gen))
+                token = sample(probabilities(logits[None], self.params)[0], self.params.seed, position)
             except RuntimeError:
                 # q holds inf or NaN, or no mass (extreme penalties): nothing to draw a proposal from.
                 # The proposal ends here; the target decides the next token on its own.
                 return None
-            self._rows.append(q)
         self._tokens.append(token)
         if len(self._tokens) == self._k or (grammar is not None and token in grammar.tokenizer.eos_token_ids):
             return None  # the window is full, or the output ends here
@@ -101,9 +96,8 @@ class DraftProposer(WindowedProposer):
         return self.cache, position, [token]
 
     def _proposal(self) -> Proposal:
-        rows = self._rows
-        probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
-        return Proposal(self._tokens, probs)
+        # No q rows: verification compares tokens with the target's own draws (sampling.verify).
+        return Proposal(self._tokens)
 
     def _forget(self) -> None:
         """After a failure the draft's cache may hold half-written positions: start again from
