@@ -78,6 +78,7 @@ class _Prompt:
     budget: int  # tokens each choice may generate: max_tokens, within the context
     choices: list[GenerationRequest]  # choice j samples with choice_seed(seed, j)
     samplings: list[pb.Sampling]
+    reproducible: bool = False  # greedy or seeded: same frame shapes every run (Proposer.reproducible)
 
 
 class PipelineEngine(Generic[PipelineT]):
@@ -212,7 +213,8 @@ class PipelineEngine(Generic[PipelineT]):
         except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
             raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
         budget = min(request.max_tokens, self.max_context - len(prompt))
-        return _Prompt(base, prompt, budget, choices, samplings)
+        return _Prompt(base, prompt, budget, choices, samplings,
+                       reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
     async def _started(self, prompt: _Prompt, lease: Lease) -> list[Choice]:
         """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
@@ -243,6 +245,8 @@ class PipelineEngine(Generic[PipelineT]):
                 proposers.append(self.proposer_for(request))
                 if proposers[-1] is not None:
                     proposers[-1].grammar = conn.grammar  # its proposals follow the choice's grammar
+                    if prompt.reproducible:
+                        proposers[-1].reproducible()
         except BaseException as err:
             for proposer in proposers:
                 if proposer is not None:

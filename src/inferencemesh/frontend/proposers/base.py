@@ -43,6 +43,9 @@ class Proposer:
     def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
         """What a step did: tokens proposed and accepted, seconds spent proposing and in the round trip."""
 
+    def reproducible(self) -> None:
+        """The request is greedy or seeded: propose the same way every run (no timing-driven choices)."""
+
     def close(self) -> None:
         pass
 
@@ -58,10 +61,16 @@ class Window:
     VERIFY round trip. Plain decoding's cost is a measured DECODE round trip where the strategy
     decodes plainly now and then (n-gram, auto); a draft proposes every step, so there it is
     estimated by the VERIFY round trip, which costs about as much as a DECODE one.
+
+    Untimed (a greedy or seeded request): the window adapts on acceptance alone. Timings vary from
+    run to run, so a window sized by them would give the same request other frame shapes each time,
+    and its logits, computed in those shapes by kernels that are not batch-invariant, could differ
+    in the last bits: such a request's tokens would not reproduce (see README, "seed").
     """
 
-    def __init__(self, policy: WindowPolicy) -> None:
+    def __init__(self, policy: WindowPolicy, timed: bool = True) -> None:
         self.policy = policy
+        self.timed = timed
         self.k = policy.initial
         self.plain_step_s: float | None = None  # EMA of a DECODE round trip
         self.verify_s: float | None = None  # EMA of a VERIFY round trip
@@ -75,7 +84,7 @@ class Window:
         self.verify_s = _ema(self.verify_s, round_trip_s, 0.3)
         if not self.policy.adaptive:
             return
-        if self.spec_token_s > self.plain_cost_s or accepted < proposed // 2:
+        if (self.timed and self.spec_token_s > self.plain_cost_s) or accepted < proposed // 2:
             self.k = max(self.policy.minimum, self.k - 1)  # costs more than it saves, or rejected early
         elif accepted == proposed:
             self.k = min(self.policy.maximum, self.k + 1)
@@ -88,8 +97,9 @@ class Window:
 
     @property
     def paying(self) -> bool:
-        """False once speculation measurably costs more per token than plain decoding."""
-        return self.spec_token_s is None or self.spec_token_s <= self.plain_cost_s * 1.05
+        """False once speculation measurably costs more per token than plain decoding (never when
+        untimed: only acceptance decides then)."""
+        return not self.timed or self.spec_token_s is None or self.spec_token_s <= self.plain_cost_s * 1.05
 
 
 def _ema(current: float | None, sample: float, weight: float) -> float:
@@ -102,6 +112,10 @@ class WindowedProposer(Proposer):
     def __init__(self, policy: WindowPolicy, metrics: FrontendMetrics | None = None) -> None:
         self.window = Window(policy)
         self.metrics = metrics
+
+    def reproducible(self) -> None:
+        """The request is greedy or seeded: its window adapts on acceptance alone (Window)."""
+        self.window.timed = False
 
     def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
         if proposed == 0:
