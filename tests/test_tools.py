@@ -162,6 +162,24 @@ def test_a_call_cut_short_keeps_what_it_has() -> None:
     assert merged_calls(fragments + tail)[0]["function"] == {"name": "add", "arguments": '{"a": 1'}
 
 
+@pytest.mark.parametrize("text_allowed", [True, False])
+def test_a_call_cut_anywhere_holds_only_its_own_arguments(text_allowed: bool) -> None:
+    """The length limit cuts an output anywhere: each call begun keeps exactly the part of its
+    arguments the output holds, never the wrapper's markup; a call cut before its arguments is
+    dropped; content is only ever text (with auto, the start of "<tool_call>" could be text)."""
+    output = PARIS + "\n" + SUM
+    calls = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+    starts = [output.index(arguments) for _, arguments in calls]
+    for cut in range(len(output) + 1):
+        parser = ToolCallParser(text_allowed=text_allowed)
+        content, fragments = parser.feed(output[:cut])
+        held, tail = parser.finish()
+        expected = [{"name": name, "arguments": arguments[:cut - start]}
+                    for (name, arguments), start in zip(calls, starts, strict=True) if cut >= start]
+        assert [c["function"] for c in merged_calls(fragments + tail)] == expected, cut
+        assert content + held == (output[:cut] if text_allowed and cut < len("<tool_call>\n") else ""), cut
+
+
 def test_the_history_renders_a_call_as_the_model_wrote_it(tokenizer) -> None:
     """The template writes an assistant turn's calls back exactly as the grammar had the model write
     them: the next turn's prompt continues the text the model generated."""

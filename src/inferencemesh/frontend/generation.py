@@ -125,7 +125,7 @@ async def pieces(run: Run, text: OutputText) -> AsyncIterator[Piece]:
     budget = job.request.max_tokens
     count = 0
     engine_reason: str | None = None
-    calls = ToolCallParser() if job.tools is not None and job.tools.may_call else None
+    calls = job.tools.parser() if job.tools is not None and job.tools.may_call else None
     while step is not None:
         engine_reason = step.finish_reason or engine_reason
         ids = list(step[: budget - count])  # a speculative step may overshoot the budget

@@ -24,7 +24,9 @@ parallel_tool_calls false allows one call.
 
 The parser (ToolCallParser) reads the same format back as the text streams: content before a
 call is decided is held back only while it could still be the start of "<tool_call>"; a call's
-name is sent as soon as it is complete, its arguments as they come.
+name is sent as soon as it is complete, its arguments as they come. An output cut by the length
+limit never leaks the format's markup: a call keeps only the arguments written inside it, one
+cut before its arguments is dropped.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class ToolCalling:
     @property
     def may_call(self) -> bool:
         return self.choice is not ToolChoice.NONE
+
+    def parser(self) -> ToolCallParser:
+        """The parser of this request's output: with auto the output may be text, else only calls."""
+        return ToolCallParser(text_allowed=self.choice is ToolChoice.AUTO)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template writes into the prompt (None with tool_choice none)."""
@@ -239,10 +245,12 @@ def new_call_id() -> str:
 class ToolCallParser:
     """Splits one choice's output text, as it streams, into content and tool-call fragments."""
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, new_id: Callable[[], str] = new_call_id, *, text_allowed: bool = True) -> None:
         self._new_id = new_id
+        self._text_allowed = text_allowed  # False: the grammar allows only calls (required, named)
         self._buffer = ""
         self._state = "start"  # start | text | head | arguments | between
+        self._arguments = ""  # the open call's arguments sent so far
         self.calls = 0  # calls begun
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -255,13 +263,20 @@ class ToolCallParser:
         return "".join(content), _coalesced(deltas)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """What was held back, at the end of the output (a call cut short keeps its partial arguments)."""
+        """What was held back, at the end of the output. A call cut short (the length limit) keeps
+        the arguments the model wrote inside it, never the wrapper's markup; a call cut before its
+        arguments began is dropped (its name may be cut too); neither ever becomes content."""
         rest, self._buffer = self._buffer, ""
         if self._state == "arguments":
-            return "", [ToolCallDelta(self.calls - 1, rest)] if rest else []
-        if self._state == "between":
-            return "", []  # a separator the output ended after
-        return rest, []  # text, or a call's start that never became one: nothing is lost
+            # rest is what _step held back: the start of CALL_CLOSE, or the arguments' own last "}"
+            if rest and not (rest.startswith(CALL_CLOSE[:2]) or _is_json(self._arguments)):
+                return "", [ToolCallDelta(self.calls - 1, rest)]
+            return "", []
+        if self._state in ("between", "head"):
+            return "", []  # a separator, or a call's start, the output ended in
+        if self._state == "start" and not self._text_allowed:
+            return "", []  # only calls were allowed: the start of one
+        return rest, []  # text, or (auto) text that only looked like a call's start: nothing is lost
 
     def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
         """One transition; False when it needs more text."""
@@ -288,6 +303,7 @@ class ToolCallParser:
                 return False
             deltas.append(ToolCallDelta(self.calls, "", id=self._new_id(), name=buffer[len('{"name": "'):end]))
             self.calls += 1
+            self._arguments = ""
             self._buffer, self._state = buffer[end + len(_ARGUMENTS_KEY):], "arguments"
             return True
         # arguments: up to the call's closing; a raw newline cannot occur inside compact JSON
@@ -301,8 +317,18 @@ class ToolCallParser:
                      if CALL_CLOSE.startswith(buffer[-n:])), 0)
         if len(buffer) > keep:
             deltas.append(ToolCallDelta(self.calls - 1, buffer[: len(buffer) - keep]))
+            self._arguments += buffer[: len(buffer) - keep]
             self._buffer = buffer[len(buffer) - keep:]
         return False
+
+
+def _is_json(text: str) -> bool:
+    """Whether text is one whole JSON value (a call's arguments complete: a "}" after them is the wrapper's)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _coalesced(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
