@@ -145,6 +145,27 @@ def test_tools_tool_choice_and_text_format_become_chat_fields() -> None:
     assert "response_format" not in convert(input="x", text={"format": {"type": "text"}})
 
 
+def test_a_tool_that_does_not_say_strict_is_strict_where_its_schema_can_be() -> None:
+    """OpenAI's rule (LangChain's tools never say strict): closing the objects is all a strict
+    schema may lack; with an optional property it cannot be strict, and is taken non-strict."""
+    open_ = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    optional = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"]}
+    tools = [{"type": "function", "name": "weather", "parameters": open_},
+             {"type": "function", "name": "weather2", "parameters": optional},
+             {"type": "function", "name": "clock"}]
+    chat = convert(input="x", tools=tools)
+    closed = {**open_, "additionalProperties": False}
+    assert [t["function"] for t in chat["tools"]] == [
+        {"name": "weather", "parameters": closed, "strict": True},
+        {"name": "weather2", "parameters": optional, "strict": False},
+        {"name": "clock", "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+         "strict": True}]
+    echoed = CreateResponseRequest.model_validate_json(json.dumps({"model": MODEL, "input": "x", "tools": tools}))
+    assert [(t["parameters"], t["strict"]) for t in echoed.echo()["tools"]] == [
+        (closed, True), (optional, False), ({"type": "object", "properties": {}, "additionalProperties": False}, True)]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input.0.type"),
     ({"input": ["hi", {"type": "item_reference", "id": "msg_1"}]}, None),  # not an object: pydantic's 400
@@ -240,8 +261,8 @@ def test_function_calls_in_a_response() -> None:
     assert (body["status"], body["store"], body["metadata"], body["incomplete_details"]) == \
         ("completed", False, {"k": "v"}, None)
     assert body["tool_choice"] == {"type": "function", "name": "weather"}
-    assert body["tools"] == [{"type": "function", "name": "weather", "description": "w",
-                              "parameters": {"type": "object"}, "strict": True}]
+    assert body["tools"] == [{"type": "function", "name": "weather", "description": "w",  # any object: not strict
+                              "parameters": {"type": "object"}, "strict": False}]
     message, first, second = body["output"]
     assert message["type"] == "message" and message["content"][0]["text"] == "I will check both."
     assert first["id"].startswith("fc_") and second["id"].startswith("fc_") and first["id"] != second["id"]

@@ -40,6 +40,7 @@ from inferencemesh.frontend.jobs import Job
 from inferencemesh.frontend.openai_models import ChatCompletionRequest, Float, Int, Text
 from inferencemesh.frontend.responses import COMMON_ERRORS, GENERATION_ERRORS, ErrorResponse, streamed
 from inferencemesh.frontend.shapers import Shaper
+from inferencemesh.frontend.tools import strict_if_possible
 
 # Known parameters we do not implement: refused (400 naming them) whenever sent with a value.
 REFUSED: dict[str, str] = {
@@ -75,7 +76,7 @@ class FunctionToolParam(_Body):
     name: Text
     description: Text | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # Responses' default is true
+    strict: bool | None = None  # not given: strict where the schema can be (tool_strictness)
 
 
 class TextFormat(_Body):
@@ -343,12 +344,21 @@ def chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise _bad(f"tools.{index}.{where}", f"tools.{index}.{where}: {first['msg']}") from err
-    function: dict[str, Any] = {"name": checked.name, "strict": True if checked.strict is None else checked.strict}
+    parameters, strict = tool_strictness(checked)
+    function: dict[str, Any] = {"name": checked.name, "strict": strict}
     if checked.description is not None:
         function["description"] = checked.description
-    if checked.parameters is not None:
-        function["parameters"] = checked.parameters
+    if parameters is not None:
+        function["parameters"] = parameters
     return {"type": "function", "function": function}
+
+
+def tool_strictness(tool: FunctionToolParam) -> tuple[dict[str, Any] | None, bool]:
+    """A function tool's parameters and whether it is strict. Responses' default is strict: a tool
+    that does not say is made strict where its schema can be, else it is not (tools.strict_if_possible)."""
+    if tool.strict is not None:
+        return tool.parameters, tool.strict
+    return strict_if_possible(tool.parameters)
 
 
 def tool_choice_echo(choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
@@ -359,8 +369,9 @@ def tool_choice_echo(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 
 def echo_tool(tool: FunctionToolParam) -> dict[str, Any]:
-    return {"type": "function", "name": tool.name, "description": tool.description, "parameters": tool.parameters,
-            "strict": True if tool.strict is None else tool.strict}
+    parameters, strict = tool_strictness(tool)
+    return {"type": "function", "name": tool.name, "description": tool.description, "parameters": parameters,
+            "strict": strict}
 
 
 def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:

@@ -46,6 +46,7 @@ from inferencemesh.frontend.constraints import (
     Constraint,
     ConstraintError,
     ConstraintKind,
+    _check_strict,
     json_schema_constraint,
     subschemas,
     validated_grammar,
@@ -159,6 +160,20 @@ def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
         if "properties" in sub and "additionalProperties" not in sub:
             sub["additionalProperties"] = False
     return schema
+
+
+def strict_if_possible(parameters: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """A function tool's parameters and strictness where strict is the default but the tool does
+    not say (OpenAI's Responses API, as OpenAI does it): strict when closing every object that
+    lists its properties is all the schema lacks, else the schema as given, non-strict (still
+    enforced, its objects closed: see closed_objects). LangChain's tools, for one, never say."""
+    schema = NO_PARAMETERS if parameters is None else parameters
+    try:
+        closed = closed_objects(schema)
+        _check_strict(closed, "parameters")
+    except (ConstraintError, RecursionError, TypeError, ValueError):  # the later checks name what is wrong
+        return schema, False
+    return closed, True
 
 
 def tool_calling_from_request(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolCalling | None:
