@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from inferencemesh.frontend.engine_api import InvalidRequest
+from inferencemesh.frontend.tools import closed_objects
 from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 
@@ -169,10 +169,18 @@ class _SamplingRequest(_Body):
         return None
 
     def constraint_fields(self) -> dict[str, Any]:
-        """The structured-output fields, as constraints.constraint_from_request takes them."""
-        return {"response_format": self.response_format, "guided_json": self.guided_json,
+        """The structured-output fields, as constraints.constraint_from_request takes them, a JSON
+        schema's objects closed unless it says otherwise (closed_schema)."""
+        response_format, structured = self.response_format, self.structured_outputs
+        spec = response_format.get("json_schema") if isinstance(response_format, dict) else None
+        if isinstance(spec, dict) and "schema" in spec and spec.get("strict") is not True:  # strict: checked as sent
+            closed = {**spec, "schema": closed_schema(spec["schema"])}
+            response_format = {**(response_format or {}), "json_schema": closed}
+        if isinstance(structured, dict) and structured.get("json") is not None:
+            structured = {**structured, "json": closed_schema(structured["json"])}
+        return {"response_format": response_format, "guided_json": closed_schema(self.guided_json),
                 "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
-                "guided_grammar": self.guided_grammar, "structured_outputs": self.structured_outputs}
+                "guided_grammar": self.guided_grammar, "structured_outputs": structured}
 
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias); ValueError naming a key that is not a token id."""
@@ -182,6 +190,27 @@ class _SamplingRequest(_Body):
                 raise ValueError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})")
             pairs.append((int(key), float(bias)))
         return tuple(sorted(pairs))
+
+
+def closed_schema(schema: Any) -> Any:
+    """A JSON schema constraint with every object that lists its properties closed
+    (additionalProperties false) unless it says otherwise, as tool arguments are: vLLM's default
+    engine (xgrammar) never writes a property a schema does not list either, and a small model
+    left free to add some rambles on until max_tokens. Every output still matches the schema as
+    given. Strict schemas are closed already; a schema that is none is left for constraints.py
+    to refuse."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except (ValueError, RecursionError):
+            return schema
+        return closed_schema(parsed) if isinstance(parsed, dict) else schema
+    if not isinstance(schema, dict):
+        return schema
+    try:
+        return closed_objects(schema)
+    except (RecursionError, TypeError, ValueError):
+        return schema
 
 
 class CompletionRequest(_SamplingRequest):
@@ -248,10 +277,10 @@ class ChatMessage(_Body):
             raise PydanticCustomError("missing", "a tool message needs the tool_call_id it answers")
         return self
 
-    def template_message(self, index: int) -> dict[str, Any]:
+    def template_message(self) -> dict[str, Any]:
         """The message as chat templates take it: "developer" is OpenAI's newer name for "system"
-        (templates only know the latter); a call's arguments as an object (templates render them
-        with tojson, as transformers and vLLM pass them)."""
+        (templates only know the latter); a call's arguments as an object when they are JSON
+        (templates render them with tojson, as transformers and vLLM pass them), else as given."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
                                    "content": self.text()}
         if self.tool_call_id is not None:
@@ -259,10 +288,8 @@ class ChatMessage(_Body):
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name,
-                              "arguments": _arguments(call.function.arguments,
-                                                      f"messages.{index}.tool_calls.{j}.function.arguments")}}
-                for j, call in enumerate(self.tool_calls)]
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
         return message
 
     def text(self) -> str:
@@ -298,18 +325,21 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as chat templates take it; InvalidRequest names a call whose arguments are not JSON."""
-        return [m.template_message(i) for i, m in enumerate(self.messages)]
+        """The conversation as chat templates take it."""
+        return [m.template_message() for m in self.messages]
 
     def tool_fields(self) -> dict[str, Any]:
         """The function-calling fields, as tools.tool_calling_from_request takes them."""
         return {"tools": self.tools, "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
 
 
-def _arguments(text: str, param: str) -> Any:
+def _arguments(text: str) -> Any:
+    """A history's call arguments as the template renders them: parsed when they are JSON (templates
+    write them with tojson), else the string as given. OpenAI accepts any string there, and a
+    client sends back what the model wrote, a call cut short by the length limit included."""
     try:
         arguments = json.loads(text)
         json.dumps(arguments, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate cannot be rendered
-    except ValueError:  # UnicodeEncodeError included
-        raise InvalidRequest(f"{param} is not JSON text of valid Unicode", param=param) from None
+    except (ValueError, RecursionError):  # UnicodeEncodeError included
+        return text
     return arguments
