@@ -261,7 +261,7 @@ class PipelineEngine(Generic[PipelineT]):
         for j, (conn, request, sampling, proposer) in enumerate(
                 zip(conns, prompt.choices, prompt.samplings, proposers, strict=True)):
             steps = self._decode(conn, request, sampling, prompt.tokens, prompt.budget, proposer,
-                                 prediction if j == 0 else None, prompt_logprobs)
+                                 prediction if j == 0 else None, prompt_logprobs, reused if j == 0 else 0)
             slot = lease.hand_over()
             choices.append(Choice(steps, partial(self._release, conn, proposer, slot)))
         return choices
@@ -296,12 +296,13 @@ class PipelineEngine(Generic[PipelineT]):
 
     async def _decode(self, conn: Connection, request: GenerationRequest, sampling: pb.Sampling, prompt: list[int],
                       budget: int, proposer: Proposer | None, prediction: pb.Prediction | None,
-                      prompt_logprobs: list[TokenLogprob | None] | None) -> AsyncIterator[Step]:
+                      prompt_logprobs: list[TokenLogprob | None] | None, cached: int = 0) -> AsyncIterator[Step]:
         """Generation in a session that holds the prompt: all of it, with `prediction` (its
         prefill's), or all but its last token (a fork), which the first step computes.
 
         The engine alone decides when a choice stops, and says why on its last Step: "stop" (a
-        stop token) or "length" (max_tokens, or the model's context, reached)."""
+        stop token) or "length" (max_tokens, or the model's context, reached). Its first Step
+        carries `cached`, the prompt tokens its prefill took from the prefix cache (usage's cached_tokens)."""
         try:
             if prediction is None:
                 prediction = await self.frames.step(conn, sampling, prompt, proposer)
@@ -317,8 +318,8 @@ class PipelineEngine(Generic[PipelineT]):
                     else None
                 if count or prompt_logprobs is not None or finish is not None:
                     yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
-                               prompt_logprobs, finish_reason=finish)
-                    prompt_logprobs = None
+                               prompt_logprobs, finish_reason=finish, cached_tokens=cached)
+                    prompt_logprobs, cached = None, 0
                 if finish is not None:
                     return
                 # Everything but the last token is in the stages' caches; a replacement stage

@@ -80,15 +80,20 @@ class Step(list):
 
     The last Step of a choice says why it ended (finish_reason): "stop" when a stop token ended
     it, "length" when max_tokens or the model's context did; None on every other Step. The
-    engine alone decides this; the HTTP layer only adds its own "stop" for a stop string."""
+    engine alone decides this; the HTTP layer only adds its own "stop" for a stop string.
+
+    The first Step also says how many of the prompt's tokens the prefix cache supplied
+    (cached_tokens: forked from a cached session, not computed), as usage reports them; 0 on
+    every other Step, and on the choices forked from the first (the prompt counts once)."""
 
     def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
                  prompt_logprobs: list[TokenLogprob | None] | None = None,
-                 finish_reason: FinishReason | None = None) -> None:
+                 finish_reason: FinishReason | None = None, cached_tokens: int = 0) -> None:
         super().__init__(tokens)
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.finish_reason = finish_reason
+        self.cached_tokens = cached_tokens
 
 
 class Choice:

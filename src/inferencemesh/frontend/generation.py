@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -48,14 +48,17 @@ class Run:
     counts_prompt: bool  # the first choice of its prompt: the prompt's tokens count once
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; cached: the prompt tokens the prefix cache supplied (prompt_tokens_details)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def runs_usage(runs: list[Run]) -> dict[str, int]:
-    """usage of a response: each prompt once, every choice's completion tokens."""
-    return usage(sum(len(run.job.prompt_ids) for run in runs if run.counts_prompt),
-                 sum(run.job.completion_tokens for run in runs))
+def runs_usage(runs: list[Run]) -> dict[str, Any]:
+    """usage of a response: each prompt once (and its cached tokens), every choice's completion tokens."""
+    prompts = [run for run in runs if run.counts_prompt]
+    return usage(sum(len(run.job.prompt_ids) for run in prompts), sum(run.job.completion_tokens for run in runs),
+                 sum(run.first.cached_tokens for run in prompts if run.first is not None))
 
 
 async def start_runs(engine: Engine, metrics: FrontendMetrics, jobs: list[Job], n: int) -> list[Run]:

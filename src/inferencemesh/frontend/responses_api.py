@@ -385,9 +385,10 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 # --- the answer: a Response, or its events ---------------------------------------------------------
 
 
-def _response_usage(usage: dict[str, int]) -> dict[str, Any]:
+def _response_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
@@ -497,7 +498,7 @@ class ResponsesShaper(Shaper):
     def forget(self, response_id: str) -> None:
         self.requests.pop(response_id, None)
 
-    def _response(self, job: Job, status: str, output: list[dict[str, Any]], usage: dict[str, int] | None,
+    def _response(self, job: Job, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
                   error: dict[str, Any] | None = None) -> dict[str, Any]:
         body = {
             "id": job.id, "object": "response", "created_at": job.created, "status": status,
@@ -524,7 +525,7 @@ class ResponsesShaper(Shaper):
         output.finish(run.job.finish_reason)
         return {"output": output.items}
 
-    def response(self, job: Job, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, job: Job, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return self._response(job, self._status(job), choices[0]["output"], usage)
 
     # --- a stream ---
@@ -534,7 +535,7 @@ class ResponsesShaper(Shaper):
             job.shape_state.update(sequence=0, output=OutputItems())
         return job.shape_state
 
-    def chunk(self, job: Job, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> str:
+    def chunk(self, job: Job, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
         """The events of one step, numbered in the order they are sent."""
         state = self._state(job)
         out = []
@@ -556,7 +557,7 @@ class ResponsesShaper(Shaper):
     def closing(self, job: Job) -> dict[str, Any]:
         return {"events": self._state(job)["output"].finish(job.finish_reason)}
 
-    def stream_end(self, job: Job, usage: dict[str, int]) -> list[str]:
+    def stream_end(self, job: Job, usage: dict[str, Any]) -> list[str]:
         status = self._status(job)
         response = self._response(job, status, self._state(job)["output"].items, usage)
         return [self.chunk(job, {"events": [_event(f"response.{status}", response=response)]})]

@@ -24,11 +24,11 @@ class Shaper:
     def __init__(self, logprobs: LogprobsFormatter) -> None:
         self.formatter = logprobs
 
-    def response(self, job: Job, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, job: Job, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {"id": job.id, "object": self.response_object, "created": job.created, "model": job.model,
                 "choices": choices, "usage": usage}
 
-    def chunk(self, job: Job, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> str:
+    def chunk(self, job: Job, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
         """One SSE event of a stream: a choice's delta, or (choice None) the usage at the end."""
         obj: dict[str, Any] = {"id": job.id, "object": self.chunk_object, "created": job.created,
                                "model": job.model, "choices": [] if choice is None else [choice]}
@@ -36,7 +36,7 @@ class Shaper:
             obj["usage"] = usage
         return sse(obj)
 
-    def stream_end(self, job: Job, usage: dict[str, int]) -> list[str]:
+    def stream_end(self, job: Job, usage: dict[str, Any]) -> list[str]:
         """The events that end a stream once every choice is done: usage (when asked), [DONE]."""
         return ([self.chunk(job, None, usage)] if job.include_usage else []) + [DONE]
 
