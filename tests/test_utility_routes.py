@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from importlib import metadata
 
 import httpx
+import openai
 import pytest
-from fixture_engine import FixtureModel, build_fixture_model, serve
+from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
 from openai_spec import errors
 
 from inferencemesh.frontend.app import create_app
@@ -112,3 +113,21 @@ def test_bad_input_is_an_openai_error_naming_the_param(http: httpx.Client, path:
 def test_a_body_that_is_not_an_object_is_a_400(http: httpx.Client) -> None:
     refused(http.post("/tokenize", content=b"[1, 2]", headers={"Content-Type": "application/json"}), 400, None)
     refused(http.post("/detokenize", content=b"{not json", headers={"Content-Type": "application/json"}), 400, None)
+
+
+def test_models_are_listed_only_once_ready(fm: FixtureModel) -> None:
+    """/v1/models answers as /ready does: a 503 in OpenAI's error format while the model is not
+    ready (clients take a listed model for a servable one; the openai client retries a 503)."""
+    engine = TransformersEngine(fm.engine.model, model_name=fm.name, max_context=fm.engine.max_context)
+    engine.ready = False
+    with serve(create_app(engine, fm.tokenizer, served_model_name=fm.name)) as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        for path in ("/v1/models", f"/v1/models/{fm.name}", "/ready"):
+            answer = client.get(path)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready", (path, answer.text)
+            assert not errors(answer.json(), "ErrorResponse")
+        with pytest.raises(openai.InternalServerError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).models.list()
+        engine.ready = True
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [fm.name]
+        assert client.get(f"/v1/models/{fm.name}").status_code == 200

@@ -52,6 +52,7 @@ from inferencemesh.frontend.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
 
+NOT_READY = {"model": ErrorResponse, "description": "The model is not ready yet, or this replica is draining"}
 BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body: then 408, connection closed
 
 # pydantic names the branch of a union in an error's location ("function-after[...]", "list[...]",
@@ -126,15 +127,18 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse, "description": "The model is not ready yet"},
-                                  **COMMON_ERRORS})
+    async def not_ready() -> APIError | None:
+        """The 503 while the model is not ready (a stage still loading, or lost), else None."""
+        if await engine_ready(engine):
+            return None
+        return APIError(503, "The model is not ready yet.", type="service_unavailable", code="not_ready")
+
+    @app.get("/ready", responses={503: NOT_READY, **COMMON_ERRORS})
     async def ready() -> Response:
         if drain.draining:  # the kubelet marks the pod unready: routers and endpoints stop sending to it
             return front.error_response(draining_error())
-        if await engine_ready(engine):
-            return JSONResponse({"status": "ready"})
-        return front.error_response(APIError(503, "The model is not ready yet.", type="service_unavailable",
-                                             code="not_ready"))
+        refusal = await not_ready()
+        return JSONResponse({"status": "ready"}) if refusal is None else front.error_response(refusal)
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
                                     **COMMON_ERRORS})
@@ -142,15 +146,24 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_mod
         data, content_type = front.metrics.render()
         return Response(data, media_type=content_type)
 
-    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **COMMON_ERRORS})
+    # The model is listed once it is ready, as /ready says (a draining replica still lists it, see
+    # drain.py): clients take a listed model for a servable one, and the openai client retries a 503.
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, 503: NOT_READY,
+                                                           **COMMON_ERRORS})
     async def list_models() -> dict[str, Any]:
+        refusal = await not_ready()
+        if refusal is not None:
+            raise refusal
         return {"object": "list", "data": [front.model_card()]}
 
     @app.get("/v1/models/{model_id:path}", response_model=None,
-             responses={200: {"model": ModelCard}, 404: GENERATION_ERRORS[404], **COMMON_ERRORS})
+             responses={200: {"model": ModelCard}, 404: GENERATION_ERRORS[404], 503: NOT_READY, **COMMON_ERRORS})
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id != served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        refusal = await not_ready()
+        if refusal is not None:
+            raise refusal
         return front.model_card()
 
     @app.post("/v1/completions", responses={**streamed(CompletionResponse), **GENERATION_ERRORS})

@@ -46,8 +46,14 @@ def as_api_error(exc: Exception) -> APIError:
     return APIError(500, "Generation failed inside the server.", type="server_error")
 
 
+LOGGED_MESSAGE_CHARS = 300  # an error's message in the log: enough to say why, never a body's worth
+
+
 def log_server_error(err: APIError, request_id: str | None = None) -> None:
-    """Every 5xx leaves a line in the log: an operator must be able to see what failed."""
-    if err.status >= 500:
-        log.warning("answered %d %s%s: %s", err.status, err.code or err.type,
-                    f" to {request_id}" if request_id else "", err.message)
+    """Every error answered leaves a line in the log: a 5xx a warning (an operator must see what
+    failed), a 4xx at INFO with its parameter and reason (why a client's request was refused,
+    without the client at hand). The message is quoted (repr) and cut: it may quote the request."""
+    message = err.message if len(err.message) <= LOGGED_MESSAGE_CHARS else err.message[:LOGGED_MESSAGE_CHARS] + "..."
+    log.log(logging.WARNING if err.status >= 500 else logging.INFO, "answered %d %s%s%s: %r", err.status,
+            err.code or err.type, f" to {request_id}" if request_id else "",
+            f" (param {err.param})" if err.param else "", message)

@@ -504,13 +504,20 @@ class ResponsesShaper(Shaper):
             "id": job.id, "object": "response", "created_at": job.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "incomplete_details": self._incomplete(job) if status == "incomplete" else None,
             "model": job.model, "output": copy.deepcopy(output),
             **self.requests.get(job.id, {}),
         }
         if usage is not None:  # the spec's usage is never null: absent until the response is done
             body["usage"] = _response_usage(usage)
         return body
+
+    def _incomplete(self, job: Job) -> dict[str, Any]:
+        """Why an output was cut: max_output_tokens when that limit was reached. Otherwise the
+        context window filled first, which none of the spec's reasons (max_output_tokens,
+        content_filter) says: the details then give no reason rather than a wrong one."""
+        limit = self.requests.get(job.id, {}).get("max_output_tokens")
+        return {"reason": "max_output_tokens"} if limit is not None and job.completion_tokens >= limit else {}
 
     @staticmethod
     def _status(job: Job) -> str:
