@@ -11,14 +11,27 @@ itself wrote, and every piece between those cuts (template text and content toge
 as plain tokenisation would see it) is tokenised with special tokens split into ordinary text.
 A chat without special strings in its contents gets exactly the ids it always got.
 (A text prompt to /v1/completions is the client's own raw prompt: its special tokens count.)
+
+A chat template is code from the checkpoint a user points `serve` at (transformers renders it in
+jinja's sandbox: nothing escapes, but nothing bounds its work either). A render gets
+RENDER_BUDGET_S: a template still looping then (nested loops over ranges) is stopped, by an
+exception raised in its thread, and the request answered 500 saying so; a rendering longer than
+MAX_RENDERED_CHARS is refused before it is tokenised. A worker thread is never held longer.
 """
 
 from __future__ import annotations
 
+import ctypes
+import heapq
+import itertools
 import json
 import logging
 import re
+import threading
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -26,6 +39,9 @@ from transformers import PreTrainedTokenizerBase
 from inferencemesh.frontend.errors import APIError
 
 log = logging.getLogger("inferencemesh.frontend")
+
+RENDER_BUDGET_S = 2.0  # a chat template renders a conversation in milliseconds
+MAX_RENDERED_CHARS = 16 * 1024 * 1024  # far beyond any context: a rendering this long is a template gone wrong
 
 
 def text_ids(tokenizer: PreTrainedTokenizerBase, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -49,10 +65,19 @@ def chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
              if controls is not None and controls.search(m["content"])}
     marked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
     try:
-        text = _render(tokenizer, messages, tools, add_generation_prompt, continue_final_message)
-        template = _render(tokenizer, marked, tools, add_generation_prompt, continue_final_message) if marks else text
+        with render_budget(RENDER_BUDGET_S):
+            text = _render(tokenizer, messages, tools, add_generation_prompt, continue_final_message)
+            template = _render(tokenizer, marked, tools, add_generation_prompt, continue_final_message) \
+                if marks else text
+    except RenderOverrun:
+        raise APIError(500, f"The model's chat template did not finish rendering within {RENDER_BUDGET_S:g} s "
+                            "(it loops without bound): fix the chat template.", type="server_error",
+                       code="chat_template_error") from None
     except Exception as exc:  # templates raise on conversations they reject (e.g. role order)
         raise APIError(400, f"The chat template rejected the messages: {exc}", param="messages") from exc
+    if max(len(text), len(template)) > MAX_RENDERED_CHARS:
+        raise APIError(500, f"The model's chat template rendered more than {MAX_RENDERED_CHARS} characters: fix the "
+                            "chat template.", type="server_error", code="chat_template_error")
     if not marks:
         return text_ids(tokenizer, text, add_special_tokens=add_special_tokens)
     assert controls is not None
@@ -120,3 +145,66 @@ def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def _leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """What add_special_tokens=True puts before a text (BOS, when the tokenizer adds one)."""
     return list(tokenizer("", add_special_tokens=True)["input_ids"])
+
+
+class RenderOverrun(BaseException):  # noqa: N818 - raised into a thread, never by it
+    """Raised inside a thread whose render ran past its budget. A BaseException: the template's
+    and transformers' `except Exception` clauses let it through to render_budget's caller."""
+
+
+class _Watchdog:
+    """One daemon thread that stops renders past their deadline: it raises RenderOverrun in the
+    rendering thread (CPython's PyThreadState_SetAsyncExc, delivered at the thread's next Python
+    instruction: a template's loops are Python code). Each watch is stopped at most once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._due: list[tuple[float, int, int]] = []  # (deadline, watch id, thread id), a heap
+        self._active: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def start(self, seconds: float) -> int:
+        with self._lock:
+            watch = next(self._ids)
+            self._active.add(watch)
+            heapq.heappush(self._due, (time.monotonic() + seconds, watch, threading.get_ident()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="render-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+            return watch
+
+    def stop(self, watch: int) -> None:
+        """The render is over: nothing is raised in its thread any more (a pending raise is withdrawn)."""
+        with self._lock:
+            if watch in self._active:
+                self._active.discard(watch)
+            else:  # stopped already: withdraw the exception should it not have arrived yet
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+
+    def _run(self) -> None:
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                while self._due and (self._due[0][0] <= now or self._due[0][1] not in self._active):
+                    _, watch, thread = heapq.heappop(self._due)
+                    if watch in self._active:
+                        self._active.discard(watch)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                                                   ctypes.py_object(RenderOverrun))
+                self._wake.wait(self._due[0][0] - now if self._due else None)
+
+
+_WATCHDOG = _Watchdog()
+
+
+@contextmanager
+def render_budget(seconds: float) -> Iterator[None]:
+    """Run the block in this thread for at most `seconds`: RenderOverrun when it runs longer."""
+    watch = _WATCHDOG.start(seconds)
+    try:
+        yield
+    finally:
+        _WATCHDOG.stop(watch)
