@@ -14,6 +14,10 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
@@ -151,33 +155,142 @@ class CheckpointFacts:
         return info.nbytes // DTYPE_BYTES[info.dtype] * dtype_bytes
 
 
+# The most a safetensors header may take (the safetensors library's own limit).
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+# Safetensors dtypes a checkpoint may carry that no stage loads yet (8-bit floats, packed
+# quantized formats): refused by name, "not supported yet", never a KeyError.
+UNSUPPORTED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64", "C64")
+
+
+def _shown(text: object, limit: int = 80) -> str:
+    """A name from a file, quoted and cut short: a hostile header's names may be long or span lines."""
+    quoted = repr(str(text))
+    return quoted if len(quoted) <= limit else quoted[:limit - 4] + "...'"
+
+
 def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > 100 * 1024 * 1024:
-            raise CheckpointError(f"{path}: implausible safetensors header length {length}")
-        return json.loads(f.read(length))
+    """The JSON header of a .safetensors file (8-byte little-endian length, then JSON), checked:
+    a length that fits the file, JSON text of an object. Its entries are checked by
+    safetensors_tensors."""
+    return _read_header(path)[0]
 
 
-def _tensors_from_header(header: dict, shard: str) -> dict[str, TensorInfo]:
-    return {
-        name: TensorInfo(name, meta["dtype"], tuple(meta["shape"]), shard)
-        for name, meta in header.items()
-        if name != "__metadata__"
-    }
+def _read_header(path: Path) -> tuple[dict, int]:
+    """read_safetensors_header's header, and the bytes of tensor data after it."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, shorter than its header length)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or length > size - 8:
+                raise CheckpointError(f"{path}: safetensors header length {length} is implausible for a file of "
+                                      f"{size} bytes (truncated or not a safetensors file)")
+            text = f.read(length)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: the safetensors file is missing (the index names it)") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a safetensors file") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError; RecursionError: nesting
+        detail = str(err).splitlines()[0][:120] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: the safetensors header is not JSON text ({detail})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    return header, size - 8 - length
+
+
+def tensor_info(name: str, meta: object, shard: str, where: str | Path) -> tuple[TensorInfo, tuple[int, int]]:
+    """One header entry as a TensorInfo, and its data offsets: a known dtype, a shape of
+    non-negative integers, offsets that span exactly dtype x shape bytes."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: tensor {_shown(name)}: its header entry is not an object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        known = isinstance(dtype, str) and dtype in UNSUPPORTED_DTYPES
+        raise CheckpointError(
+            f"{where}: tensor {_shown(name)} has dtype {_shown(dtype, 24)}, which "
+            + ("InferenceMesh cannot load yet (8-bit float and quantized checkpoints are not supported yet)"
+               if known else "is not a safetensors dtype InferenceMesh knows")
+            + f"; supported: {', '.join(DTYPE_BYTES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise CheckpointError(f"{where}: tensor {_shown(name)} has shape {_shown(shape, 40)}, not a list of "
+                              "non-negative integers")
+    info = TensorInfo(name, dtype, tuple(shape), shard)
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)):
+        raise CheckpointError(f"{where}: tensor {_shown(name)} has data_offsets {_shown(offsets, 40)}, not two "
+                              "non-negative integers")
+    begin, end = offsets
+    if end - begin != info.nbytes:
+        raise CheckpointError(f"{where}: tensor {_shown(name)}: its data_offsets [{begin}, {end}) span "
+                              f"{end - begin} bytes, but {dtype} x {list(shape)} is {info.nbytes} bytes")
+    return info, (begin, end)
+
+
+def safetensors_tensors(path: Path, shard: str) -> dict[str, TensorInfo]:
+    """The tensors a .safetensors file holds, from its header, checked as the safetensors library
+    checks before it maps the file (so that a bad file is refused when it is read, by `plan` and
+    before a stage loads, in one line naming the file and the tensor): every entry's dtype, shape
+    and offsets (tensor_info), the tensors packed in the body from its start, without gaps or
+    overlaps, ending exactly where the file ends."""
+    header, body = _read_header(path)
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        info, span = tensor_info(name, meta, shard, path)
+        if span[1] > body:
+            raise CheckpointError(f"{path}: tensor {_shown(name)}: its data_offsets [{span[0]}, {span[1]}) reach "
+                                  f"past the file's {body} bytes of tensor data (a truncated or forged file)")
+        tensors[name] = info
+        spans.append((*span, name))
+    reached = 0
+    for begin, end, name in sorted(spans):
+        if begin != reached:
+            how = "overlaps the tensor before it" if begin < reached else "leaves a gap before it"
+            raise CheckpointError(f"{path}: tensor {_shown(name)}: its data_offsets [{begin}, {end}) {how} "
+                                  "(the tensors must be packed one after another)")
+        reached = end
+    if reached != body:
+        raise CheckpointError(f"{path}: the tensors' data ends at byte {reached} of a body of {body} bytes "
+                              "(a truncated or padded file)")
+    return tensors
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:
     """tensor name -> shard file, from the index or the single-file checkpoint."""
     index = model_dir / SAFETENSORS_INDEX
     if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
+        return read_index(index)
     single = model_dir / SINGLE_SAFETENSORS
     if single.exists():
         return {name: SINGLE_SAFETENSORS for name in read_safetensors_header(single) if name != "__metadata__"}
     refuse_without_safetensors(model_dir, [p.name for p in model_dir.iterdir()])
     raise AssertionError("unreachable")
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file), checked: JSON, and
+    each shard a .safetensors file beside the index (a name with a path in it could point a stage
+    at any file on the machine)."""
+    try:
+        index = json.loads(path.read_text())
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{path}: not JSON text ({str(err).splitlines()[0][:120] if str(err) else err!r})") \
+            from None
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict):
+        raise CheckpointError(f"{path}: has no weight_map object (tensor name -> shard file)")
+    for name, shard in wmap.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors") and Path(shard).name == shard):
+            raise CheckpointError(f"{path}: tensor {_shown(name)} is mapped to {_shown(shard)}, not a .safetensors "
+                                  "file beside the index")
+    return dict(wmap)
 
 
 def refuse_without_safetensors(where: str | Path, files: list[str]) -> None:
@@ -229,7 +342,7 @@ def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) ->
     shards = sorted(set(wmap.values())) if headers_of is None else headers_of
     facts = CheckpointFacts(config)
     for shard in shards:
-        facts.tensors.update(_tensors_from_header(read_safetensors_header(model_dir / shard), shard))
+        facts.tensors.update(safetensors_tensors(model_dir / shard, shard))
     if headers_of is None:
         check_tensor_names(facts, model_dir)
     return facts
@@ -270,9 +383,50 @@ def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = N
     facts = CheckpointFacts(config)
     for shard, file_meta in meta.files_metadata.items():
         for name, tensor in file_meta.tensors.items():
-            facts.tensors[name] = TensorInfo(name, tensor.dtype, tuple(tensor.shape), shard)
+            entry = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": list(tensor.data_offsets)}
+            facts.tensors[name] = tensor_info(name, entry, shard, f"{repo_id}/{shard}")[0]
     check_tensor_names(facts, repo_id)
     return facts
+
+
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:limit]}" if text else type(err).__name__
+
+
+def check_tokenizer_files(model_dir: str | Path) -> None:
+    """Refuse, in one line, tokenizer files that are not JSON objects: found when a model is read
+    (`plan`, and `serve` before it starts anything), not when the frontend loads them."""
+    for name in TOKENIZER_JSON_FILES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as err:
+            raise CheckpointError(f"{path}: not JSON text ({_first_line(err)})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{path}: not a JSON object")
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, never its code (trust_remote_code=False: a tokenizer that
+    transformers does not have built in is refused, never run), or CheckpointError in one line."""
+    from transformers import AutoTokenizer
+
+    check_tokenizer_files(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library's and transformers' many errors
+        settings = Path(model_dir) / "tokenizer_config.json"
+        custom = settings.is_file() and '"auto_map"' in settings.read_text(errors="replace")
+        why = ("its tokenizer_config.json asks for the checkpoint's own tokenizer code (auto_map), which "
+               "InferenceMesh never runs; give the model a tokenizer transformers has built in (a tokenizer.json)"
+               if custom else f"its tokenizer cannot be loaded ({_first_line(err)})")
+        raise CheckpointError(f"{model_dir}: {why}") from None
 
 
 def is_local(source: str | Path) -> bool:
@@ -323,6 +477,7 @@ def fetch_config_dir(source: str, *, revision: str | None = None, cache_dir: str
 def read_checkpoint(source: str | Path, *, revision: str | None = None) -> CheckpointFacts:
     check_source(source)
     if is_local(source):
+        check_tokenizer_files(source)
         return read_local(source)
     with hub_errors(str(source)):
         return read_hub(str(source), revision=revision)

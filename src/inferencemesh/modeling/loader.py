@@ -9,7 +9,6 @@ model is never materialised. Pickle-based weights are refused.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,7 +124,7 @@ def _stage_shards(
     """
     index = directory / SAFETENSORS_INDEX
     if index.exists():
-        wmap = dict(json.loads(index.read_text())["weight_map"])
+        wmap = checkpoint.read_index(index)
         # Only names and shards matter to select files; shapes come from the headers later.
         placeholder = CheckpointFacts(config, {n: TensorInfo(n, "U8", (0,), s) for n, s in wmap.items()})
         _check_range(placeholder, layer_start, layer_end, where)
@@ -244,6 +243,8 @@ def load_stage(
         if not facts.tie_word_embeddings:
             raise CheckpointError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
         tensors.pop("lm_head.weight", None)
+        if "model.embed_tokens.weight" not in tensors:
+            raise CheckpointError(f"{source}: no model.embed_tokens.weight, which the tied LM head is")
         # A tied head is the embedding matrix: read as the embedding's, shared below.
         tied_head = tensors["model.embed_tokens.weight"] if not first else None
         if tied_head is not None:
@@ -260,11 +261,13 @@ def load_stage(
         elif tied_head is not None:
             lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
     stage_modules = [m for m in (embed, layers, norm, lm_head) if m is not None]
-    unloaded = [f"{i}:{n}" for i, m in enumerate(stage_modules) for n, p in m.named_parameters()
-                if p.device.type == "meta"]
+    # Named as the checkpoint names them (model.layers.N.…), so a user can look for them.
+    unloaded = [name for name, p in model.named_parameters() if p.device.type == "meta"
+                and _in_stage(name, layer_start, layer_end, facts.num_layers)]
     if unloaded:
-        raise CheckpointError(f"{source}: the checkpoint has no tensors for {', '.join(unloaded[:5])}"
-                              f"{' ...' if len(unloaded) > 5 else ''} (layers {layer_start}:{layer_end})")
+        raise CheckpointError(f"{source}: the checkpoint has no tensor {', '.join(unloaded[:3])}"
+                              f"{f' (and {len(unloaded) - 3} more)' if len(unloaded) > 3 else ''}, which "
+                              f"layers {layer_start}:{layer_end} need")
     for module in stage_modules:
         module.to(torch_device)  # buffers (computed at construction) join the loaded weights
     rotary = base.rotary_emb.to(torch_device)  # small and computed, so built for real
@@ -272,6 +275,14 @@ def load_stage(
         module.eval().requires_grad_(False)
     del model, base
     return StageModules(facts, config, model_dir, embed, layers, norm, lm_head, rotary, torch_dtype, torch_device)
+
+
+def _in_stage(name: str, layer_start: int, layer_end: int, num_layers: int) -> bool:
+    """Whether the stage holding layers [layer_start, layer_end) runs the parameter `name`."""
+    group = checkpoint.classify(name)
+    return ((group.kind == "layer" and layer_start <= group.layer < layer_end)
+            or (group.kind == "embed" and layer_start == 0)
+            or (group.kind in ("norm", "head") and layer_end == num_layers))
 
 
 def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: str | Path) -> None:
@@ -284,8 +295,12 @@ def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dty
 
     # Tensors stored under the module's own names are assigned as they are (no copy); only the
     # rest (per-expert tensors to fuse, renamed keys) go through the conversion, which copies.
-    own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    own = dict(model.named_parameters(remove_duplicate=False))
     direct = {name: tensors.pop(name) for name in [n for n in tensors if n in own]}
+    for name, tensor in direct.items():  # one line naming the tensor, not load_state_dict's multi-line report
+        if tensor.shape != own[name].shape:
+            raise CheckpointError(f"{source}: tensor {name} has shape {list(tensor.shape)}, but the model its "
+                                  f"config.json describes has {list(own[name].shape)} there")
     model.load_state_dict(direct, assign=True, strict=False)
     direct.clear()
     if not tensors:
@@ -326,13 +341,17 @@ def _read_tensors(
             # (every page touched counted as resident) while any view does. Copying into memory
             # the stage owns, and closing the shard per tensor, means the load never holds more
             # than one tensor's worth of file pages on top of the stage's own weights.
-            with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
-                tensor = f.get_tensor(name)
-                target = dtype if tensor.is_floating_point() else tensor.dtype
-                out[name] = tensor.to(device=device, dtype=target, copy=True)
-                del tensor
-                done += facts.tensors[name].nbytes
-                if done / total - reported >= 0.05 or done == total:  # a few updates, not one per tensor
-                    reported = done / total
-                    on_progress("loading", reported)
+            try:
+                with safe_open(str(model_dir / shard), framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name)
+            except Exception as err:  # noqa: BLE001 - the file changed under us, or the library refuses it
+                raise CheckpointError(f"{model_dir / shard}: tensor {name} cannot be read "
+                                      f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            out[name] = tensor.to(device=device, dtype=target, copy=True)
+            del tensor
+            done += facts.tensors[name].nbytes
+            if done / total - reported >= 0.05 or done == total:  # a few updates, not one per tensor
+                reported = done / total
+                on_progress("loading", reported)
     return out

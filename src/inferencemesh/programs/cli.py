@@ -32,6 +32,7 @@ from inferencemesh.config import (
 from inferencemesh.flags import ConfigError, add_arguments, from_args
 from inferencemesh.planner import PlanError
 from inferencemesh.programs.process import (
+    LoadFailed,
     check_ports,
     exit_on_stop_signals,
     prepare_process,
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except (ConfigError, CheckpointError, PlanError) as err:  # a user's mistake (a taken port too): one line
         parser.exit(2, f"inferencemesh {args.command}: error: {err}\n")
+    except LoadFailed as err:  # its model could not be loaded: one line, and an exit a supervisor sees at once
+        parser.exit(1, f"inferencemesh {args.command}: error: {err}\n")
     except KeyboardInterrupt:  # Ctrl-C while a program had no handler of its own (plan, bench)
         return 130
     except Exception as err:  # a bug: the traceback on stderr, its one-line summary in the termination message

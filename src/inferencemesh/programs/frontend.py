@@ -7,16 +7,18 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
 
 from inferencemesh.bundled import resolve_model, served_name
-from inferencemesh.checkpoint import fetch_config_dir
+from inferencemesh.checkpoint import fetch_config_dir, load_tokenizer
 from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import compute_threads
 from inferencemesh.programs.mesh import frontend_pipeline
+from inferencemesh.programs.process import LoadFailed
 
 if TYPE_CHECKING:
     import socket
@@ -84,13 +86,15 @@ class DrainingServer(uvicorn.Server):
 
 
 def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase,
-                 metrics: FrontendMetrics) -> tuple[PipelineEngine, Speculation]:
+                 metrics: FrontendMetrics,
+                 on_failed: Callable[[str], None] | None = None) -> tuple[PipelineEngine, Speculation]:
+    """The engine over the pipeline; `on_failed`: told why if an embedded first stage cannot load."""
     from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
     from inferencemesh.frontend.proposers.build import resolve_speculation
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)
-    pipeline = frontend_pipeline(config, metrics=metrics)
+    pipeline = frontend_pipeline(config, metrics=metrics, on_failed=on_failed)
     options = EngineOptions(model_name=metrics.model, max_context=config.max_context,
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,
@@ -109,8 +113,6 @@ def compute_threads_of(config: FrontendConfig) -> int | None:
 
 
 def run_frontend(config: FrontendConfig) -> int:
-    from transformers import AutoTokenizer
-
     from inferencemesh.frontend.app import create_app
     from inferencemesh.frontend.drain import Drain
     from inferencemesh.frontend.http_server import server_config
@@ -118,9 +120,17 @@ def run_frontend(config: FrontendConfig) -> int:
 
     # Logging, grad mode and threads were set by the CLI (programs.process.set_up_process).
     model_dir = fetch_config_dir(resolve_model(config.model), revision=config.revision, cache_dir=config.cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     metrics = FrontendMetrics(served_name(config.model, config.served_model_name))
-    engine, speculation = build_engine(config, model_dir, tokenizer, metrics)
+    failure: list[str] = []
+
+    def first_stage_failed(reason: str) -> None:
+        # A frontend whose own first stage cannot load would never be ready: it stops at once and
+        # exits with why (LoadFailed), so that `serve` and a pod's status say it without waiting.
+        failure.append(reason)
+        server.should_exit = True
+
+    engine, speculation = build_engine(config, model_dir, tokenizer, metrics, on_failed=first_stage_failed)
     log.info("speculative decoding: %s (%s: %s)", speculation.strategy, speculation.choice.reason,
              speculation.choice.message)
     drain = Drain(metrics)
@@ -151,4 +161,8 @@ def run_frontend(config: FrontendConfig) -> int:
     # The interpreter's last collections walk every object torch and transformers made: 1.7 s of a
     # 2 s exit on 2 cores, measured. Frozen, they are skipped, and a drained pod is gone at once.
     gc.freeze()
+    if failure:
+        o = config.first_stage()
+        assert o is not None  # only an embedded first stage reports a failure
+        raise LoadFailed(f"stage 0 (in the frontend) cannot load layers {o.layer_start}:{o.layer_end}: {failure[0]}")
     return 0

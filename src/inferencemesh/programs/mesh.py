@@ -7,7 +7,7 @@ program joins them, as the libraries may not import each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from inferencemesh import tls
@@ -21,12 +21,15 @@ if TYPE_CHECKING:
 
 
 def frontend_pipeline(config: FrontendConfig, first_stage_runtime: StageRuntime | None = None,
-                      metrics: FrontendMetrics | None = None) -> GrpcPipeline:
+                      metrics: FrontendMetrics | None = None,
+                      on_failed: Callable[[str], None] | None = None) -> GrpcPipeline:
     """The stages a frontend sends to: the stage processes at --stage-addresses, after the embedded
     first stage when --first-stage-layers says this process runs one (its layers loaded in the
-    background once the pipeline connects, unless given loaded: benchmarks)."""
+    background once the pipeline connects, unless given loaded: benchmarks; `on_failed` is told why
+    if they cannot be)."""
     first_stage = config.first_stage()
-    embedded = LocalStage(first_stage, runtime=first_stage_runtime) if first_stage is not None else None
+    embedded = LocalStage(first_stage, runtime=first_stage_runtime, on_failed=on_failed) \
+        if first_stage is not None else None
     return GrpcPipeline(list(config.stage_addresses), tls=tls.load(config.tls_dir), embedded=embedded,
                         max_batch_tokens=config.max_batch_tokens, max_message_bytes=config.max_message_bytes,
                         metrics=metrics)

@@ -63,6 +63,11 @@ class PortInUse(ConfigError):
     """A port a program would listen on is taken; the message names it and its flag."""
 
 
+class LoadFailed(Exception):  # noqa: N818 - read as "inferencemesh stage: error: ..." by its user
+    """A program's model (its stage's layers, its tokenizer) could not be loaded: the program exits
+    with this one line (and leaves it in the termination message), instead of staying up unready."""
+
+
 # ---- set-up ---------------------------------------------------------------------------------
 
 # How long an idle OpenMP worker spins before it sleeps. libgomp's default spin steals the

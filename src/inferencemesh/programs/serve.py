@@ -26,10 +26,12 @@ stage process and the frontend, in a private temporary directory removed at exit
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
 import os
+import re
 import shutil
 import signal
 import socket
@@ -51,10 +53,14 @@ from inferencemesh.cpus import share_of_cpus
 from inferencemesh.flags import derive, to_argv
 from inferencemesh.planner import StagePlan, render_plan
 from inferencemesh.programs.plan import plan_from_settings
-from inferencemesh.programs.process import on_stop_signals, supervised_popen_kwargs
+from inferencemesh.programs.process import TERMINATION_LOG_ENV, on_stop_signals, supervised_popen_kwargs
 from inferencemesh.protocol.transport import message_limit
 
 RESTART_BACKOFF_S = 2.0
+# A pipeline whose processes exit more than RESTART_BUDGET times within RESTART_WINDOW_S is given up
+# (stopped; the other pipelines keep serving): the operator's default spec.restartBudget.
+RESTART_BUDGET = 5
+RESTART_WINDOW_S = 600.0
 # How long a stopped process may take beyond its own grace (a drain's timeout, the router's
 # graceful shutdown) before it is killed: its exit after that grace (the frontend's last cut
 # requests, the interpreter's teardown).
@@ -69,19 +75,54 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_exit_notes: str | None = None
+
+
+def _exit_notes_dir() -> str:
+    """A private directory for this process's children's exit notes, removed when it exits."""
+    global _exit_notes
+    if _exit_notes is None:
+        _exit_notes = tempfile.mkdtemp(prefix="inferencemesh-exits-")
+        atexit.register(shutil.rmtree, _exit_notes, True)
+    return _exit_notes
+
+
 @dataclass
 class ManagedProcess:
+    """A child program, which dies with this process (process.supervised_popen_kwargs) and leaves
+    the one line its CLI exits with (a stage that cannot load its layers: why) where exit_reason
+    reads it: its termination message (process.write_termination_message) goes to a file of ours."""
+
     name: str
     argv: list[str]
     env: dict[str, str] | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
+    note: str = ""  # the file its termination message goes to
 
     def start(self) -> None:
-        env = {**os.environ, **self.env} if self.env else None
+        if not self.note:
+            self.note = os.path.join(_exit_notes_dir(), f"{self.name}-{id(self)}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.note)  # a restart's reason is its own
+        env = {**os.environ, **(self.env or {}), TERMINATION_LOG_ENV: self.note}
         self.process = subprocess.Popen(self.argv, **supervised_popen_kwargs(env))
         self.started_at = time.monotonic()
+
+    def exit_reason(self) -> str:
+        """The one line it exited with (without the CLI's "inferencemesh CMD: error: "), or ''."""
+        try:
+            with open(self.note, encoding="utf-8", errors="replace") as f:
+                line = f.read().strip()
+        except OSError:
+            return ""
+        return re.sub(r"^inferencemesh [a-z]+: (error: )?", "", line)
+
+    def ended(self, when: str = "") -> str:
+        """How it ended, for a log line: `stage-1 exited (1){when}: why`."""
+        reason = self.exit_reason()
+        return f"{self.name} exited ({self.returncode}){when}" + (f": {reason}" if reason else "")
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -190,23 +231,13 @@ class LocalStages:
         for index in reversed(range(len(self.processes))):
             while not check(self.addresses[index], timeout=1.0, tls=credentials):
                 proc = self.processes[index]
-                if not proc.alive():
-                    raise RuntimeError(f"{proc.name} exited with {proc.returncode} while loading")
+                if not proc.alive():  # a stage that cannot load exits at once, with why (programs.stage)
+                    raise RuntimeError(proc.ended(" while loading"))
                 if stopping() or time.monotonic() > deadline:
                     raise TimeoutError(f"{proc.name} not ready after {timeout:.0f}s")
                 time.sleep(0.25)  # a refused connection answers at once
             if on_ready is not None:
                 on_ready(index)
-
-    def restart_dead(self) -> list[ManagedProcess]:
-        """Restart stages that exited (at most once per RESTART_BACKOFF_S each)."""
-        restarted = []
-        for proc in self.processes:
-            if not proc.alive() and time.monotonic() - proc.started_at > RESTART_BACKOFF_S:
-                proc.restarts += 1
-                proc.start()
-                restarted.append(proc)
-        return restarted
 
     def stop(self) -> None:
         stop_processes(self.processes, STAGE_STOP_S)
@@ -266,26 +297,42 @@ def scrape_config(frontend: str | list[str], stages: list[str], router: str | No
 
 def accepting(host: str, port: int) -> bool:
     """Whether something listens on host:port now (a wildcard host: asked on loopback)."""
-    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - compared
     try:
-        with socket.create_connection((target, port), timeout=1.0):
+        with socket.create_connection((_reachable(host), port), timeout=1.0):
             return True
     except OSError:
         return False
 
 
-def answers_ready(port: int) -> bool:
-    """Whether the frontend on loopback `port` says it is ready (GET /ready: 200)."""
+def _reachable(host: str) -> str:
+    """The address to ask for a server listening on `host` (a wildcard host: loopback)."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - compared
+
+
+def answers_ready(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether the frontend on host:port says it is ready (GET /ready: 200)."""
+    target = _reachable(host)
+    target = f"[{target}]" if ":" in target else target
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1.0) as response:  # noqa: S310
+        with urllib.request.urlopen(f"http://{target}:{port}/ready", timeout=1.0) as response:  # noqa: S310
             return response.status == 200
     except (OSError, ValueError):
         return False
 
 
+class ServeOver(Exception):  # noqa: N818 - what ends `serve`, said in one line
+    """`serve` must stop: a pipeline failed while starting (its reason is the model's, which every
+    pipeline shares), or its frontend stopped on its own (exit 0: it was asked to)."""
+
+
 @dataclass
 class LocalPipeline:
-    """One complete pipeline of `serve`: its stage processes and its frontend process, on `port`."""
+    """One complete pipeline of `serve`: its stage processes and its frontend process, on `port`.
+
+    Supervised (supervise) as the operator supervises a pipeline's pods: a process that exits after
+    the pipeline has served is restarted (each at most once per RESTART_BACKOFF_S), RESTART_BUDGET
+    times within RESTART_WINDOW_S; beyond that the pipeline is given up (`failed` says why), and
+    the others behind the router keep serving."""
 
     label: str  # "" alone; "pipeline R: " as one of --replicas N
     stages: LocalStages
@@ -293,6 +340,9 @@ class LocalPipeline:
     host: str
     port: int
     drain_timeout: float  # its frontend's --drain-timeout
+    served: bool = False  # its frontend has answered ready (since then, an exit is restarted)
+    restarted_at: list[float] = dataclasses.field(default_factory=list)  # within RESTART_WINDOW_S
+    failed: str = ""  # why it was given up; "" while it serves
 
     def start_stages(self) -> None:
         self.stages.start()
@@ -304,15 +354,40 @@ class LocalPipeline:
             f"inferencemesh: {self.label}stage {stages.configs[i].stage_index} ready on {stages.addresses[i]} "
             f"(metrics :{stages.metrics_ports[i]})", flush=True))
 
-    def supervise(self) -> bool:
-        """Restart the stages that exited; False once the frontend exited (the pipeline is over)."""
-        for proc in self.stages.restart_dead():
-            print(f"inferencemesh: {self.label}{proc.name} had exited; restarted it (restart {proc.restarts})",
-                  file=sys.stderr, flush=True)
-        if not self.frontend.alive():
-            print(f"inferencemesh: {self.label}frontend exited ({self.frontend.returncode})", file=sys.stderr)
-            return False
-        return True
+    @property
+    def processes(self) -> list[ManagedProcess]:
+        return [*self.stages.processes, self.frontend]
+
+    def supervise(self) -> None:
+        """Restart what exited, within the budget (else give the pipeline up: `failed`, its processes
+        stopped). ServeOver when its frontend exits before it ever served (start-up: an embedded
+        stage or a tokenizer that cannot load) or exits 0 (asked to stop)."""
+        if self.failed:
+            return
+        if not self.served and self.frontend.alive():
+            self.served = answers_ready(self.port, self.host)
+        frontend = self.frontend
+        if not frontend.alive() and (frontend.returncode == 0 or not self.served):
+            raise ServeOver(self.label + frontend.ended("" if self.served else " before it was ready"))
+        now = time.monotonic()
+        self.restarted_at = [t for t in self.restarted_at if now - t < RESTART_WINDOW_S]
+        for proc in self.processes:
+            if proc.alive() or now - proc.started_at < RESTART_BACKOFF_S:
+                continue
+            if len(self.restarted_at) >= RESTART_BUDGET:
+                self.failed = (f"{proc.ended()}, after {len(self.restarted_at)} restarts within "
+                               f"{RESTART_WINDOW_S:.0f}s")
+                print(f"inferencemesh: {self.label}given up: {self.failed}; its processes stop", file=sys.stderr,
+                      flush=True)
+                stop_processes(self.processes, STAGE_STOP_S)
+                return
+            ended = proc.ended()
+            proc.restarts += 1
+            self.restarted_at.append(now)
+            proc.start()
+            print(f"inferencemesh: {self.label}{ended}; restarted it (restart {proc.restarts}; "
+                  f"{RESTART_BUDGET - len(self.restarted_at)} more within {RESTART_WINDOW_S:.0f}s before the "
+                  "pipeline is given up)", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         stop_mesh(None, [self])
@@ -412,7 +487,7 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
             for pipeline in pipelines:
                 pipeline.wait_stages(lambda: stopping)
         except (RuntimeError, TimeoutError) as err:
-            print(f"inferencemesh: {err}; see its log above", file=sys.stderr)
+            print(f"inferencemesh: {err}", file=sys.stderr, flush=True)
             return 130 if stopping else 1
         for pipeline in pipelines:
             pipeline.frontend.start()
@@ -421,8 +496,7 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
             # The router starts once every frontend is ready (it would send requests to one still
             # loading); the endpoint is announced once it listens, never before: a user (or a script)
             # that reads the line may connect at once.
-            if router is not None and router.process is None and all(
-                    p.frontend.alive() and answers_ready(p.port) for p in pipelines):
+            if router is not None and router.process is None and all(p.served for p in pipelines):
                 router.start()
             if not announced and (router or pipelines[0].frontend).alive() and accepting(config.host, config.port):
                 announced = True
@@ -430,7 +504,14 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
             time.sleep(0.5)
             if stopping:
                 break
-            if not all([pipeline.supervise() for pipeline in pipelines]):
+            try:
+                for pipeline in pipelines:
+                    pipeline.supervise()
+            except ServeOver as over:
+                print(f"inferencemesh: {over}", file=sys.stderr, flush=True)
+                return 1
+            if all(pipeline.failed for pipeline in pipelines):
+                print("inferencemesh: every pipeline was given up", file=sys.stderr, flush=True)
                 return 1
             if router is not None and router.process is not None and not router.alive():
                 print(f"inferencemesh: router exited ({router.returncode})", file=sys.stderr)

@@ -18,7 +18,7 @@ from typing import Any
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import check_source
 from inferencemesh.config import StageConfig
-from inferencemesh.programs.process import PortInUse, on_stop_signals
+from inferencemesh.programs.process import LoadFailed, PortInUse, on_stop_signals
 from inferencemesh.stage.server import start_stage_server
 
 log = logging.getLogger("inferencemesh.stage")
@@ -62,7 +62,17 @@ class MainThreadExecutor(Executor):
 
 
 async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Event) -> None:
-    server, service, port = await start_stage_server(options, compute=compute)
+    """Serve until `stop` is set; LoadFailed once the layers cannot be loaded: a stage that cannot
+    serve exits at once with why, so that `serve` stops waiting for it and a pod's status says why
+    (the kubelet's restarts retry what may pass, an unreachable hub; the operator's restart budget
+    ends a loop)."""
+    failure: list[str] = []
+
+    def failed(reason: str) -> None:
+        failure.append(reason)
+        stop.set()
+
+    server, service, port = await start_stage_server(options, compute=compute, on_failed=failed)
     if options.metrics_port:
         try:
             service.metrics.serve(options.metrics_port)
@@ -76,8 +86,11 @@ async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Eve
              options.downstream or "none: last stage")
     await stop.wait()
     await service.mark_not_serving()
-    await server.stop(grace=2.0)
+    await server.stop(grace=None if failure else 2.0)
     await service.close()
+    if failure:
+        raise LoadFailed(f"stage {options.stage_index} cannot load layers {options.layer_start}:{options.layer_end}: "
+                         f"{failure[0]}")
 
 
 def run_stage(config: StageConfig) -> int:
@@ -86,13 +99,13 @@ def run_stage(config: StageConfig) -> int:
     compute = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
-    failed: list[PortInUse] = []
+    failed: list[PortInUse | LoadFailed] = []
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(serve_stage(config, compute, stop))
-        except PortInUse as err:  # raised again on the main thread, where the CLI makes it one line
+        except (PortInUse, LoadFailed) as err:  # raised again on the main thread, where the CLI makes it one line
             failed.append(err)
         finally:
             compute.shutdown()

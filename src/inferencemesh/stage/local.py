@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -97,11 +97,13 @@ class LocalStage:
     process does: until then it reports downloading / loading, and is not serving.
 
     It sends on to `next_stage` when given (the next LocalStage of an in-process pipeline), else
-    to the stage process at config.downstream, if any."""
+    to the stage process at config.downstream, if any. `on_failed`: told (on the event loop) the
+    one-line reason if the layers cannot be loaded."""
 
     def __init__(self, config: StageConfig, runtime: StageRuntime | None = None,
-                 next_stage: NextStage | None = None) -> None:
+                 next_stage: NextStage | None = None, on_failed: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self._on_failed = on_failed
         self._runtime = runtime
         self._remote = None if next_stage is not None or not config.downstream else \
             RemoteStage(config.downstream, tls.load(config.tls_dir), config.max_message_bytes)
@@ -119,6 +121,8 @@ class LocalStage:
     def connect(self) -> StageService:
         if self.service is None:
             service = StageService(self.config, runtime=self._runtime, compute=InlineExecutor())
+            if self._on_failed is not None:
+                service.on_failed.append(self._on_failed)
             self.service = service
             if not service.ready:
                 threading.Thread(target=service.load, args=(asyncio.get_running_loop(),),

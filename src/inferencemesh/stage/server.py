@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -92,9 +92,13 @@ class StageServicer(pb_grpc.StageServicer):
 
 
 async def start_stage_server(options: StageConfig, *, runtime: StageRuntime | None = None,
-                             compute: Executor | None = None) -> tuple[grpc.aio.Server, StageService, int]:
-    """Start the gRPC server (stage service + health) and begin loading; returns the bound port."""
+                             compute: Executor | None = None, on_failed: Callable[[str], None] | None = None,
+                             ) -> tuple[grpc.aio.Server, StageService, int]:
+    """Start the gRPC server (stage service + health) and begin loading; returns the bound port.
+    on_failed: called on the event loop with the reason if the layers cannot be loaded."""
     service = StageService(options, runtime=runtime, compute=compute)
+    if on_failed is not None:
+        service.on_failed.append(on_failed)
     servicer = StageServicer(service)
     server = grpc.aio.server(options=server_options(options.max_message_bytes))
     pb_grpc.add_StageServicer_to_server(servicer, server)

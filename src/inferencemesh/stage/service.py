@@ -68,6 +68,10 @@ class StageService:
         # Told on the event loop whether the stage serves: True once the layers are loaded, False
         # when it stops (the gRPC server's health follows).
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []
+        # Told on the event loop, with the one-line reason, when the layers cannot be loaded: the
+        # program decides whether to exit (a stage process does, so that `serve` and a pod's
+        # status learn why at once; the library stays up, reporting `failed` through Info).
+        self.on_failed: list[Callable[[str], None]] = []
         # Called by close(): what its transports hold (a channel to the next stage).
         self.on_close: list[Callable[[], Awaitable[None]]] = []
         self._sweeper: asyncio.Task | None = None
@@ -92,15 +96,21 @@ class StageService:
                 resolve_model(o.model), o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
                 cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
             )
-        except CheckpointError as err:  # the model cannot be had: say so in one line, stay up, no crash loop
+        except CheckpointError as err:  # the model cannot be had: say so in one line
             log.error("stage %d cannot load its layers: %s", o.stage_index, err)
-            self._set_state("failed", 0.0, str(err))
+            self._fail(loop, str(err))
             return
-        except Exception as err:  # a stage that cannot load reports why and stays up: no crash loop
+        except Exception as err:  # a bug, or what no check foresaw: the traceback in the log, one line as the reason
             log.exception("stage %d failed to load", o.stage_index)
-            self._set_state("failed", 0.0, f"{type(err).__name__}: {err}")
+            self._fail(loop, f"{type(err).__name__}: {err}")
             return
         asyncio.run_coroutine_threadsafe(self._become_ready(runtime), loop)
+
+    def _fail(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
+        reason = " ".join(reason.split())  # one line, wherever it is shown (Info, a log, a pod's status)
+        self._set_state("failed", 0.0, reason)
+        for listener in self.on_failed:
+            loop.call_soon_threadsafe(listener, reason)
 
     async def _become_ready(self, runtime: StageRuntime) -> None:
         """On the event loop, so no batch sees a half-ready stage: runtime, worker and state at once."""

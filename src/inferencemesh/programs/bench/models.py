@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import CheckpointFacts, read_local
+from inferencemesh.checkpoint import CheckpointFacts, load_tokenizer, read_local
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.config import BenchConfig
 from inferencemesh.flags import ConfigError
@@ -94,8 +94,6 @@ class BenchModel:
 def load_bench_model(config: BenchConfig) -> BenchModel:
     """--shape (random weights, bfloat16 unless --dtype) or --model; ConfigError/PlanError for a
     stage count the model cannot be split into, before anything heavy loads."""
-    from transformers import AutoTokenizer
-
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if config.shape else "auto")
     model_dir = make_shape_model(config.shape, dtype_name) if config.shape else Path(resolve_model(config.model))
     facts = read_local(model_dir)
@@ -103,6 +101,6 @@ def load_bench_model(config: BenchConfig) -> BenchModel:
     dtype = getattr(torch, choose_dtype(dtype_name, facts.checkpoint_dtype, on_cpu=not torch.cuda.is_available()).name)
     for count in config.stages:
         plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return BenchModel(model_dir, facts, dtype, tokenizer, prompt_ids(tokenizer, config.prompts, facts.vocab_size),
                       dtype_name)
