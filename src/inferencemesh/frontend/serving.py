@@ -32,7 +32,7 @@ from inferencemesh.frontend.metrics import FrontendMetrics
 from inferencemesh.frontend.openai_models import CompletionRequest
 from inferencemesh.frontend.responses_api import ResponsesShaper
 from inferencemesh.frontend.shapers import ChatShaper, CompletionShaper, Shaper
-from inferencemesh.frontend.sse import SSE_KEEPALIVE_S, EventStream, merged, with_keepalive
+from inferencemesh.frontend.sse import SSE_KEEPALIVE_S, EventStream, merged, stop_tasks, with_keepalive
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -106,9 +106,7 @@ class Serving:
         try:
             choices = list(await asyncio.gather(*tasks))
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await stop_tasks(tasks)
         job = runs[0].job
         return self.shapers[job.kind].response(job, choices, runs_usage(runs))
 
@@ -133,13 +131,14 @@ class Serving:
         try:
             done, _ = await asyncio.wait({starting}, timeout=self.sse_keepalive_s)
         except BaseException:
-            starting.cancel()  # start_runs closes whatever it had started
+            await _abandon(starting)
             raise
         body = self._stream(starting.result()) if done else self._late_stream(starting, jobs[0])
         return EventStream(with_keepalive(body, self.sse_keepalive_s),
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _late_stream(self, starting: asyncio.Future[list[Run]], job: Job) -> AsyncIterator[str]:
+        runs: list[Run] | None = None
         try:
             runs = await starting
         except Exception as exc:  # headers are sent: report in-band, as _stream() does
@@ -147,16 +146,17 @@ class Serving:
                 yield event
             return
         finally:
-            if not starting.done():  # the client left while the engine was starting
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
+            if runs is None:  # the client left while the engine was starting
+                await _abandon(starting)
         chunks = self._stream(runs)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
-            await chunks.aclose()
-            await close_runs(runs)  # a stream closed before its first chunk never ran its own finally
+            try:
+                await chunks.aclose()
+            finally:
+                await close_runs(runs)  # a stream closed before its first chunk never ran its own finally
 
     async def _stream(self, runs: list[Run]) -> AsyncGenerator[str, None]:
         """The SSE body: every choice's chunks as they come (each carries its index), then usage
@@ -175,8 +175,10 @@ class Serving:
             for event in self.shapers[first.kind].stream_end(first, runs_usage(runs)):
                 yield event
         finally:
-            await chunks.aclose()
-            await close_runs(runs)
+            try:
+                await chunks.aclose()
+            finally:
+                await close_runs(runs)
 
     def _in_band(self, exc: Exception, job: Job) -> list[str]:
         """A failure after the headers went out: the error as an event, then the end."""
@@ -196,3 +198,11 @@ class Serving:
             raise
         yield shaper.chunk(job, shaper.closing(job))
         run.tracker.finish(job.finish_reason)
+
+
+async def _abandon(starting: asyncio.Future[list[Run]]) -> None:
+    """A start nobody will stream any more: cancelled (start_runs then closes what it started), or,
+    when it finished in the very loop iteration its caller was cancelled, its runs closed here."""
+    await stop_tasks([starting])
+    if starting.done() and not starting.cancelled() and starting.exception() is None:
+        await close_runs(starting.result())

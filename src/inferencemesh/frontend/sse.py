@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -17,6 +18,12 @@ from starlette.types import Receive, Scope, Send
 SSE_KEEPALIVE_S = 5.0
 KEEPALIVE_COMMENT = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
+# Stopping a stream's tasks: a task still running this long after its cancel is cancelled again
+# (it missed the first), and one still running after STOP_GIVE_UP_S is logged and left behind.
+STOP_RETRY_S = 0.5
+STOP_GIVE_UP_S = 10.0
+
+log = logging.getLogger("inferencemesh.frontend")
 
 
 def sse(obj: dict[str, Any]) -> str:
@@ -74,11 +81,32 @@ async def with_keepalive(source: AsyncIterator[str], interval_s: float) -> Async
         # cancel these awaits too and leave source (and the sessions its choices hold) open.
         with anyio.CancelScope(shield=True):
             if pending is not None:
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                await aclose()
+                await stop_tasks([pending])
+            await _aclose(source)
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel tasks and wait until they have ended, never forever: a task that missed its cancel (a
+    library that swallows one, as asyncio.wait_for does on Python 3.11) is cancelled again every
+    STOP_RETRY_S, wherever it waits now (a put into a queue nobody reads any more, say); one still
+    running after STOP_GIVE_UP_S is logged and left behind, so that what its caller frees after
+    it (a request's slots) is freed all the same."""
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + STOP_GIVE_UP_S
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = give_up - loop.time()
+        if left <= 0:
+            log.error("%d task(s) did not end when cancelled; left running: %s", len(pending),
+                      ", ".join(str(task) for task in pending))
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(STOP_RETRY_S, left))
+    for task in tasks:  # their failures are the caller's to report, or nobody's: retrieved here
+        if task.done() and not task.cancelled():
+            task.exception()
 
 
 _EXHAUSTED = object()
@@ -86,7 +114,8 @@ _EXHAUSTED = object()
 
 async def merged(sources: list[AsyncIterator[str]]) -> AsyncGenerator[str, None]:
     """The items of several async generators as they come, each one's in its own order; the
-    first failure is raised and the others stopped (and closed)."""
+    first failure is raised and the others stopped (and closed). Closing it never waits on a
+    source for long (stop_tasks), and closes every source whatever fails."""
     if len(sources) == 1:
         try:
             async for item in sources[0]:
@@ -118,14 +147,17 @@ async def merged(sources: list[AsyncIterator[str]]) -> AsyncGenerator[str, None]
                 assert isinstance(entry, str)
                 yield entry
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks)
         for source in sources:
             await _aclose(source)
 
 
 async def _aclose(iterator: AsyncIterator[str]) -> None:
+    """Close an async iterator; a failure to (a generator still running in a task left behind) is
+    logged, never raised into the closing of the others."""
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
-        await aclose()
+        try:
+            await aclose()
+        except Exception:
+            log.exception("closing a stream's source failed")
