@@ -4,6 +4,7 @@ a non-zero exit, and no traceback, for every command that takes a model."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,9 @@ COMMANDS = {
 }
 
 
-def run(command: str, model: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def run(command: str, model: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     # Offline with an empty cache: the hub is never contacted, whatever the machine's network.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env = env or {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     return subprocess.run([sys.executable, "-m", "inferencemesh", command, "--model", model, *COMMANDS[command]],
                           capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
 
@@ -45,6 +46,23 @@ def test_an_unreachable_hub_model(command: str, tmp_path: Path) -> None:
     assert "local model directory" in lines[0] and "HF_HUB_OFFLINE" in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("command", ["plan", "serve", "frontend"])
+def test_a_hub_id_with_no_hub_in_reach_fails_at_once(command: str, tmp_path: Path) -> None:
+    """No HF_HUB_OFFLINE, and the hub cannot be reached (here: its endpoint refuses connections, as a
+    machine without network fails to resolve it): asked once, no five retries with backoff (23 s
+    before), the one line says why."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))
+    done = run(command, "Qwen/Qwen2.5-0.5B-Instruct", tmp_path, env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "Retry" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "cannot be reached" in lines[0] and "local model directory" in lines[0], done.stderr
+
+
 @pytest.mark.parametrize("model", ["bundled://../../etc", "bundled://no-such-model"])
 def test_a_bad_bundled_name(model: str, tmp_path: Path) -> None:
     """bundled:// is read in one place (bundled.resolve_model): a name out of the package, or one
@@ -54,3 +72,17 @@ def test_a_bad_bundled_name(model: str, tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "bundled" in lines[0], done.stderr
+
+
+def test_serve_help_shows_every_default_and_the_api_key() -> None:
+    done = subprocess.run([sys.executable, "-m", "inferencemesh", "serve", "--help"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    options = done.stdout.split("\noptions:\n", 1)[1]
+    blocks = [block for block in ("\n" + options).split("\n  -")[1:] if not block.startswith("h, --help")]
+    assert len(blocks) > 20, done.stdout
+    undocumented = [block.split()[0] for block in blocks if "(default" not in " ".join(block.split())]
+    assert not undocumented, f"no default shown for {undocumented}"
+    text = " ".join(done.stdout.split())
+    assert "--api-key-env" in text and "INFERENCEMESH_API_KEY" in text and "Authorization: Bearer KEY" in text
+    assert "(default: 8000)" in text and "(default: 2)" in text  # --port, --stages

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import socket
 import struct
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,17 +447,51 @@ def check_source(source: str | Path) -> None:
                               "and safetensors weights, or a hub id such as namespace/name)")
 
 
+HUB_PROBE_TIMEOUT_S = 3.0
+PROXY_ENVS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_hub_probe: list[str | None] = []  # once asked: [None] reachable (or not asked: offline, a proxy), [why not]
+
+
+def offline_unless_hub_reachable() -> str | None:
+    """Ask once per process, before the first hub call, whether the hub's host takes a TCP
+    connection (HUB_PROBE_TIMEOUT_S); if not (no DNS, no route, refused), put huggingface_hub in
+    offline mode as HF_HUB_OFFLINE=1 would (here and in the children this process starts): a cached
+    model still loads, an uncached one is refused at once, instead of after huggingface_hub's five
+    retries with backoff (23 s). Behind a proxy the proxy decides: no probe. Returns why the hub is
+    unreachable, or None."""
+    if not _hub_probe:
+        from huggingface_hub import constants
+
+        why = None
+        if not constants.is_offline_mode() and not any(os.environ.get(name) for name in PROXY_ENVS):
+            url = urllib.parse.urlsplit(constants.ENDPOINT)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
+                    pass
+            except OSError as err:
+                why = f"{url.hostname}:{port}: {err.strerror or type(err).__name__}"
+                constants.HF_HUB_OFFLINE = True  # read on every request (constants.is_offline_mode)
+                os.environ["HF_HUB_OFFLINE"] = "1"
+        _hub_probe.append(why)
+    return _hub_probe[0]
+
+
 @contextlib.contextmanager
 def hub_errors(repo_id: str) -> Iterator[None]:
-    """Turn huggingface_hub's failures into one CheckpointError a person can act on."""
+    """Turn huggingface_hub's failures into one CheckpointError a person can act on; the hub is
+    asked for nothing when it cannot be reached (offline_unless_hub_reachable)."""
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
+    unreachable = offline_unless_hub_reachable()
     try:
         yield
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        why = f"the model hub cannot be reached ({unreachable})" if unreachable else \
+            "it is unreachable or HF_HUB_OFFLINE is set"
         raise CheckpointError(
-            f"cannot fetch {repo_id} from the model hub (it is unreachable or HF_HUB_OFFLINE is set, and the "
-            "local cache lacks it): pass a local model directory, or populate the cache and set HF_HUB_OFFLINE=1"
+            f"cannot fetch {repo_id} from the model hub ({why}, and the local cache lacks it): pass a local "
+            "model directory, or populate the cache and set HF_HUB_OFFLINE=1"
         ) from err
     except HFValidationError as err:
         raise CheckpointError(f"{repo_id} is neither an existing directory nor a valid hub id ({err})") from err

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.config import (
+    API_KEY_ENV,
     BenchConfig,
     FrontendConfig,
     OperatorConfig,
@@ -54,6 +55,14 @@ PROGRAMS: dict[str, tuple[type, str]] = {
 }
 
 
+# What a command's --help says after its options.
+EPILOGS = {
+    "serve": f"The API key: unless --api-key-env names another variable, `{API_KEY_ENV}=KEY inferencemesh serve` "
+             "makes every request but /health, /ready and /metrics need 'Authorization: Bearer KEY' (the OpenAI "
+             "clients' api_key); without it the endpoint is open to whoever reaches --host:--port.",
+}
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too), whose exits on an error (a bad flag, and main's
     one-line errors) also leave their line in the termination message (a pod's status)."""
@@ -64,11 +73,33 @@ class Parser(argparse.ArgumentParser):
         super().exit(status, message)
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Each option's help ends with its default, as the program would run without the flag
+    (unless the help already says what its absence means: "(default: ..." or "(0: ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or action.required or default is argparse.SUPPRESS
+                or isinstance(action, argparse._HelpAction) or "(default" in text):
+            return text
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif default is None or default == ():
+            shown = "unset"
+        elif isinstance(default, tuple):
+            shown = ",".join(str(item) for item in default)
+        else:
+            shown = str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="inferencemesh", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command, (config_type, help_text) in PROGRAMS.items():
-        add_arguments(config_type, sub.add_parser(command, help=help_text))
+        add_arguments(config_type, sub.add_parser(command, help=help_text, description=help_text,
+                                                  epilog=EPILOGS.get(command), formatter_class=DefaultsShown))
     sub.add_parser("models", help="list the model families served (from modeling/families.py)")
     return parser
 
