@@ -300,6 +300,10 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
     replicas: int = option(1, "complete pipelines (each its stages and frontend on a free port) behind a router "
                               "on --port that sends each request to the replica most likely to hold its prefix "
                               "(1: no router, the frontend itself on --port)", parse=int)
+    api_key_env: str = option(API_KEY_ENV, "name of the environment variable holding the API key: with it set "
+                              "(in serve's environment, which the frontends inherit), every request must send "
+                              "'Authorization: Bearer KEY' (but /health, /ready and /metrics); unset or empty: no "
+                              "authentication")
 
     def check(self) -> ServeConfig:
         _check_prefix_cache(self)
