@@ -73,8 +73,9 @@ class MeshWorker:
                 if result.writes:
                     log.info("%s/%s: %s -> %s", namespace, name,
                              ", ".join(f"{w.verb} {w.kind}/{w.name}" for w in result.writes), result.phase)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), delay)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: wait_for can lose kopf's cancel (3.11)
+                async with asyncio.timeout(delay):
+                    await self.wakeup.wait()
 
 
 @kopf.on.startup()
