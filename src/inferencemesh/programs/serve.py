@@ -2,9 +2,13 @@
 
 The same plan the operator would make, the same `inferencemesh stage` / `inferencemesh
 frontend` programs the pods run. Stages start first and the frontend only once every stage
-reports SERVING, downstream first; a stage that dies is restarted (as its Deployment would
-be); Ctrl-C, SIGTERM or SIGHUP stops everything, and the children die with this process
-whatever kills it (process.supervised_popen_kwargs). LocalStages is also what the benchmarks
+reports SERVING, downstream first. A stage or frontend that cannot load its model exits with its
+one-line reason (in its termination message, which ManagedProcess points at a file of ours), and
+serve ends at once with it. Once a pipeline has served, a process of it that dies is restarted
+(as its Deployment's pod would be) within the operator's default restart budget, beyond which the
+pipeline is stopped and the others keep serving (LocalPipeline.supervise). Ctrl-C, SIGTERM or
+SIGHUP stops everything, and the children die with this process whatever kills it
+(process.supervised_popen_kwargs). LocalStages is also what the benchmarks
 and tests start.
 
 The stop (stop_mesh) lets the requests in flight finish, outermost process first: the router
