@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,30 @@ def test_serve_help_shows_every_default_and_the_api_key() -> None:
     text = " ".join(done.stdout.split())
     assert "--api-key-env" in text and "INFERENCEMESH_API_KEY" in text and "Authorization: Bearer KEY" in text
     assert "(default: 8000)" in text and "(default: 2)" in text  # --port, --stages
+
+
+def test_a_cached_hub_model_still_loads_with_no_hub_in_reach(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The other side of failing fast: with the hub out of reach (no HF_HUB_OFFLINE), a model in the
+    cache is found there at once, with nothing asked or retried, and offline mode ends with the load."""
+    import huggingface_hub
+    from test_stage_loader import populate_hub_cache
+    from tiny_models import write_tiny_model
+
+    from inferencemesh import checkpoint
+    from inferencemesh.modeling.loader import locate
+
+    model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1)
+    cache = tmp_path / "cache"
+    files = {p.name: p for p in model.iterdir()}
+    populate_hub_cache(cache, "org/tiny", files, keep=set(files))
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(checkpoint, "_hub_probe", None)
+    started = time.monotonic()
+    directory, facts = locate("org/tiny", 0, 2, cache_dir=str(cache))
+    assert time.monotonic() - started < 10 and facts.num_layers == 2 and (directory / "config.json").exists()
+    assert "Retry" not in caplog.text
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import struct
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -448,44 +449,62 @@ def check_source(source: str | Path) -> None:
 
 
 HUB_PROBE_TIMEOUT_S = 3.0
+HUB_PROBE_TTL_S = 30.0  # a long-lived process (the operator) asks again after a while
 PROXY_ENVS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-_hub_probe: list[str | None] = []  # once asked: [None] reachable (or not asked: offline, a proxy), [why not]
+_hub_probe: tuple[float, str | None] | None = None  # (when asked, why unreachable or None)
 
 
-def offline_unless_hub_reachable() -> str | None:
-    """Ask once per process, before the first hub call, whether the hub's host takes a TCP
-    connection (HUB_PROBE_TIMEOUT_S); if not (no DNS, no route, refused), put huggingface_hub in
-    offline mode as HF_HUB_OFFLINE=1 would (here and in the children this process starts): a cached
-    model still loads, an uncached one is refused at once, instead of after huggingface_hub's five
-    retries with backoff (23 s). Behind a proxy the proxy decides: no probe. Returns why the hub is
-    unreachable, or None."""
-    if not _hub_probe:
-        from huggingface_hub import constants
+def hub_unreachable() -> str | None:
+    """Why the model hub cannot be reached from here (its host refuses a TCP connection, or has no
+    address or route, within HUB_PROBE_TIMEOUT_S), or None: it can, HF_HUB_OFFLINE is set (nothing
+    will be asked), or a proxy is configured (the proxy decides). Asked at most once per
+    HUB_PROBE_TTL_S."""
+    global _hub_probe
+    from huggingface_hub import constants
 
+    if constants.is_offline_mode() or any(os.environ.get(name) for name in PROXY_ENVS):
+        return None
+    if _hub_probe is None or time.monotonic() - _hub_probe[0] > HUB_PROBE_TTL_S:
+        url = urllib.parse.urlsplit(constants.ENDPOINT)
+        port = url.port or (443 if url.scheme == "https" else 80)
         why = None
-        if not constants.is_offline_mode() and not any(os.environ.get(name) for name in PROXY_ENVS):
-            url = urllib.parse.urlsplit(constants.ENDPOINT)
-            port = url.port or (443 if url.scheme == "https" else 80)
-            try:
-                with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
-                    pass
-            except OSError as err:
-                why = f"{url.hostname}:{port}: {err.strerror or type(err).__name__}"
-                constants.HF_HUB_OFFLINE = True  # read on every request (constants.is_offline_mode)
-                os.environ["HF_HUB_OFFLINE"] = "1"
-        _hub_probe.append(why)
-    return _hub_probe[0]
+        try:
+            with socket.create_connection((url.hostname or "", port), timeout=HUB_PROBE_TIMEOUT_S):
+                pass
+        except OSError as err:
+            why = f"{url.hostname}:{port}: {err.strerror or type(err).__name__}"
+        _hub_probe = (time.monotonic(), why)
+    return _hub_probe[1]
+
+
+@contextlib.contextmanager
+def _offline(on: bool) -> Iterator[None]:
+    """huggingface_hub in offline mode meanwhile, as HF_HUB_OFFLINE=1 puts it (read on every
+    request: constants.is_offline_mode): cached files are used, nothing is asked or retried."""
+    from huggingface_hub import constants
+
+    if not on or constants.HF_HUB_OFFLINE:
+        yield
+        return
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = False
 
 
 @contextlib.contextmanager
 def hub_errors(repo_id: str) -> Iterator[None]:
-    """Turn huggingface_hub's failures into one CheckpointError a person can act on; the hub is
-    asked for nothing when it cannot be reached (offline_unless_hub_reachable)."""
+    """Turn huggingface_hub's failures into one CheckpointError a person can act on. When the hub
+    cannot be reached (hub_unreachable: asked once), the calls inside run offline: a cached model
+    still loads, an uncached one is refused at once with why, instead of after huggingface_hub's
+    five retries with backoff (23 s)."""
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    unreachable = offline_unless_hub_reachable()
+    unreachable = hub_unreachable()
     try:
-        yield
+        with _offline(unreachable is not None):
+            yield
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
         why = f"the model hub cannot be reached ({unreachable})" if unreachable else \
             "it is unreachable or HF_HUB_OFFLINE is set"
