@@ -103,6 +103,13 @@ def index_outside(model: Path) -> None:
     (model / INDEX).write_text(json.dumps(index))
 
 
+def quantized(model: Path) -> None:
+    """What a GPTQ checkpoint's config says (its tensors would be qweight, qzeros, scales)."""
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (model / "config.json").write_text(json.dumps(config))
+
+
 def tokenizer_not_json(model: Path) -> None:
     (model / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ')
 
@@ -123,6 +130,7 @@ BOMBS: dict[str, tuple[Callable[[Path], None], str, list[str]]] = {
     "8-bit float dtype": (change("model.layers.1.mlp.down_proj.weight", dtype="F8_E4M3"), SHARD,
                           ["F8_E4M3", "not supported yet"]),
     "unknown dtype": (change("model.norm.weight", dtype="Q3_K"), SHARD, ["Q3_K", "dtype"]),
+    "quantized config": (quantized, "quantization_config", ["gptq", "cannot be served yet"]),
     "index names a file elsewhere": (index_outside, INDEX, ["shadow", "beside the index"]),
     "tokenizer.json not JSON": (tokenizer_not_json, "tokenizer.json", ["not JSON"]),
 }

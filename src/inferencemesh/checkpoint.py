@@ -324,6 +324,11 @@ def check_supported(config: dict, where: str | Path) -> None:
     standard embed -> layers -> norm -> head layout is served)."""
     from inferencemesh.modeling import families  # transformers and torch, only when a config is checked
 
+    quantization = config.get("quantization_config")
+    if quantization is not None:  # its tensors are not the layers' weights (qweight, scales): no stage finds them
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
+        raise CheckpointError(f"{where}: a quantized checkpoint (quantization_config: {_shown(method, 40)}) "
+                              "cannot be served yet; give its unquantized (float16, bfloat16 or float32) version")
     why = families.refusal(config)
     if why is not None:
         model_type = config.get("model_type", "")
