@@ -116,11 +116,11 @@ def test_langchain_tools_work_over_responses(served: Served) -> None:
         """The weather in a city."""
         return f"sunny in {city}"
 
-    llm = ChatOpenAI(model=MODEL, base_url=f"{served.base}/v1", api_key="unused", temperature=0,  # type: ignore[arg-type]
+    llm = ChatOpenAI(model=MODEL, base_url=f"{served.base}/v1", api_key="unused", temperature=0,
                      max_tokens=40, max_retries=0, use_responses_api=True)
     answer = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
-    assert [call["name"] for call in answer.tool_calls] == ["get_weather"]  # type: ignore[attr-defined]
-    assert isinstance(answer.tool_calls[0]["args"]["city"], str)  # type: ignore[attr-defined]
+    assert [call["name"] for call in answer.tool_calls] == ["get_weather"]
+    assert isinstance(answer.tool_calls[0]["args"]["city"], str)
 
 
 # --- 11: a call cut by the length limit ----------------------------------------------------------
@@ -217,12 +217,13 @@ def test_a_second_call_cut_before_its_arguments_is_never_content(served: Served)
 # --- 12: a history holding a call cut short ------------------------------------------------------
 
 
-@pytest.mark.parametrize("arguments", ['{"city": "Pa', '{"city": "C"}}\n</tool_call', "not json at all"])
+@pytest.mark.parametrize("arguments", ['{"city": "Pa', '{"city": "C"}}\n</tool_call', "not json at all",
+                                       '{"city": "\\ud800"}'])  # JSON, but not of valid Unicode: as given
 def test_a_history_with_a_call_cut_short_is_accepted_as_given(served: Served, arguments: str) -> None:
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    answer = served.client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,  # type: ignore[arg-type]
+    answer = served.client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
                                                    temperature=0, max_tokens=8)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     tokens = served.post("/tokenize", {"messages": history, "tools": TOOLS}).json()["tokens"]
@@ -293,7 +294,7 @@ def test_a_non_strict_json_schema_is_closed_and_ends(served: Served) -> None:
 
 
 def test_a_response_cut_by_the_context_does_not_claim_max_output_tokens(served: Served) -> None:
-    limit = served.client.models.list().data[0].max_model_len  # type: ignore[attr-defined]
+    limit = served.client.models.list().data[0].max_model_len
     filler = "x = 1\n" * 10
 
     def room(user: str) -> int:
