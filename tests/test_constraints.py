@@ -10,13 +10,17 @@ import llguidance
 import pytest
 
 from inferencemesh.frontend.constraints import (
+    LIMITS,
     MAX_CONSTRAINT_BYTES,
+    MAX_REPEAT_EXPANSION,
     Constraint,
     ConstraintError,
     ConstraintKind,
     constraint_from_request,
+    regex_shape,
 )
 from inferencemesh.frontend.engine_api import InvalidRequest
+from inferencemesh.frontend.grammar_worker import GrammarChecker
 
 PERSON = {
     "type": "object",
@@ -259,3 +263,104 @@ def test_a_lone_surrogate_in_a_schema_is_a_constraint_error_not_a_crash() -> Non
     with pytest.raises(ConstraintError, match="lone surrogate") as refused:
         constraint_from_request(guided_json={"type": "object", "properties": {"\ud800": {"type": "string"}}})
     assert refused.value.param == "guided_json"
+
+
+# ---- shape limits and the grammar worker (issue 33) ---------------------------------------------
+
+def chain(n: int, gbnf: bool = False) -> str:
+    if gbnf:
+        return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1} | \"b\"\n" for i in range(n)) + f'r{n}: "a"\n'
+
+
+@pytest.mark.parametrize(("grammar", "message"), [
+    (chain(1500), "rules and terminals"),
+    (chain(1500, gbnf=True), "rules and terminals"),
+    (chain(250), "reference one another 252 deep"),
+    (chain(250, gbnf=True), "reference one another 252 deep"),
+    ("start: " + "(" * 70 + '"a"' + ")" * 70, "nests brackets"),
+    ('start: "a"{5000}', "repeats an element"),
+    ("start: A\nA: /(a{100}){100}/", "expand past"),
+], ids=["lark-rules", "gbnf-rules", "lark-depth", "gbnf-depth", "nesting", "grammar-repeat", "terminal-regex"])
+def test_grammars_past_the_shape_limits_are_refused_before_compiling(grammar: str, message: str) -> None:
+    with pytest.raises(ConstraintError) as caught:
+        constraint_from_request(guided_grammar=grammar)
+    assert caught.value.param == "guided_grammar" and message in caught.value.message, caught.value.message
+
+
+def test_grammars_within_the_shape_limits_compile() -> None:
+    for grammar in (chain(150), chain(150, gbnf=True), 'start: s\ns: "(" s ")" | "x"',  # recursion is not depth
+                    'start: "a"{10} /[0-9]{3}-[0-9]{4}/ // a comment with ( and {9999}\n'):
+        constraint = constraint_from_request(guided_grammar=grammar)
+        assert constraint is not None and constraint.kind is ConstraintKind.GRAMMAR
+
+
+@pytest.mark.parametrize(("regex", "expansion"), [
+    (r"\d{3}-\d{4}", 8), ("(a{30}){30}", 900), ("((a|bc){10}|d){3}", 60), (r"\p{L}{2,3}", 3),
+    ("[]{]{5}", 5), ("x{10,}", 10), ("(a{1000}){1000}", MAX_REPEAT_EXPANSION + 1),
+])
+def test_regex_expansion_counts_atoms_with_repetition_written_out(regex: str, expansion: int) -> None:
+    assert regex_shape(regex)[0] == expansion
+
+
+@pytest.mark.parametrize("fields", [
+    {"guided_regex": "(a{1000}){1000}"},
+    {"guided_regex": "(x?){2500}x{2500}"},  # each bound small, together "too many expressions" at the first token
+    {"guided_regex": "(" * 70 + "a" + ")" * 70},
+    {"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a{100}){100}"}}}},
+    {"guided_json": {"type": "object", "patternProperties": {"(k{100}){100}": {}}}},
+])
+def test_regexes_past_the_limits_are_refused(fields: dict[str, Any]) -> None:
+    with pytest.raises(ConstraintError) as caught:
+        constraint_from_request(**fields)
+    assert caught.value.param == next(iter(fields))
+
+
+def nested(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_TEXT = '{"type":"object","properties":{"a":' * 1000 + '{"type":"string"}' + "}}" * 1000  # past json's recursion
+
+
+@pytest.mark.parametrize("schema", [nested(40), json.dumps(nested(40)), DEEP_TEXT])
+def test_a_schema_nested_past_the_limit_is_refused_not_a_recursion_error(schema: Any) -> None:
+    with pytest.raises(ConstraintError) as caught:
+        constraint_from_request(guided_json=schema)
+    assert caught.value.param == "guided_json"
+
+
+def test_a_schema_nested_within_the_limit_compiles() -> None:
+    assert constraint_from_request(guided_json=nested(20)) is not None
+
+
+def test_the_grammar_worker_survives_a_compiler_crash_and_remembers_verdicts() -> None:
+    """The chain that overflowed llguidance's stack in the serving process kills only the worker
+    (the shape limits are bypassed here: this is what stands behind them); the next grammar gets
+    a new worker, and each grammar is compiled once."""
+    checker = GrammarChecker()
+    try:
+        crash = llguidance.grammar_from("grammar", chain(3000))
+        assert "SIGSEGV" in checker.check(crash, LIMITS)
+        assert checker.restarts == 1
+        fine = llguidance.grammar_from("grammar", 'start: "a"')
+        assert checker.check(fine, LIMITS) == ""
+        assert "SIGSEGV" in checker.check(crash, LIMITS)  # remembered, not compiled again
+        assert checker.check(fine, LIMITS) == ""
+        assert (checker.compiles, checker.restarts) == (2, 1)
+    finally:
+        checker.close()
+
+
+def test_the_grammar_worker_refuses_a_grammar_past_its_cpu_budget() -> None:
+    checker = GrammarChecker(cpu_s=1)
+    try:
+        schema = {"type": "object", "additionalProperties": False,
+                  "patternProperties": {f"^[a-z]*{i}[a-z]*$": {"type": "string"} for i in range(300)}}
+        verdict = checker.check(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), LIMITS)
+        assert "of CPU to compile" in verdict, verdict
+    finally:
+        checker.close()

@@ -9,9 +9,11 @@ must then parse and validate: the masks alone kept it inside the constraint.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,16 @@ import torch
 import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
+from inferencemesh.frontend import grammar as grammar_module
 from inferencemesh.frontend.constraints import Constraint, ConstraintError, ConstraintKind, constraint_from_request
-from inferencemesh.frontend.grammar import GrammarTokenizer, GrammarViolation, SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.grammar import (
+    ConstrainedOutput,
+    GrammarTokenizer,
+    GrammarViolation,
+    SessionGrammar,
+    constraint_matcher,
+    grammar_tokenizer,
+)
 from inferencemesh.token_masks import (
     allowed_tokens,
     apply_token_masks,
@@ -554,3 +564,76 @@ def test_an_objects_properties_come_in_its_schemas_order(hf_tokenizer: Any, toke
     assert accepts(["zeta", "alpha"], '{"zeta":1,"alpha":2}')
     assert not accepts(["zeta", "alpha"], '{"alpha":2,"zeta":1}')
     assert accepts(["alpha", "zeta"], '{"alpha":2,"zeta":1}')
+
+
+# ---- the grammar engine as a bounded resource (issue 33) ----------------------------------------
+
+def test_a_constraints_matcher_is_built_once_and_each_choice_copies_it(tokenizer: GrammarTokenizer,
+                                                                        hf_tokenizer: Any) -> None:
+    constraint = constraint_from_request(guided_choice=["yes", "no"])
+    assert constraint is not None
+    assert constraint_matcher(constraint, tokenizer) is constraint_matcher(constraint, tokenizer)
+    output = ConstrainedOutput(constraint, tokenizer)
+    first, second = output.start(), output.start()
+    first.commit(hf_tokenizer.encode("yes"))
+    assert first.is_finished and not second.is_finished  # copies: one choice's tokens are its own
+    second.commit(hf_tokenizer.encode("no"))
+    assert second.is_finished
+
+
+def test_a_limit_met_at_the_first_token_is_a_400_before_generation(tokenizer: GrammarTokenizer) -> None:
+    """Within the regex limits, yet llguidance gives up at the first token ("too many expressions
+    constructed"): the build's probe finds it, so the request is refused, not failed mid-stream."""
+    constraint = constraint_from_request(guided_regex="(x?){1000}x{1000}")
+    assert constraint is not None
+    for _ in range(2):  # the refusal is remembered as well
+        with pytest.raises(ConstraintError) as caught:
+            ConstrainedOutput(constraint, tokenizer).start()
+        assert caught.value.param == "guided_regex" and "too many expressions" in caught.value.message
+
+
+def test_an_ambiguous_grammar_ends_at_the_step_limit_with_a_constraint_error(tokenizer: GrammarTokenizer,
+                                                                            hf_tokenizer: Any) -> None:
+    """Each 31-space token makes the next step costlier (seconds by the tenth at llguidance's
+    default limits); the per-step item limit ends the generation after a few, each step cheap."""
+    spaces = hf_tokenizer.convert_tokens_to_ids("Ġ" * 31)
+    grammar = session(tokenizer, guided_grammar='start: s\ns: s s | s s s | " "')
+    with pytest.raises(ConstraintError) as caught:
+        for _ in range(20):
+            started = time.perf_counter()
+            masks, _ = grammar.window_masks([])
+            assert is_allowed(masks[0], spaces)
+            grammar.commit([spaces])
+            assert time.perf_counter() - started < 1.0
+    assert caught.value.param == "guided_grammar" and "could not be enforced" in caught.value.message
+    assert grammar.committed < 10
+
+
+def test_a_mask_past_its_cpu_budget_ends_the_choice(tokenizer: GrammarTokenizer,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    grammar = session(tokenizer, guided_json={"type": "object"})
+    monkeypatch.setattr(grammar_module, "MASK_BUDGET_S", -1.0)  # any mask is over it
+    with pytest.raises(ConstraintError) as caught:
+        grammar.window_masks([])
+    assert caught.value.param == "guided_json" and "ms of CPU" in caught.value.message
+
+
+def test_masks_and_commits_run_off_the_event_loop(tokenizer: GrammarTokenizer, hf_tokenizer: Any) -> None:
+    grammar = session(tokenizer, guided_choice=["yes", "no"])
+    loop_thread = threading.get_ident()
+    computed_on: list[int] = []
+    original = grammar.window_masks
+
+    def recording(drafts: Any) -> Any:
+        computed_on.append(threading.get_ident())
+        return original(drafts)
+
+    grammar.window_masks = recording  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await grammar.window_masks_async([])
+        await grammar.commit_async(hf_tokenizer.encode("yes"))
+
+    asyncio.run(go())
+    assert computed_on and loop_thread not in computed_on
+    assert grammar.is_finished

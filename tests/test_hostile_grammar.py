@@ -216,10 +216,11 @@ DEEP = nested_schema(110)
 @pytest.mark.parametrize(("fields", "param"), [
     ({"guided_regex": "(a{1000}){1000}"}, "guided_regex"),
     ({"guided_regex": "(x?){5000}x{5000}"}, "guided_regex"),
+    ({"guided_regex": "(x?){1000}x{1000}"}, "guided_regex"),  # within the limits: the build's probe finds it
     ({"guided_json": DEEP}, "guided_json"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": DEEP}}},
      "response_format.json_schema.schema"),
-], ids=["nested-repeat", "chained-repeat", "deep-guided-json", "deep-response-format"])
+], ids=["nested-repeat", "chained-repeat", "probed-repeat", "deep-guided-json", "deep-response-format"])
 def test_constraints_that_failed_later_are_refused_up_front(served: tuple[str, Any], fields: dict[str, Any],
                                                             param: str) -> None:
     base, _ = served
