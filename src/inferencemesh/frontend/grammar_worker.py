@@ -20,6 +20,7 @@ llguidance: the worker starts in a fraction of a second and holds no model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -43,7 +44,8 @@ class GrammarChecker:
 
     def __init__(self, cpu_s: int = COMPILE_CPU_S, wall_s: float = WALL_TIMEOUT_S) -> None:
         self.cpu_s, self.wall_s = cpu_s, wall_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the worker: one grammar at a time
+        self._verdicts_lock = threading.Lock()  # the cache: never waits for a compile
         self._proc: subprocess.Popen[bytes] | None = None
         self._verdicts: OrderedDict[str, str] = OrderedDict()
         self.compiles = 0  # grammars sent to a worker (not answered from the cache), for tests
@@ -51,22 +53,30 @@ class GrammarChecker:
 
     def check(self, grammar: str, limits: dict[str, Any]) -> str:
         """"" when the grammar compiles within the budget, else why not (one line)."""
-        key = json.dumps([grammar, limits], sort_keys=True)
-        with self._lock:
+        key = hashlib.sha256(json.dumps([grammar, limits], sort_keys=True).encode()).hexdigest()
+        with self._verdicts_lock:
             if key in self._verdicts:
                 self._verdicts.move_to_end(key)
                 return self._verdicts[key]
-            verdict = self._compile(grammar, limits)
-            self._verdicts[key] = verdict
-            if len(self._verdicts) > VERDICTS:
-                self._verdicts.popitem(last=False)
-            return verdict
+        with self._lock:
+            with self._verdicts_lock:  # compiled while this caller waited for the worker
+                if key in self._verdicts:
+                    return self._verdicts[key]
+            verdict, lasting = self._compile(grammar, limits)
+        if lasting:
+            with self._verdicts_lock:
+                self._verdicts[key] = verdict
+                if len(self._verdicts) > VERDICTS:
+                    self._verdicts.popitem(last=False)
+        return verdict
 
     def close(self) -> None:
         with self._lock:
             self._stop()
 
-    def _compile(self, grammar: str, limits: dict[str, Any]) -> str:
+    def _compile(self, grammar: str, limits: dict[str, Any]) -> tuple[str, bool]:
+        """The verdict, and whether it lasts (a wall-clock timeout says as much about the
+        machine's load as about the grammar: it is not remembered)."""
         proc = self._worker()
         assert proc.stdin is not None and proc.stdout is not None
         self.compiles += 1
@@ -77,14 +87,21 @@ class GrammarChecker:
         except OSError:  # the worker died under the write
             line = b""
         if line:
-            return str(json.loads(line)["error"])
+            return str(json.loads(line)["error"]), True
+        try:
+            proc.wait(1.0)  # its output ended: it is dying
+            timed_out = False
+        except subprocess.TimeoutExpired:  # or it is still compiling
+            timed_out = True
         self._stop()
         self.restarts += 1
+        if timed_out:
+            return f"the grammar compiler did not finish within {self.wall_s:.0f}s (the server is busy)", False
         code = proc.returncode
-        if code is None or code in (-signal.SIGXCPU, -signal.SIGKILL):
-            return f"the grammar takes more than {self.cpu_s}s to compile"
+        if code == -signal.SIGXCPU:
+            return f"the grammar takes more than {self.cpu_s}s of CPU to compile", True
         name = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else code
-        return f"the grammar compiler failed on it ({name})"
+        return f"the grammar compiler failed on it ({name})", True
 
     def _worker(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ async def engine_ready(engine: Engine) -> bool:
     except Exception:
         log.exception("engine.is_ready() failed")
         return False
+
+
+_COMPILES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint-compile")
 
 
 def _timed_compile(fields: dict[str, Any], tool_fields: dict[str, Any],
@@ -180,8 +184,10 @@ class JobBuilder:
             self._compiled.move_to_end(key)
             return (*self._compiled[key], None)
         # off the event loop: a schema's checks take milliseconds, its compile (in the grammar worker's
-        # process, constraints.validated_grammar) up to its CPU budget
-        compiled, compile_s = await asyncio.to_thread(_timed_compile, fields, tool_fields)
+        # process, constraints.validated_grammar) up to its CPU budget, on threads of its own: grammars
+        # queued for the worker must not hold the threads that tokenize everyone's prompts
+        compiled, compile_s = await asyncio.get_running_loop().run_in_executor(
+            _COMPILES, _timed_compile, fields, tool_fields)
         self._compiled[key] = compiled
         if len(self._compiled) > COMPILED_CONSTRAINTS:
             self._compiled.popitem(last=False)
