@@ -72,3 +72,26 @@ def test_an_untimed_window_follows_acceptance_alone(timings: tuple[float, float]
         window.observe(proposed, accepted, propose_s, round_trip_s)
         sizes.append(window.k)
     assert sizes == [5, 6, 5, 6, 7, 6, 7] and window.paying
+
+
+def test_a_reproducible_request_drafts_by_the_race_and_sends_no_q() -> None:
+    """A seeded request's draft races with the target's noise and sends no q (the last stage then
+    races too); an unseeded one sends q for Leviathan's rule, which accepts more."""
+    from inferencemesh.bundled import DRAFT_MODEL, bundled_path
+    from inferencemesh.frontend.proposers.draft import DraftProposer
+    from inferencemesh.frontend.proposers.draft_model import DraftModel
+    from inferencemesh.sampling import SamplingParams
+
+    draft = DraftModel(str(bundled_path(DRAFT_MODEL)), dtype="float32", device="cpu", max_context=256)
+    history = list(range(5, 25))
+    params = SamplingParams(temperature=0.9, seed=3)
+    plain = DraftProposer(draft, WindowPolicy(), params)
+    racing = DraftProposer(draft, WindowPolicy(), params)
+    racing.reproducible()
+    leviathan, raced = plain.propose(history), racing.propose(history)
+    assert leviathan is not None and raced is not None
+    assert len(leviathan.probs) == len(leviathan.tokens) * draft.vocab_size * 4 and raced.probs == b""
+    assert plain.window.timed and not racing.window.timed
+    again = DraftProposer(draft, WindowPolicy(), params)
+    again.reproducible()
+    assert again.propose(history) == raced

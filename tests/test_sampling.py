@@ -45,8 +45,9 @@ def test_seeded_sampling_is_a_function_of_seed_and_position() -> None:
     assert other != draws
 
 
-def _speculative_samples(n: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """Run verification n times with a draft distribution q far from the target p."""
+def _speculative_samples(n: int, send_q: bool = True) -> tuple[list[int], list[int], torch.Tensor]:
+    """Run verification n times with a draft distribution q far from the target p (q sent to
+    verification: Leviathan's rule; not sent: the race)."""
     gen = torch.Generator().manual_seed(7)
     vocab = 6
     target_logits = torch.randn(3, vocab, generator=gen) * 1.5
@@ -56,7 +57,8 @@ def _speculative_samples(n: int) -> tuple[list[int], list[int], torch.Tensor]:
     first, second = [], []
     for seed in range(n):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-        _, tokens = verify(target_logits, drafts, SamplingParams(temperature=1.0, seed=seed), 100, q)
+        params = SamplingParams(temperature=1.0, seed=seed)
+        _, tokens = verify(target_logits, drafts, params, 100, q if send_q else None)
         first.append(tokens[0])
         if len(tokens) > 1:
             second.append(tokens[1])
@@ -71,20 +73,27 @@ def test_speculative_sampling_matches_target_distribution() -> None:
     assert len(second) > 500 and stat < CHI2_CRITICAL_P001[dof], f"second token deviates: chi2={stat:.1f}"
 
 
-def test_the_chi_square_check_detects_a_wrong_rule() -> None:
-    """The same statistical test fails for a rule that keeps every draft (the drafts' own law, q)."""
-    gen = torch.Generator().manual_seed(7)
-    target_logits = torch.randn(3, 6, generator=gen) * 1.5
-    p = probabilities(target_logits, SamplingParams(temperature=1.0))
-    q = torch.softmax(torch.randn(2, 6, generator=gen) * 1.5, -1)  # as _speculative_samples draws them
-    kept = [int(torch.multinomial(q[0], 1, generator=gen)) for _ in range(6000)]
-    stat, dof = chi_square(kept, p[0])
+def test_wrong_acceptance_rule_is_detected(monkeypatch) -> None:
+    """The same statistical test fails when verification accepts every draft token."""
+    monkeypatch.setattr(sampling, "accept", lambda p_token, q_token, u: True)
+    first, _, p = _speculative_samples(6000)
+    stat, dof = chi_square(first, p[0])
     assert stat > CHI2_CRITICAL_P001[dof]
 
 
+def test_racing_verification_matches_target_distribution() -> None:
+    """Without q (a seeded request's draft, n-gram proposals) verification races: drafts drawn
+    from a q far from p still leave the decided tokens distributed as p."""
+    first, second, p = _speculative_samples(6000, send_q=False)
+    stat, dof = chi_square(first, p[0])
+    assert stat < CHI2_CRITICAL_P001[dof], f"first token deviates from p: chi2={stat:.1f}"
+    stat, dof = chi_square(second, p[1])
+    assert len(second) > 500 and stat < CHI2_CRITICAL_P001[dof], f"second token deviates: chi2={stat:.1f}"
+
+
 def test_verification_draws_exactly_what_plain_decoding_draws() -> None:
-    """A seeded token depends only on the target's logits at its position: whatever the drafts
-    (right, wrong, from any q), verification returns the longest prefix of drafts equal to plain
+    """Racing (no q), a seeded token depends only on the target's logits at its position: whatever
+    the drafts (right, wrong, from any q), verification returns the longest prefix of drafts equal to plain
     decoding's draws, then plain decoding's draw."""
     gen = torch.Generator().manual_seed(5)
     for seed in range(200):
@@ -94,7 +103,7 @@ def test_verification_draws_exactly_what_plain_decoding_draws() -> None:
         for cut in range(5):
             wrong = (plain[cut] + 1 + int(torch.randint(39, (1,), generator=gen))) % 40
             drafts = (plain[:cut] + [wrong] + plain[cut + 1:])[:4]
-            accepted, tokens = verify(logits, drafts, params, 10, torch.rand(4, 40, generator=gen))
+            accepted, tokens = verify(logits, drafts, params, 10)  # no q: the race
             assert (accepted, tokens) == (min(cut, 4), plain[: min(cut, 4) + 1])
 
 

@@ -13,11 +13,13 @@ import torch
 
 from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
 from inferencemesh.frontend.proposers.draft_model import Cache, DraftModel
-from inferencemesh.sampling import SamplingParams, adjust, probabilities, sample
+from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities, sample
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
     from inferencemesh.frontend.metrics import FrontendMetrics
+
+_SALT_DRAFT = 0xD4AF7
 
 
 class DraftProposer(WindowedProposer):
@@ -38,6 +40,8 @@ class DraftProposer(WindowedProposer):
         self._k = 0
         self._first_position = 0
         self._tokens: list[int] = []
+        self._rows: list[torch.Tensor] = []  # q of each sampled proposal (Leviathan's verification)
+        self.racing = False  # a greedy or seeded request: propose by the target's race, send no q
 
     def propose(self, history: list[int]) -> Proposal | None:
         outcome = draft_together([(self, history)])[0]
@@ -66,7 +70,7 @@ class DraftProposer(WindowedProposer):
         if self.draft.embedding_rows < self.draft.vocab_size and max(history[agree:]) >= self.draft.embedding_rows:
             return None  # a token the smaller draft has no embedding for: it cannot follow this history
         self.fed = history[:]
-        self._first_position, self._tokens = len(history), []
+        self._first_position, self._tokens, self._rows = len(history), [], []
         return self.cache, agree, history[agree:]
 
     def _next(self, logits: torch.Tensor) -> tuple[Cache, int, list[int]] | None:
@@ -81,10 +85,16 @@ class DraftProposer(WindowedProposer):
         if self.params.greedy:
             token = int(logits.argmax())
         else:
-            # The target's own race (seed, position) over q: where q is close to p the draft picks
-            # what the target will, and the target's pick never depends on what was proposed.
+            q = probabilities(logits[None], self.params)[0]
             try:
-                token = sample(probabilities(logits[None], self.params)[0], self.params.seed, position)
+                if self.racing:
+                    # The target's own race (seed, position) over q: where q is close to p the draft
+                    # picks what the target will, and the target's pick never depends on the proposal.
+                    token = sample(q, self.params.seed, position)
+                else:
+                    token = int(torch.multinomial(q, 1, generator=generator_for(self.params.seed ^ _SALT_DRAFT,
+                                                                                  position, _SALT_DRAFT)))
+                    self._rows.append(q)
             except RuntimeError:
                 # q holds inf or NaN, or no mass (extreme penalties): nothing to draw a proposal from.
                 # The proposal ends here; the target decides the next token on its own.
@@ -96,8 +106,15 @@ class DraftProposer(WindowedProposer):
         return self.cache, position, [token]
 
     def _proposal(self) -> Proposal:
-        # No q rows: verification compares tokens with the target's own draws (sampling.verify).
-        return Proposal(self._tokens)
+        rows = self._rows  # none when racing: verification then compares tokens with the target's draws
+        probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
+        return Proposal(self._tokens, probs)
+
+    def reproducible(self) -> None:
+        """A greedy or seeded request: an untimed window, and proposals by the target's race, which
+        the last stage verifies by the race too (it sends no q): its tokens do not depend on them."""
+        super().reproducible()
+        self.racing = True
 
     def _forget(self) -> None:
         """After a failure the draft's cache may hold half-written positions: start again from
