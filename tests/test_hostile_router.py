@@ -348,15 +348,15 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
     flags = [threading.Event() for _ in range(3)]
     with ThreadPoolExecutor(4) as pool:
         on_victim = [pool.submit(stream, prefix + f"def main_{i}(", flags[i]) for i in range(2)]
-        not_streamed = pool.submit(whole, prefix + "def other(")
-        on_survivor = pool.submit(stream, "import os\n" * 3, flags[2])
-        for flag in flags:
-            assert flag.wait(60), "a stream never started"
-        deadline = time.monotonic() + 10
-        while _running(mesh.frontends[victim].url) < 3:  # both streams and the whole answer run there
+        not_streamed = pool.submit(whole, prefix + "def other(")  # its prefix: all three go there
+        deadline = time.monotonic() + 30
+        while _running(mesh.frontends[victim].url) < 3:
             assert time.monotonic() < deadline, mesh.replicas()
             time.sleep(0.05)
-        assert _running(mesh.frontends[survivor].url) >= 1
+        on_survivor = pool.submit(stream, "import os\n" * 3, flags[2])  # no prefix: the least loaded
+        for flag in flags:
+            assert flag.wait(60), "a stream never started"
+        assert _running(mesh.frontends[survivor].url) >= 1, mesh.replicas()
         process = mesh.frontends[victim].proc
         assert process is not None
         process.send_signal(signal.SIGKILL)
@@ -368,6 +368,9 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
         assert all(kind == "error" and "failed" in str(message) for kind, message in results), results
         assert on_survivor.result(120) == ("done", "length")
         assert not_streamed.result(120) == (200, "length")  # retried on the survivor before any byte went
+    retried = [line for line in httpx.get(f"{mesh.router.url}/metrics").text.splitlines()
+               if line.startswith("inferencemesh_router_retries_total") and f'replica="{victim}"' in line]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in retried) >= 1, retried
     listed = mesh.replicas()
     assert not listed[victim]["up"] and listed[survivor]["up"], listed
     statuses = [httpx.post(f"{mesh.router.url}/v1/completions", json={**INNOCENT, "prompt": prefix + str(i)},
@@ -383,6 +386,7 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
         assert time.monotonic() < deadline, mesh.replicas()
         time.sleep(0.1)
     routed = mesh.replicas()[victim]["routed"]
-    client.completions.create(model=MODEL, prompt=prefix + "def again(", max_tokens=2)  # its prefix, held there
-    assert mesh.replicas()[victim]["routed"] == routed + 1
+    for i in range(12):  # prompts that share nothing: spread over both (all on one: 1 in 4096)
+        client.completions.create(model=MODEL, prompt=f"# again {i * 7919}\n", max_tokens=1)
+    assert mesh.replicas()[victim]["routed"] > routed
     unharmed(mesh)
