@@ -185,9 +185,13 @@ class ConstrainedOutput:
 
     def start(self) -> SessionGrammar:
         matcher = self.matcher if self.matcher is not None else constraint_matcher(self.constraint, self.tokenizer)
-        with _MATCHERS_LOCK:  # a shared matcher: one borrower at a time
-            copy = matcher.deep_copy()
-        return SessionGrammar(self.constraint, self.tokenizer, mask_timer=self.mask_timer, matcher=copy)
+        return SessionGrammar(self.constraint, self.tokenizer, mask_timer=self.mask_timer, matcher=_copy(matcher))
+
+
+def _copy(matcher: llguidance.LLMatcher) -> llguidance.LLMatcher:
+    """A copy of a shared matcher (microseconds: llguidance shares the compiled grammar)."""
+    with _MATCHERS_LOCK:  # one borrower at a time (PyO3)
+        return matcher.deep_copy()
 
 
 class GrammarViolation(RuntimeError):
@@ -206,7 +210,7 @@ class SessionGrammar:
         self.tokenizer = tokenizer
         self.mask_timer = mask_timer  # told each frame's mask time by its caller (session.Connection.token_masks)
         self._lock = threading.Lock()
-        self._matcher = matcher if matcher is not None else constraint_matcher(constraint, tokenizer).deep_copy()
+        self._matcher = matcher if matcher is not None else _copy(constraint_matcher(constraint, tokenizer))
         self.committed = 0  # tokens the grammar has advanced by
         # Masks computed since the last commit, by the drafts they follow: a draft model asks for
         # the mask after each of its drafts (mask_after), and the verify window then needs those
