@@ -185,6 +185,38 @@ def test_a_request_cancelled_during_its_prefill_gives_its_slots_back(mesh) -> No
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_a_request_cancelled_as_its_choices_are_handed_over_gives_its_slots_back(mesh, prompts: int) -> None:
+    """A cancel in the loop iteration after the engine handed every choice its slot, before its
+    caller had them (1 prompt), or after one prompt's choices while another still starts (2):
+    the gather's results were dropped with the cancel, and with them the only hold on those
+    choices, whose slots never came back."""
+    async def go() -> None:
+        engine = new_engine(mesh)
+        started = engine._started
+        request: asyncio.Task | None = None
+
+        async def started_then_cancelled(*args, **kwargs):
+            choices = await started(*args, **kwargs)
+            assert request is not None
+            asyncio.get_running_loop().call_soon(request.cancel)  # the client leaves now
+            return choices
+
+        try:
+            engine._started = started_then_cancelled
+            batch = [GenerationRequest(f"r{i}", PROMPT, 6, temperature=1.0, seed=7) for i in range(prompts)]
+            request = asyncio.create_task(engine.generate_batch(batch, 2))
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            assert engine.free_slots == SLOTS
+            del engine._started
+            await answers_at_once(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(go())
+
+
 def test_over_http_the_server_answers_and_reports_free_slots_after_an_odd_request(mesh, model) -> None:
     """The reported case, end to end: {n: 16, seed: -1} once took the whole server away while /ready
     said 200 and num_requests_running said 0; now those, and the engine's free slots, are the truth."""

@@ -167,14 +167,17 @@ class PipelineEngine(Generic[PipelineT]):
                                  param="prompt" if len(requests) > 1 else "n")
         prompts = [self._checked(request, n) for request in requests]  # before admission: a refusal holds no slot
         async with self.admission.lease(total, what=f"{len(requests)} prompt(s) with n={n}") as lease:
-            started = await asyncio.gather(*(self._started(prompt, lease) for prompt in prompts),
-                                           return_exceptions=True)
+            starts = [asyncio.ensure_future(self._started(prompt, lease)) for prompt in prompts]
+            try:
+                started = await asyncio.gather(*starts, return_exceptions=True)
+            except BaseException:
+                # Cancelled, perhaps in the loop iteration the choices got their slots: nothing
+                # else holds them. Shielded: a second cancel must not cut this short.
+                await asyncio.shield(_close_started(starts))
+                raise
             failure = next((s for s in started if isinstance(s, BaseException)), None)
             if failure is not None:  # the prompts that did start give their sessions and slots back
-                for choices in started:
-                    if not isinstance(choices, BaseException):
-                        for choice in choices:
-                            await choice.aclose()
+                await _close_started(starts)
                 raise failure
             return [choice for choices in started if not isinstance(choices, BaseException) for choice in choices]
 
@@ -329,6 +332,17 @@ class PipelineEngine(Generic[PipelineT]):
         except PipelineError as err:
             conn.history = None  # a failed session is not kept
             raise self._failed(err) from err
+
+
+async def _close_started(starts: Sequence[asyncio.Future[list[Choice]]]) -> None:
+    """The prompts' starts ended (those still running cancelled: they free their own sessions and
+    slots), and the choices of those that did start closed (theirs freed)."""
+    for start in starts:
+        start.cancel()
+    for started in await asyncio.gather(*starts, return_exceptions=True):
+        if not isinstance(started, BaseException):
+            for choice in started:
+                await choice.aclose()
 
 
 def _connection(pipeline: Pipeline, request_id: str, choice: GenerationRequest) -> Connection:
