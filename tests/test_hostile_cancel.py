@@ -316,3 +316,33 @@ def test_a_failing_choice_fails_the_stream_and_the_others_are_closed() -> None:
 
     closed, message = asyncio.run(go())
     assert sorted(closed) == ["busy", "missed"] and message == "a choice failed mid-generation"
+
+
+def test_a_stream_whose_body_never_started_still_runs_its_release() -> None:
+    """A client gone before the first chunk was asked for: aclose() of a never-started generator
+    skips its finally (where the stream released its runs), so EventStream runs on_close too."""
+    async def go() -> tuple[list[str], list[str]]:
+        ran: list[str] = []
+        released: list[str] = []
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                yield "data: 1\n\n"
+            finally:
+                ran.append("body's finally")
+
+        async def release() -> None:
+            released.append("released")
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            raise OSError("the client is gone")  # before the headers are out
+
+        stream = sse.EventStream(sse.with_keepalive(body(), 5), on_close=release)
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return ran, released
+
+    assert asyncio.run(go()) == ([], ["released"])

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -133,8 +134,13 @@ class Serving:
         except BaseException:
             await _abandon(starting)
             raise
-        body = self._stream(starting.result()) if done else self._late_stream(starting, jobs[0])
-        return EventStream(with_keepalive(body, self.sse_keepalive_s),
+        body: AsyncIterator[str]
+        if done:
+            runs = starting.result()
+            body, on_close = self._stream(runs), partial(close_runs, runs)
+        else:
+            body, on_close = self._late_stream(starting, jobs[0]), partial(_abandon, starting)
+        return EventStream(with_keepalive(body, self.sse_keepalive_s), on_close=on_close,
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _late_stream(self, starting: asyncio.Future[list[Run]], job: Job) -> AsyncIterator[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import anyio
@@ -33,9 +33,16 @@ def sse(obj: dict[str, Any]) -> str:
 
 class EventStream(StreamingResponse):
     """SSE response that watches for the client going away while it waits on the engine, and
-    always closes its body iterator (which closes the engine's iterator: the session is freed)."""
+    always closes its body iterator (which closes the engine's iterator: the session is freed),
+    then runs `on_close`: an async generator that was never started ignores aclose() (its
+    finally never runs), so what frees the request's slots must not rest on the body alone."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]] | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = self.body_iterator
@@ -53,10 +60,12 @@ class EventStream(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
-            aclose = getattr(body, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await _aclose(body)
+                finally:
+                    if self.on_close is not None:
+                        await self.on_close()
 
 
 async def with_keepalive(source: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
@@ -152,7 +161,7 @@ async def merged(sources: list[AsyncIterator[str]]) -> AsyncGenerator[str, None]
             await _aclose(source)
 
 
-async def _aclose(iterator: AsyncIterator[str]) -> None:
+async def _aclose(iterator: object) -> None:
     """Close an async iterator; a failure to (a generator still running in a task left behind) is
     logged, never raised into the closing of the others."""
     aclose = getattr(iterator, "aclose", None)
