@@ -44,6 +44,7 @@ import llguidance.hf
 import torch
 
 from inferencemesh.frontend.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError, first_line
+from inferencemesh.frontend.grammar_worker import WORKER_STACK_BYTES
 from inferencemesh.token_masks import WORD_BITS, allowed_tokens, apply_token_masks, is_allowed, mask_words
 
 log = logging.getLogger("inferencemesh.frontend")
@@ -64,10 +65,29 @@ def _low_priority() -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
+# The stack of the threads that run llguidance here: 16 times the grammar worker's, whatever the
+# platform's default thread stack (RLIMIT_STACK): a grammar that compiled there has room here.
+# Virtual memory: pages are touched only as deep as a grammar goes.
+SERVING_STACK_BYTES = 16 * WORKER_STACK_BYTES
+_STACK_LOCK = threading.Lock()
+
+
+class _GrammarThreads(ThreadPoolExecutor):
+    """A ThreadPoolExecutor whose threads have SERVING_STACK_BYTES of stack."""
+
+    def _adjust_thread_count(self) -> None:  # where ThreadPoolExecutor starts its threads
+        with _STACK_LOCK:
+            previous = threading.stack_size(SERVING_STACK_BYTES)
+            try:
+                super()._adjust_thread_count()
+            finally:
+                threading.stack_size(previous)
+
+
 # One build at a time, at the lowest priority; masks on threads of their own (a session's lock
 # keeps one choice's masks in order; other choices' run alongside).
-_BUILDS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build", initializer=_low_priority)
-_MASKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-mask")
+_BUILDS = _GrammarThreads(max_workers=1, thread_name_prefix="grammar-build", initializer=_low_priority)
+_MASKS = _GrammarThreads(max_workers=4, thread_name_prefix="grammar-mask")
 
 
 @dataclass(frozen=True, eq=False)
