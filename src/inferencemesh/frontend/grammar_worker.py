@@ -166,6 +166,7 @@ def _run(job: dict[str, Any], result: list[str]) -> None:
 
 def main() -> None:
     os.nice(19)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # dying is this process's job: leave no core files
     threading.stack_size(WORKER_STACK_BYTES)
     for raw in sys.stdin.buffer:
         job = json.loads(raw)
@@ -173,7 +174,8 @@ def main() -> None:
         used = resource.getrusage(resource.RUSAGE_SELF)
         spent = int(used.ru_utime + used.ru_stime) + 1
         hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        resource.setrlimit(resource.RLIMIT_CPU, (spent + int(job["cpu_s"]), hard))
+        soft = spent + int(job["cpu_s"])
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
         result: list[str] = []
         thread = threading.Thread(target=_run, args=(job, result))
         thread.start()
