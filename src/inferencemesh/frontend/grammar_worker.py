@@ -63,11 +63,11 @@ class GrammarChecker:
                 if key in self._verdicts:
                     return self._verdicts[key]
             verdict, lasting = self._compile(grammar, limits)
-        if lasting:
-            with self._verdicts_lock:
-                self._verdicts[key] = verdict
-                if len(self._verdicts) > VERDICTS:
-                    self._verdicts.popitem(last=False)
+            if lasting:  # before the next waiter looks
+                with self._verdicts_lock:
+                    self._verdicts[key] = verdict
+                    if len(self._verdicts) > VERDICTS:
+                        self._verdicts.popitem(last=False)
         return verdict
 
     def close(self) -> None:
