@@ -86,6 +86,7 @@ def frontend(name: str) -> Program:
     return Program(["frontend", "--model", "bundled://imesh-code-target", "--stage-addresses", "",
                     "--first-stage-layers", "0:8", "--host", "127.0.0.1", "--port", str(port),
                     "--max-sessions", str(MAX_SESSIONS), "--speculative", "none", "--drain-timeout", "1",
+                    "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
                     "--served-model-name", MODEL], port)
 
 
@@ -201,26 +202,11 @@ def test_slow_and_partial_requests_get_408_at_the_routers_total_deadline(mesh: M
     unharmed(mesh)
 
 
-@pytest.fixture(scope="module")
-def frontend_app() -> Iterator[str]:
-    """A frontend's real app (create_app: its request guard) under its real server limits
-    (http_server.server_config), with short deadlines, on a transformers engine."""
-    from fixture_engine import build_fixture_model, serve
-
-    from inferencemesh.frontend.app import create_app
-
-    fm = build_fixture_model()
-    assert fm.name == MODEL, "the bundled model is needed for the innocent requests"
-    app = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name, body_timeout_s=BODY_TIMEOUT_S)
-    with serve(app, header_timeout_s=HEADER_TIMEOUT_S) as url:
-        yield url
-
-
-def test_slow_and_partial_requests_get_408_at_a_frontends_total_deadline(frontend_app: str) -> None:
-    port = int(frontend_app.rsplit(":", 1)[1])
-    attack_with_slow_clients(port, lambda: innocent_request(frontend_app),
+def test_slow_and_partial_requests_get_408_at_a_frontends_total_deadline(mesh: Mesh) -> None:
+    target = mesh.live()[0]  # `inferencemesh frontend` with --header-timeout and --body-timeout
+    attack_with_slow_clients(target.port, lambda: innocent_request(target.url),
                              {"partial": BODY_TIMEOUT_S, "slow-body": BODY_TIMEOUT_S, "slow-head": HEADER_TIMEOUT_S})
-    assert_unharmed(frontend_app, MAX_SESSIONS)
+    assert_unharmed(target.url, MAX_SESSIONS)
 
 
 # ---- router edges (finding 9) ----------------------------------------------------------------

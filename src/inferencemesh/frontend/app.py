@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
+from inferencemesh.config import HTTP_BODY_TIMEOUT_S  # the whole body's deadline: then 408, connection closed
 from inferencemesh.frontend.drain import Drain, DrainGuard, draining_error
 from inferencemesh.frontend.engine_api import Engine, EngineError
 from inferencemesh.frontend.errors import APIError, from_engine_error
@@ -53,7 +54,6 @@ from inferencemesh.frontend.utility_routes import router as utility_router
 log = logging.getLogger("inferencemesh.frontend")
 
 NOT_READY = {"model": ErrorResponse, "description": "The model is not ready yet, or this replica is draining"}
-BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body: then 408, connection closed
 
 # pydantic names the branch of a union in an error's location ("function-after[...]", "list[...]",
 # "str"): not a field a client can find in its request.
@@ -76,7 +76,7 @@ def invalid_body(errors: Sequence[Any]) -> APIError:
 def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, *, served_model_name: str,
                api_key: str | None = None, auth_exempt_paths: tuple[str, ...] = ("/health", "/ready", "/metrics"),
                max_body_bytes: int = 1024 * 1024, metrics: FrontendMetrics | None = None,
-               body_timeout_s: float = BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S,
+               body_timeout_s: float = HTTP_BODY_TIMEOUT_S, sse_keepalive_s: float = SSE_KEEPALIVE_S,
                drain: Drain | None = None) -> FastAPI:
     """The frontend's ASGI app. api_key None or "": no authentication. drain: the state a stopping
     server drains through (default: one of its own, app.state.drain)."""

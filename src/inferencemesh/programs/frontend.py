@@ -137,10 +137,11 @@ def run_frontend(config: FrontendConfig) -> int:
     app = create_app(
         engine, tokenizer, served_model_name=engine.model_name,
         api_key=os.environ.get(config.api_key_env) or None, max_body_bytes=config.max_body_bytes, metrics=metrics,
-        drain=drain,
+        drain=drain, body_timeout_s=config.body_timeout,
     )
     # header timeout, connection limit, keep-alive: frontend.http_server
     server = DrainingServer(server_config(app, host=config.host, port=config.port, log_level="info",
+                                          header_timeout_s=config.header_timeout,
                                           timeout_graceful_shutdown=FINAL_GRACE_S), drain, config.drain_timeout)
 
     async def serve() -> None:
