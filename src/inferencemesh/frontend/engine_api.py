@@ -53,8 +53,9 @@ class GenerationRequest:
 def choice_seed(seed: int, index: int) -> int:
     """The sampling seed of choice `index` of a request sampled with `seed` (n > 1). Choice 0 keeps
     the request's seed, so the first of n is what n = 1 gives; the others get seeds derived from
-    (seed, index), so a seeded request's n choices are the same every time, and choice j is
-    what a request alone with seed choice_seed(seed, j) gives."""
+    (seed, index), so choice j draws what a request alone with seed choice_seed(seed, j) draws
+    (the n choices run side by side, so their logits may differ in the last bits from a run
+    alone: README, `seed`)."""
     if index == 0:
         return seed
     digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
