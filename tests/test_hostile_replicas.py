@@ -64,6 +64,7 @@ def test_a_killed_replica_leaves_the_router_and_the_other_replica_serving_and_co
             time.sleep(0.5)
         text = "".join(lines)
         assert back is not None, "the killed replica never came back:\n" + text
+        print(f"the killed replica answered /ready again {back:.1f}s after the kill")
         assert re.search(r"pipeline 0: frontend-0 exited \(-9\); restarted it \(restart 1;", text), text
         assert_unharmed(victim, 4)
         assert proc.poll() is None, text
