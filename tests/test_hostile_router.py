@@ -372,7 +372,10 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
         assert time.monotonic() < deadline, mesh.replicas()
         time.sleep(0.1)
     routed = mesh.replicas()[victim]["routed"]
-    for i in range(12):  # prompts that share nothing: spread over both (all on one: 1 in 4096)
-        client.completions.create(model=MODEL, prompt=f"# again {i * 7919}\n", max_tokens=1)
+    # Concurrent requests that share nothing: the router's own in-flight count sends the second
+    # to the replica the first did not take (sequential ones could all tie-break to one replica).
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: client.completions.create(model=MODEL, prompt=f"# again {i * 7919}\n",
+                                                          max_tokens=16), range(6)))
     assert mesh.replicas()[victim]["routed"] > routed
     unharmed(mesh)
