@@ -146,3 +146,19 @@ def serving(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
+
+
+@contextlib.contextmanager
+def serving_replicas(*flags: str) -> Iterator[tuple[str, subprocess.Popen, list[str], dict[str, str]]]:
+    """`serve --replicas 2 --stages 1` (plus flags) once it has announced its endpoint: (base URL,
+    process, its output, each pipeline's frontend URL by index)."""
+    import re
+
+    with serving("--replicas", "2", "--stages", "1", "--max-context", "512", *flags) as (base, proc, lines):
+        deadline = time.monotonic() + 30  # the router answers /ready a moment before serve announces it
+        while not any("OpenAI endpoint" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        frontends = dict(re.findall(r"pipeline (\d): frontend (http://127\.0\.0\.1:\d+)/v1", "".join(lines)))
+        yield base, proc, lines, frontends
+

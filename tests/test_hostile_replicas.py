@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hostile import INNOCENT, assert_unharmed
-from mesh_helpers import serving
+from mesh_helpers import serving_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,7 @@ def frontend_pid(serve_pid: int, port: int) -> int:
 
 
 def test_a_killed_replica_leaves_the_router_and_the_other_replica_serving_and_comes_back() -> None:
-    with serving("--replicas", "2", "--stages", "1", "--max-context", "512") as (base, proc, lines):
-        deadline = time.monotonic() + 30  # the router answers /ready a moment before serve announces it
-        while not any("OpenAI endpoint" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
-        frontends = dict(re.findall(r"pipeline (\d): frontend (http://127\.0\.0\.1:\d+)/v1", "".join(lines)))
+    with serving_replicas() as (base, proc, lines, frontends):
         victim, survivor = frontends["0"], frontends["1"]
         os.kill(frontend_pid(proc.pid, int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
         killed = time.monotonic()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mesh_helpers import serving
+from mesh_helpers import serving_replicas
 from openai import OpenAI
 
 pytestmark = pytest.mark.slow
@@ -34,14 +33,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def test_two_replicas_behind_the_router() -> None:
-    with serving("--replicas", "2", "--stages", "1", "--max-context", "512") as (base, proc, lines):
-        deadline = time.monotonic() + 30  # the router answers /ready a moment before serve announces it
-        while not any("OpenAI endpoint" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
+    with serving_replicas() as (base, proc, lines, frontends):
         text = "".join(lines)
-        frontends = re.findall(r"pipeline (\d): frontend (http://127\.0\.0\.1:\d+)/v1", text)
-        assert [n for n, _ in frontends] == ["0", "1"] and "router over 2 pipelines" in text, text
+        assert sorted(frontends) == ["0", "1"] and "router over 2 pipelines" in text, text
         children = descendants(proc.pid)
         commands = sorted(Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3].decode() for c in children)
         assert commands == ["frontend", "frontend", "router"], commands
@@ -77,7 +71,7 @@ def test_two_replicas_behind_the_router() -> None:
         metrics = httpx.get(f"{base}/metrics").text
         assert 'inferencemesh_router_prefix_affinity_hits_total{replica=' in metrics
         # each pipeline's frontend answers on its own port too
-        assert all(httpx.get(f"{url}/ready").status_code == 200 for _, url in frontends)
+        assert all(httpx.get(f"{url}/ready").status_code == 200 for url in frontends.values())
 
         # Ctrl-C with a long stream in flight: the router holds the stop for it (it goes first);
         # a second Ctrl-C stops everything at once, the stream cut
