@@ -99,7 +99,7 @@ def reference_texts(path: Path) -> dict[str, dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
+    from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab = tokenizer.get_vocab()

@@ -1,6 +1,6 @@
 """A small but real Engine for the HTTP tests: a transformers causal LM, one token per step.
 
-It implements the frontend's Engine protocol (inferencemesh.frontend.engine_api) in-process:
+It implements the frontend's Engine protocol (inferencemesh.frontend.engine.api) in-process:
 prefill, then decode with a per-request KV cache in a worker thread (asyncio.to_thread), sampling
 with the stages' own inferencemesh.sampling (so every sampling control means the same here),
 stop token ids, max_tokens and logprobs (prompt ones too); n continuations prefill the prompt
@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from inferencemesh.bundled import bundled_path
-from inferencemesh.frontend.engine_api import (
+from inferencemesh.frontend.engine.api import (
     Choice,
     ContextLengthExceeded,
     EngineError,
@@ -55,7 +55,7 @@ from inferencemesh.frontend.engine_api import (
     choice_seed,
     single_choice,
 )
-from inferencemesh.frontend.http_server import server_config
+from inferencemesh.frontend.openai.http_server import server_config
 from inferencemesh.sampling import logprobs, next_token
 
 # the bundled models' training script, whose tokenizer recipe the tiny fallback reuses

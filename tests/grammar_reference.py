@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from inferencemesh.frontend.constraints import Constraint
-from inferencemesh.frontend.grammar import SessionGrammar, grammar_tokenizer
-from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
+from inferencemesh.frontend.engine.constraints import Constraint
+from inferencemesh.frontend.engine.grammar import SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 from inferencemesh.token_masks import apply_token_masks
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from inferencemesh.checkpoint import read_local
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.serve import LocalStages, stage_template
 

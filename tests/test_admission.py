@@ -13,9 +13,9 @@ import pytest
 from mesh_helpers import start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 
 SLOTS = 16
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -134,7 +134,7 @@ def test_every_step_after_admission_gives_the_slots_back_when_it_raises(mesh, st
 
 
 def test_a_session_close_that_raises_gives_the_slot_back(mesh, monkeypatch) -> None:
-    from inferencemesh.frontend.session import Connection
+    from inferencemesh.frontend.engine.session import Connection
 
     close = Connection.close
 
@@ -224,7 +224,7 @@ def test_over_http_the_server_answers_and_reports_free_slots_after_an_odd_reques
     from fixture_engine import serve
     from transformers import AutoTokenizer
 
-    from inferencemesh.frontend.app import create_app
+    from inferencemesh.frontend.openai.app import create_app
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = new_engine(mesh)
@@ -254,7 +254,7 @@ def test_over_http_prompt_lists_beyond_the_free_slots_queue_or_are_refused_and_n
     from fixture_engine import serve
     from transformers import AutoTokenizer
 
-    from inferencemesh.frontend.app import create_app
+    from inferencemesh.frontend.openai.app import create_app
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = new_engine(mesh)
@@ -338,8 +338,8 @@ def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(m
 
 
 def test_admission_is_first_come_first_served_and_all_or_nothing() -> None:
-    from inferencemesh.frontend.admission import Admission
-    from inferencemesh.frontend.engine_api import EngineOverloaded, InvalidRequest
+    from inferencemesh.frontend.engine.admission import Admission
+    from inferencemesh.frontend.engine.api import EngineOverloaded, InvalidRequest
 
     async def go() -> None:
         admission = Admission(4, max_waiting=8, timeout_s=0.3)
@@ -377,7 +377,7 @@ def test_admission_is_first_come_first_served_and_all_or_nothing() -> None:
 @pytest.mark.parametrize("order", ["grant, then cancel", "cancel, then grant"])
 def test_a_waiter_cancelled_in_the_loop_iteration_it_is_granted_is_cancelled_and_holds_nothing(order: str) -> None:
     """asyncio.wait_for (Python 3.11) admitted it anyway and dropped the cancel."""
-    from inferencemesh.frontend.admission import Admission
+    from inferencemesh.frontend.engine.admission import Admission
 
     async def go() -> None:
         admission = Admission(2, max_waiting=8, timeout_s=30)

@@ -11,8 +11,8 @@ from mesh_helpers import collect, generate
 from tiny_models import FAMILIES, write_tiny_model
 
 from inferencemesh.config import StageConfig
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.stage.server import start_stage_server

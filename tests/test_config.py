@@ -110,7 +110,7 @@ def test_one_default_per_setting() -> None:
     import inspect
 
     from inferencemesh import planner
-    from inferencemesh.frontend.pipeline import GrpcPipeline
+    from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 
     assert StageConfig.__dataclass_fields__["max_sessions"].default == cfg.DEFAULT_MAX_SESSIONS
     assert ServeConfig.__dataclass_fields__["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS

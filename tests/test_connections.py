@@ -22,11 +22,11 @@ from openai_spec import errors
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.http_server import MAX_INCOMPLETE_EVENT_BYTES
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.sse import KEEPALIVE_COMMENT
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.openai.app import create_app
+from inferencemesh.frontend.openai.http_server import MAX_INCOMPLETE_EVENT_BYTES
+from inferencemesh.frontend.openai.sse import KEEPALIVE_COMMENT
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from typing import Any
 import llguidance
 import pytest
 
-from inferencemesh.frontend.constraints import (
+from inferencemesh.frontend.engine.api import InvalidRequest
+from inferencemesh.frontend.engine.constraints import (
     LIMITS,
     MAX_CONSTRAINT_BYTES,
     MAX_REPEAT_EXPANSION,
@@ -19,8 +20,7 @@ from inferencemesh.frontend.constraints import (
     constraint_from_request,
     regex_shape,
 )
-from inferencemesh.frontend.engine_api import InvalidRequest
-from inferencemesh.frontend.grammar_worker import GrammarChecker
+from inferencemesh.frontend.engine.grammar_worker import GrammarChecker
 
 PERSON = {
     "type": "object",

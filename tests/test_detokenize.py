@@ -17,8 +17,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend import detokenize
-from inferencemesh.frontend.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
+from inferencemesh.frontend.openai import detokenize
+from inferencemesh.frontend.openai.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -15,12 +15,12 @@ from tiny_models import write_tiny_model
 from transformers import AutoTokenizer
 
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.build import resolve_speculation
-from inferencemesh.frontend.proposers.draft import DraftBatcher, DraftProposer
-from inferencemesh.frontend.proposers.draft_model import DraftModel
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.proposers.draft import DraftBatcher, DraftProposer
+from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
 from inferencemesh.sampling import SamplingParams
 from inferencemesh.speculation import WindowPolicy
 

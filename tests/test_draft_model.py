@@ -9,8 +9,8 @@ import torch
 from tiny_models import FAMILIES, write_tiny_model
 from transformers import AutoModelForCausalLM
 
-from inferencemesh.frontend.proposers.base import Window
-from inferencemesh.frontend.proposers.draft_model import DraftModel
+from inferencemesh.frontend.engine.proposers.base import Window
+from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
 from inferencemesh.speculation import WindowPolicy
 
 SEQUENCE = 70  # crosses Mistral's sliding window (24) and a cache growth step when max_context is small
@@ -83,7 +83,7 @@ def test_concurrent_proposals_share_forward_passes(models) -> None:
     pass per step for all of them, and each gets the proposal it would get alone."""
     import asyncio
 
-    from inferencemesh.frontend.proposers.draft import DraftBatcher, DraftProposer
+    from inferencemesh.frontend.engine.proposers.draft import DraftBatcher, DraftProposer
     from inferencemesh.sampling import SamplingParams
 
     draft = DraftModel(str(models["qwen3"]), device="cpu", max_context=128)

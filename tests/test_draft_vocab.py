@@ -12,11 +12,11 @@ from tiny_models import write_tiny_model
 from transformers import AutoTokenizer
 
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.build import resolve_speculation
-from inferencemesh.frontend.proposers.draft_model import DraftModel
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
 
 TARGET_VOCAB = 320  # tiny_models' padded vocabulary; the tokenizer has 259 tokens
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from inferencemesh.checkpoint import CheckpointError, read_local
-from inferencemesh.frontend.proposers.base import Proposal
-from inferencemesh.frontend.proposers.draft import DraftBatcher, DraftProposer, draft_together
-from inferencemesh.frontend.proposers.draft_model import DraftModel
+from inferencemesh.frontend.engine.proposers.base import Proposal
+from inferencemesh.frontend.engine.proposers.draft import DraftBatcher, DraftProposer, draft_together
+from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
 from inferencemesh.modeling import families
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.planner import PlanInputs

@@ -12,9 +12,9 @@ import pytest
 from mesh_helpers import start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest, Step
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.api import GenerationRequest, Step
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 CONTEXT = 64

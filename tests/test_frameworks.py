@@ -15,7 +15,7 @@ import pytest
 from fixture_engine import FixtureModel, build_fixture_model, serve
 from openai import OpenAI
 
-from inferencemesh.frontend.app import create_app
+from inferencemesh.frontend.openai.app import create_app
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm fetches a price list at import otherwise
 

@@ -17,8 +17,8 @@ import pytest
 from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
 
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
+from inferencemesh.frontend.openai.app import create_app
+from inferencemesh.frontend.openai.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
 
 PROMPT = "def fibonacci(n):\n    "
 

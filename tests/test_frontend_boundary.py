@@ -22,9 +22,9 @@ from openai_spec import errors
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.openai.app import create_app
 from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 

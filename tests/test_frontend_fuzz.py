@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
 
-from inferencemesh.frontend.app import create_app
+from inferencemesh.frontend.openai.app import create_app
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ import pytest
 from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.openai.app import create_app
 
 P = "inferencemesh_"
 REQUIRED = {  # family name (the parser drops a counter's _total) -> type

@@ -25,9 +25,14 @@ import torch
 import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend import grammar as grammar_module
-from inferencemesh.frontend.constraints import Constraint, ConstraintError, ConstraintKind, constraint_from_request
-from inferencemesh.frontend.grammar import (
+from inferencemesh.frontend.engine import grammar as grammar_module
+from inferencemesh.frontend.engine.constraints import (
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    constraint_from_request,
+)
+from inferencemesh.frontend.engine.grammar import (
     ConstrainedOutput,
     GrammarTokenizer,
     GrammarViolation,

@@ -35,8 +35,8 @@ from openai_spec import errors
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
-from inferencemesh.frontend.tools import CALL_CLOSE, CALL_OPEN
+from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
+from inferencemesh.frontend.openai.tools import CALL_CLOSE, CALL_OPEN
 
 pytestmark = pytest.mark.slow
 

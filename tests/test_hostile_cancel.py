@@ -29,8 +29,8 @@ import pytest
 from hostile import MODEL, assert_unharmed, wait_for_idle
 from mesh_helpers import serving
 
-from inferencemesh.frontend import sse
-from inferencemesh.frontend.sse import merged
+from inferencemesh.frontend.openai import sse
+from inferencemesh.frontend.openai.sse import merged
 
 pytestmark = pytest.mark.slow
 

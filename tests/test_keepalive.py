@@ -11,8 +11,8 @@ from mesh_helpers import collect
 from tiny_models import write_tiny_model
 from wire import StageServers
 
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.protocol import transport
 
 PROMPT = [3, 14, 15, 92, 65, 35]

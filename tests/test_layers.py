@@ -74,5 +74,5 @@ def test_imports_point_down(layer: str, path: Path) -> None:
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from inferencemesh.frontend.engine import PipelineEngine\n")
-    assert layer_of(next(m for m in imports_of(bad) if m.count(".") == 2)) == "frontend"
+    bad.write_text("def f():\n    from inferencemesh.frontend.engine.engine import PipelineEngine\n")
+    assert layer_of(next(m for m in imports_of(bad) if m.count(".") == 3)) == "frontend"

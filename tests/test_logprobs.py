@@ -14,10 +14,10 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.build import resolve_speculation
 
 TARGET = bundled_path(DEFAULT_MODEL)
 CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \

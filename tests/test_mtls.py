@@ -15,7 +15,7 @@ from cryptography.x509.oid import NameOID
 from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage import healthprobe

@@ -27,11 +27,11 @@ from wire import RawStream, failures
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest, choice_seed
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.api import GenerationRequest, choice_seed
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.openai.app import create_app
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from inferencemesh.frontend.proposers.ngram import ngram_lookup
+from inferencemesh.frontend.engine.proposers.ngram import ngram_lookup
 
 
 def reference_lookup(history: list[int], k: int, min_ngram: int = 2, max_ngram: int = 4) -> list[int]:

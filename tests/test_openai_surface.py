@@ -23,10 +23,10 @@ from openai_spec import COMPLETION_STREAM_CHUNK, errors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.openai_models import FIXED, REFUSED
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.openai.app import create_app
+from inferencemesh.frontend.openai.protocol import FIXED, REFUSED
 
 TARGET = bundled_path(DEFAULT_MODEL)
 NAME = "imesh-code-target"

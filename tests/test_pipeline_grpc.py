@@ -10,8 +10,8 @@ from mesh_helpers import collect, generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 from wire import STATUS, exchange, failures, hidden_batch
 
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb

@@ -15,11 +15,11 @@ import pytest
 from mesh_helpers import embedded_pipeline, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.prefix_cache import PrefixIndex, common_prefix
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.prefix_cache import PrefixIndex, common_prefix
 from inferencemesh.stage.sessions import SessionsFull, SessionTable
 
 SESSIONS = 4  # per stage, live and kept together: eviction is exercised

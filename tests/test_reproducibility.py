@@ -18,7 +18,7 @@ import httpx
 import pytest
 from mesh_helpers import serving
 
-from inferencemesh.frontend.proposers.base import Window
+from inferencemesh.frontend.engine.proposers.base import Window
 from inferencemesh.speculation import WindowPolicy
 
 PROMPTS = ["def fibonacci(n):", "Write a function that merges two sorted lists.", "class Stack:",
@@ -78,8 +78,8 @@ def test_a_reproducible_request_drafts_by_the_race_and_sends_no_q() -> None:
     """A seeded request's draft races with the target's noise and sends no q (the last stage then
     races too); an unseeded one sends q for Leviathan's rule, which accepts more."""
     from inferencemesh.bundled import DRAFT_MODEL, bundled_path
-    from inferencemesh.frontend.proposers.draft import DraftProposer
-    from inferencemesh.frontend.proposers.draft_model import DraftModel
+    from inferencemesh.frontend.engine.proposers.draft import DraftProposer
+    from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
     from inferencemesh.sampling import SamplingParams
 
     draft = DraftModel(str(bundled_path(DRAFT_MODEL)), dtype="float32", device="cpu", max_context=256)

@@ -24,12 +24,12 @@ from openai import OpenAI
 from openai_spec import errors
 from pydantic import BaseModel, Field
 
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.errors import APIError
-from inferencemesh.frontend.generation import Piece, ToolCallDelta
-from inferencemesh.frontend.jobs import Job
-from inferencemesh.frontend.logprobs import LogprobsFormatter
-from inferencemesh.frontend.responses_api import CreateResponseRequest, ResponsesShaper
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.openai.errors import APIError
+from inferencemesh.frontend.openai.generation import Piece, ToolCallDelta
+from inferencemesh.frontend.openai.jobs import Job
+from inferencemesh.frontend.openai.logprobs import LogprobsFormatter
+from inferencemesh.frontend.openai.responses_api import CreateResponseRequest, ResponsesShaper
 
 MODEL = "m"
 
@@ -645,7 +645,7 @@ def inprocess() -> Iterator[tuple[str, Any, Any, str]]:
     """(URL, app, engine, model name): the app over the fixture engine, short context."""
     from fixture_engine import TransformersEngine, build_fixture_model, serve
 
-    from inferencemesh.frontend.app import create_app
+    from inferencemesh.frontend.openai.app import create_app
 
     fm = build_fixture_model()
     engine = TransformersEngine(fm.engine.model, model_name=fm.name, max_context=128)

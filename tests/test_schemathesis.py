@@ -21,9 +21,9 @@ from schemathesis.specs.openapi.checks import (
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.openai.app import create_app
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

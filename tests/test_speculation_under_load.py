@@ -10,10 +10,10 @@ from tiny_models import write_tiny_model
 
 from inferencemesh.config import FrontendConfig
 from inferencemesh.flags import ConfigError
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.base import Proposal
-from inferencemesh.frontend.proposers.ngram import NgramProposer
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.base import Proposal
+from inferencemesh.frontend.engine.proposers.ngram import NgramProposer
 from inferencemesh.speculation import WindowPolicy
 
 REPEATING = [5, 6, 7, 8, 9] * 6  # n-gram lookup finds continuations in it from the start

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.pipeline import GrpcPipeline
-from inferencemesh.frontend.proposers.build import resolve_speculation
-from inferencemesh.frontend.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.speculation import WindowPolicy
@@ -58,8 +58,8 @@ def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
 def test_every_strategy_is_exact_when_the_prefix_cache_serves_a_conversation(tokenizer, setups) -> None:
     """Each turn forks the conversation so far from the prefix cache: proposers keep their own
     state, so every strategy answers as without the cache and without speculation."""
-    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     turns = [tokenizer(PROSE).input_ids, tokenizer(CODE[20:]).input_ids]
@@ -165,7 +165,7 @@ def test_every_strategy_is_exact_for_concurrent_streams_with_the_first_stage_emb
 
     from mesh_helpers import collect, embedded_pipeline
 
-    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     prompts = [tokenizer(text).input_ids for text in (CODE, PROSE, CODE[40:], PROSE[10:])]

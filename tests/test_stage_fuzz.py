@@ -17,7 +17,7 @@ from mesh_helpers import generate
 from tiny_models import write_tiny_model
 from wire import StageServers, exchange, failures, hidden_batch
 
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.protocol import stage_pb2 as pb
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from inferencemesh.frontend.scheduler import PipelineSession, StepScheduler, next_microbatch
+from inferencemesh.frontend.engine.scheduler import PipelineSession, StepScheduler, next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.protocol.transport import expects_ack, expects_prediction
@@ -173,7 +173,7 @@ def test_a_scheduler_task_that_dies_fails_the_waiting_sessions_at_once_and_says_
             await asyncio.wait_for(waiting, 2)
         return lost.value
 
-    with caplog.at_level(logging.ERROR, logger="inferencemesh.frontend.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="inferencemesh.frontend.engine.scheduler"):
         err = asyncio.run(go())
     assert err.code == grpc.StatusCode.INTERNAL and f"step-scheduler-{task}" in str(err) and "_Bug" in str(err)
     assert any(f"step-scheduler-{task} ended unexpectedly" in r.getMessage() for r in caplog.records)

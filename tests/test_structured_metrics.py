@@ -12,10 +12,10 @@ from test_frontend_metrics import promtool_check, scrape, value
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.app import create_app
-from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-from inferencemesh.frontend.metrics import CONSTRAINT_KINDS, FrontendMetrics
-from inferencemesh.frontend.pipeline import GrpcPipeline
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.metrics import CONSTRAINT_KINDS, FrontendMetrics
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline
+from inferencemesh.frontend.openai.app import create_app
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from openai_spec import errors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.frontend.tools import tool_calling_from_request
+from inferencemesh.frontend.openai.tools import tool_calling_from_request
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model, serve
 from openai_spec import errors
 
-from inferencemesh.frontend.app import create_app
+from inferencemesh.frontend.openai.app import create_app
 
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
 

@@ -24,8 +24,8 @@ import tokenizers
 import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.constraints import Constraint, constraint_from_request
-from inferencemesh.frontend.grammar import GrammarTokenizer, SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.engine.constraints import Constraint, constraint_from_request
+from inferencemesh.frontend.engine.grammar import GrammarTokenizer, SessionGrammar, grammar_tokenizer
 from inferencemesh.token_masks import allowed_tokens
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results[-1], indent=1), flush=True)
 
     report = {
-        "what": "llguidance token-mask cost for constrained decoding (frontend/grammar.py), CPU, one thread",
+        "what": "llguidance token-mask cost for constrained decoding (frontend/engine/grammar.py), CPU, one thread",
         "llguidance": llguidance.__version__,
         "python": sys.version.split()[0],
         "machine": platform.machine(),

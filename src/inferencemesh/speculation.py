@@ -180,6 +180,6 @@ def choose_for_model(model_dir: Path | None, *, strategy: str | None, draft: str
 
 def draft_dtype(dtype: str | None, on_cpu: bool) -> str | None:
     """The dtype the frontend computes its draft model in: float32 on CPU, whose single-row matmuls
-    of a draft's size run faster than bfloat16 there (frontend/proposers/draft_model.py loads it so, and the
+    of a draft's size run faster than bfloat16 there (frontend/engine/proposers/draft_model.py loads it so, and the
     planner counts it so beside an embedded first stage); else the model's dtype."""
     return "float32" if on_cpu else dtype

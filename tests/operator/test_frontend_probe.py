@@ -6,7 +6,7 @@ from __future__ import annotations
 import http.server
 import threading
 
-from inferencemesh.frontend.metrics import FrontendMetrics
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.operator.frontend_probe import observed_strategy, parse_strategy
 from inferencemesh.operator.status import speculative_status
 from inferencemesh.speculation import choose_speculation

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-    from inferencemesh.frontend.drain import Drain
-    from inferencemesh.frontend.engine import PipelineEngine
-    from inferencemesh.frontend.metrics import FrontendMetrics
-    from inferencemesh.frontend.proposers.build import Speculation
+    from inferencemesh.frontend.engine.engine import PipelineEngine
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.proposers.build import Speculation
+    from inferencemesh.frontend.openai.drain import Drain
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -89,8 +89,8 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedT
                  metrics: FrontendMetrics,
                  on_failed: Callable[[str], None] | None = None) -> tuple[PipelineEngine, Speculation]:
     """The engine over the pipeline; `on_failed`: told why if an embedded first stage cannot load."""
-    from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
-    from inferencemesh.frontend.proposers.build import resolve_speculation
+    from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+    from inferencemesh.frontend.engine.proposers.build import resolve_speculation
 
     speculation = resolve_speculation(config, model_dir, tokenizer, metrics, dtype=config.dtype,
                                       device=config.device, max_context=config.max_context)
@@ -113,10 +113,10 @@ def compute_threads_of(config: FrontendConfig) -> int | None:
 
 
 def run_frontend(config: FrontendConfig) -> int:
-    from inferencemesh.frontend.app import create_app
-    from inferencemesh.frontend.drain import Drain
-    from inferencemesh.frontend.http_server import server_config
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
+    from inferencemesh.frontend.openai.app import create_app
+    from inferencemesh.frontend.openai.drain import Drain
+    from inferencemesh.frontend.openai.http_server import server_config
 
     # Logging, grad mode and threads were set by the CLI (programs.process.set_up_process).
     model_dir = fetch_config_dir(resolve_model(config.model), revision=config.revision, cache_dir=config.cache_dir)

@@ -1,6 +1,6 @@
 """Where the stage meets the frontend: the pipelines whose hops are stages in this process.
 
-The frontend library defines the hop (inferencemesh.frontend.hops.Hop); the stage library
+The frontend library defines the hop (inferencemesh.frontend.engine.hops.Hop); the stage library
 implements one over a StageService called directly (inferencemesh.stage.local.LocalStage); this
 program joins them, as the libraries may not import each other.
 """
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from inferencemesh import tls
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SESSIONS, FrontendConfig, StageConfig
-from inferencemesh.frontend.pipeline import GrpcPipeline, Pipeline
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline, Pipeline
 from inferencemesh.stage.local import LocalStage
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
     from inferencemesh.modeling.runtime import StageRuntime
 
 

@@ -24,7 +24,7 @@ from inferencemesh.programs.serve import LocalStages, stage_template
 from inferencemesh.protocol.transport import message_limit
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.pipeline import Pipeline
+    from inferencemesh.frontend.engine.pipeline import Pipeline
 
 # How a mesh's first stage runs: its own process ("process") or inside the frontend, here the
 # bench process ("embedded", what `serve` runs by default); and the label each form's results carry.

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-    from inferencemesh.frontend.engine_api import GenerationRequest
-    from inferencemesh.frontend.grammar import ConstrainedOutput
-    from inferencemesh.frontend.pipeline import Pipeline
-    from inferencemesh.frontend.proposers.base import Proposer
+    from inferencemesh.frontend.engine.api import GenerationRequest
+    from inferencemesh.frontend.engine.grammar import ConstrainedOutput
+    from inferencemesh.frontend.engine.pipeline import Pipeline
+    from inferencemesh.frontend.engine.proposers.base import Proposer
 
     ProposerFor = Callable[[GenerationRequest], Proposer | None]
 
@@ -90,7 +90,7 @@ class EngineUnderTest:
                  speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
                  prefix_cache: bool = False, constrained: ConstrainedOutput | None = None,
                  stop_token_ids: frozenset[int] = frozenset()) -> None:
-        from inferencemesh.frontend.engine import EngineOptions, PipelineEngine
+        from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 
         # Off unless asked: the latency and concurrency benchmarks repeat their prompts round after
         # round, and a prefix cache would skip the prefills they measure.
@@ -113,7 +113,7 @@ class EngineUnderTest:
 
     def steps(self, ids: list[int]) -> AsyncIterator[list[int]]:
         """One greedy request's deliveries: the tokens of each step."""
-        from inferencemesh.frontend.engine_api import GenerationRequest
+        from inferencemesh.frontend.engine.api import GenerationRequest
 
         self.count += 1
         return self.engine.generate(GenerationRequest(f"bench-{self.count}", ids, self.new_tokens, temperature=0.0,
@@ -124,7 +124,7 @@ class EngineUnderTest:
 def speculation_setups(strategies: tuple[str, ...], model_dir: Path, tokenizer: PreTrainedTokenizerBase, dtype: str,
                        max_context: int) -> dict:
     """Each strategy other than none, resolved as the frontend resolves it."""
-    from inferencemesh.frontend.proposers.build import resolve_speculation
+    from inferencemesh.frontend.engine.proposers.build import resolve_speculation
 
     setups = {}
     for strategy in strategies:

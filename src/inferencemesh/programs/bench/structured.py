@@ -68,9 +68,9 @@ def decode_tokens_per_s(runs: list[Run]) -> float | None:
 
 
 def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) -> dict:
-    from inferencemesh.frontend.constraints import constraint_from_request
-    from inferencemesh.frontend.grammar import ConstrainedOutput, grammar_tokenizer
-    from inferencemesh.frontend.jobs import END_OF_TURN_TOKENS
+    from inferencemesh.frontend.engine.constraints import constraint_from_request
+    from inferencemesh.frontend.engine.grammar import ConstrainedOutput, grammar_tokenizer
+    from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 
     tokenizer, vocab_size = model.tokenizer, model.facts.vocab_size
     if len(tokenizer) > vocab_size:  # a random-weight shape narrower than the tokenizer it borrows

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from inferencemesh.frontend.engine_api import Step, TokenLogprob
-from inferencemesh.frontend.generation import Piece, Run
-from inferencemesh.frontend.jobs import Job
-from inferencemesh.frontend.logprobs import LogprobsFormatter
-from inferencemesh.frontend.sse import DONE, sse
-from inferencemesh.frontend.tools import ToolCallDelta, merged_calls
+from inferencemesh.frontend.engine.api import Step, TokenLogprob
+from inferencemesh.frontend.openai.generation import Piece, Run
+from inferencemesh.frontend.openai.jobs import Job
+from inferencemesh.frontend.openai.logprobs import LogprobsFormatter
+from inferencemesh.frontend.openai.sse import DONE, sse
+from inferencemesh.frontend.openai.tools import ToolCallDelta, merged_calls
 
 
 class Shaper:

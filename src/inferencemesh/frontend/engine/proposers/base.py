@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.grammar import SessionGrammar
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.grammar import SessionGrammar
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 # ---- the interface the engine drives ------------------------------------------------------------
 
@@ -29,7 +29,7 @@ class Proposal:
 class Proposer:
     """Speculation strategy for one request: propose tokens, learn from what was accepted."""
 
-    # Structured output: the choice's grammar (frontend/grammar.py). The frontend cuts a window at
+    # Structured output: the choice's grammar (frontend/engine/grammar.py). The frontend cuts a window at
     # the first draft it forbids; a proposer that can (a draft model) follows it so none is cut.
     grammar: SessionGrammar | None = None
 

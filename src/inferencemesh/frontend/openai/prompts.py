@@ -36,7 +36,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.openai.errors import APIError
 
 log = logging.getLogger("inferencemesh.frontend")
 

@@ -20,8 +20,8 @@ from functools import partial
 from typing import Generic, Literal, TypeVar
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
-from inferencemesh.frontend.admission import Admission, Lease, Slot
-from inferencemesh.frontend.engine_api import (
+from inferencemesh.frontend.engine.admission import Admission, Lease, Slot
+from inferencemesh.frontend.engine.api import (
     Choice,
     ContextLengthExceeded,
     EngineError,
@@ -32,10 +32,10 @@ from inferencemesh.frontend.engine_api import (
     choice_seed,
     single_choice,
 )
-from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.prefix_cache import PrefixIndex
-from inferencemesh.frontend.proposers.base import Proposer
-from inferencemesh.frontend.session import Connection, Pipeline, SessionFrames, converted
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.engine.prefix_cache import PrefixIndex
+from inferencemesh.frontend.engine.proposers.base import Proposer
+from inferencemesh.frontend.engine.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError

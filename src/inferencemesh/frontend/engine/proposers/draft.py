@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
-from inferencemesh.frontend.proposers.draft_model import Cache, DraftModel
+from inferencemesh.frontend.engine.proposers.base import Proposal, WindowedProposer
+from inferencemesh.frontend.engine.proposers.draft_model import Cache, DraftModel
 from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities, sample
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 _SALT_DRAFT = 0xD4AF7
 

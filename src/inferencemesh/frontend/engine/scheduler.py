@@ -29,9 +29,9 @@ from inferencemesh.protocol.transport import (
 )
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
-log = logging.getLogger("inferencemesh.frontend.scheduler")
+log = logging.getLogger("inferencemesh.frontend.engine.scheduler")
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.openai.errors import APIError
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 log = logging.getLogger("inferencemesh.frontend")
 

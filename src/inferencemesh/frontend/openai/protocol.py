@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from inferencemesh.frontend.tools import closed_objects
+from inferencemesh.frontend.openai.tools import closed_objects
 from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
 from inferencemesh.sampling import MIN_REPETITION_PENALTY
 

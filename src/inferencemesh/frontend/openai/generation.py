@@ -13,12 +13,12 @@ import anyio
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
-from inferencemesh.frontend.detokenize import OutputText
-from inferencemesh.frontend.engine_api import Engine, EngineError, Step, TokenLogprob
-from inferencemesh.frontend.errors import from_engine_error
-from inferencemesh.frontend.jobs import Job
-from inferencemesh.frontend.metrics import FrontendMetrics, RequestTracker
-from inferencemesh.frontend.tools import ToolCallDelta, ToolCallParser
+from inferencemesh.frontend.engine.api import Engine, EngineError, Step, TokenLogprob
+from inferencemesh.frontend.engine.metrics import FrontendMetrics, RequestTracker
+from inferencemesh.frontend.openai.detokenize import OutputText
+from inferencemesh.frontend.openai.errors import from_engine_error
+from inferencemesh.frontend.openai.jobs import Job
+from inferencemesh.frontend.openai.tools import ToolCallDelta, ToolCallParser
 
 log = logging.getLogger("inferencemesh.frontend")
 

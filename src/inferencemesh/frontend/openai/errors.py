@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inferencemesh.frontend.engine_api import EngineError
+from inferencemesh.frontend.engine.api import EngineError
 
 log = logging.getLogger("inferencemesh.frontend")
 

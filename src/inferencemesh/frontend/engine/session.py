@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from inferencemesh.frontend.engine_api import EngineOverloaded, TokenLogprob
-from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.prefix_cache import Match
-from inferencemesh.frontend.proposers.base import Proposer
+from inferencemesh.frontend.engine.api import EngineOverloaded, TokenLogprob
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.engine.prefix_cache import Match
+from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.token_masks import pack_token_masks
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.grammar import SessionGrammar
+    from inferencemesh.frontend.engine.grammar import SessionGrammar
 
 log = logging.getLogger("inferencemesh.engine")
 T = TypeVar("T")

@@ -23,11 +23,11 @@ from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from inferencemesh.frontend.errors import APIError
-from inferencemesh.frontend.openai_models import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
-from inferencemesh.frontend.prompts import chat_ids, text_ids
-from inferencemesh.frontend.responses import GENERATION_ERRORS
-from inferencemesh.frontend.tools import tool_calling_from_request
+from inferencemesh.frontend.openai.errors import APIError
+from inferencemesh.frontend.openai.prompts import chat_ids, text_ids
+from inferencemesh.frontend.openai.protocol import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
+from inferencemesh.frontend.openai.response_bodies import GENERATION_ERRORS
+from inferencemesh.frontend.openai.tools import tool_calling_from_request
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 

@@ -33,14 +33,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from inferencemesh.frontend.engine_api import EngineError, TokenLogprob
-from inferencemesh.frontend.errors import APIError, as_api_error
-from inferencemesh.frontend.generation import Piece, Run, ToolCallDelta
-from inferencemesh.frontend.jobs import Job
-from inferencemesh.frontend.openai_models import ChatCompletionRequest, Float, Int, Text
-from inferencemesh.frontend.responses import COMMON_ERRORS, GENERATION_ERRORS, ErrorResponse, streamed
-from inferencemesh.frontend.shapers import Shaper
-from inferencemesh.frontend.tools import strict_if_possible
+from inferencemesh.frontend.engine.api import EngineError, TokenLogprob
+from inferencemesh.frontend.openai.errors import APIError, as_api_error
+from inferencemesh.frontend.openai.generation import Piece, Run, ToolCallDelta
+from inferencemesh.frontend.openai.jobs import Job
+from inferencemesh.frontend.openai.protocol import ChatCompletionRequest, Float, Int, Text
+from inferencemesh.frontend.openai.response_bodies import COMMON_ERRORS, GENERATION_ERRORS, ErrorResponse, streamed
+from inferencemesh.frontend.openai.shapers import Shaper
+from inferencemesh.frontend.openai.tools import strict_if_possible
 
 # Known parameters we do not implement: refused (400 naming them) whenever sent with a value.
 REFUSED: dict[str, str] = {

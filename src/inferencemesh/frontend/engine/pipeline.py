@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
-from inferencemesh.frontend.hops import Hop
-from inferencemesh.frontend.scheduler import PipelineSession, StepScheduler
+from inferencemesh.frontend.engine.hops import Hop
+from inferencemesh.frontend.engine.scheduler import PipelineSession, StepScheduler
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.streams import RemoteStage
 from inferencemesh.tls import TlsMaterial
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 
 class Pipeline:

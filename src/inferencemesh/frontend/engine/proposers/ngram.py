@@ -17,11 +17,11 @@ import sys
 from array import array
 from typing import TYPE_CHECKING
 
-from inferencemesh.frontend.proposers.base import Proposal, WindowedProposer
+from inferencemesh.frontend.engine.proposers.base import Proposal, WindowedProposer
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 # One token id per code point: ids packed as 4-byte unsigned ints read as UTF-32 in the machine's
 # byte order. 'I' is 4 bytes wherever CPython runs; "surrogatepass" admits ids 0xD800..0xDFFF.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from inferencemesh.sampling import SamplingParams
 
 if TYPE_CHECKING:  # grammar.py's errors are this module's (constraints.ConstraintError)
-    from inferencemesh.frontend.grammar import ConstrainedOutput
+    from inferencemesh.frontend.engine.grammar import ConstrainedOutput
 
 
 @dataclass(frozen=True)

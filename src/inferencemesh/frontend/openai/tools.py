@@ -41,7 +41,7 @@ from typing import Any
 
 import llguidance
 
-from inferencemesh.frontend.constraints import (
+from inferencemesh.frontend.engine.constraints import (
     JSON_WHITESPACE_FLEXIBLE,
     Constraint,
     ConstraintError,

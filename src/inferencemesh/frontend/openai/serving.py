@@ -15,9 +15,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
-from inferencemesh.frontend.engine_api import Engine
-from inferencemesh.frontend.errors import APIError, as_api_error, log_server_error
-from inferencemesh.frontend.generation import (
+from inferencemesh.frontend.engine.api import Engine
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.openai.errors import APIError, as_api_error, log_server_error
+from inferencemesh.frontend.openai.generation import (
     Run,
     close_iterator,
     close_runs,
@@ -27,13 +28,12 @@ from inferencemesh.frontend.generation import (
     start_runs,
     until_disconnect,
 )
-from inferencemesh.frontend.jobs import Body, Job, JobBuilder
-from inferencemesh.frontend.logprobs import LogprobsFormatter
-from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.openai_models import CompletionRequest
-from inferencemesh.frontend.responses_api import ResponsesShaper
-from inferencemesh.frontend.shapers import ChatShaper, CompletionShaper, Shaper
-from inferencemesh.frontend.sse import SSE_KEEPALIVE_S, EventStream, merged, stop_tasks, with_keepalive
+from inferencemesh.frontend.openai.jobs import Body, Job, JobBuilder
+from inferencemesh.frontend.openai.logprobs import LogprobsFormatter
+from inferencemesh.frontend.openai.protocol import CompletionRequest
+from inferencemesh.frontend.openai.responses_api import ResponsesShaper
+from inferencemesh.frontend.openai.shapers import ChatShaper, CompletionShaper, Shaper
+from inferencemesh.frontend.openai.sse import SSE_KEEPALIVE_S, EventStream, merged, stop_tasks, with_keepalive
 
 log = logging.getLogger("inferencemesh.frontend")
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inferencemesh.frontend.errors import APIError
+from inferencemesh.frontend.openai.errors import APIError
 
 
 class RequestGuard:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from inferencemesh.frontend.constraints import ConstraintKind
+from inferencemesh.frontend.engine.constraints import ConstraintKind
 
 PREFIX = "inferencemesh_"
 

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 
 from inferencemesh.checkpoint import CheckpointFacts, fetch_config_dir
 from inferencemesh.config import SpeculativeOptions
-from inferencemesh.frontend.engine_api import GenerationRequest
-from inferencemesh.frontend.proposers.base import Proposer
-from inferencemesh.frontend.proposers.draft import DraftBatcher, DraftProposer
-from inferencemesh.frontend.proposers.draft_model import DraftModel
-from inferencemesh.frontend.proposers.ngram import AutoProposer, NgramProposer, favourable_prompt
+from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.engine.proposers.base import Proposer
+from inferencemesh.frontend.engine.proposers.draft import DraftBatcher, DraftProposer
+from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
+from inferencemesh.frontend.engine.proposers.ngram import AutoProposer, NgramProposer, favourable_prompt
 from inferencemesh.speculation import SpeculativeChoice, WindowPolicy, choose_for_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from inferencemesh.frontend.metrics import FrontendMetrics
+    from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 log = logging.getLogger("inferencemesh.speculative")
 

@@ -28,14 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from inferencemesh.config import HTTP_BODY_TIMEOUT_S  # the whole body's deadline: then 408, connection closed
-from inferencemesh.frontend.drain import Drain, DrainGuard, draining_error
-from inferencemesh.frontend.engine_api import Engine, EngineError
-from inferencemesh.frontend.errors import APIError, from_engine_error
-from inferencemesh.frontend.guard import RequestGuard
-from inferencemesh.frontend.jobs import engine_ready
-from inferencemesh.frontend.metrics import FrontendMetrics
-from inferencemesh.frontend.openai_models import ChatCompletionRequest, CompletionRequest
-from inferencemesh.frontend.responses import (
+from inferencemesh.frontend.engine.api import Engine, EngineError
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.openai.drain import Drain, DrainGuard, draining_error
+from inferencemesh.frontend.openai.errors import APIError, from_engine_error
+from inferencemesh.frontend.openai.guard import RequestGuard
+from inferencemesh.frontend.openai.jobs import engine_ready
+from inferencemesh.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inferencemesh.frontend.openai.response_bodies import (
     COMMON_ERRORS,
     GENERATION_ERRORS,
     ChatCompletion,
@@ -46,10 +46,10 @@ from inferencemesh.frontend.responses import (
     openapi_document,
     streamed,
 )
-from inferencemesh.frontend.responses_api import router as responses_router
-from inferencemesh.frontend.serving import Serving
-from inferencemesh.frontend.sse import SSE_KEEPALIVE_S
-from inferencemesh.frontend.utility_routes import router as utility_router
+from inferencemesh.frontend.openai.responses_api import router as responses_router
+from inferencemesh.frontend.openai.serving import Serving
+from inferencemesh.frontend.openai.sse import SSE_KEEPALIVE_S
+from inferencemesh.frontend.openai.utility_routes import router as utility_router
 
 log = logging.getLogger("inferencemesh.frontend")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from inferencemesh.frontend.engine_api import TokenLogprob
+from inferencemesh.frontend.engine.api import TokenLogprob
 
 FLOOR = -9999.0  # JSON has no -inf; vLLM floors the same way
 
