@@ -5,19 +5,19 @@ from __future__ import annotations
 import re
 
 from inferencemesh.operator import names as N
-from inferencemesh.operator.pipelines import Decision
-from inferencemesh.operator.planning import Plan, SpeculativeChoice
-from inferencemesh.operator.reconcile import transition_events
-from inferencemesh.operator.spec import parse_spec
-from inferencemesh.operator.status import (
+from inferencemesh.operator.observe import (
     MESSAGE_HEAD,
-    PlanOutcome,
     RestartWindow,
     deployment_ready,
     observe_pipelines,
     pod_problem,
     restart_window,
 )
+from inferencemesh.operator.pipelines import Decision
+from inferencemesh.operator.planning import Plan, SpeculativeChoice
+from inferencemesh.operator.reconcile import transition_events
+from inferencemesh.operator.spec import parse_spec
+from inferencemesh.operator.status import PlanOutcome
 from inferencemesh.operator.status import compute_status as _compute_status
 from inferencemesh.planner import StagePlan
 
@@ -246,14 +246,14 @@ def crashing_pod(name: str, pipeline: int, stage: int, restarts: int, message: s
 
 
 def test_the_budget_resets_on_a_spec_change_and_on_a_new_reset_annotation() -> None:
-    from inferencemesh.operator.status import Observed, pipeline_windows
+    from inferencemesh.operator.observe import Observed, pipeline_windows
 
     spec = parse_spec({"model": {"name": "org/m"}, "restartBudget": {"restarts": 2, "windowSeconds": 600}})
     deps = {"code-p0-stage-0": deployment("code-p0-stage-0", 0), "code-p0-frontend": deployment("code-p0-frontend", 0)}
     pods = [crashing_pod("s0", 0, 0, 9)]
 
     def windows(m: dict) -> dict:
-        return pipeline_windows(m, spec, Observed.of(m, spec, PLANNED, deps, pods), "2026-01-01T01:00:00Z")
+        return pipeline_windows(m, spec, Observed.of(m, deps, pods), "2026-01-01T01:00:00Z")
 
     failed = {"observedGeneration": 1, "pipelines": [window_entry("2026-01-01T00:00:00Z", 0, "Failed")]}
     assert windows(mesh(failed))[0].failed  # the same spec, no annotation: still Failed

@@ -36,6 +36,7 @@ from inferencemesh.operator.names import (
     pipeline_prefix,
     tls_secret_name,
 )
+from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows
 from inferencemesh.operator.pipelines import LEGACY, Decision, Live, decide
 from inferencemesh.operator.planning import make_plan
 from inferencemesh.operator.render import (
@@ -46,15 +47,7 @@ from inferencemesh.operator.render import (
     render_children,
 )
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
-from inferencemesh.operator.status import (
-    CONDITION_TYPES,
-    Observed,
-    PlanOutcome,
-    RestartWindow,
-    compute_status,
-    pipeline_of,
-    pipeline_windows,
-)
+from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status
 from inferencemesh.operator.teardown import owner_references
 from inferencemesh.planner import PlanError
 
@@ -172,7 +165,7 @@ class Reconciler:
         if spec is not None and outcome.plan is not None:
             plan = outcome.plan
             owned = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
-            observed = Observed.of(mesh, spec, outcome, owned, pods)
+            observed = Observed.of(mesh, owned, pods)
             windows = pipeline_windows(mesh, spec, observed, _now())
             revision = pipeline_revision(mesh, spec, plan, self.options)
             decision = decide(spec.replicas, revision, [

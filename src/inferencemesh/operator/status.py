@@ -17,32 +17,31 @@ lastTransitionTime only moves when a condition's status changes, so recomputing 
 world yields an identical status and the operator writes nothing.
 
 Each condition is decided by one function (planned_condition, stages_condition, frontend_condition,
-ready_condition, degraded_condition) from an Observed view of the children (grouped by pipeline:
-observe_pipelines); compute_status puts them together with the phase and the other fields.
+ready_condition, degraded_condition) from the plan outcome and the children as observe.py sees
+them; compute_status puts them together with the phase and the other fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from inferencemesh.operator.names import (
-    LABEL_COMPONENT,
-    LABEL_PIPELINE,
-    LABEL_REVISION,
-    LABEL_STAGE,
-    RESET_RESTARTS_ANNOTATION,
-    base_name,
     endpoint_url,
     frontend_name,
     frontends_selector,
     pipeline_prefix,
-    router_name,
     selector_text,
     stage_address,
     stage_name,
+)
+from inferencemesh.operator.observe import (
+    Observed,
+    PipelineObserved,
+    RestartWindow,
+    deployment_ready,
+    pod_problem,
+    reset_value,
 )
 from inferencemesh.operator.pipelines import LEGACY, Decision
 from inferencemesh.operator.planning import Plan
@@ -50,10 +49,6 @@ from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.speculation import SpeculativeChoice
 
 CONDITION_TYPES = ("Planned", "StagesReady", "FrontendReady", "Ready", "Degraded")
-FAILING_WAIT_REASONS = {
-    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
-    "CreateContainerError", "InvalidImageName", "RunContainerError",
-}
 
 
 @dataclass(frozen=True)
@@ -62,36 +57,6 @@ class PlanOutcome:
     planned_status: str = "True"  # "True" | "False" | "Unknown"
     reason: str = "Planned"
     message: str = ""
-
-
-def deployment_ready(dep: dict | None) -> bool:
-    """Up to date and every desired replica ready (0 desired counts as not ready: nothing serves)."""
-    if not dep:
-        return False
-    want = int(dep.get("spec", {}).get("replicas", 1))
-    st = dep.get("status") or {}
-    return (
-        want > 0
-        and int(st.get("observedGeneration", 0)) >= int(dep["metadata"].get("generation", 0))
-        and int(st.get("updatedReplicas", 0)) >= want
-        and int(st.get("readyReplicas", 0)) >= want
-    )
-
-
-def pod_problem(pod: dict) -> str | None:
-    """Why a pod is failing, or None: what Degraded reports."""
-    st = pod.get("status") or {}
-    name = pod["metadata"]["name"]
-    if st.get("phase") == "Failed":
-        return f"pod {name} failed: {st.get('reason') or st.get('message') or 'Failed'}"
-    for cs in st.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in FAILING_WAIT_REASONS:
-            return f"pod {name}: {waiting['reason']} (restarts {cs.get('restartCount', 0)})"
-        last = (cs.get("lastState") or {}).get("terminated") or {}
-        if last.get("reason") == "OOMKilled" and not cs.get("ready"):
-            return f"pod {name}: OOMKilled (restarts {cs.get('restartCount', 0)})"
-    return None
 
 
 def _pending_reason(pods: list[dict]) -> str:
@@ -128,167 +93,6 @@ def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str
         "lastTransitionTime": now if changed or old is None else old.get("lastTransitionTime", now),
         "observedGeneration": generation,
     }
-
-
-@dataclass(frozen=True)
-class PipelineObserved:
-    """One pipeline's children as they exist (LEGACY: a mesh's children from before pipelines)."""
-
-    index: int
-    revision: str
-    deployments: dict[str, dict]  # by name
-    frontend_pods: list[dict]
-    stage_pods: dict[str, list[dict]]  # by stage index (the label's text)
-
-    def _frontend_deployment(self) -> dict | None:
-        return next((d for d in self.deployments.values() if _component(d) == "frontend"), None)
-
-    @property
-    def has_frontend(self) -> bool:
-        """Its frontend Deployment exists and is not being deleted (not drained)."""
-        dep = self._frontend_deployment()
-        return dep is not None and not dep["metadata"].get("deletionTimestamp")
-
-    @property
-    def frontend_ready(self) -> bool:
-        return deployment_ready(self._frontend_deployment())
-
-    @property
-    def ready(self) -> bool:
-        """Serving: its frontend is ready (whose /ready needs every stage SERVING) and so is every stage pod."""
-        return self.frontend_ready and all(deployment_ready(d) for d in self.deployments.values())
-
-    @property
-    def pods(self) -> list[dict]:
-        return self.frontend_pods + [p for pods in self.stage_pods.values() for p in pods]
-
-    @property
-    def restarts(self) -> int:
-        return sum(int(cs.get("restartCount", 0)) for pod in self.pods
-                   for cs in (pod.get("status") or {}).get("containerStatuses") or [])
-
-    def crash_report(self) -> str:
-        """The head of the termination message of the container that restarted most (the latest
-        such crash on a tie), naming its pod ("" if no container has ended)."""
-        crashes = []
-        for pod in self.pods:
-            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                ended = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
-                if ended:
-                    crashes.append((int(cs.get("restartCount", 0)), str(ended.get("finishedAt") or ""),
-                                    pod["metadata"]["name"], ended))
-        if not crashes:
-            return ""
-        _, _, name, ended = max(crashes, key=lambda c: c[:3])
-        text = (ended.get("message") or "").strip()
-        head = text.splitlines()[0][:MESSAGE_HEAD] if text else ended.get("reason") or "terminated"
-        return f"pod {name} exited {ended.get('exitCode', '?')}: {head}"
-
-
-MESSAGE_HEAD = 240  # characters of a termination message quoted in the status
-
-
-def _component(obj: dict) -> str:
-    return (obj["metadata"].get("labels") or {}).get(LABEL_COMPONENT, "")
-
-
-def pipeline_of(obj: dict) -> int | None:
-    """The pipeline a stage or frontend child belongs to (LEGACY without the label); None for others."""
-    labels = obj["metadata"].get("labels") or {}
-    if labels.get(LABEL_COMPONENT) not in ("stage", "frontend"):
-        return None
-    text = labels.get(LABEL_PIPELINE)
-    return LEGACY if text is None else int(text) if text.isdigit() else None
-
-
-def observe_pipelines(deployments: list[dict], pods: list[dict]) -> dict[int, PipelineObserved]:
-    """The mesh's pipelines, from its Deployments and pods (a pipeline exists while any of them does)."""
-    found: dict[int, PipelineObserved] = {}
-
-    def entry(obj: dict) -> PipelineObserved | None:
-        index = pipeline_of(obj)
-        if index is None:
-            return None
-        if index not in found:
-            revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION, "")
-            found[index] = PipelineObserved(index, revision, {}, [], {})
-        return found[index]
-
-    for dep in deployments:
-        pipeline = entry(dep)
-        if pipeline is not None:
-            pipeline.deployments[dep["metadata"]["name"]] = dep
-            if _component(dep) == "frontend" or not pipeline.revision:
-                found[pipeline.index] = dataclasses.replace(
-                    pipeline, revision=(dep["metadata"].get("labels") or {}).get(LABEL_REVISION, pipeline.revision))
-    for pod in pods:
-        pipeline = entry(pod)
-        if pipeline is None:
-            continue
-        if _component(pod) == "frontend":
-            pipeline.frontend_pods.append(pod)
-        else:
-            pipeline.stage_pods.setdefault((pod["metadata"].get("labels") or {}).get(LABEL_STAGE, ""), []).append(pod)
-    return found
-
-
-@dataclass(frozen=True)
-class RestartWindow:
-    """A pipeline's restart budget: the window's start and its pods' restart count then."""
-
-    start: str
-    restarts_at_start: int
-    failed: bool
-
-
-def restart_window(previous: dict | None, restarts: int, now: str, window_seconds: int, budget: int,
-                   reset: bool) -> RestartWindow:
-    """Where a pipeline stands against its budget (previous: its status.pipelines entry).
-
-    Windows are consecutive (a window ends window_seconds after it started and the next begins at
-    the count then): restarts straddling two windows may each stay within budget. Failed is kept
-    until `reset` (a spec change or the reset annotation): the pipeline stays for debugging.
-    """
-    if previous is None or reset or "windowStart" not in previous:
-        return RestartWindow(now, restarts, False)
-    start, at_start = str(previous["windowStart"]), int(previous.get("windowRestarts", 0))
-    if previous.get("state") == "Failed":
-        return RestartWindow(start, at_start, True)
-    if restarts < at_start:  # a pod was replaced: its count started again
-        at_start = restarts
-    if _seconds_between(start, now) > window_seconds:
-        return RestartWindow(now, restarts, False)
-    return RestartWindow(start, at_start, restarts - at_start > budget)
-
-
-def _seconds_between(earlier: str, later: str) -> float:
-    parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731 - one use
-    try:
-        return (parse(later) - parse(earlier)).total_seconds()
-    except ValueError:
-        return float("inf")
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What a status is computed from: the plan outcome, the pipelines and the router."""
-
-    base: str
-    namespace: str
-    spec: MeshSpec | None
-    outcome: PlanOutcome
-    pipelines: dict[int, PipelineObserved]
-    router: dict | None  # the router's Deployment
-    problems: list[str]  # pod_problem of every pod of the mesh
-
-    @classmethod
-    def of(cls, mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
-           pods: list[dict]) -> Observed:
-        meta = mesh["metadata"]
-        base = base_name(meta["name"])
-        problems = [p for p in (pod_problem(pod) for pod in pods) if p]
-        return cls(base, meta["namespace"], spec, outcome, observe_pipelines(list(deployments.values()), pods),
-                   deployments.get(router_name(base)), problems)
 
 
 def stage_entries(obs: Observed, plan: Plan, current: list[PipelineObserved]) -> tuple[list[dict], list[str]]:
@@ -369,8 +173,8 @@ def ready_condition(planned: Verdict, stages: Verdict, frontend: Verdict, ready:
     return Verdict("True", "Ready", f"the OpenAI endpoint is serving ({ready} pipelines)")
 
 
-def degraded_condition(obs: Observed, ready: Verdict, previous: dict[str, dict], same_generation: bool,
-                       failed: list[str]) -> Verdict:
+def degraded_condition(obs: Observed, outcome: PlanOutcome, ready: Verdict, previous: dict[str, dict],
+                       same_generation: bool, failed: list[str]) -> Verdict:
     """A pipeline failed, a pod failing, or readiness lost without a spec change (kept until the mesh is
     ready again)."""
     if failed:
@@ -379,7 +183,7 @@ def degraded_condition(obs: Observed, ready: Verdict, previous: dict[str, dict],
         return Verdict("True", "PodsFailing", "; ".join(obs.problems[:4]))
     was_ready = previous.get("Ready", {}).get("status") == "True"
     was_lost = previous.get("Degraded", {}).get("reason") == "ReadinessLost"
-    if ready.status != "True" and obs.outcome.plan is not None and same_generation and (was_ready or was_lost):
+    if ready.status != "True" and outcome.plan is not None and same_generation and (was_ready or was_lost):
         return Verdict("True", "ReadinessLost", "the mesh was ready and is not any more: " + ready.message)
     return Verdict("False", "AsExpected", "no pod of the mesh is failing")
 
@@ -403,22 +207,6 @@ def speculative_status(planned: SpeculativeChoice, observed: tuple[str, str] | N
         return {"strategy": strategy, "reason": reason, "message": planned.message + " (the frontend runs it)"}
     return {"strategy": strategy, "reason": reason,
             "message": f"the frontend runs {strategy} ({reason}); planned was {planned.strategy}: {planned.message}"}
-
-
-def pipeline_windows(mesh: dict, spec: MeshSpec, obs: Observed, now: str) -> dict[int, RestartWindow]:
-    """Each pipeline against its restart budget. It starts afresh on a spec change (a new generation)
-    and when the mesh's RESET_RESTARTS_ANNOTATION takes a new value."""
-    old_status = mesh.get("status") or {}
-    previous = {int(p.get("index", -2)): p for p in old_status.get("pipelines") or [] if isinstance(p, dict)}
-    reset = (int(old_status.get("observedGeneration", -1)) != int(mesh["metadata"].get("generation", 0))
-             or _reset_value(mesh) != old_status.get("restartsReset", ""))
-    budget = spec.restart_budget
-    return {index: restart_window(previous.get(index), p.restarts, now, budget.window_seconds, budget.restarts, reset)
-            for index, p in obs.pipelines.items()}
-
-
-def _reset_value(mesh: dict) -> str:
-    return str((mesh["metadata"].get("annotations") or {}).get(RESET_RESTARTS_ANNOTATION, ""))
 
 
 def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: RestartWindow | None,
@@ -457,7 +245,7 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     decision: the pipelines the reconciler runs (pipelines.decide; default: the existing ones);
     windows: each pipeline against its restart budget (pipeline_windows);
     observed_speculative: the (strategy, reason) a running frontend reports, if it could be read."""
-    obs = Observed.of(mesh, spec, outcome, deployments, pods)
+    obs = Observed.of(mesh, deployments, pods)
     windows = windows or {}
     if decision is None:
         decision = Decision(keep={i: True for i, p in obs.pipelines.items() if p.has_frontend})
@@ -485,15 +273,15 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     status["replicas"] = ready_count
     status["selector"] = selector_text(frontends_selector(obs.base))
     status["pipelinesSummary"] = f"{ready_count}/{replicas}" + (f" ({len(failed)} failed)" if failed else "")
-    if _reset_value(mesh):  # never "": kube-apiserver 1.20's merge patch stores it as null (see stage_entries)
-        status["restartsReset"] = _reset_value(mesh)
+    if reset_value(mesh):  # never "": kube-apiserver 1.20's merge patch stores it as null (see stage_entries)
+        status["restartsReset"] = reset_value(mesh)
 
     planned = planned_condition(outcome)
     stages = stages_condition(outcome, entries, not_ready, replicas)
     frontend = frontend_condition(obs, current, replicas)
     ready = ready_condition(planned, stages, frontend, ready_count, replicas)
     same_generation = int(old_status.get("observedGeneration", -1)) == generation
-    degraded = degraded_condition(obs, ready, previous, same_generation, failed)
+    degraded = degraded_condition(obs, outcome, ready, previous, same_generation, failed)
     verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, ready, degraded), strict=True))
     status["conditions"] = [_condition(t, v, generation, previous, now) for t, v in verdicts.items()]
     status["phase"] = phase_of(outcome, ready, degraded)

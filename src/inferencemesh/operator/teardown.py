@@ -17,7 +17,7 @@ operator is down goes in the same order.
 from __future__ import annotations
 
 from inferencemesh.operator.names import LABEL_COMPONENT
-from inferencemesh.operator.status import pipeline_of
+from inferencemesh.operator.observe import pipeline_of
 
 
 def _component(obj: dict) -> str | None:
