@@ -198,7 +198,7 @@ def test_a_second_reconcile_writes_nothing(cluster: ControlPlane, ns: str, opera
 
     from inferencemesh.operator.kube import Kube
     from inferencemesh.operator.reconcile import Reconciler
-    from inferencemesh.operator.render import RenderOptions
+    from inferencemesh.operator.render_pod import RenderOptions
 
     wait_condition(cluster, "code", "Ready", "True")
     time.sleep(2)  # let the last events settle

@@ -17,6 +17,7 @@ from helm_python import _native
 
 from inferencemesh.operator import names as N
 from inferencemesh.operator import render as R
+from inferencemesh.operator import render_pod as P
 from inferencemesh.operator.issuing import settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
 from inferencemesh.operator.spec import parse_spec
@@ -73,7 +74,7 @@ def test_the_meshes_monitor_reaches_every_pod_the_operator_renders() -> None:
                                                            R.pipeline_components(plan, prefix)),
                           "inferencemesh m", datetime.timedelta(days=1))
     objs = R.render_children(MESH, parse_spec({"model": {"name": "bundled://imesh-code-target"}}), plan,
-                             R.RenderOptions(), certificates)
+                             P.RenderOptions(), certificates)
     services = [o for o in objs if o["kind"] == "Service"]
     deployments = [o for o in objs if o["kind"] == "Deployment"]
     assert len(deployments) == 4  # two stages, the frontend and the router

@@ -10,10 +10,11 @@ import re
 
 import pytest
 
-from inferencemesh.config import FrontendConfig
+from inferencemesh.config import API_KEY_ENV, FRONTEND_PORT, STAGE_GRPC_PORT, STAGE_METRICS_PORT, FrontendConfig
 from inferencemesh.flags import from_args
 from inferencemesh.operator import names as N
 from inferencemesh.operator import render as R
+from inferencemesh.operator import render_pod as P
 from inferencemesh.operator import resources
 from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
@@ -44,13 +45,13 @@ def mesh_certificates(plan: Plan, pipelines: int = 1) -> MeshCertificates:
 
 
 def children(spec: dict | None = None, ranges: list[tuple[int, int]] | None = None,
-             opts: R.RenderOptions | None = None) -> dict[tuple[str, str], dict]:
+             opts: P.RenderOptions | None = None) -> dict[tuple[str, str], dict]:
     """The children of `spec`, with a plan embedded in the frontend when the spec says so (as make_plan does),
     and the mesh's certificates when the operator issues them (the default)."""
     parsed = parse_spec(spec or {"model": {"name": "bundled://imesh-code-target"}})
     plan = make_plan(ranges or [(0, 3), (3, 6), (6, 8)], parsed.frontend.embed_first_stage)
     certificates = mesh_certificates(plan, parsed.replicas) if parsed.issues_certificates else None
-    objs = R.render_children(MESH, parsed, plan, opts or R.RenderOptions(), certificates)
+    objs = R.render_children(MESH, parsed, plan, opts or P.RenderOptions(), certificates)
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
@@ -98,12 +99,12 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         args = c["args"]
         parsed = parser.parse_args(args)  # the stage program's own argparse contract
         assert parsed.command == "stage" and parsed.layers == (start, end)
-        assert parsed.stage_index == i and parsed.num_stages == 3 and parsed.port == R.STAGE_GRPC_PORT
+        assert parsed.stage_index == i and parsed.num_stages == 3 and parsed.port == STAGE_GRPC_PORT
         assert parsed.model == "bundled://imesh-code-target"
-        want_downstream = None if i == 2 else f"code-p0-stage-{i + 1}.ml.svc:{R.STAGE_GRPC_PORT}"
+        want_downstream = None if i == 2 else f"code-p0-stage-{i + 1}.ml.svc:{STAGE_GRPC_PORT}"
         assert parsed.downstream == want_downstream
         assert not hasattr(parsed, "max_batch_tokens")  # the frontend's microbatch budget, not a stage's
-        assert parsed.tls_dir == R.TLS_MOUNT  # mutual TLS by default: the kubelet's gRPC probe cannot present a cert
+        assert parsed.tls_dir == P.TLS_MOUNT  # mutual TLS by default: the kubelet's gRPC probe cannot present a cert
         assert c["readinessProbe"]["exec"]["command"][-2:] == ["--server-name", f"code-p0-stage-{i}.ml.svc"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert objs[("Deployment", f"code-p0-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
@@ -161,8 +162,8 @@ def test_network_policy_admits_only_the_frontend_and_the_previous_stage() -> Non
         sources = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
         expected = [N.frontend_selector("code", 0)] + ([N.stage_selector("code", 0, i - 1)] if i else [])
         assert sources == expected
-        assert grpc_rule["ports"] == [{"protocol": "TCP", "port": R.STAGE_GRPC_PORT}]
-        assert "from" not in metrics_rule and metrics_rule["ports"][0]["port"] == R.STAGE_METRICS_PORT
+        assert grpc_rule["ports"] == [{"protocol": "TCP", "port": STAGE_GRPC_PORT}]
+        assert "from" not in metrics_rule and metrics_rule["ports"][0]["port"] == STAGE_METRICS_PORT
     # metrics off: no open metrics port, no metrics container port, metrics flag 0
     off = children({"model": {"name": "org/m"}, "telemetry": {"metrics": False}})
     assert len(off[("NetworkPolicy", "code-p0-stage-1")]["spec"]["ingress"]) == 1
@@ -223,14 +224,14 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     front = objs[("Deployment", "code-p0-frontend")]
     assert front["spec"]["replicas"] == 1  # frontend.replicas is deprecated: one frontend per pipeline
     env = {e["name"]: e for e in container(front)["env"]}
-    assert env[R.API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
     svc = objs[("Service", "code-frontend")]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 443
     assert N.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"
 
 
 def test_old_clusters_get_an_exec_health_probe() -> None:
-    c = container(children(opts=R.RenderOptions(grpc_probes=False))[("Deployment", "code-p0-stage-0")])
+    c = container(children(opts=P.RenderOptions(grpc_probes=False))[("Deployment", "code-p0-stage-0")])
     assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.stage.healthprobe"]
 
 
@@ -243,10 +244,10 @@ def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate()
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == "mesh-tls"
         c = container(deployment)
-        assert {"name": "tls", "mountPath": R.TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
-        assert parser.parse_args(c["args"]).tls_dir == R.TLS_MOUNT
+        assert {"name": "tls", "mountPath": P.TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
+        assert parser.parse_args(c["args"]).tls_dir == P.TLS_MOUNT
     probe = container(objs[("Deployment", "code-p0-stage-1")])["readinessProbe"]["exec"]["command"]
-    assert probe[3:] == ["127.0.0.1:50051", "--tls-dir", R.TLS_MOUNT, "--server-name", "code-p0-stage-1.ml.svc"]
+    assert probe[3:] == ["127.0.0.1:50051", "--tls-dir", P.TLS_MOUNT, "--server-name", "code-p0-stage-1.ml.svc"]
     assert not [key for key in objs if key[0] == "Secret"]  # the user's Secret wins: the operator issues none
     plain = children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})
     assert not [key for key in plain if key[0] == "Secret"]
@@ -268,7 +269,7 @@ def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() ->
         pod = objs[("Deployment", component)]["spec"]["template"]
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == f"{component}-tls"  # its own key, no other pod's
-        assert parser.parse_args(container(objs[("Deployment", component)])["args"]).tls_dir == R.TLS_MOUNT
+        assert parser.parse_args(container(objs[("Deployment", component)])["args"]).tls_dir == P.TLS_MOUNT
         assert re.fullmatch(r"[0-9a-f]{20}", pod["metadata"]["annotations"][N.TLS_HASH_ANNOTATION])
     ca = objs[("Secret", "code-ca")]
     assert ca["type"] == "Opaque" and base64.b64decode(ca["data"]["ca.key"]) == certificates.ca.signing.key
@@ -281,7 +282,7 @@ def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() ->
     renewed = settle(certificates.ca.to_data(), {}, subjects, "inferencemesh code", datetime.timedelta(days=1))
     parsed = parse_spec({"model": {"name": "bundled://imesh-code-target"}})
     again = {(o["kind"], o["metadata"]["name"]): o for o in R.render_children(
-        MESH, parsed, plan, R.RenderOptions(), dataclasses.replace(
+        MESH, parsed, plan, P.RenderOptions(), dataclasses.replace(
             certificates, leaves={**certificates.leaves, "code-p0-stage-1": renewed.leaves["code-p0-stage-1"]}))}
     tls_hash = lambda objs, name: objs[("Deployment", name)]["spec"]["template"]["metadata"][  # noqa: E731
         "annotations"][N.TLS_HASH_ANNOTATION]
@@ -310,9 +311,9 @@ def test_certificates_are_given_exactly_when_the_operator_issues_them() -> None:
     plan = make_plan([(0, 4), (4, 8)])
     byo = parse_spec({"model": {"name": "m"}, "security": {"mtlsSecretName": "mine"}})
     with pytest.raises(ValueError):
-        R.render_children(MESH, byo, plan, R.RenderOptions(), mesh_certificates(plan))
+        R.render_children(MESH, byo, plan, P.RenderOptions(), mesh_certificates(plan))
     with pytest.raises(ValueError):
-        R.render_children(MESH, parse_spec({"model": {"name": "m"}}), plan, R.RenderOptions())
+        R.render_children(MESH, parse_spec({"model": {"name": "m"}}), plan, P.RenderOptions())
     subjects = R.certificate_subjects("ml", R.pipeline_components(plan, "code-p0"))
     assert subjects["code-p0-stage-1"] == ["code-p0-stage-1", "code-p0-stage-1.ml", "code-p0-stage-1.ml.svc",
                                         "code-p0-stage-1.ml.svc.cluster.local"]
@@ -337,7 +338,7 @@ def test_both_ends_of_every_stage_stream_get_the_plans_message_limit() -> None:
     parsed = parse_spec({"model": {"name": "bundled://imesh-code-target"}})
     plan = dataclasses.replace(make_plan([(0, 3), (3, 6), (6, 8)]), message_limit=12_345_678)
     objs = {(o["kind"], o["metadata"]["name"]): o
-            for o in R.render_children(MESH, parsed, plan, R.RenderOptions(), mesh_certificates(plan))}
+            for o in R.render_children(MESH, parsed, plan, P.RenderOptions(), mesh_certificates(plan))}
     parser = build_parser()
     pods = [("Deployment", "code-p0-frontend")] + [("Deployment", f"code-p0-stage-{i}") for i in range(3)]
     assert {parser.parse_args(container(objs[key])["args"]).max_message_bytes for key in pods} == {12_345_678}
@@ -380,7 +381,7 @@ def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:
     pinned = {}
     for key, plan in (("a", plan_a), ("c", plan_c)):
         pinned[key] = {(o["kind"], o["metadata"]["name"]): o for o in R.render_children(
-            MESH, parsed, plan, R.RenderOptions(), mesh_certificates(plan), revision="r1")}
+            MESH, parsed, plan, P.RenderOptions(), mesh_certificates(plan), revision="r1")}
     assert h(pinned["a"], ("Deployment", "code-p0-stage-0")) != h(pinned["c"], ("Deployment", "code-p0-stage-0"))
     assert h(pinned["a"], ("Deployment", "code-p0-stage-2")) == h(pinned["c"], ("Deployment", "code-p0-stage-2"))
     assert h(pinned["a"], ("Service", "code-p0-stage-0")) == h(pinned["c"], ("Service", "code-p0-stage-0"))
@@ -493,7 +494,7 @@ def test_the_embedded_frontend_pod_takes_stage_0s_resources_gpu_claim_and_placem
     assert c["resources"] == {"requests": {"cpu": "2500m", "memory": "9Gi"},
                               "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
-    assert {"name": "model", "mountPath": R.MODELS_MOUNT, "readOnly": True} in c["volumeMounts"]
+    assert {"name": "model", "mountPath": P.MODELS_MOUNT, "readOnly": True} in c["volumeMounts"]
     assert pod["nodeSelector"] == {"gpu": "h100", "pool": "serving"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}, {"key": "serving", "operator": "Exists"}]
     assert pod["affinity"] == EMBEDDED["stages"]["affinity"]
@@ -566,7 +567,7 @@ def test_the_routers_arguments_parse_back_with_the_routers_own_config() -> None:
     assert router["spec"]["replicas"] == 1
     c = container(router)
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["ports"][0]["name"] == "http"
-    assert c["image"] == R.DEFAULT_FRONTEND_IMAGE  # the router runs from the frontend image
+    assert c["image"] == P.DEFAULT_FRONTEND_IMAGE  # the router runs from the frontend image
     scaled = children({"model": {"name": "org/m"}, "router": {"replicas": 3, "nodeSelector": {"pool": "edge"}}})
     assert scaled[("Deployment", "code-router")]["spec"]["replicas"] == 3
     assert scaled[("Deployment", "code-router")]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "edge"}
@@ -600,7 +601,7 @@ def test_the_endpoint_selects_the_router_and_the_headless_service_every_frontend
     objs = children({"model": {"name": "bundled://imesh-code-target"}, "replicas": 2})
     endpoint = objs[("Service", "code-frontend")]["spec"]
     pipelines = objs[("Service", "code-pipelines")]["spec"]
-    assert pipelines["clusterIP"] == "None" and pipelines["ports"][0]["port"] == R.FRONTEND_PORT
+    assert pipelines["clusterIP"] == "None" and pipelines["ports"][0]["port"] == FRONTEND_PORT
     selects = lambda svc, obj: all(pod_labels(obj).get(k) == v for k, v in svc["selector"].items())  # noqa: E731
     deployments = {name: obj for (kind, name), obj in objs.items() if kind == "Deployment"}
     assert sorted(name for name, d in deployments.items() if selects(endpoint, d)) == ["code-router"]
@@ -680,9 +681,9 @@ def test_every_pipeline_object_carries_its_pipeline_and_the_revision() -> None:
     assert len(revisions) == 1 and re.fullmatch(r"[0-9a-f]{10}", revisions.pop())
 
 
-def revision_of(spec: dict, plan: Plan | None = None, opts: R.RenderOptions | None = None) -> str:
+def revision_of(spec: dict, plan: Plan | None = None, opts: P.RenderOptions | None = None) -> str:
     return R.pipeline_revision(MESH, parse_spec(spec), plan or make_plan([(0, 3), (3, 6), (6, 8)]),
-                               opts or R.RenderOptions())
+                               opts or P.RenderOptions())
 
 
 def test_the_revision_moves_with_what_a_pipeline_runs_and_not_with_their_number() -> None:
@@ -692,7 +693,7 @@ def test_the_revision_moves_with_what_a_pipeline_runs_and_not_with_their_number(
     assert revision_of({"model": {"name": "org/other"}}) != rev
     assert revision_of({**base, "images": {"stage": "reg/stage:2"}}) != rev
     assert revision_of({**base, "images": {"frontend": "reg/front:2"}}) != rev
-    assert revision_of(base, opts=R.RenderOptions(stage_image="reg/stage:3")) != rev
+    assert revision_of(base, opts=P.RenderOptions(stage_image="reg/stage:3")) != rev
     assert revision_of(base, plan=make_plan([(0, 4), (4, 8)])) != rev
     assert revision_of({**base, "replicas": 5}) == rev
     assert revision_of({**base, "router": {"replicas": 2}}) == rev  # the router is not a pipeline's
@@ -703,8 +704,8 @@ def test_the_revision_moves_with_what_a_pipeline_runs_and_not_with_their_number(
     certificates = mesh_certificates(plan)
     subjects = R.certificate_subjects("ml", R.pipeline_components(plan, "code-p0"))
     renewed = settle(certificates.ca.to_data(), {}, subjects, "inferencemesh code", datetime.timedelta(days=1))
-    before = R.render_children(MESH, parse_spec(spec), plan, R.RenderOptions(), certificates)
-    after = R.render_children(MESH, parse_spec(spec), plan, R.RenderOptions(), renewed)
+    before = R.render_children(MESH, parse_spec(spec), plan, P.RenderOptions(), certificates)
+    after = R.render_children(MESH, parse_spec(spec), plan, P.RenderOptions(), renewed)
     label = lambda objs: {o["metadata"]["labels"].get(N.LABEL_REVISION) for o in objs} - {None}  # noqa: E731
     assert label(before) == label(after) == {rev_of_spec(spec, plan)}
     front = lambda objs: next(o for o in objs if o["metadata"]["name"] == "code-p0-frontend")  # noqa: E731
@@ -714,7 +715,7 @@ def test_the_revision_moves_with_what_a_pipeline_runs_and_not_with_their_number(
 
 
 def rev_of_spec(spec: dict, plan: Plan) -> str:
-    return R.pipeline_revision(MESH, parse_spec(spec), plan, R.RenderOptions())
+    return R.pipeline_revision(MESH, parse_spec(spec), plan, P.RenderOptions())
 
 
 def test_the_pipelines_rendered_are_the_decisions_and_a_failed_ones_frontend_runs_no_pod() -> None:
@@ -724,7 +725,7 @@ def test_the_pipelines_rendered_are_the_decisions_and_a_failed_ones_frontend_run
         (c, tuple(n)) for c, n in R.certificate_subjects(
             "ml", [c for k in (0, 2) for c in R.pipeline_components(plan, f"code-p{k}")]).items()))
     objs = {(o["kind"], o["metadata"]["name"]): o for o in R.render_children(
-        MESH, parsed, plan, R.RenderOptions(), certificates, pipelines={0: True, 2: False}, revision="abc")}
+        MESH, parsed, plan, P.RenderOptions(), certificates, pipelines={0: True, 2: False}, revision="abc")}
     assert sorted(name for kind, name in objs if kind == "Deployment") == \
         ["code-p0-frontend", "code-p0-stage-0", "code-p0-stage-1", "code-p2-frontend", "code-p2-stage-0",
          "code-p2-stage-1", "code-router"]

@@ -28,7 +28,7 @@ from inferencemesh.operator import metrics
 from inferencemesh.operator.kube import Kube
 from inferencemesh.operator.names import LABEL_MANAGED_BY, LABEL_MESH, MANAGED_BY, base_name
 from inferencemesh.operator.reconcile import Reconciler
-from inferencemesh.operator.render import DEFAULT_FRONTEND_IMAGE, DEFAULT_STAGE_IMAGE, RenderOptions
+from inferencemesh.operator.render_pod import DEFAULT_FRONTEND_IMAGE, DEFAULT_STAGE_IMAGE, RenderOptions
 
 log = logging.getLogger("inferencemesh.operator")
 MESHES = ("inferencemesh.io", "v1alpha1", "inferencemeshes")

@@ -1,6 +1,6 @@
 """A mesh's own certificates across reconciles: read back from its Secrets, kept while they are
 good, renewed before they expire. No API calls: reconcile.py reads the Secrets, calls settle(),
-and render.py turns the result into Secrets again (an unchanged result renders unchanged Secrets,
+and render_mesh.py turns the result into Secrets again (an unchanged result renders unchanged Secrets,
 so a reconcile with nothing due writes nothing).
 
 Leaves (one per stage pod and one for the frontend) live `lifetime` and are renewed at two thirds

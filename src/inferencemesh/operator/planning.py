@@ -56,6 +56,11 @@ class Plan:
         }
 
     @property
+    def remote_stages(self) -> range:
+        """The indexes of the stages that run as stage pods: all but an embedded first stage."""
+        return range(1 if self.embedded_first_stage else 0, len(self.stages))
+
+    @property
     def hash(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
