@@ -117,8 +117,7 @@ def test_a_first_stage_reserve_counts_against_stage_0_only() -> None:
         plan_explicit(reserved, [(0, 4), (4, 8)], [450 * MIB])
     # auto needs one stage more once stage 0 carries the reserve
     assert len(plan_auto(plain, 450 * MIB)) == 2 and len(plan_auto(reserved, 450 * MIB)) == 3
-    # plans without a reserve keep their serialised form (the operator's plan hash)
-    assert "reserved_bytes" not in plan_stages(plain, 2)[0].to_dict()
+    assert plan_stages(plain, 2)[0].to_dict()["reserved_bytes"] == 0
     assert embedded[0].to_dict()["reserved_bytes"] == 300 * MIB
     assert "300.00 MiB held beside its layers" in render_plan(embedded)
 

@@ -48,10 +48,7 @@ class StagePlan:
         return self.layer_end - self.layer_start
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        if not self.reserved_bytes:  # absent when nothing is reserved: plans made before it keep their hash
-            del d["reserved_bytes"]
-        return d
+        return asdict(self)
 
 
 @dataclass(frozen=True)

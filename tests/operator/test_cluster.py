@@ -100,6 +100,20 @@ def test_the_api_server_rejects_schema_violations(cluster: ControlPlane, ns: str
     assert cluster.kubectl("get", "inferencemesh", "bad", "-n", ns, check=False).returncode != 0
 
 
+def test_the_api_server_prunes_the_removed_fields(cluster: ControlPlane, ns: str) -> None:
+    """stages.maxBatchTokens and frontend.replicas left the v1alpha1 CRD: a spec that still sets
+    them is accepted and stored without them (the structural schema prunes unknown fields)."""
+    body = {"model": {"name": "org/m"}, "stages": {"maxBatchTokens": 64}, "frontend": {"replicas": 3}}
+    doc = yaml.safe_dump(mesh_doc("removed-fields", body))
+    proc = cluster.kubectl("create", "--validate=false", "-n", ns, "-f", "-", input=doc, check=False)
+    assert proc.returncode == 0, proc.stderr
+    try:
+        stored = cluster.get_json("inferencemesh", "removed-fields", "-n", ns)["spec"]
+        assert "maxBatchTokens" not in stored["stages"] and "replicas" not in stored["frontend"]
+    finally:
+        cluster.kubectl("delete", "inferencemesh", "removed-fields", "-n", ns, "--wait=false")
+
+
 # ---- the example, end to end on the control plane ---------------------------------------------
 
 def test_the_example_creates_planned_children(cluster: ControlPlane, ns: str) -> None:

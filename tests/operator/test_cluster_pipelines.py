@@ -190,65 +190,6 @@ def test_a_crash_loop_beyond_the_budget_fails_only_its_pipeline(cluster: Control
     cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
 
 
-def legacy_deployment(base: str, uid: str, component: str, stage: int | None = None) -> dict:
-    """A child as the operator wrote it before pipelines: no pipeline or revision label."""
-    name = f"{base}-stage-{stage}" if stage is not None else f"{base}-frontend"
-    selector = {"inferencemesh.io/mesh": base, "app.kubernetes.io/component": component}
-    if stage is not None:
-        selector["inferencemesh.io/stage"] = str(stage)
-    labels = {"app.kubernetes.io/name": "inferencemesh", "app.kubernetes.io/instance": base,
-              "app.kubernetes.io/part-of": "inferencemesh", "app.kubernetes.io/managed-by": "inferencemesh-operator",
-              **selector}
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": name, "labels": labels, "ownerReferences": [{
-                "apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceMesh", "name": base, "uid": uid,
-                "controller": True, "blockOwnerDeletion": True}]},
-            "spec": {"replicas": 1, "selector": {"matchLabels": selector},
-                     "template": {"metadata": {"labels": labels},
-                                  "spec": {"containers": [{"name": component, "image": "old:1"}]}}}}
-
-
-def test_a_mesh_from_before_pipelines_is_migrated(cluster: ControlPlane, ns: str, tiny_model: Path) -> None:
-    name = "lg"
-    # a plan that fails leaves the children alone: the legacy ones can be put in place first
-    cluster.apply(mesh_doc(name, {"model": {"name": str(tiny_model)}, "stages": {"count": 9}}), ns)
-    wait_for(lambda: cond(status_of(cluster, name), "Planned").get("status") == "False", 60, "lg Planned False")
-    uid = cluster.get_json("inferencemesh", name, "-n", ns)["metadata"]["uid"]
-    for doc in (legacy_deployment(name, uid, "stage", 0), legacy_deployment(name, uid, "stage", 1),
-                legacy_deployment(name, uid, "frontend")):
-        cluster.apply(doc, ns)
-    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}") as kubelet:
-        wait_for(lambda: all(int((d.get("status") or {}).get("readyReplicas", 0)) == 1
-                             for d in deployments(cluster, name).values()), 60, "the legacy pipeline ready")
-        kubelet.hold.add("lg-p0-")  # the new pipeline stays unready until released
-        cluster.kubectl("patch", "inferencemesh", name, "-n", ns, "--type=merge",
-                        "-p", '{"spec":{"stages":{"count":2}}}')
-        wait_for(lambda: {"lg-p0-frontend", "lg-p0-stage-0", "lg-p0-stage-1"} <= set(deployments(cluster, name)), 60,
-                 "the new pipeline 0")
-        st = wait_for(lambda: (s := status_of(cluster, name)) and states(s) == {-1: "Outdated", 0: "Progressing"}
-                      and s, 30, "legacy Outdated, pipeline 0 Progressing")
-        assert next(p for p in st["pipelines"] if p["index"] == -1)["name"] == name
-        assert {"lg-frontend", "lg-stage-0", "lg-stage-1"} <= set(deployments(cluster, name))  # still serving
-        held = hold_pods(cluster, f"inferencemesh.io/mesh={name},app.kubernetes.io/component=frontend,"
-                                  "!inferencemesh.io/pipeline")
-        assert len(held) == 1
-        try:
-            kubelet.hold.clear()  # pipeline 0 gets ready: the legacy frontend goes first
-            wait_for(lambda: "lg-frontend" not in deployments(cluster, name), 60, "the legacy frontend to go")
-            time.sleep(7)
-            assert {"lg-stage-0", "lg-stage-1"} <= set(deployments(cluster, name))  # its frontend pod is still there
-        finally:
-            release_pods(cluster, held)
-        wait_for(lambda: not {"lg-stage-0", "lg-stage-1"} & set(deployments(cluster, name)), 60,
-                 "the legacy stages to go")
-        st = wait_for(lambda: (s := status_of(cluster, name)) and cond(s, "Ready").get("status") == "True" and s, 60,
-                      "lg Ready")
-        assert states(st) == {0: "Ready"}
-        assert sorted(deployments(cluster, name)) == ["lg-p0-frontend", "lg-p0-stage-0", "lg-p0-stage-1",
-                                                      "lg-router"]
-    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")
-
-
 def owner_uids(dep: dict) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for ref in dep["metadata"].get("ownerReferences") or []:

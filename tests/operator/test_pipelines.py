@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from inferencemesh.operator.pipelines import LEGACY, Decision, Live, decide
+from inferencemesh.operator.pipelines import Decision, Live, decide
 
 
 def live(index: int, revision: str = "r1", *, ready: bool = True, frontend: bool = True, pods: int = 1,
@@ -64,18 +64,6 @@ def test_indexes_are_reused_lowest_first() -> None:
     # a draining pipeline still holds its index (its objects exist): a new one takes the next free
     d = decide(2, "r1", [live(0), live(1, frontend=False, pods=1)])
     assert d.keep == {0: True, 2: True} and d.drain == [1]
-
-
-def test_a_legacy_pipeline_is_replaced_once_the_new_one_is_ready() -> None:
-    legacy = live(LEGACY, "")
-    d = decide(1, "r1", [legacy])
-    assert d.keep == {0: True} and d.old == [LEGACY] and d.drain == []
-    d = decide(1, "r1", [legacy, live(0, ready=False)])
-    assert d.keep == {0: True} and d.old == [LEGACY] and d.drain == []  # the new one is not ready yet
-    d = decide(1, "r1", [legacy, live(0)])
-    assert d.keep == {0: True} and d.old == [] and d.drain == [LEGACY]
-    d = decide(1, "r1", [replace(legacy, has_frontend=False, frontend_pods=0), live(0)])
-    assert d.remove == [LEGACY] and d.keep == {0: True}
 
 
 @dataclass

@@ -204,8 +204,9 @@ def test_pvc_api_key_placement_and_image_options() -> None:
         "model": {"name": "Llama-70B", "pvc": {"claimName": "models", "subPath": "llama/70b"},
                   "layout": {"numLayers": 8, "layerBytes": 10}},
         "stages": {"gpus": 2, "resources": {"limits": {"memory": "64Gi"}}, "nodeSelector": {"gpu": "a100"},
-                   "tolerations": [{"key": "gpu", "operator": "Exists"}], "maxBatchTokens": 2048},
-        "frontend": {"apiKeySecret": {"name": "keys"}, "replicas": 3, "service": {"type": "LoadBalancer", "port": 443}},
+                   "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+        "frontend": {"apiKeySecret": {"name": "keys"}, "maxBatchTokens": 2048,
+                     "service": {"type": "LoadBalancer", "port": 443}},
         "images": {"stage": "reg/stage:1", "frontend": "reg/front:1", "pullPolicy": "Never",
                    "pullSecrets": ["regcred"]},
     }
@@ -222,7 +223,7 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     assert stage["nodeSelector"] == {"gpu": "a100"} and stage["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert stage["imagePullSecrets"] == [{"name": "regcred"}]
     front = objs[("Deployment", "code-p0-frontend")]
-    assert front["spec"]["replicas"] == 1  # frontend.replicas is deprecated: one frontend per pipeline
+    assert front["spec"]["replicas"] == 1  # one frontend per pipeline
     env = {e["name"]: e for e in container(front)["env"]}
     assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
     svc = objs[("Service", "code-frontend")]["spec"]
@@ -320,15 +321,12 @@ def test_certificates_are_given_exactly_when_the_operator_issues_them() -> None:
     assert sorted(subjects) == ["code-p0-frontend", "code-p0-stage-0", "code-p0-stage-1"]
 
 
-@pytest.mark.parametrize(("frontend", "stages", "want"), [
-    ({}, {}, "256"),  # the frontend's default
-    ({"maxBatchTokens": 1024}, {}, "1024"),
-    ({}, {"maxBatchTokens": 64}, "64"),  # the deprecated place still works
-    ({"maxBatchTokens": 1024}, {"maxBatchTokens": 64}, "1024"),  # the new one wins
+@pytest.mark.parametrize(("frontend", "want"), [
+    ({}, "256"),  # the frontend's default
+    ({"maxBatchTokens": 1024}, "1024"),
 ])
-def test_max_batch_tokens_is_the_frontends_and_the_old_field_still_works(frontend: dict, stages: dict,
-                                                                         want: str) -> None:
-    objs = children({"model": {"name": "bundled://imesh-code-target"}, "frontend": frontend, "stages": stages})
+def test_max_batch_tokens_is_the_frontends(frontend: dict, want: str) -> None:
+    objs = children({"model": {"name": "bundled://imesh-code-target"}, "frontend": frontend})
     assert arg(container(objs[("Deployment", "code-p0-frontend")])["args"], "--max-batch-tokens") == want
     for i in range(3):
         assert "--max-batch-tokens" not in container(objs[("Deployment", f"code-p0-stage-{i}")])["args"]
@@ -444,12 +442,12 @@ def test_speculation_under_load_is_the_frontends_default_unless_the_spec_sets_it
 EMBEDDED = {
     "model": {"name": "Llama-70B", "pvc": {"claimName": "models", "subPath": "llama/70b"},
               "layout": {"numLayers": 8, "layerBytes": 10}},
-    "stages": {"gpus": 1, "device": "cuda", "maxBatchTokens": 512,
+    "stages": {"gpus": 1, "device": "cuda",
                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
                "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}},
-    "frontend": {"embedFirstStage": True, "replicas": 2,
+    "frontend": {"embedFirstStage": True, "maxBatchTokens": 512,
                  "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
                  "nodeSelector": {"pool": "serving"}, "tolerations": [{"key": "serving", "operator": "Exists"}]},
 }
@@ -498,7 +496,7 @@ def test_the_embedded_frontend_pod_takes_stage_0s_resources_gpu_claim_and_placem
     assert pod["nodeSelector"] == {"gpu": "h100", "pool": "serving"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}, {"key": "serving", "operator": "Exists"}]
     assert pod["affinity"] == EMBEDDED["stages"]["affinity"]
-    assert front["spec"]["replicas"] == 1  # frontend.replicas (2) is deprecated: one frontend per pipeline
+    assert front["spec"]["replicas"] == 1  # one frontend per pipeline
     # a GPU pod never surges (no spare GPU); loading layers gets the stage's startup budget
     assert front["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800

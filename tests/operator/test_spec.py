@@ -148,14 +148,14 @@ def test_the_spec_model_mirrors_the_crd_schema() -> None:
 def test_the_drift_check_catches_drift() -> None:
     drifted = copy.deepcopy(SPEC_SCHEMA)
     stages = drifted["properties"]["stages"]["properties"]
-    stages["maxBatchTokens"]["default"] = 512
+    stages["gpus"]["default"] = 2
     stages["newKnob"] = {"type": "string"}
     del drifted["properties"]["telemetry"]["properties"]["debugTracing"]
     drifted["properties"]["speculative"]["properties"]["strategy"]["default"] = "auto"
     drifted["properties"]["model"]["properties"]["dtype"]["enum"].append("float8")
     drifted["properties"]["frontend"]["properties"]["apiKeySecret"]["required"] = []
     found = "\n".join(schema_drift(S.MeshSpec, drifted, "spec"))
-    for path in ("spec.stages.maxBatchTokens: CRD default 512", "spec.stages.newKnob: in the CRD",
+    for path in ("spec.stages.gpus: CRD default 2", "spec.stages.newKnob: in the CRD",
                  "spec.telemetry.debugTracing: in TelemetrySpec but not", "spec.speculative.strategy: CRD default",
                  "spec.model.dtype: CRD enum", "spec.frontend.apiKeySecret.name: required"):
         assert path in found, found
@@ -208,14 +208,15 @@ def test_security_modes_and_the_certificate_lifetime() -> None:
             S.parse_spec({"model": {"name": "m"}, "security": {"certificateLifetime": bad}})
 
 
-def test_max_batch_tokens_moved_to_the_frontend_and_the_old_place_is_deprecated() -> None:
-    props = SPEC_SCHEMA["properties"]
-    assert props["stages"]["properties"]["maxBatchTokens"]["description"].startswith("Deprecated: use frontend.")
-    assert "default" not in props["stages"]["properties"]["maxBatchTokens"]  # so that a set value can be told apart
+def test_max_batch_tokens_is_the_frontends_and_the_removed_fields_are_ignored() -> None:
     assert S.parse_spec({"model": {"name": "m"}}).max_batch_tokens == 256
-    assert S.parse_spec({"model": {"name": "m"}, "stages": {"maxBatchTokens": 64}}).max_batch_tokens == 64
-    both = {"model": {"name": "m"}, "stages": {"maxBatchTokens": 64}, "frontend": {"maxBatchTokens": 1024}}
-    assert S.parse_spec(both).max_batch_tokens == 1024
+    assert S.parse_spec({"model": {"name": "m"}, "frontend": {"maxBatchTokens": 1024}}).max_batch_tokens == 1024
+    # stages.maxBatchTokens and frontend.replicas are gone from the CRD: the API server prunes them
+    # (test_cluster), and a spec that still carries them parses as if they were absent
+    props = SPEC_SCHEMA["properties"]
+    assert "maxBatchTokens" not in props["stages"]["properties"] and "replicas" not in props["frontend"]["properties"]
+    old = S.parse_spec({"model": {"name": "m"}, "stages": {"maxBatchTokens": 64}, "frontend": {"replicas": 3}})
+    assert old == S.parse_spec({"model": {"name": "m"}})
 
 
 def test_every_cel_rule_has_its_message_in_python() -> None:

@@ -52,7 +52,7 @@ def test_crd_shape() -> None:
     assert not {"frontendReplicas", "frontendSelector"} & set(status)
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert spec["replicas"]["default"] == 1 and spec["replicas"]["minimum"] == 0
-    assert "default" not in spec["frontend"]["properties"]["replicas"]  # deprecated: unset unless given
+    assert "replicas" not in spec["frontend"]["properties"]  # spec.replicas counts pipelines, each with one frontend
     assert spec["restartBudget"]["properties"]["restarts"]["default"] == 5
     assert spec["restartBudget"]["properties"]["windowSeconds"]["default"] == 600
 

@@ -35,7 +35,7 @@ def mesh(status: dict | None = None, generation: int = 1) -> dict:
 
 def _labels(name: str) -> dict[str, str]:
     """The labels the renderer gives a child of mesh `code` named `name` (code-p<k>-stage-<i>,
-    code-p<k>-frontend, code-router; code-stage-<i> / code-frontend: a legacy child, no pipeline label)."""
+    code-p<k>-frontend, code-router)."""
     labels = {N.LABEL_MESH: "code"}
     m = re.fullmatch(r"code(?:-p(\d+))?-(stage-(\d+)|frontend|router)", name)
     if m is None:
@@ -359,16 +359,12 @@ def test_frontend_ready_needs_the_router() -> None:
         ("False", "RouterNotReady")
 
 
-def test_observe_pipelines_groups_children_by_the_pipeline_label_and_legacy_ones_apart() -> None:
-    deps = [deployment(n, 1) for n in ("code-p0-stage-0", "code-p0-frontend", "code-p1-frontend",
-                                       "code-stage-0", "code-frontend", "code-router")]
-    found = observe_pipelines(deps, [pod("f", "frontend", pipeline=1), pod("old", "stage", 0, pipeline=None)])
-    assert sorted(found) == [-1, 0, 1]  # the router belongs to no pipeline; unlabelled children are LEGACY
+def test_observe_pipelines_groups_children_by_the_pipeline_label() -> None:
+    deps = [deployment(n, 1) for n in ("code-p0-stage-0", "code-p0-frontend", "code-p1-frontend", "code-router")]
+    found = observe_pipelines(deps, [pod("f", "frontend", pipeline=1), pod("unlabelled", "stage", 0, pipeline=None)])
+    assert sorted(found) == [0, 1]  # the router belongs to no pipeline, nor does a child without the label
     assert sorted(found[0].deployments) == ["code-p0-frontend", "code-p0-stage-0"] and found[0].revision == "rev1"
-    assert found[-1].revision == "" and sorted(found[-1].deployments) == ["code-frontend", "code-stage-0"]
     assert [p["metadata"]["name"] for p in found[1].frontend_pods] == ["f"]
-    assert [p["metadata"]["name"] for p in found[-1].stage_pods["0"]] == ["old"]
-
 
 def _empty_strings(value: object, path: str = "status") -> list[str]:
     if value == "":
@@ -380,18 +376,14 @@ def _empty_strings(value: object, path: str = "status") -> list[str]:
     return []
 
 
-def test_a_legacy_pipeline_is_outdated_and_the_status_holds_no_empty_string() -> None:
-    """Children from before pipelines (no pipeline label) are pipeline -1, of no revision. An empty
-    string anywhere in the status makes kube-apiserver 1.20's merge patch store null and refuse it all."""
-    legacy = {n: deployment(n, 1) for n in ("code-stage-0", "code-stage-1", "code-frontend")}
-    deps = {"code-router": deployment("code-router", 1), **legacy, **pipeline_deployments(0, False)}
-    st = compute_status(mesh(), SPEC, PLANNED, deps, [pod("s0", "stage", 0, pipeline=None)], "T1",
-                        decision=Decision(keep={0: True}, old=[-1]),
-                        windows={-1: RestartWindow("T0", 0, False), 0: RestartWindow("T0", 0, False)})
-    entry = next(p for p in st["pipelines"] if p["index"] == -1)
-    assert entry["state"] == "Outdated" and entry["name"] == "code" and "revision" not in entry
+def test_a_pipeline_with_no_object_yet_has_no_revision_and_the_status_holds_no_empty_string() -> None:
+    """An empty string anywhere in the status makes kube-apiserver 1.20's merge patch store null and
+    refuse it all."""
+    st = compute_status(mesh(), SPEC, PLANNED, {"code-router": deployment("code-router", 1)}, [], "T1",
+                        decision=Decision(keep={0: True}), windows={0: RestartWindow("T0", 0, False)})
+    (entry,) = st["pipelines"]
+    assert entry["state"] == "Progressing" and entry["name"] == "code-p0" and "revision" not in entry
     assert _empty_strings(st) == []
-
 
 def test_a_kept_pipeline_without_its_frontend_yet_is_progressing_not_draining() -> None:
     deps = {"code-router": deployment("code-router", 1), "code-p0-stage-0": deployment("code-p0-stage-0", 0),

@@ -20,7 +20,6 @@ from inferencemesh.operator.names import (
     base_name,
     router_name,
 )
-from inferencemesh.operator.pipelines import LEGACY
 from inferencemesh.operator.spec import MeshSpec
 
 FAILING_WAIT_REASONS = {
@@ -61,7 +60,7 @@ def pod_problem(pod: dict) -> str | None:
 
 @dataclass(frozen=True)
 class PipelineObserved:
-    """One pipeline's children as they exist (LEGACY: a mesh's children from before pipelines)."""
+    """One pipeline's children as they exist."""
 
     index: int
     revision: str
@@ -122,12 +121,12 @@ def _component(obj: dict) -> str:
 
 
 def pipeline_of(obj: dict) -> int | None:
-    """The pipeline a stage or frontend child belongs to (LEGACY without the label); None for others."""
+    """The pipeline a stage or frontend child belongs to (its pipeline label); None for others."""
     labels = obj["metadata"].get("labels") or {}
     if labels.get(LABEL_COMPONENT) not in ("stage", "frontend"):
         return None
     text = labels.get(LABEL_PIPELINE)
-    return LEGACY if text is None else int(text) if text.isdigit() else None
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def observe_pipelines(deployments: list[dict], pods: list[dict]) -> dict[int, PipelineObserved]:

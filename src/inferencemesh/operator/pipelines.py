@@ -18,14 +18,12 @@ model, image or plan is a new revision). The rules, each a guarantee a user can 
   its frontend scaled to zero, so nothing routes to it, while the others serve. It still takes its
   place among spec.replicas (a replacement of the same revision would most likely fail alike): a
   spec change replaces it, a scale-down removes it first, a reset of the budget lifts it.
-- Pipelines of the mesh before pipelines existed (no pipeline label: LEGACY) are an old revision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LEGACY = -1  # the index of a mesh's children from before pipelines (no pipeline label)
 MAX_SURGE = 1  # spec.rollout.maxSurge's default
 
 
@@ -34,7 +32,7 @@ class Live:
     """A pipeline as it exists: what the reconciler observed of it."""
 
     index: int
-    revision: str  # "" for LEGACY
+    revision: str
     has_frontend: bool  # its frontend Deployment exists (not being deleted)
     frontend_pods: int  # frontend pods still there (terminating ones included)
     ready: bool
@@ -102,7 +100,7 @@ def decide(replicas: int, revision: str, live: list[Live], max_surge: int = MAX_
     # index: else a refused frontend makes every reconcile remove one pipeline's stages and create
     # another's (a hot loop).
     new: list[int] = [p.index for p in sorted(going, key=lambda p: p.index)
-                      if p.frontend_pods == 0 and p.revision == revision and p.index != LEGACY][:max(0, missing)]
+                      if p.frontend_pods == 0 and p.revision == revision][:max(0, missing)]
     decision.remove = [i for i in decision.remove if i not in new]
     candidate = 0
     while len(new) < missing:

@@ -50,9 +50,8 @@ class Plan:
             "modelSource": self.model_source,
             "stages": [s.to_dict() for s in self.stages],
             "speculative": {"strategy": self.speculative.strategy, "reason": self.speculative.reason},
-            # only when set: plans made before the option keep their hash
-            **({"embeddedFirstStage": True} if self.embedded_first_stage else {}),
-            **({"maxMessageBytes": self.message_limit} if self.message_limit else {}),
+            "embeddedFirstStage": self.embedded_first_stage,
+            "maxMessageBytes": self.message_limit,
         }
 
     @property

@@ -37,8 +37,8 @@ from inferencemesh.operator.names import (
     tls_secret_name,
 )
 from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows
-from inferencemesh.operator.pipelines import LEGACY, Decision, Live, decide
-from inferencemesh.operator.planning import make_plan
+from inferencemesh.operator.pipelines import Decision, Live, decide
+from inferencemesh.operator.planning import Plan, make_plan
 from inferencemesh.operator.render import (
     RenderOptions,
     certificate_subjects,
@@ -117,6 +117,27 @@ def _ready_frontend_address(pods: list[dict], decision: Decision | None) -> str 
     return None
 
 
+def _left_alone(base: str, decision: Decision, owned: dict[str, dict],
+                live: dict[str, list[dict]]) -> tuple[set[tuple[str, str]], list[str]]:
+    """The children a converge leaves alone, and the leaving components whose certificates stay.
+    Pipelines of other revisions, and drained ones, keep their objects as they are (no spec renders
+    them any more) and their certificates; a drained one loses its frontend."""
+    leaving = set(decision.old) | set(decision.drain)
+    components = []
+    for i in sorted(leaving):
+        components += [n for n, d in owned.items() if pipeline_of(d) == i]
+        components.append(frontend_name(pipeline_prefix(base, i)))
+    protected = {(kind, o["metadata"]["name"]) for kind, objs in live.items() for o in objs
+                 if pipeline_of(o) in leaving
+                 and not (pipeline_of(o) in decision.drain and kind == "Deployment"
+                          and (o["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == "frontend")}
+    # Their pods mount these: kept even when the new revision brings its own Secret (mtlsSecretName).
+    protected |= {("Secret", tls_secret_name(c)) for c in components}
+    if components:
+        protected.add(("Secret", ca_secret_name(base)))
+    return protected, components
+
+
 class Reconciler:
     def __init__(self, kube: Kube, facts: ModelFacts | None = None, options: RenderOptions | None = None,
                  observe: Callable[[str], tuple[str, str] | None] = observed_strategy) -> None:
@@ -155,56 +176,22 @@ class Reconciler:
         else:
             assert spec is not None  # parsed
             outcome = self._plan(spec, result)
-        base = base_name(name)
-        selector = f"{LABEL_MESH}={base}"
+        selector = f"{LABEL_MESH}={base_name(name)}"
         live = {kind: self.kube.list(kind, namespace, selector) for kind in CHILD_KINDS}
-        uid = mesh["metadata"]["uid"]
         pods = self.kube.list("Pod", namespace, selector)
         decision: Decision | None = None
         windows: dict[int, RestartWindow] | None = None
         if spec is not None and outcome.plan is not None:
-            plan = outcome.plan
-            owned = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
-            observed = Observed.of(mesh, owned, pods)
-            windows = pipeline_windows(mesh, spec, observed, _now())
-            revision = pipeline_revision(mesh, spec, plan, self.options)
-            decision = decide(spec.replicas, revision, [
-                Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.ready, windows[i].failed)
-                for i, p in observed.pipelines.items()], spec.rollout.max_surge)
-            # Pipelines of other revisions, and drained ones, keep their objects as they are (no
-            # spec renders them any more) and their certificates; a drained one loses its frontend.
-            leaving = set(decision.old) | set(decision.drain)
-            leaving_components = []
-            for i in sorted(leaving):
-                leaving_components += [n for n, d in owned.items() if pipeline_of(d) == i]
-                leaving_components.append(frontend_name(base if i == LEGACY else pipeline_prefix(base, i)))
-            components = [c for i in decision.keep for c in pipeline_components(plan, pipeline_prefix(base, i))]
-            protected = {(kind, o["metadata"]["name"]) for kind, objs in live.items() for o in objs
-                         if pipeline_of(o) in leaving
-                         and not (pipeline_of(o) in decision.drain and kind == "Deployment"
-                                  and (o["metadata"].get("labels") or {}).get(LABEL_COMPONENT) == "frontend")}
-            # Their pods mount these: kept even when the new revision brings its own Secret (mtlsSecretName).
-            protected |= {("Secret", tls_secret_name(c)) for c in leaving_components}
-            if leaving_components:
-                protected.add(("Secret", ca_secret_name(base)))
-            certificates = self._certificates(mesh, spec, list(dict.fromkeys(components + leaving_components)),
-                                              live["Secret"], result)
-            try:
-                self._converge(mesh, render_children(mesh, spec, plan, self.options, certificates, decision.keep,
-                                                     revision), live, result, protected)
-            except ChildConflict as exc:
-                outcome = PlanOutcome(None, "False", "ChildConflict", str(exc))
-            except ChildRejected as exc:
-                outcome = PlanOutcome(None, "False", "InvalidChild", str(exc))
+            decision, windows, refused = self._run_pipelines(mesh, spec, outcome.plan, live, pods, result)
+            if refused is not None:
+                outcome = refused
             else:
                 live["Deployment"] = self.kube.list("Deployment", namespace, selector)
                 pods = self.kube.list("Pod", namespace, selector)
-            if decision.drain or decision.remove:  # the frontend's pods going: look again soon
-                result.again_within(DRAIN_POLL_SECONDS)
-        deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, uid)}
+        deployments = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
         self._hold_for_frontends(namespace, deployments, pods, result)
         speculative = None
-        if spec is not None and outcome.plan is not None:
+        if outcome.plan is not None:
             address = _ready_frontend_address(pods, decision)
             if address is not None:
                 speculative = self.observe(f"http://{address}:{FRONTEND_PORT}/metrics")
@@ -213,6 +200,33 @@ class Reconciler:
         self._write_status(mesh, status, result)
         result.phase = status["phase"]
         return result
+
+    def _run_pipelines(self, mesh: dict, spec: MeshSpec, plan: Plan, live: dict[str, list[dict]], pods: list[dict],
+                       result: Result) -> tuple[Decision, dict[int, RestartWindow], PlanOutcome | None]:
+        """Observe the pipelines, decide which run, converge the children: the decision, each pipeline
+        against its restart budget, and the outcome that replaces the plan's when a child is refused."""
+        base = base_name(mesh["metadata"]["name"])
+        owned = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
+        observed = Observed.of(mesh, owned, pods)
+        windows = pipeline_windows(mesh, spec, observed, _now())
+        revision = pipeline_revision(mesh, spec, plan, self.options)
+        decision = decide(spec.replicas, revision, [
+            Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.ready, windows[i].failed)
+            for i, p in observed.pipelines.items()], spec.rollout.max_surge)
+        protected, leaving_components = _left_alone(base, decision, owned, live)
+        components = [c for i in decision.keep for c in pipeline_components(plan, pipeline_prefix(base, i))]
+        certificates = self._certificates(mesh, spec, list(dict.fromkeys(components + leaving_components)),
+                                          live["Secret"], result)
+        if decision.drain or decision.remove:  # the frontend's pods going: look again soon
+            result.again_within(DRAIN_POLL_SECONDS)
+        children = render_children(mesh, spec, plan, self.options, certificates, decision.keep, revision)
+        try:
+            self._converge(mesh, children, live, result, protected)
+        except ChildConflict as exc:
+            return decision, windows, PlanOutcome(None, "False", "ChildConflict", str(exc))
+        except ChildRejected as exc:
+            return decision, windows, PlanOutcome(None, "False", "InvalidChild", str(exc))
+        return decision, windows, None
 
     def _plan(self, spec: MeshSpec, result: Result) -> PlanOutcome:
         errors = validate(spec)
@@ -232,9 +246,6 @@ class Reconciler:
             return PlanOutcome(None, "False", "ModelUnreadable", f"{type(exc).__name__}: {exc}")
         ranges = ", ".join(f"[{s.layer_start}, {s.layer_end})" for s in plan.stages)
         note = f"; {plan.note}" if plan.note else ""
-        if spec.frontend.replicas is not None:
-            note += (f"; frontend.replicas ({spec.frontend.replicas}) is deprecated and has no effect: each pipeline "
-                     f"has one frontend, and spec.replicas ({spec.replicas}) counts pipelines")
         return PlanOutcome(plan, "True", "Planned",
                            f"{len(plan.stages)} stages, layers {ranges} ({info.source} model){note}")
 

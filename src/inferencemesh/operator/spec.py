@@ -94,7 +94,6 @@ class StagesSpec(_Spec):
     ranges: tuple[LayerRange, ...] | None = None  # None: absent (an empty list is present, and wrong)
     gpus: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_batch_tokens: int | None = None  # deprecated: FrontendSpec.max_batch_tokens (MeshSpec.max_batch_tokens)
     resources: dict[str, Any] = {}
     node_selector: dict[str, str] = {}
     tolerations: tuple[dict[str, Any], ...] = ()
@@ -117,11 +116,8 @@ class SecretKeyRef(_Spec):
 
 
 class FrontendSpec(_Spec):
-    max_batch_tokens: int | None = None  # unset: stages.maxBatchTokens (deprecated), else DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int | None = None  # unset: the frontend's default (MeshSpec.max_batch_tokens)
     embed_first_stage: bool = False  # stage 0 runs in the frontend pod, which takes stage 0's place
-    # Deprecated, no effect: frontends sharing one set of stages. Each pipeline has one frontend;
-    # spec.replicas counts pipelines. Kept so that objects written before still parse.
-    replicas: int | None = None
     drain_timeout_seconds: int = Field(default=30, ge=0, le=3600)  # in-flight requests finish within this after SIGTERM
     pre_stop_seconds: int = Field(default=5, ge=0, le=300)  # first the pod stays up this long: endpoints forget it
     service: ServiceSpec = ServiceSpec()
@@ -243,12 +239,9 @@ class MeshSpec(_Spec):
 
     @property
     def max_batch_tokens(self) -> int:
-        """The frontend's microbatch budget: frontend.maxBatchTokens, else the deprecated
-        stages.maxBatchTokens (meshes written before it moved), else the frontend's default."""
-        for value in (self.frontend.max_batch_tokens, self.stages.max_batch_tokens):
-            if value is not None:
-                return value
-        return DEFAULT_MAX_BATCH_TOKENS
+        """The frontend's microbatch budget: frontend.maxBatchTokens, else the frontend's own default."""
+        given = self.frontend.max_batch_tokens
+        return DEFAULT_MAX_BATCH_TOKENS if given is None else given
 
     @property
     def mtls_secret(self) -> str | None:

@@ -43,7 +43,7 @@ from inferencemesh.operator.observe import (
     pod_problem,
     reset_value,
 )
-from inferencemesh.operator.pipelines import LEGACY, Decision
+from inferencemesh.operator.pipelines import Decision
 from inferencemesh.operator.planning import Plan
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.speculation import SpeculativeChoice
@@ -226,9 +226,9 @@ def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: Resta
         state, message = "Degraded", "; ".join(problems[:2])
     else:
         state, message = "Progressing", _pending_reason(p.pods) if p.pods else "starting"
-    entry = {"index": index, "name": obs.base if index == LEGACY else pipeline_prefix(obs.base, index),
-             # A LEGACY pipeline has no revision: leave the key out, never "" (kube-apiserver 1.20's merge
-             # patch stores "" as null and refuses the whole status: see stage_entries).
+    entry = {"index": index, "name": pipeline_prefix(obs.base, index),
+             # A pipeline with no object yet has no revision: leave the key out, never "" (kube-apiserver
+             # 1.20's merge patch stores "" as null and refuses the whole status: see stage_entries).
              **({"revision": p.revision} if p.revision else {}),
              "state": state, "ready": p.ready and state not in ("Failed", "Draining"),
              "message": message, "restarts": p.restarts}
