@@ -1,8 +1,8 @@
 """A stage inside another process, called directly: no socket, no serialisation, no process.
 
 LocalStage is the stage's side of the frontend's hop interface (inferencemesh.frontend.engine.hops.Hop:
-connect, open_stream, serving, info, close). The frontend embeds the first stage this way (the
-seeds' "stage 0 + OpenAI frontend": one hop and one process fewer per token), and an in-process
+connect, open_stream, serving, info, close). The frontend embeds the first stage this way (stage
+0 runs in the OpenAI frontend's process: one hop and one process fewer per token), and an in-process
 pipeline (benchmarks, tests) chains every stage this way. Its batches go through the very
 StageStream and StageService a stage process runs (sessions, FORK and RELEASE, the stream to
 the next stage), so an embedded stage answers as a process does.
