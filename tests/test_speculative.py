@@ -1,20 +1,28 @@
-"""Speculative decoding over the split pipeline: exact for greedy, resolved from the package."""
+"""Speculative decoding over the split pipeline: exact for greedy, resolved from the package.
+
+An exactness test proves something only if drafts were verified and accepted: each one reads the
+frontend's metrics and asserts that every strategy but "none" ran VERIFY rounds whose drafts the
+target kept (and "none" never did)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mesh_helpers import collect, generate, start_mesh
+from mesh_helpers import collect, start_mesh
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.metrics import MODEL_LABEL, PREFIX, FrontendMetrics
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
-from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.proposers.build import Speculation, resolve_speculation
 from inferencemesh.frontend.engine.proposers.ngram import AutoProposer, favourable_prompt, ngram_lookup
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
@@ -37,38 +45,90 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def setups(tokenizer) -> dict:
+def setups(tokenizer) -> dict[str, Speculation]:
     return {name: resolve(TARGET, tokenizer, speculative=name) for name in
             ("none", "ngram", "draft", "auto")}
 
 
-def run_all(pipeline_factory, setups, prompt: list[int], new_tokens: int = 40) -> dict[str, list[int]]:
-    return {name: generate(pipeline_factory(), prompt, new_tokens, proposer_for=s.proposer_for, max_context=512,
-                           temperature=0.0) for name, s in setups.items()}
+@dataclass(frozen=True)
+class Rounds:
+    """What a strategy's requests did, as the frontend's metrics count it."""
+
+    verify: float = 0.0  # engine steps that VERIFYed drafts
+    proposed: float = 0.0  # draft tokens sent for verification
+    accepted: float = 0.0  # of them, kept by the target
+
+    def __add__(self, other: Rounds) -> Rounds:
+        return Rounds(self.verify + other.verify, self.proposed + other.proposed, self.accepted + other.accepted)
+
+    @classmethod
+    def counted(cls, metrics: FrontendMetrics) -> Rounds:
+        def sample(name: str, **labels: str) -> float:
+            return metrics.registry.get_sample_value(PREFIX + name, {MODEL_LABEL: metrics.model, **labels}) or 0.0
+
+        return cls(sample("step_pipeline_seconds_count", kind="verify"), sample("spec_decode_num_draft_tokens_total"),
+                   sample("spec_decode_num_accepted_tokens_total"))
+
+
+def assert_speculated(name: str, rounds: Iterable[Rounds]) -> None:
+    """Strategy `name` ran verify rounds whose drafts were accepted (over all its `rounds`), or,
+    for "none", never verified anything."""
+    total = sum(rounds, Rounds())
+    if name == "none":
+        assert total == Rounds(), total
+    else:
+        assert total.verify > 0 and total.proposed > 0 and total.accepted > 0, f"{name} speculated nothing: {total}"
+
+
+def engine_for(pipeline, setup: Speculation, metrics: FrontendMetrics) -> PipelineEngine:
+    """An engine proposing with `setup` even under load, counting into `metrics`."""
+    return PipelineEngine(pipeline, EngineOptions("t", max_context=512, speculative_disable_by_batch_size=0),
+                          proposer_for=setup.with_metrics(metrics).proposer_for, metrics=metrics)
+
+
+def generate_counted(pipeline, setup: Speculation, prompt: list[int], new_tokens: int) -> tuple[list[int], Rounds]:
+    """One greedy request through a pipeline (closed afterwards): its tokens and its rounds."""
+    metrics = FrontendMetrics("t")
+
+    async def go() -> list[int]:
+        engine = engine_for(pipeline, setup, metrics)
+        try:
+            return await collect(engine, prompt, new_tokens, temperature=0.0)
+        finally:
+            await engine.close()
+
+    return asyncio.run(go()), Rounds.counted(metrics)
+
+
+def run_all(pipeline_factory, setups: dict[str, Speculation], prompt: list[int],
+            new_tokens: int = 40) -> dict[str, tuple[list[int], Rounds]]:
+    return {name: generate_counted(pipeline_factory(), setup, prompt, new_tokens) for name, setup in setups.items()}
 
 
 def test_every_strategy_is_exact_in_process(tokenizer, setups) -> None:
     assert setups["draft"].strategy == "draft", setups["draft"].reason
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
+    rounds: dict[str, list[Rounds]] = {name: [] for name in setups}
     for text in (CODE, PROSE):
         outputs = run_all(lambda: in_process_pipeline([runtime]), setups, tokenizer(text).input_ids)
-        assert all(out == outputs["none"] for out in outputs.values()), outputs
+        assert all(tokens == outputs["none"][0] for tokens, _ in outputs.values()), outputs
+        for name, (_, counted) in outputs.items():
+            rounds[name].append(counted)
+    for name, counted_rounds in rounds.items():
+        assert_speculated(name, counted_rounds)
 
 
 def test_every_strategy_is_exact_when_the_prefix_cache_serves_a_conversation(tokenizer, setups) -> None:
     """Each turn forks the conversation so far from the prefix cache: proposers keep their own
     state, so every strategy answers as without the cache and without speculation."""
-    from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
-    from inferencemesh.frontend.engine.metrics import FrontendMetrics
-
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     turns = [tokenizer(PROSE).input_ids, tokenizer(CODE[20:]).input_ids]
 
-    async def conversation(setup, cache: bool) -> tuple[list[list[int]], float]:
+    async def conversation(setup: Speculation, cache: bool) -> tuple[list[list[int]], float, Rounds]:
         metrics = FrontendMetrics("t")
         engine = PipelineEngine(in_process_pipeline([runtime]), EngineOptions(
             "t", max_context=512, prefix_cache=cache, speculative_disable_by_batch_size=0),
-            proposer_for=setup.proposer_for, metrics=metrics)
+            proposer_for=setup.with_metrics(metrics).proposer_for, metrics=metrics)
         history, answers = tokenizer(CODE).input_ids, []
         try:
             for turn in turns:
@@ -77,14 +137,15 @@ def test_every_strategy_is_exact_when_the_prefix_cache_serves_a_conversation(tok
             answers.append(await collect(engine, history, 16, temperature=0.0))
         finally:
             await engine.close()
-        hits = metrics.registry.get_sample_value("inferencemesh_prefix_cache_hits_total", {"model_name": "t"})
-        return answers, hits or 0.0
+        hits = metrics.registry.get_sample_value(PREFIX + "prefix_cache_hits_total", {MODEL_LABEL: "t"})
+        return answers, hits or 0.0, Rounds.counted(metrics)
 
-    expected, _ = asyncio.run(conversation(setups["none"], cache=False))
+    expected, _, _ = asyncio.run(conversation(setups["none"], cache=False))
     for name, setup in setups.items():
-        answers, hits = asyncio.run(conversation(setup, cache=True))
+        answers, hits, rounds = asyncio.run(conversation(setup, cache=True))
         assert answers == expected, name
         assert hits > 0, name
+        assert_speculated(name, [rounds])
 
 
 @pytest.mark.slow
@@ -92,13 +153,15 @@ def test_every_strategy_is_exact_when_the_prefix_cache_serves_a_conversation(tok
 def test_every_strategy_is_exact_across_stages(tokenizer, setups, stages: int) -> None:
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     prompt = tokenizer(CODE).input_ids
-    expected = generate(in_process_pipeline([runtime]), prompt, 40, max_context=512, temperature=0.0)
+    expected, _ = generate_counted(in_process_pipeline([runtime]), setups["none"], prompt, 40)
     mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32")
     try:
         outputs = run_all(lambda: GrpcPipeline(mesh.addresses), setups, prompt)
     finally:
         mesh.stop()
-    assert outputs == {name: expected for name in setups}
+    assert {name: tokens for name, (tokens, _) in outputs.items()} == {name: expected for name in setups}
+    for name, (_, rounds) in outputs.items():
+        assert_speculated(name, [rounds])
 
 
 def test_package_default_is_the_declared_draft(tokenizer) -> None:
@@ -161,29 +224,28 @@ def test_every_strategy_is_exact_for_concurrent_streams_with_the_first_stage_emb
                                                                                       stages: int) -> None:
     """Four streams at once, speculating even under load, through microbatches with stage 0 in
     this process: each stream's greedy tokens are its solo in-process run's, for every strategy."""
-    import asyncio
-
-    from mesh_helpers import collect, embedded_pipeline
-
-    from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+    from mesh_helpers import embedded_pipeline
 
     runtime = StageRuntime(TARGET, 0, 8, dtype="float32", max_context=512)
     prompts = [tokenizer(text).input_ids for text in (CODE, PROSE, CODE[40:], PROSE[10:])]
-    expected = [generate(in_process_pipeline([runtime]), p, 24, max_context=512, temperature=0.0) for p in prompts]
+    expected = [generate_counted(in_process_pipeline([runtime]), setups["none"], p, 24)[0] for p in prompts]
     mesh = start_mesh(TARGET, stages, max_context=512, dtype="float32", embed_first=True)
 
-    async def together(setup) -> list[list[int]]:
+    async def together(setup: Speculation) -> tuple[list[list[int]], Rounds]:
         pipeline = embedded_pipeline(TARGET, mesh, max_context=512, dtype="float32")
         assert await pipeline.wait_ready(60)
-        engine = PipelineEngine(pipeline, EngineOptions("t", max_context=512, speculative_disable_by_batch_size=0),
-                                proposer_for=setup.proposer_for)
+        metrics = FrontendMetrics("t")
+        engine = engine_for(pipeline, setup, metrics)
         try:
-            return list(await asyncio.gather(*(collect(engine, p, 24, temperature=0.0) for p in prompts)))
+            outputs = list(await asyncio.gather(*(collect(engine, p, 24, temperature=0.0) for p in prompts)))
         finally:
             await engine.close()
+        return outputs, Rounds.counted(metrics)
 
     try:
         outputs = {name: asyncio.run(together(setup)) for name, setup in setups.items()}
     finally:
         mesh.stop()
-    assert outputs == {name: expected for name in setups}
+    assert {name: tokens for name, (tokens, _) in outputs.items()} == {name: expected for name in setups}
+    for name, (_, rounds) in outputs.items():
+        assert_speculated(name, [rounds])
