@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def test_parse_bytes() -> None:
 def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
     from tiny_models import write_tiny_model
 
-    from inferencemesh.checkpoint import read_local
+    from inferencemesh.checkpoint.read import read_local
 
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.bfloat16)
     facts = read_local(model)
@@ -140,17 +141,19 @@ def _bundled_draft_bytes(context: int, sessions: int) -> int:
 
 def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
     from inferencemesh.config import ServeConfig
-    from inferencemesh.programs.plan import first_stage_reserve, plan_from_settings
+    from inferencemesh.programs.plan import plan_from_settings
 
     def settings(**fields: object) -> ServeConfig:
         return ServeConfig(device="cpu", max_context=256, max_sessions=4, **fields)
 
-    model = resolve_model(None)  # the bundled target, whose package declares the bundled draft
-    want = _bundled_draft_bytes(256, 4)
-    assert first_stage_reserve(settings(), model) == want  # serve embeds by default
-    assert first_stage_reserve(settings(embed_first_stage=False), model) == 0
-    assert first_stage_reserve(settings(speculative="ngram"), model) == 0  # no draft runs
-    assert first_stage_reserve(settings(no_draft=True), model) == 0
+    def reserved(config: ServeConfig) -> int:
+        return plan_from_settings(config)[2][0].reserved_bytes
+
+    want = _bundled_draft_bytes(256, 4)  # the bundled target's package declares the bundled draft
+    assert reserved(settings()) == want  # serve embeds by default
+    assert reserved(settings(embed_first_stage=False)) == 0
+    assert reserved(settings(speculative="ngram")) == 0  # no draft runs
+    assert reserved(settings(no_draft=True)) == 0
     # the plan serve runs carries it on stage 0
     _, _, plan = plan_from_settings(settings())
     assert plan[0].reserved_bytes == want and all(s.reserved_bytes == 0 for s in plan[1:])
@@ -165,8 +168,54 @@ def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
 
 def test_an_unreadable_draft_reserves_nothing(tmp_path, capsys) -> None:
     from inferencemesh.config import ServeConfig
-    from inferencemesh.programs.plan import first_stage_reserve
+    from inferencemesh.programs.plan import plan_from_settings
 
     config = ServeConfig(device="cpu", draft=str(tmp_path / "no-such-draft"))
-    assert first_stage_reserve(config, resolve_model(None)) == 0
+    assert plan_from_settings(config)[2][0].reserved_bytes == 0
     assert "no room for it" in capsys.readouterr().err
+
+
+# ---- serve and the operator: one plan assembler --------------------------------------------------
+
+SAME_REQUESTS = [  # (serve's flags, the spec's fields saying the same)
+    ({"stages": 2}, {"stages": {"count": 2}}),
+    ({"stages": 3, "embed_first_stage": False}, {"stages": {"count": 3}}),
+    ({"stages": 2, "embed_first_stage": True}, {"stages": {"count": 2}, "frontend": {"embedFirstStage": True}}),
+    ({"stages": 2, "embed_first_stage": True, "speculative": "ngram"},
+     {"stages": {"count": 2}, "frontend": {"embedFirstStage": True}, "speculative": {"strategy": "ngram"}}),
+    ({"stages": 2, "embed_first_stage": True, "no_draft": True},
+     {"stages": {"count": 2}, "frontend": {"embedFirstStage": True}, "speculative": {"noDraft": True}}),
+    ({"stages": "auto", "stage_memory": "320Mi", "embed_first_stage": True},
+     {"stages": {"count": "auto", "memory": ["320Mi"]}, "frontend": {"embedFirstStage": True}}),
+    ({"stages": 2, "stage_memory": "300Mi,400Mi", "prefix_cache_tokens": 512},
+     {"stages": {"count": 2, "memory": ["300Mi", "400Mi"]}, "prefixCacheTokens": 512}),
+]
+
+
+@pytest.mark.parametrize(("flags", "fields"), SAME_REQUESTS)
+def test_serve_and_the_operator_make_the_same_plan(flags: dict, fields: dict) -> None:
+    """`serve` and the operator, asked the same of the bundled model (CPU stages, float32), make
+    the same plan through the one assembler: the same ranges and bytes, the same draft reserved
+    beside an embedded first stage, the same speculative choice."""
+    from dataclasses import replace
+
+    from inferencemesh.config import ServeConfig
+    from inferencemesh.operator.modelfacts import ModelFacts
+    from inferencemesh.operator.planning import make_plan
+    from inferencemesh.operator.planning import plan_request as spec_request
+    from inferencemesh.operator.spec import parse_spec
+    from inferencemesh.programs.plan import plan_from_settings, plan_request
+
+    common = {"device": "cpu", "dtype": "float32", "max_context": 256, "max_sessions": 4}
+    flags = {"embed_first_stage": False, **flags}
+    config = ServeConfig(**common, **flags)
+    _, _, served = plan_from_settings(config)
+    stages = {"gpus": 0, "device": "cpu", **fields.get("stages", {})}
+    spec = parse_spec({"model": {"name": "bundled://imesh-code-target", "dtype": "float32"}, "contextLength": 256,
+                       "maxSessions": 4, **fields, "stages": stages})
+    planned = make_plan(spec, ModelFacts().info(spec))
+    assert list(planned.stages) == served
+    assert planned.embedded_first_stage == config.embed_first_stage
+    # the two requests differ only where the operator bounds its work
+    assert replace(spec_request(spec), max_auto_stages=64) == plan_request(config)
+    assert planned.speculative.strategy == plan_request(config).speculative_choice(Path(resolve_model(None))).strategy

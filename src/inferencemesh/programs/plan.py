@@ -9,40 +9,12 @@ from pathlib import Path
 import yaml
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, read_checkpoint
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.read import read_checkpoint
 from inferencemesh.config import PlanConfig, ServeConfig
-from inferencemesh.planner import (
-    PlanError,
-    PlanInputs,
-    StagePlan,
-    parse_bytes,
-    plan_auto,
-    plan_stages,
-    render_plan,
-)
-from inferencemesh.planner import first_stage_reserve as planner_first_stage_reserve
-from inferencemesh.speculation import choose_for_model
-
-
-def plan_for(facts: CheckpointFacts, *, stages: str | int, stage_memory: str | None, dtype: str | None,
-             context_length: int, max_sessions: int, prefix_cache_tokens: int = 0, on_cpu: bool = False,
-             first_stage_reserved_bytes: int = 0) -> list[StagePlan]:
-    """The plan `serve` and `plan` share: stages is a count or 'auto' (needs stage_memory); on_cpu:
-    the stages compute on this machine's CPU (the dtype auto chooses there, a float32 KV cache);
-    first_stage_reserved_bytes: what stage 0's process holds beside its layers (first_stage_reserve)."""
-    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=context_length, max_sessions=max_sessions,
-                                        prefix_cache_tokens=prefix_cache_tokens, on_cpu=on_cpu,
-                                        first_stage_reserved_bytes=first_stage_reserved_bytes)
-    memory = [parse_bytes(m) for m in stage_memory.split(",")] if stage_memory else None
-    if str(stages) == "auto":
-        if not memory or len(memory) != 1:
-            raise PlanError("--stages auto needs exactly one --stage-memory size (the memory of each stage)")
-        return plan_auto(inputs, memory[0])
-    try:
-        count = int(stages)
-    except ValueError as err:
-        raise PlanError(f"--stages must be a number or auto, not {stages!r}") from err
-    return plan_stages(inputs, count, memory)
+from inferencemesh.plan_assembly import PlanRequest, assemble_plan
+from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes, render_plan
 
 
 def _on_cpu(device: str | None) -> bool:
@@ -53,36 +25,44 @@ def _on_cpu(device: str | None) -> bool:
     return device == "cpu"
 
 
-def first_stage_reserve(settings: ServeConfig | PlanConfig, model: str) -> int:
-    """Bytes the first stage's process holds beside its layers (planner.first_stage_reserve, the
-    rule the operator applies too), for the resolved `model`; an unreadable draft is noted on stderr."""
-    choice = choose_for_model(Path(model) if Path(model).is_dir() else None, strategy=settings.speculative,
-                              draft=settings.draft, no_draft=settings.no_draft)
-    reserve = planner_first_stage_reserve(
-        choice, lambda draft: read_checkpoint(resolve_model(draft)), embed_first_stage=settings.embed_first_stage,
-        dtype=settings.dtype, on_cpu=_on_cpu(settings.device), context_length=settings.max_context,
-        max_sessions=settings.max_sessions)
-    if reserve.draft_unreadable:
-        print(f"note: {reserve.note}", file=sys.stderr)
-    return reserve.bytes
+def plan_request(settings: ServeConfig | PlanConfig) -> PlanRequest:
+    """`serve`'s or `plan`'s flags (the same fields) in the plan assembler's terms. The window is
+    left out: it shapes only how the frontend speculates, never what the plan holds."""
+    memory = tuple(parse_bytes(m) for m in settings.stage_memory.split(",")) if settings.stage_memory else ()
+    stages: int | str = str(settings.stages)
+    if stages == "auto" and len(memory) != 1:
+        raise PlanError("--stages auto needs exactly one --stage-memory size (the memory of each stage)")
+    if stages != "auto":
+        try:
+            stages = int(stages)
+        except ValueError as err:
+            raise PlanError(f"--stages must be a number or auto, not {stages!r}") from err
+    return PlanRequest(stages=stages, memory=memory, embed_first_stage=settings.embed_first_stage,
+                       dtype=settings.dtype, on_cpu=_on_cpu(settings.device), context_length=settings.max_context,
+                       max_sessions=settings.max_sessions, strategy=settings.speculative, draft=settings.draft,
+                       no_draft=settings.no_draft)
 
 
 def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, CheckpointFacts, list[StagePlan]]:
     """The model (resolved), its checkpoint's facts and its plan for `serve`'s or `plan`'s config
-    (the same fields). A model that cannot be planned ends the program: exit status 2, after one
-    line saying why."""
+    (plan_assembly.assemble_plan, as the operator plans a mesh). A model that cannot be planned
+    ends the program: exit status 2, after one line saying why; an unreadable draft is noted on
+    stderr (stage 0 then holds no room for it)."""
     model = resolve_model(settings.model)
     try:
         facts = read_checkpoint(model, revision=settings.revision)
-        return model, facts, plan_for(facts, stages=settings.stages, stage_memory=settings.stage_memory,
-                                      dtype=settings.dtype, context_length=settings.max_context,
-                                      max_sessions=settings.max_sessions,
-                                      prefix_cache_tokens=settings.prefix_cache_tokens,
-                                      on_cpu=_on_cpu(settings.device),
-                                      first_stage_reserved_bytes=first_stage_reserve(settings, model))
+        request = plan_request(settings)
+        inputs = PlanInputs.from_checkpoint(facts, dtype=request.dtype, context_length=request.context_length,
+                                            max_sessions=request.max_sessions,
+                                            prefix_cache_tokens=settings.prefix_cache_tokens, on_cpu=request.on_cpu)
+        plan = assemble_plan(inputs, request, model_dir=Path(model) if Path(model).is_dir() else None,
+                             read_draft=lambda draft: read_checkpoint(resolve_model(draft)))
     except (PlanError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if plan.reserve.draft_unreadable:
+        print(f"note: {plan.reserve.note}", file=sys.stderr)
+    return model, facts, list(plan.stages)
 
 
 def run_plan(config: PlanConfig) -> int:
