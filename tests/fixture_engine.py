@@ -44,7 +44,7 @@ from transformers import (
 
 from inferencemesh.bundled import bundled_path
 from inferencemesh.frontend.engine.api import (
-    Choice,
+    ChoiceStream,
     ContextLengthExceeded,
     EngineError,
     EngineOverloaded,
@@ -102,10 +102,10 @@ class TransformersEngine:
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         return single_choice(self, request)
 
-    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
         return await self.generate_batch([request], n)
 
-    async def generate_batch(self, requests: list[GenerationRequest], n: int) -> list[Choice]:
+    async def generate_batch(self, requests: list[GenerationRequest], n: int) -> list[ChoiceStream]:
         """Every request's n choices, admitted together or refused (no queue: beyond the limit, 429)."""
         if not self.ready:
             raise EngineNotReady("the engine is not ready")
@@ -121,7 +121,7 @@ class TransformersEngine:
                                      param=request.constrained.constraint.param)
             if len(request.prompt_ids) + request.max_tokens > self.max_context:
                 raise ContextLengthExceeded(f"{len(request.prompt_ids)} + {request.max_tokens} > {self.max_context}")
-        started: list[Choice] = []
+        started: list[ChoiceStream] = []
         try:
             for request in requests:
                 started += await self._start(request, n)
@@ -131,7 +131,7 @@ class TransformersEngine:
             raise
         return started
 
-    async def _start(self, request: GenerationRequest, n: int) -> list[Choice]:
+    async def _start(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
         self.open_sessions += n
         self.peak_sessions = max(self.peak_sessions, self.open_sessions)
         try:
@@ -150,7 +150,7 @@ class TransformersEngine:
             produced = [0]
             steps = self._decode(replace(request, seed=choice_seed(seed, j)), session if j == 0 else session.fork(),
                                  rows[-1], prompt_logprobs, produced)
-            choices.append(Choice(steps, lambda name=name, produced=produced: self._release(name, produced[0])))
+            choices.append(ChoiceStream(steps, lambda name=name, produced=produced: self._release(name, produced[0])))
         return choices
 
     async def _release(self, name: str, produced: int) -> None:

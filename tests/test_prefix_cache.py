@@ -19,7 +19,7 @@ from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
-from inferencemesh.frontend.engine.prefix_cache import PrefixIndex, common_prefix
+from inferencemesh.frontend.engine.prefix_cache import PrefixEntries, common_prefix
 from inferencemesh.stage.sessions import SessionsFull, SessionTable
 
 SESSIONS = 4  # per stage, live and kept together: eviction is exercised
@@ -30,7 +30,7 @@ SYSTEM = [(17 * i + 5) % 250 + 3 for i in range(40)]  # a shared "system prompt"
 
 
 def test_the_index_finds_the_longest_shared_prefix_and_leaves_one_token_to_compute() -> None:
-    index = PrefixIndex(capacity=100, min_reuse=4)
+    index = PrefixEntries(capacity=100, min_reuse=4)
     index.add("a", SYSTEM[:20])
     index.add("b", SYSTEM[:30] + [1, 2, 3])
     match = index.match(SYSTEM[:30] + [1, 2, 9])
@@ -41,7 +41,7 @@ def test_the_index_finds_the_longest_shared_prefix_and_leaves_one_token_to_compu
 
 
 def test_a_later_turn_replaces_its_earlier_one_and_capacity_drops_the_least_recently_used() -> None:
-    index = PrefixIndex(capacity=50, min_reuse=4)  # token positions: turn-2 (30) and one of 20
+    index = PrefixEntries(capacity=50, min_reuse=4)  # token positions: turn-2 (30) and one of 20
     index.add("turn-1", SYSTEM[:20])
     index.add("turn-2", SYSTEM[:30])  # turn 1's tokens are a prefix of turn 2's
     assert len(index) == 1 and index.match(SYSTEM[:25] + [0]).session_id == "turn-2"

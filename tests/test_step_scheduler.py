@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from inferencemesh.frontend.engine.scheduler import PipelineSession, StepScheduler, next_microbatch
+from inferencemesh.frontend.engine.scheduler import ScheduledSession, StepScheduler, next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.protocol.transport import expects_ack, expects_prediction
@@ -111,7 +111,7 @@ def test_no_more_microbatches_in_flight_than_the_limit_and_each_sessions_frames_
     async def go() -> ScriptedStage:
         stage = ScriptedStage()
         scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
-        session = PipelineSession(scheduler, "a", step_timeout=5)
+        session = ScheduledSession(scheduler, "a", step_timeout=5)
         stage.holding = True
         for seq in range(1, 6):  # prompt chunks that want no answer: one session's frames, one per batch
             await session.send(chunk("a", seq))
@@ -133,7 +133,7 @@ def test_a_broken_stream_fails_its_sessions_at_once_with_the_stages_status() -> 
     async def go() -> None:
         stage = ScriptedStage()
         scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
-        session = PipelineSession(scheduler, "a", step_timeout=30)
+        session = ScheduledSession(scheduler, "a", step_timeout=30)
         stage.holding = True
         waiting = asyncio.create_task(session.send(chunk("a", 1, want=True)))
         await asyncio.sleep(0.05)
@@ -142,7 +142,7 @@ def test_a_broken_stream_fails_its_sessions_at_once_with_the_stages_status() -> 
             await asyncio.wait_for(waiting, 2)
         assert lost.value.code == grpc.StatusCode.UNAVAILABLE and scheduler.failure is lost.value
         with pytest.raises(PipelineError):  # and nothing more goes out on it
-            await PipelineSession(scheduler, "b", step_timeout=30).send(chunk("b", 1, want=True))
+            await ScheduledSession(scheduler, "b", step_timeout=30).send(chunk("b", 1, want=True))
 
     asyncio.run(go())
 
@@ -163,7 +163,7 @@ def test_a_scheduler_task_that_dies_fails_the_waiting_sessions_at_once_and_says_
     async def go() -> PipelineError:
         stage = BrokenSender() if task == "sender" else ScriptedStage()
         scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
-        session = PipelineSession(scheduler, "a", step_timeout=30)
+        session = ScheduledSession(scheduler, "a", step_timeout=30)
         stage.holding = True
         waiting = asyncio.create_task(session.send(chunk("a", 1, want=True)))
         await asyncio.sleep(0.05)
@@ -185,7 +185,7 @@ def test_a_scheduler_task_that_dies_fails_the_waiting_sessions_at_once_and_says_
 async def _in_flight(scheduler: StepScheduler, stage: ScriptedStage, frame: pb.Frame) -> tuple[asyncio.Task, object]:
     """A send of `frame` on its way (the stage holds its batch): the send's task, and the frame's
     place in the scheduler (whose `answer` future the send awaits)."""
-    session = PipelineSession(scheduler, frame.session_id, step_timeout=30)
+    session = ScheduledSession(scheduler, frame.session_id, step_timeout=30)
     stage.holding = True
     task = asyncio.create_task(session.send(frame))
     while not scheduler.in_flight:
@@ -224,7 +224,7 @@ def test_a_send_still_times_out_as_a_stalled_stage_and_a_release_is_given_up_on_
     async def go() -> None:
         stage = ScriptedStage()
         scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
-        session = PipelineSession(scheduler, "a", step_timeout=0.05)
+        session = ScheduledSession(scheduler, "a", step_timeout=0.05)
         stage.holding = True
         with pytest.raises(PipelineError, match="no prediction within") as stalled:
             await session.send(chunk("a", 1, want=True))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from inferencemesh import tls
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SESSIONS, FrontendConfig, StageConfig
-from inferencemesh.frontend.engine.pipeline import GrpcPipeline, Pipeline
+from inferencemesh.frontend.engine.pipeline import GrpcPipeline, HopPipeline
 from inferencemesh.stage.local import LocalStage
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def frontend_pipeline(config: FrontendConfig, first_stage_runtime: StageRuntime 
 
 
 def in_process_pipeline(runtimes: Sequence[StageRuntime], *, max_sessions: int = DEFAULT_MAX_SESSIONS,
-                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, step_timeout: float = 30.0) -> Pipeline:
+                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, step_timeout: float = 30.0) -> HopPipeline:
     """Every stage in this process, in pipeline order (loaded runtimes: benchmarks, tests), each
     sending to the next directly, behind the same step scheduler as a mesh of processes."""
     stages: list[LocalStage] = []
@@ -46,4 +46,4 @@ def in_process_pipeline(runtimes: Sequence[StageRuntime], *, max_sessions: int =
                              stage_index=index, num_stages=len(runtimes), max_context=runtime.max_context,
                              max_sessions=max_sessions, host="127.0.0.1", port=0, metrics_port=0)
         stages.insert(0, LocalStage(config, runtime=runtime, next_stage=stages[0] if stages else None))
-    return Pipeline(stages, step_timeout=step_timeout, max_batch_tokens=max_batch_tokens)
+    return HopPipeline(stages, step_timeout=step_timeout, max_batch_tokens=max_batch_tokens)

@@ -97,7 +97,7 @@ class Step(list):
         self.cached_tokens = cached_tokens
 
 
-class Choice:
+class ChoiceStream:
     """One of Engine.generate_n's continuations: an async iterator of Steps that runs `release`
     exactly once, when it ends, fails or is closed (aclose), started or not: an async generator
     closed before its first step would never run its `finally`, and its session would leak."""
@@ -106,7 +106,7 @@ class Choice:
         self._steps, self._release = steps, release
         self._closed = False
 
-    def __aiter__(self) -> Choice:
+    def __aiter__(self) -> ChoiceStream:
         return self
 
     async def __anext__(self) -> Step:
@@ -186,7 +186,7 @@ class Engine(Protocol):
         """
         ...
 
-    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
         """n continuations of one prompt, the prompt computed once where the engine can. Choice j
         samples with choice_seed(seed, j) and yields what generate() yields for the request with
         that seed (each with the prompt's logprobs, when asked, on its first Step). Admission
@@ -195,7 +195,7 @@ class Engine(Protocol):
         """
         ...
 
-    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[Choice]:
+    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[ChoiceStream]:
         """generate_n for several prompts at once (a completions request's prompt list): request
         i's choice j at i * n + j. Its sessions are admitted together, in arrival order, never
         part of them while waiting for the rest; a batch larger than the engine's concurrent

@@ -22,7 +22,7 @@ from typing import Generic, Literal, TypeVar
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine.admission import Admission, Lease, Slot
 from inferencemesh.frontend.engine.api import (
-    Choice,
+    ChoiceStream,
     ContextLengthExceeded,
     EngineError,
     GenerationRequest,
@@ -33,7 +33,7 @@ from inferencemesh.frontend.engine.api import (
     single_choice,
 )
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
-from inferencemesh.frontend.engine.prefix_cache import PrefixIndex
+from inferencemesh.frontend.engine.prefix_cache import PrefixEntries
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.frontend.engine.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.protocol import params
@@ -103,7 +103,7 @@ class PipelineEngine(Generic[PipelineT]):
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
         # The most the stages' entries can hold: every session slot, and the prefix cache's own room.
-        self.prefix_index = PrefixIndex(options.max_sessions * options.max_context + options.prefix_cache_tokens
+        self.prefix_entries = PrefixEntries(options.max_sessions * options.max_context + options.prefix_cache_tokens
                                         ) if options.prefix_cache else None
 
     @property
@@ -144,7 +144,7 @@ class PipelineEngine(Generic[PipelineT]):
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         return single_choice(self, request)
 
-    async def generate_n(self, request: GenerationRequest, n: int) -> list[Choice]:
+    async def generate_n(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
         """n continuations of the prompt (engine_api.Engine.generate_n). The first choice's
         session prefills it; the others fork that session (FORK at every stage) at the prompt's
         last token, which each computes with its own seed, so that each samples exactly as a
@@ -154,7 +154,7 @@ class PipelineEngine(Generic[PipelineT]):
                                  param="n")
         return await self.generate_batch([request], n)
 
-    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[Choice]:
+    async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[ChoiceStream]:
         """Every request's n choices, request i's choice j at i * n + j (engine_api.Engine.generate_batch).
 
         The batch's sessions are admitted together, in arrival order, once that many are free: it
@@ -219,7 +219,7 @@ class PipelineEngine(Generic[PipelineT]):
         return _Prompt(base, prompt, budget, choices, samplings,
                        reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
-    async def _started(self, prompt: _Prompt, lease: Lease) -> list[Choice]:
+    async def _started(self, prompt: _Prompt, lease: Lease) -> list[ChoiceStream]:
         """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
         choice its slot. Anything raised here leaves the slots in the lease, which gives them back."""
         conns: list[Connection] = []
@@ -227,7 +227,7 @@ class PipelineEngine(Generic[PipelineT]):
         try:
             conns.append(_connection(self.pipeline, prompt.request.request_id, prompt.choices[0]))
             wants_prompt_logprobs = prompt.request.prompt_logprobs is not None  # computed, never forked
-            index = self.prefix_index if not wants_prompt_logprobs else None
+            index = self.prefix_entries if not wants_prompt_logprobs else None
             reuse = index.match(prompt.tokens) if index is not None else None
             prediction, prompt_logprobs, reused = await self.frames.first_prefill(
                 conns[0], prompt.tokens, prompt.samplings[0], wants_prompt_logprobs, reuse)
@@ -266,7 +266,7 @@ class PipelineEngine(Generic[PipelineT]):
             steps = self._decode(conn, request, sampling, prompt.tokens, prompt.budget, proposer,
                                  prediction if j == 0 else None, prompt_logprobs, reused if j == 0 else 0)
             slot = lease.hand_over()
-            choices.append(Choice(steps, partial(self._release, conn, proposer, slot)))
+            choices.append(ChoiceStream(steps, partial(self._release, conn, proposer, slot)))
         return choices
 
     async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
@@ -274,7 +274,7 @@ class PipelineEngine(Generic[PipelineT]):
         way. A session that ended well stays at the stages as a prefix-cache entry, indexed by the
         tokens whose KV it holds (all it decided but the last, which no frame fed)."""
         try:
-            index, history = self.prefix_index, conn.history
+            index, history = self.prefix_entries, conn.history
             held = history[:-1] if index is not None and history is not None else []
             keep = index is not None and index.worth_keeping(held)  # else not worth a stage's slot
             if await conn.close(retain=keep) and index is not None and keep:
@@ -334,7 +334,7 @@ class PipelineEngine(Generic[PipelineT]):
             raise self._failed(err) from err
 
 
-async def _close_started(starts: Sequence[asyncio.Future[list[Choice]]]) -> None:
+async def _close_started(starts: Sequence[asyncio.Future[list[ChoiceStream]]]) -> None:
     """The prompts' starts ended (those still running cancelled: they free their own sessions and
     slots), and the choices of those that did start closed (theirs freed)."""
     for start in starts:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.frontend.engine.hops import Hop
-from inferencemesh.frontend.engine.scheduler import PipelineSession, StepScheduler
+from inferencemesh.frontend.engine.scheduler import ScheduledSession, StepScheduler
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.streams import RemoteStage
 from inferencemesh.tls import TlsMaterial
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 
-class Pipeline:
+class HopPipeline:
     """The stages at `hops`, in pipeline order."""
 
     def __init__(self, hops: Sequence[Hop], *, step_timeout: float = 30.0,
@@ -50,13 +50,13 @@ class Pipeline:
         for hop in self.hops:
             hop.connect()
 
-    def open(self) -> PipelineSession:
+    def open(self) -> ScheduledSession:
         """A new session, on the current stream (a new one if it broke: its sessions replay)."""
         self.connect()
         if self._scheduler is None or self._scheduler.failure is not None:
             self._scheduler = StepScheduler(self.hops[0].open_stream(), len(self.hops), self.max_batch_tokens,
                                             self.metrics)
-        return PipelineSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
+        return ScheduledSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:
         """True when every stage is serving."""
@@ -83,7 +83,7 @@ class Pipeline:
             await hop.close()
 
 
-class GrpcPipeline(Pipeline):
+class GrpcPipeline(HopPipeline):
     """The stage processes at `addresses`, in pipeline order, after `embedded` (a first stage in
     this process) if any."""
 

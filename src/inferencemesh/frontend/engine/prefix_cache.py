@@ -43,7 +43,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return done
 
 
-class PrefixIndex:
+class PrefixEntries:
+    """The entries the stages hold, by session id, each with its tokens (see the module's doc)."""
+
     def __init__(self, capacity: int, min_reuse: int = MIN_REUSE_TOKENS) -> None:
         self.capacity = capacity  # token positions
         self.min_reuse = min_reuse

@@ -41,7 +41,7 @@ class _Waiting:
     """A frame on its way: waiting for a microbatch, then in flight in one."""
 
     frame: pb.Frame
-    session: PipelineSession
+    session: ScheduledSession
     answer: asyncio.Future | None  # its Prediction (or None, for an acknowledged frame); None: no answer
 
 
@@ -196,7 +196,7 @@ class StepScheduler:
         self._break(PipelineError(grpc.StatusCode.CANCELLED, "the pipeline was closed"))
 
 
-class PipelineSession:
+class ScheduledSession:
     """One request's session: its frames go out in the scheduler's microbatches."""
 
     def __init__(self, scheduler: StepScheduler, session_id: str, step_timeout: float) -> None:

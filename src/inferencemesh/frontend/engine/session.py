@@ -41,7 +41,7 @@ T = TypeVar("T")
 
 
 class PipelineSession(Protocol):
-    """What the engine uses of one session in the stages (frontend.pipeline.GrpcSession)."""
+    """What the engine uses of one session in the stages (implemented by scheduler.ScheduledSession)."""
 
     session_id: str
 
@@ -56,7 +56,7 @@ class PipelineSession(Protocol):
 
 
 class Pipeline(Protocol):
-    """What the engine uses of the stages (frontend.pipeline.GrpcPipeline)."""
+    """What the engine uses of the stages (implemented by pipeline.HopPipeline and GrpcPipeline)."""
 
     def open(self) -> PipelineSession: ...
 

@@ -24,14 +24,14 @@ from inferencemesh.programs.serve import LocalStages, stage_template
 from inferencemesh.protocol.transport import message_limit
 
 if TYPE_CHECKING:
-    from inferencemesh.frontend.engine.pipeline import Pipeline
+    from inferencemesh.frontend.engine.pipeline import HopPipeline
 
 # How a mesh's first stage runs: its own process ("process") or inside the frontend, here the
 # bench process ("embedded", what `serve` runs by default); and the label each form's results carry.
 FIRST_STAGE_LABELS = {"embedded": "embedded", "process": "grpc"}
 
 
-def in_process_pipeline(model: BenchModel, max_context: int) -> Pipeline:
+def in_process_pipeline(model: BenchModel, max_context: int) -> HopPipeline:
     """The whole model as one stage in this process: no network, no other process."""
     from inferencemesh.modeling.runtime import StageRuntime
 
@@ -45,7 +45,7 @@ class BenchMesh:
     pipeline this process (the frontend) sends to; `threads`: this process's torch threads."""
 
     stages: LocalStages
-    pipeline: Pipeline  # a frontend.pipeline.GrpcPipeline
+    pipeline: HopPipeline  # a frontend.pipeline.GrpcPipeline
     threads: int
     label: str
 

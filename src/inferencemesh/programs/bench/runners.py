@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from inferencemesh.frontend.engine.api import GenerationRequest
     from inferencemesh.frontend.engine.grammar import ConstrainedOutput
-    from inferencemesh.frontend.engine.pipeline import Pipeline
+    from inferencemesh.frontend.engine.pipeline import HopPipeline
     from inferencemesh.frontend.engine.proposers.base import Proposer
 
     ProposerFor = Callable[[GenerationRequest], Proposer | None]
@@ -85,7 +85,7 @@ class HfPeer:
 class EngineUnderTest:
     """Our engine over one pipeline (in-process or stage processes), with one speculation strategy."""
 
-    def __init__(self, pipeline: Pipeline, new_tokens: int, max_context: int,
+    def __init__(self, pipeline: HopPipeline, new_tokens: int, max_context: int,
                  proposer_for: ProposerFor | None = None,
                  speculative_disable_by_batch_size: int = DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE,
                  prefix_cache: bool = False, constrained: ConstrainedOutput | None = None,
