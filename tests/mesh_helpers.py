@@ -23,7 +23,7 @@ from inferencemesh.checkpoint import read_local
 from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.planner import PlanInputs, plan_stages
-from inferencemesh.programs.serve import LocalStages, stage_template
+from inferencemesh.programs.local_stages import LocalStages, stage_template
 
 
 def free_ports_at(offsets: Sequence[int]) -> int:

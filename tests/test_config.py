@@ -12,7 +12,7 @@ from inferencemesh import config as cfg
 from inferencemesh.config import BenchConfig, FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
 from inferencemesh.flags import ConfigError, derive, from_args, to_argv
 from inferencemesh.programs.cli import build_parser
-from inferencemesh.programs.serve import frontend_config, stage_template
+from inferencemesh.programs.local_stages import frontend_config, stage_template
 
 PROGRAMS = {"serve": ServeConfig, "stage": StageConfig, "frontend": FrontendConfig, "operator": OperatorConfig,
             "plan": PlanConfig, "bench": BenchConfig}
@@ -121,7 +121,7 @@ def test_one_default_per_setting() -> None:
 
 def test_serve_derives_its_children_from_its_own_config() -> None:
     from inferencemesh.planner import StagePlan
-    from inferencemesh.programs.serve import LocalStages
+    from inferencemesh.programs.local_stages import LocalStages
 
     serve = parse("serve", ["--max-context", "900", "--max-sessions", "5", "--dtype", "float32",
                             "--speculative", "ngram", "--window", "3", "--max-batch-tokens", "64", "--port", "8123"])
@@ -143,7 +143,7 @@ def test_an_embedded_first_stage_is_the_frontends_and_the_processes_are_the_rest
     """serve's default: stage 0 in the frontend. The processes are stages 1.., and the stage
     config the frontend derives for its embedded stage is the one a stage-0 process would get."""
     from inferencemesh.planner import StagePlan
-    from inferencemesh.programs.serve import LocalStages
+    from inferencemesh.programs.local_stages import LocalStages
 
     serve = parse("serve", ["--max-context", "900", "--dtype", "float32", "--max-batch-tokens", "64"])
     assert serve.embed_first_stage and not parse("serve", ["--no-embed-first-stage"]).embed_first_stage

@@ -94,7 +94,8 @@ def test_a_stage_serves_only_the_frontend_and_the_stage_before_it(tmp_path: Path
     Health stays open to every certificate of the mesh: it is what the probes ask."""
     from inferencemesh.checkpoint import read_local
     from inferencemesh.planner import PlanInputs, plan_stages
-    from inferencemesh.programs.serve import LocalStages, run_certificates, stage_template
+    from inferencemesh.programs.local_stages import LocalStages, stage_template
+    from inferencemesh.programs.serve import run_certificates
 
     model = write_tiny_model(tmp_path / "tiny", "llama", num_layers=2, shards=1)
     plan = plan_stages(PlanInputs.from_checkpoint(read_local(model)), 2)

@@ -24,7 +24,7 @@ from mesh_helpers import free_port_run
 from openai import OpenAI
 
 from inferencemesh.config import ServeConfig
-from inferencemesh.programs.serve import free_port
+from inferencemesh.programs.process import free_port
 from inferencemesh.router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import read_local
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
-from inferencemesh.programs.serve import ManagedProcess, stop_mesh, stop_processes
+from inferencemesh.programs.process import ManagedProcess, stop_processes
+from inferencemesh.programs.supervisor import stop_mesh
 from inferencemesh.protocol.health import check
 from inferencemesh.protocol.transport import message_limit
 from inferencemesh.tls import TlsMaterial

@@ -17,7 +17,7 @@ from wire import RawStream, failures
 
 from inferencemesh.config import StageConfig
 from inferencemesh.modeling.runtime import StageRuntime
-from inferencemesh.programs.serve import free_port
+from inferencemesh.programs.process import free_port
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.stage.server import start_stage_server

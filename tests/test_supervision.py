@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mesh_helpers import free_serve_port
 
-from inferencemesh.programs.serve import free_port
+from inferencemesh.programs.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

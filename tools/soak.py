@@ -31,7 +31,8 @@ from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.flags import to_argv
 from inferencemesh.planner import PlanInputs, plan_stages
-from inferencemesh.programs.serve import CLI, LocalStages, ManagedProcess, free_port, stage_template
+from inferencemesh.programs.local_stages import LocalStages, stage_template
+from inferencemesh.programs.process import CLI, ManagedProcess, free_port
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 

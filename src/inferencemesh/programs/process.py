@@ -17,6 +17,11 @@ neither alone covers every case:
   LIFELINE_ENV) and a thread that waits for EOF, which comes when the parent is gone, on any OS.
   It also backs the signal up: a child whose graceful stop hangs exits anyway after STOP_GRACE_S.
 
+Children. ManagedProcess is the parent's end of both: it starts a child program with a lifeline
+and points the child's termination message at a file of the parent's, from which it reads why
+the child exited; stop_processes stops a group of them together. When to start, restart or stop
+which child is the supervisor's (programs/supervisor.py).
+
 Ports. A port that is taken is found before anything loads, and reported in one line that
 names it (PortInUse), instead of after minutes of loading as a traceback.
 
@@ -27,13 +32,19 @@ the pod's status and the operator quotes it when a pipeline crash-loops.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import errno
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +65,9 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 TERMINATION_LOG_ENV = "INFERENCEMESH_TERMINATION_LOG"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_MESSAGE_BYTES = 4096  # what the kubelet reads of the file
+# The command that starts a child program (`inferencemesh stage|frontend|router ...`).
+CLI = [sys.executable, "-m", "inferencemesh"]
+STAGE_STOP_S = 10.0  # a stage's graceful stop, SIGTERM to kill
 
 _lifeline: tuple[int, int] | None = None  # (read end, write end), made once per parent process
 _lifeline_lock = threading.Lock()
@@ -72,8 +86,8 @@ class LoadFailed(Exception):  # noqa: N818 - read as "inferencemesh stage: error
 
 # How long an idle OpenMP worker spins before it sleeps. libgomp's default spin steals the
 # cores of whichever process on the machine is computing: on 2 cores, llama-150m, 2 stages,
-# the split ran at 0.41x one stage with the default and 0.78x with 10000 (BRIEF section 4;
-# earlier 0.92x against 0.83x). Every program gets it, so bench, serve and pods measure and run
+# the split ran at 0.41x one stage with the default and 0.78x with 10000 (an earlier
+# measurement: 0.92x against 0.83x). Every program gets it, so bench, serve and pods measure and run
 # alike; a value in the environment wins.
 SPIN_ENV = "GOMP_SPINCOUNT"
 DEFAULT_SPINCOUNT = "10000"
@@ -164,6 +178,97 @@ def supervised_popen_kwargs(env: dict[str, str] | None = None) -> dict[str, Any]
     if threading.current_thread() is threading.main_thread():
         kwargs["env"][PDEATHSIG_ENV] = "1"
     return kwargs
+
+
+_exit_notes: str | None = None
+
+
+def _exit_notes_dir() -> str:
+    """A private directory for this process's children's exit notes, removed when it exits."""
+    global _exit_notes
+    if _exit_notes is None:
+        _exit_notes = tempfile.mkdtemp(prefix="inferencemesh-exits-")
+        atexit.register(shutil.rmtree, _exit_notes, True)
+    return _exit_notes
+
+
+@dataclass
+class ManagedProcess:
+    """A child program, which dies with this process (supervised_popen_kwargs) and leaves the one
+    line its CLI exits with (a stage that cannot load its layers: why) where exit_reason reads it:
+    its termination message (write_termination_message) goes to a file of ours."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    note: str = ""  # the file its termination message goes to
+
+    def start(self) -> None:
+        if not self.note:
+            self.note = os.path.join(_exit_notes_dir(), f"{self.name}-{id(self)}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.note)  # a restart's reason is its own
+        env = {**os.environ, **(self.env or {}), TERMINATION_LOG_ENV: self.note}
+        self.process = subprocess.Popen(self.argv, **supervised_popen_kwargs(env))
+        self.started_at = time.monotonic()
+
+    def exit_reason(self) -> str:
+        """The one line it exited with (without the CLI's "inferencemesh CMD: error: "), or ''."""
+        try:
+            with open(self.note, encoding="utf-8", errors="replace") as f:
+                line = f.read().strip()
+        except OSError:
+            return ""
+        return re.sub(r"^inferencemesh [a-z]+: (error: )?", "", line)
+
+    def ended(self, when: str = "") -> str:
+        """How it ended, for a log line: `stage-1 exited (1){when}: why`."""
+        reason = self.exit_reason()
+        return f"{self.name} exited ({self.returncode}){when}" + (f": {reason}" if reason else "")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """How the process ended (None: running, or never started)."""
+        return None if self.process is None else self.process.returncode
+
+    def terminate(self) -> None:
+        """SIGTERM: a graceful stop (a frontend drains, the router finishes its streams)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, and reap it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+        self.process.wait()
+
+    def stop(self, timeout: float = STAGE_STOP_S) -> None:
+        stop_processes([self], timeout)
+
+
+def stop_processes(processes: list[ManagedProcess], timeout: float,
+                   hurry: Callable[[], bool] = lambda: False) -> None:
+    """Stop `processes` together: SIGTERM to each that runs, then wait until all have exited; those
+    still running after `timeout` seconds, or once `hurry()` is true, are killed. Returns once every
+    one has exited."""
+    running = [proc for proc in processes if proc.alive()]
+    for proc in running:
+        proc.terminate()
+    deadline = time.monotonic() + timeout
+    while any(proc.alive() for proc in running) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
+    for proc in running:
+        proc.kill()
 
 
 # ---- the child's side -----------------------------------------------------------------------
@@ -267,3 +372,24 @@ def check_ports(ports: Iterable[tuple[str, str, int]]) -> None:
             except OSError as err:
                 reason = "already in use" if err.errno == errno.EADDRINUSE else err.strerror
                 raise PortInUse(f"{what} port {port} on {host or '0.0.0.0'} is not available ({reason})") from err
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def reachable_address(host: str) -> str:
+    """The address to ask for a server listening on `host` (a wildcard host: loopback)."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - compared
+
+
+def accepting(host: str, port: int) -> bool:
+    """Whether something listens on host:port now (a wildcard host: asked on loopback)."""
+    try:
+        with socket.create_connection((reachable_address(host), port), timeout=1.0):
+            return True
+    except OSError:
+        return False

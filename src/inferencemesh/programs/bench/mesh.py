@@ -18,9 +18,9 @@ from inferencemesh.config import DEFAULT_DRAFT_THREADS, DEFAULT_MAX_BATCH_TOKENS
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.bench.models import BenchModel
+from inferencemesh.programs.local_stages import LocalStages, stage_template
 from inferencemesh.programs.mesh import frontend_pipeline
 from inferencemesh.programs.mesh import in_process_pipeline as in_process_mesh_pipeline
-from inferencemesh.programs.serve import LocalStages, stage_template
 from inferencemesh.protocol.transport import message_limit
 
 if TYPE_CHECKING:
