@@ -14,7 +14,7 @@ model, image or plan is a new revision). The rules, each a guarantee a user can 
 - **Drain, never drop.** A drained pipeline loses its frontend first (its pod turns unready, the
   router stops choosing it, it finishes what it serves: the frontend's own drain); its stages are
   removed only once no frontend pod of it is left, so in-flight requests can finish.
-- **A Failed pipeline** (its pods restarted beyond the budget: status.py) is kept for debugging with
+- **A Failed pipeline** (its pods restarted beyond the budget: observe.py) is kept for debugging with
   its frontend scaled to zero, so nothing routes to it, while the others serve. It still takes its
   place among spec.replicas (a replacement of the same revision would most likely fail alike): a
   spec change replaces it, a scale-down removes it first, a reset of the budget lifts it.
