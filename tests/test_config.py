@@ -9,8 +9,10 @@ import typing
 import pytest
 
 from inferencemesh import config as cfg
-from inferencemesh.config import BenchConfig, FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
+from inferencemesh.config import FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
 from inferencemesh.flags import ConfigError, derive, from_args, to_argv
+from inferencemesh.programs.bench import config as bench_cfg
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.cli import build_parser
 from inferencemesh.programs.local_stages import frontend_config, stage_template
 
@@ -230,6 +232,6 @@ def test_the_bench_choices_are_what_the_bench_runs() -> None:
     from inferencemesh.programs.bench.mesh import FIRST_STAGE_LABELS
     from inferencemesh.programs.bench.models import PROMPTS
 
-    assert set(cfg.ATTENTION_FORMS) == set(FORMS)
-    assert tuple(PROMPTS) == cfg.BENCH_PROMPT_SETS
-    assert tuple(FIRST_STAGE_LABELS) == cfg.FIRST_STAGE_FORMS
+    assert set(bench_cfg.ATTENTION_FORMS) == set(FORMS)
+    assert tuple(PROMPTS) == bench_cfg.BENCH_PROMPT_SETS
+    assert tuple(FIRST_STAGE_LABELS) == bench_cfg.FIRST_STAGE_FORMS

@@ -1,4 +1,6 @@
-"""The configuration of the programs the project runs: one frozen type per program.
+"""The configuration of the programs the project runs: one frozen type per program, and the field
+groups they share. `bench`'s own type, which no other program reads, is beside the bench
+(programs/bench/config.py).
 
 Each field is declared once, with its command-line flag, default, choices and help (flags.option),
 and flags.py derives everything else from those declarations: the CLI parser, `serve`'s child
@@ -8,21 +10,15 @@ round-trips every field. Library code takes these types, never an argparse.Names
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from inferencemesh.flags import ConfigError, derive, flag_name, option, switch
+from inferencemesh.flags import LAYER_RANGE, NAMES, ConfigError, derive, flag_name, option, switch
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
-# What `bench` can compare (its prompt sets, modeling.attention.FORMS, where a mesh's first stage
-# runs); named here, beside the flags, so that a typo is a usage error before anything loads.
-BENCH_PROMPT_SETS = ("code", "prose")
-ATTENTION_FORMS = ("auto", "padded", "per-session")
-FIRST_STAGE_FORMS = ("embedded", "process")
 
 DEFAULT_MAX_CONTEXT = 2048
 DEFAULT_MAX_SESSIONS = 16
@@ -51,23 +47,6 @@ API_KEY_ENV = "INFERENCEMESH_API_KEY"
 # client that trickles them in is answered 408 and cut off (http_server, frontend.guard, router.app).
 HTTP_HEADER_TIMEOUT_S = 10.0
 HTTP_BODY_TIMEOUT_S = 30.0
-
-
-def _layers(text: str) -> tuple[int, int]:
-    start, sep, end = text.partition(":")
-    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:16)")
-    return int(start), int(end)
-
-
-def _comma_separated(text: str) -> tuple[str, ...]:
-    return tuple(a.strip() for a in text.split(",") if a.strip())
-
-
-def _threads_or_default(text: str) -> str:
-    if text != "default" and not (text.isdigit() and int(text) > 0):
-        raise ValueError(f"{text!r} is neither default nor a thread count")
-    return text
 
 
 # ---- field groups shared by several programs ----------------------------------------------------
@@ -159,7 +138,8 @@ class LocalMeshOptions:
     device: str = option("auto", "where stages and draft run (auto: a GPU if there is one); on a CPU, --dtype "
                                  "auto computes a 16-bit checkpoint in float32 unless the CPU has native units "
                                  "for it, and the KV cache is float32", choices=DEVICES)
-    # The seeds' shape, and the faster one: measured in docs/benchmarks/embedded-first-stage.json.
+    # The faster shape: 2 stages gave 40.6 tok/s with stage 0 in the frontend, 37.8 as a process of
+    # its own (docs/benchmarks/embedded-first-stage.json).
     embed_first_stage: bool = option(True, "run the first stage's layers in the frontend process (one process "
                                      "and one hop fewer per token; its memory then holds the draft model "
                                      "too); --no-embed-first-stage runs it as a stage process of its own",
@@ -174,8 +154,7 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
     """`inferencemesh stage`: one layer range behind gRPC (what a stage pod runs)."""
 
     model: str = option(help="local model directory, hub id or bundled://NAME")
-    layers: tuple[int, int] = option(help="START:END, end exclusive (e.g. 0:16)", parse=_layers,
-                                     render=lambda r: f"{r[0]}:{r[1]}")
+    layers: tuple[int, int] = option(help="START:END, end exclusive (e.g. 0:16)", **LAYER_RANGE)
     stage_index: int = option(help="this stage's position in the pipeline, from 0", parse=int)
     num_stages: int = option(help="how many stages the pipeline has", parse=int)
     host: str = option("0.0.0.0", "address to listen on")  # noqa: S104 - a pod serves its Service
@@ -188,8 +167,7 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
                              "use, a container's CPU limit included)", parse=int)
     peers: tuple[str, ...] = option((), "with --tls-dir: the certificate names (common names) that may call "
                                         "Pipeline and Info, comma-separated: the mesh's frontend and the stage "
-                                        "before this one (empty: any certificate the CA signed)",
-                                    parse=_comma_separated, render=",".join)
+                                        "before this one (empty: any certificate the CA signed)", **NAMES)
 
     @property
     def layer_start(self) -> int:
@@ -200,9 +178,7 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
         return self.layers[1]
 
     def check(self) -> StageConfig:
-        start, end = self.layers
-        if not 0 <= start < end:
-            raise ConfigError(f"--layers {start}:{end}: need 0 <= START < END")
+        _check_layer_range("layers", self.layers)
         if not 0 <= self.stage_index < self.num_stages:
             raise ConfigError(f"--stage-index {self.stage_index} is outside 0..{self.num_stages - 1} "
                               f"(--num-stages {self.num_stages})")
@@ -210,7 +186,7 @@ class StageConfig(ModelOptions, RuntimeOptions, StreamOptions):
             raise ConfigError(f"stage {self.stage_index} of {self.num_stages} needs --downstream HOST:PORT")
         if self.peers and not self.tls_dir:
             raise ConfigError("--peers names certificates: it needs --tls-dir (mutual TLS)")
-        _check_positive(self)
+        check_counts(self)
         return self
 
     def ports(self) -> list[tuple[str, str, int]]:
@@ -228,11 +204,11 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
     model: str = option(help="local model directory, hub id or bundled://NAME")
     stage_addresses: tuple[str, ...] = option(help="comma-separated HOST:PORT of every stage process, in "
                                               "pipeline order (empty: the embedded first stage is the whole model)",
-                                              parse=_comma_separated, render=",".join)
-    # The embedded first stage (the seeds' "stage 0 + OpenAI frontend"): no process and no hop of its own.
+                                              **NAMES)
+    # The embedded first stage (stage 0 in the frontend's process): no process and no hop of its own.
     first_stage_layers: tuple[int, int] | None = option(
         None, "START:END: run the first stage's layers in this process (the embedded first stage); "
-        "--stage-addresses then names the stages after it", parse=_layers, render=lambda r: f"{r[0]}:{r[1]}")
+        "--stage-addresses then names the stages after it", **LAYER_RANGE)
     threads: int = option(0, "compute threads of the embedded first stage, which the draft shares (0: "
                              "OMP_NUM_THREADS if set, else the CPUs this process may use); without an embedded "
                              "stage the process has --draft-threads", parse=int)
@@ -258,11 +234,10 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
         if self.threads and self.first_stage_layers is None:
             raise ConfigError("--threads sizes the embedded first stage: it needs --first-stage-layers "
                               "(without one, the frontend computes only the draft: --draft-threads)")
-        if self.first_stage_layers is not None and not 0 <= self.first_stage_layers[0] < self.first_stage_layers[1]:
-            start, end = self.first_stage_layers
-            raise ConfigError(f"--first-stage-layers {start}:{end}: need 0 <= START < END")
+        if self.first_stage_layers is not None:
+            _check_layer_range("first_stage_layers", self.first_stage_layers)
         _check_prefix_cache(self)
-        _check_positive(self)
+        check_counts(self)
         self._check_timeouts()
         return self
 
@@ -307,7 +282,7 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
 
     def check(self) -> ServeConfig:
         _check_prefix_cache(self)
-        _check_positive(self)
+        check_counts(self)
         return self
 
     def stage_metrics_ports(self, count: int, replica: int = 0) -> list[int]:
@@ -360,8 +335,7 @@ class RouterConfig(HTTPTimeoutOptions):
     host: str = option("0.0.0.0", "address to listen on")  # noqa: S104 - a pod serves its Service
     port: int = option(FRONTEND_PORT, "HTTP port of the routed OpenAI endpoint", parse=int)
     frontends: tuple[str, ...] = option((), "the replicas' frontends, comma-separated base URLs "
-                                        "(http://10.0.0.5:8000), each optionally NAME=URL", parse=_comma_separated,
-                                        render=",".join)
+                                        "(http://10.0.0.5:8000), each optionally NAME=URL", **NAMES)
     frontends_service: str | None = option(None, "a Kubernetes Service whose EndpointSlices (its ready endpoints) "
                                                  "are the replicas' frontends, watched")
     namespace: str | None = option(None, "the Service's namespace (default: this pod's)")
@@ -415,56 +389,7 @@ class PlanConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, LocalMeshOpti
                           "(spec.model.pvc): the checkpoint's sizes in --dtype on --device")
 
     def check(self) -> PlanConfig:
-        _check_positive(self)
-        return self
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig(ModelOptions):
-    """`inferencemesh bench`: tokens/s, TPOT, TTFT, per-hop overhead; with --concurrency, bursts of
-    concurrent streams. Comma-separated flags compare their values within one run."""
-
-    shape: str | None = option(None, "random-weight model of a preset shape (e.g. llama-150m)")
-    stages: tuple[int, ...] = option((1, 2, 4), "stage counts", parse=int, render=str, listed=True)
-    speculative: tuple[str, ...] = option(("none",), "speculation strategies", choices=SPECULATIVE_STRATEGIES,
-                                          listed=True)
-    prompts: tuple[str, ...] = option(("code",), "prompt sets", choices=BENCH_PROMPT_SETS, listed=True)
-    new_tokens: int = option(64, "tokens each request generates", parse=int)
-    repeats: int = option(3, "measured rounds (after one warm-up)", parse=int)
-    concurrency: tuple[int, ...] | None = option(
-        None, "stream counts (e.g. 1,8,32): bursts of concurrent streams per stage count, aggregate tok/s, "
-        "TTFT and ITL percentiles, and the hf-generate-batch peer", parse=int, render=str, listed=True)
-    attention: tuple[str, ...] = option(("auto",), "with --concurrency, batched attention forms of the stages "
-                                        "to compare", choices=ATTENTION_FORMS, listed=True)
-    stage_threads: tuple[str, ...] = option(
-        ("default",), "with --concurrency, OpenMP threads of the stage processes to compare (default: as serve "
-        "starts them, each its share of the cores), e.g. default,1", parse=_threads_or_default, listed=True)
-    first_stage: tuple[str, ...] = option(
-        ("embedded",), "where a mesh's first stage runs: embedded (in the frontend, here the bench process: "
-        "serve's default) and/or process (a stage process of its own)", choices=FIRST_STAGE_FORMS, listed=True)
-    speculative_disable_by_batch_size: int = option(
-        DEFAULT_SPECULATIVE_DISABLE_BY_BATCH_SIZE, "with --concurrency, no speculation while this many streams "
-        "run, as the frontend (0: always speculate)", parse=int)
-    multi_turn: bool = switch("the prefix cache on and off: a conversation with a 1,500-token system prompt (TTFT "
-                              "per turn), a repeated request, --concurrency conversations (default 8) sharing the "
-                              "system prompt (prompt tokens the stages compute); greedy, no speculation")
-    turns: int = option(6, "with --multi-turn, user turns of the conversation", parse=int)
-    structured: bool = switch("structured output: decode tok/s and draft acceptance of json_schema-constrained "
-                              "requests against free text, interleaved, per stage count and --speculative strategy; "
-                              "greedy, one stream (--concurrency does not apply); needs a model whose vocabulary "
-                              "covers its tokenizer's")
-    json: str | None = option(None, "write the results here")
-
-    def check(self) -> BenchConfig:
-        _check_positive(self)
-        if self.multi_turn and self.structured:
-            raise ConfigError("--multi-turn and --structured are separate benchmarks: run one at a time")
-        for name in ("new_tokens", "repeats", "turns"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{flag_name(name)} must be at least 1, not {getattr(self, name)}")
-        for name in ("stages", "concurrency"):
-            if any(n < 1 for n in getattr(self, name) or ()):
-                raise ConfigError(f"{flag_name(name)} counts must be at least 1")
+        check_counts(self)
         return self
 
 
@@ -489,16 +414,22 @@ def _check_prefix_cache(config: FrontendConfig | ServeConfig) -> None:
                           "off: give one or the other")
 
 
-def _check_positive(config: Any) -> None:
+def check_counts(config: Any) -> None:
     """The counts every program shares; a field of another type under the same name (plan's
     `--stages auto`, bench's comma-separated lists) is its own type's to check."""
     for name in ("max_context", "max_sessions", "max_batch_tokens", "draft_threads", "stages", "num_stages",
                  "max_message_bytes", "replicas"):
         value = getattr(config, name, 1)
         if isinstance(value, int) and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
+            raise ConfigError(f"{flag_name(name)} must be at least 1, not {value}")
     for name in ("threads", "stage_threads", "speculative_disable_by_batch_size",  # 0: automatic / off
                  "prefix_cache_tokens", "drain_timeout"):
         value = getattr(config, name, 0)
         if isinstance(value, int | float) and value < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {value}")
+            raise ConfigError(f"{flag_name(name)} must be 0 or more, not {value}")
+
+
+def _check_layer_range(name: str, layers: tuple[int, int]) -> None:
+    start, end = layers
+    if not 0 <= start < end:
+        raise ConfigError(f"{flag_name(name)} {start}:{end}: need 0 <= START < END")

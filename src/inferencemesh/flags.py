@@ -7,6 +7,10 @@ CLI, the parsed config and the child processes' arguments from those declaration
     to_argv(config)                 a Config -> the flags that reproduce it
     derive(Config, other, ...)      a Config from the fields it shares with another
 
+A value whose text form is not Python's own (a layer range, a list of names) is parsed and
+rendered by one pair (LAYER_RANGE, NAMES): the side that writes a child's flags (serve, the
+operator) and the child that parses them call the same code.
+
 The declarations themselves, one type per program, are config.py's.
 """
 
@@ -67,6 +71,27 @@ def listed(flag: Flag) -> Callable[[str], tuple]:
             raise argparse.ArgumentTypeError(f"{text!r}: {err}") from err
 
     return parse
+
+
+def parse_layer_range(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not START:END (e.g. 0:16)")
+    return int(start), int(end)
+
+
+def render_layer_range(layers: tuple[int, int]) -> str:
+    return f"{layers[0]}:{layers[1]}"
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list, possibly empty (unlike a `listed` flag's, which needs an item)."""
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+# option(..., **LAYER_RANGE): START:END, end exclusive; option(..., **NAMES): a, b, c.
+LAYER_RANGE: dict[str, Callable[[Any], Any]] = {"parse": parse_layer_range, "render": render_layer_range}
+NAMES: dict[str, Callable[[Any], Any]] = {"parse": parse_names, "render": ",".join}
 
 
 C = TypeVar("C", bound="DataclassInstance")

@@ -22,7 +22,6 @@ from typing import Any, NoReturn
 from inferencemesh.checkpoint import CheckpointError
 from inferencemesh.config import (
     API_KEY_ENV,
-    BenchConfig,
     FrontendConfig,
     OperatorConfig,
     PlanConfig,
@@ -32,6 +31,7 @@ from inferencemesh.config import (
 )
 from inferencemesh.flags import ConfigError, add_arguments, from_args
 from inferencemesh.planner import PlanError
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.process import (
     LoadFailed,
     check_ports,
@@ -171,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_plan(config)
     if args.command == "bench":
-        from inferencemesh.programs.bench import run_bench
+        from inferencemesh.programs.bench.run import run_bench
 
         exit_on_stop_signals()  # its meshes' `finally` stops their stage processes
         return run_bench(config)

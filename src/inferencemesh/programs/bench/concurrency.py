@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inferencemesh.config import BenchConfig
 from inferencemesh.modeling.attention import FORM_ENV
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.mesh import meshes, start_mesh
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
 from inferencemesh.programs.bench.report import header, percentile

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inferencemesh.config import BenchConfig
 from inferencemesh.cpus import share_of_cpus
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.mesh import FIRST_STAGE_LABELS, in_process_pipeline, meshes, start_mesh
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
 from inferencemesh.programs.bench.report import find, header

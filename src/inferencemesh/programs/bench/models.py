@@ -12,9 +12,9 @@ import torch
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint import CheckpointFacts, load_tokenizer, read_local
 from inferencemesh.compute_dtype import choose_dtype
-from inferencemesh.config import BenchConfig
 from inferencemesh.flags import ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages
+from inferencemesh.programs.bench.config import BenchConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

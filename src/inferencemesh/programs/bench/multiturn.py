@@ -23,7 +23,7 @@ import urllib.request
 
 import torch
 
-from inferencemesh.config import BenchConfig
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.mesh import BenchMesh, meshes, start_mesh
 from inferencemesh.programs.bench.models import PROMPTS, BenchModel
 from inferencemesh.programs.bench.report import header

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.config import BenchConfig
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.models import BenchModel
 
 

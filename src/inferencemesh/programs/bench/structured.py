@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inferencemesh.config import BenchConfig
 from inferencemesh.flags import ConfigError
+from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.latency import Measured, measure
 from inferencemesh.programs.bench.mesh import in_process_pipeline, meshes, start_mesh
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel

@@ -1,0 +1,35 @@
+"""run_bench: the model under test, its speculation set-ups, then the benchmark the flags choose."""
+
+from __future__ import annotations
+
+import torch
+
+from inferencemesh.programs.bench.config import BenchConfig
+from inferencemesh.programs.bench.models import MAX_CONTEXT, load_bench_model
+from inferencemesh.programs.bench.report import write_report
+from inferencemesh.programs.bench.runners import speculation_setups
+
+
+def run_bench(config: BenchConfig) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from inferencemesh.programs.bench.concurrency import run_concurrency
+    from inferencemesh.programs.bench.latency import run_latency
+    from inferencemesh.programs.bench.multiturn import run_multi_turn
+    from inferencemesh.programs.bench.structured import run_structured
+
+    model = load_bench_model(config)  # the process is set up by the CLI (process.set_up_process)
+    print(f"bench: {model.model_dir} ({model.facts.num_layers} layers, {model.dtype}), {config.new_tokens} new "
+          f"tokens, {config.repeats} repeats x {sum(len(p) for p in model.prompts.values())} prompts, torch "
+          f"threads {torch.get_num_threads()}", flush=True)
+    if config.multi_turn:
+        return write_report(config, run_multi_turn(config, model))
+    speculation = {}
+    if config.speculative != ("none",):
+        speculation = speculation_setups(config.speculative, model.model_dir, model.tokenizer, model.requested_dtype,
+                                         MAX_CONTEXT)
+    if config.structured:  # no transformers peer: it has no grammar to follow
+        return write_report(config, run_structured(config, model, speculation))
+    target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).eval()
+    run = run_concurrency if config.concurrency else run_latency
+    return write_report(config, run(config, model, target, speculation))
