@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from inferencemesh.checkpoint import read_local
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.planner import PlanInputs, plan_stages

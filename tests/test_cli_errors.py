@@ -97,7 +97,7 @@ def test_a_cached_hub_model_still_loads_with_no_hub_in_reach(tmp_path: Path, mon
     from test_stage_loader import populate_hub_cache
     from tiny_models import write_tiny_model
 
-    from inferencemesh import checkpoint
+    from inferencemesh.checkpoint import hub
     from inferencemesh.modeling.loader import locate
 
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1)
@@ -108,7 +108,7 @@ def test_a_cached_hub_model_still_loads_with_no_hub_in_reach(tmp_path: Path, mon
         closed.bind(("127.0.0.1", 0))
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(checkpoint, "_hub_probe", None)
+    monkeypatch.setattr(hub, "_hub_probe", None)
     started = time.monotonic()
     directory, facts = locate("org/tiny", 0, 2, cache_dir=str(cache))
     assert time.monotonic() - started < 10 and facts.num_layers == 2 and (directory / "config.json").exists()

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from inferencemesh.checkpoint import CheckpointError, read_local
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.frontend.engine.proposers.base import Proposal
 from inferencemesh.frontend.engine.proposers.draft import DraftBatcher, DraftProposer, draft_together
 from inferencemesh.frontend.engine.proposers.draft_model import DraftModel

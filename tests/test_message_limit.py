@@ -11,7 +11,7 @@ import pytest
 from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.checkpoint import read_local
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.frontend.engine.scheduler import _Waiting, draft_rows, next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb

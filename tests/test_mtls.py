@@ -92,7 +92,7 @@ def test_a_stage_serves_only_the_frontend_and_the_stage_before_it(tmp_path: Path
     the mesh, but stage 0 takes calls from the frontend only, stage 1 from the frontend and
     stage 0; any other process of the mesh (here stage 1 itself) is refused with PERMISSION_DENIED.
     Health stays open to every certificate of the mesh: it is what the probes ask."""
-    from inferencemesh.checkpoint import read_local
+    from inferencemesh.checkpoint.read import read_local
     from inferencemesh.planner import PlanInputs, plan_stages
     from inferencemesh.programs.local_stages import LocalStages, stage_template
     from inferencemesh.programs.serve import run_certificates

@@ -25,7 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import write_tiny_model
 
-from inferencemesh.checkpoint import CONFIG_FILES, SAFETENSORS_INDEX, CheckpointError
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.headers import SAFETENSORS_INDEX
+from inferencemesh.checkpoint.hub import CONFIG_FILES
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.runtime import StageRuntime
@@ -325,7 +327,7 @@ def test_stage_peak_memory_scales_with_its_layers(tmp_path, llama):
         vocab_size=8000,
         tokenizer=False,
     )
-    from inferencemesh.checkpoint import read_local
+    from inferencemesh.checkpoint.read import read_local
 
     facts = read_local(big)
     layer_bytes = facts.layer_bytes()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from inferencemesh.checkpoint import read_local
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.attention import stage_attention
 from inferencemesh.modeling.runtime import Segment, StageRuntime, _PackedCache
 from inferencemesh.programs.bench.models import make_shape_model

@@ -23,7 +23,7 @@ import torch
 from serve_probe import serving, ttft
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import read_local
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.compute_dtype import choose_dtype, cpu_flags
 
 

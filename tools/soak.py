@@ -26,7 +26,7 @@ import grpc
 import httpx
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import read_local
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.flags import to_argv

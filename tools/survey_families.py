@@ -310,7 +310,8 @@ def check(model_type: str, workdir: Path) -> dict:
             model.eval().save_pretrained(path, safe_serialization=True)
 
         step("skipped", "transformers from_config/save_pretrained", write)
-        from inferencemesh.checkpoint import CheckpointError, read_local
+        from inferencemesh.checkpoint.errors import CheckpointError
+        from inferencemesh.checkpoint.read import read_local
 
         try:  # what `plan` and `serve` read first: the checkpoint's facts
             read_local(path)

@@ -146,7 +146,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model_dir = make_shape_model(args.shape, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    from inferencemesh.checkpoint import read_local
+    from inferencemesh.checkpoint.read import read_local
 
     facts = read_local(model_dir)
     pool = prompt_ids(tokenizer, ["code", "prose"], facts.vocab_size)

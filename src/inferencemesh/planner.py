@@ -17,7 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from inferencemesh.checkpoint import TORCH_DTYPE_BYTES, CheckpointError, CheckpointFacts
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.facts import TORCH_DTYPE_BYTES, CheckpointFacts
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
 from inferencemesh.speculation import SpeculativeChoice, draft_dtype

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferencemesh import bundled
-from inferencemesh.checkpoint import CheckpointError, read_local
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.read import read_local
 from inferencemesh.operator import modelfacts
 from inferencemesh.operator.modelfacts import ModelFacts, ModelInfo, ModelUnavailable
 from inferencemesh.operator.planning import make_plan, plan_layers, resolve_speculative

@@ -10,7 +10,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.checkpoint.errors import CheckpointError
 
 DEFAULT_MODEL = "imesh-code-target"
 DRAFT_MODEL = "imesh-code-draft"

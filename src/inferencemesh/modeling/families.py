@@ -14,7 +14,7 @@ runtime applies each hook that a checkpoint's config switches on.
 A family that cannot be split (another layout, modules outside it such as absolute position
 embeddings or per-layer inputs, recurrent or linear-attention layers, encoder-decoder or
 bidirectional attention) is refused by `refusal`, with the reason, wherever
-checkpoint.check_supported runs (plan, serve, the operator's status).
+checkpoint.validate.check_supported runs (plan, serve, the operator's status).
 """
 
 from __future__ import annotations

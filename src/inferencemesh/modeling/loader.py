@@ -19,15 +19,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from inferencemesh import checkpoint
-from inferencemesh.checkpoint import (
-    CONFIG_FILES,
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.facts import CheckpointFacts, TensorInfo, classify
+from inferencemesh.checkpoint.headers import (
     SAFETENSORS_INDEX,
     SINGLE_SAFETENSORS,
-    CheckpointError,
-    CheckpointFacts,
-    TensorInfo,
+    read_index,
+    refuse_without_safetensors,
 )
+from inferencemesh.checkpoint.hub import CONFIG_FILES, hub_errors
+from inferencemesh.checkpoint.read import check_source, is_local, read_local
+from inferencemesh.checkpoint.validate import check_supported, config_of
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling import attention, families
 
@@ -91,9 +93,9 @@ def locate(
     only the headers of the stage's own shards are read, so facts.tensors covers those shards
     (shards holding none of the stage's tensors need not even be present).
     """
-    checkpoint.check_source(source)
-    if not checkpoint.is_local(source):
-        with checkpoint.hub_errors(str(source)):
+    check_source(source)
+    if not is_local(source):
+        with hub_errors(str(source)):
             return _download(
                 str(source), layer_start, layer_end, revision=revision, cache_dir=cache_dir, on_progress=on_progress
             )
@@ -101,7 +103,7 @@ def locate(
     config = _read_config(model_dir / "config.json", model_dir)
     files = [p.name for p in model_dir.iterdir()]
     shards = _stage_shards(model_dir, config, files, layer_start, layer_end, model_dir)
-    facts = checkpoint.read_local(model_dir, headers_of=shards)
+    facts = read_local(model_dir, headers_of=shards)
     _check_range(facts, layer_start, layer_end, model_dir)
     return model_dir, facts
 
@@ -109,8 +111,8 @@ def locate(
 def _read_config(path: Path, where: str | Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{where}: no config.json (is this a Hugging Face model?)")
-    config = checkpoint.config_of(path.read_text(), where)
-    checkpoint.check_supported(config, where)  # before any weight is fetched
+    config = config_of(path.read_text(), where)
+    check_supported(config, where)  # before any weight is fetched
     return config
 
 
@@ -124,14 +126,14 @@ def _stage_shards(
     """
     index = directory / SAFETENSORS_INDEX
     if index.exists():
-        wmap = checkpoint.read_index(index)
+        wmap = read_index(index)
         # Only names and shards matter to select files; shapes come from the headers later.
         placeholder = CheckpointFacts(config, {n: TensorInfo(n, "U8", (0,), s) for n, s in wmap.items()})
         _check_range(placeholder, layer_start, layer_end, where)
         return placeholder.shards_for(placeholder.stage_tensor_names(layer_start, layer_end))
     if SINGLE_SAFETENSORS in repo_files:
         return [SINGLE_SAFETENSORS]
-    checkpoint.refuse_without_safetensors(where, repo_files)
+    refuse_without_safetensors(where, repo_files)
     raise CheckpointError(f"{where}: has safetensors files but neither {SAFETENSORS_INDEX} nor {SINGLE_SAFETENSORS}")
 
 
@@ -177,7 +179,7 @@ def _download(
         on_progress("downloading", (i + 1) / len(shards))
 
     # Headers of the shards this stage holds only: the other shards are never fetched.
-    facts = checkpoint.read_local(snapshot, headers_of=shards)
+    facts = read_local(snapshot, headers_of=shards)
     _check_range(facts, layer_start, layer_end, repo_id)
     return snapshot, facts
 
@@ -279,7 +281,7 @@ def load_stage(
 
 def _in_stage(name: str, layer_start: int, layer_end: int, num_layers: int) -> bool:
     """Whether the stage holding layers [layer_start, layer_end) runs the parameter `name`."""
-    group = checkpoint.classify(name)
+    group = classify(name)
     return ((group.kind == "layer" and layer_start <= group.layer < layer_end)
             or (group.kind == "embed" and layer_start == 0)
             or (group.kind in ("norm", "head") and layer_end == num_layers))

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferencemesh.bundled import SCHEME, resolve_model
-from inferencemesh.checkpoint import CheckpointError, CheckpointFacts, hub_errors, read_hub, read_local
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.hub import hub_errors
+from inferencemesh.checkpoint.read import read_hub, read_local
 from inferencemesh.operator.spec import Layout, MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
 

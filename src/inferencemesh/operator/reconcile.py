@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kubernetes.client.rest import ApiException
 
-from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.config import FRONTEND_PORT
 from inferencemesh.operator import metrics
 from inferencemesh.operator.frontend_probe import observed_strategy

@@ -19,7 +19,7 @@ import sys
 import textwrap
 from typing import Any, NoReturn
 
-from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.config import (
     API_KEY_ENV,
     FrontendConfig,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from inferencemesh.bundled import resolve_model, served_name
-from inferencemesh.checkpoint import fetch_config_dir, load_tokenizer
+from inferencemesh.checkpoint.read import fetch_config_dir
+from inferencemesh.checkpoint.tokenizer import load_tokenizer
 from inferencemesh.config import FrontendConfig
 from inferencemesh.cpus import compute_threads
 from inferencemesh.programs.mesh import frontend_pipeline

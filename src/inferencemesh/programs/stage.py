@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import check_source
+from inferencemesh.checkpoint.read import check_source
 from inferencemesh.config import StageConfig
 from inferencemesh.programs.process import LoadFailed, PortInUse, on_stop_signals
 from inferencemesh.stage.server import start_stage_server

@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from inferencemesh.bundled import served_name
-from inferencemesh.checkpoint import CheckpointError
+from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.config import StageConfig
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb

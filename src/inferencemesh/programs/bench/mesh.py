@@ -52,7 +52,7 @@ class BenchMesh:
 
 def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, env: dict[str, str] | None = None,
                first_stage: str = "process") -> BenchMesh:
-    from inferencemesh.checkpoint import read_local
+    from inferencemesh.checkpoint.read import read_local
     from inferencemesh.modeling.runtime import StageRuntime
 
     facts = read_local(model_dir)

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.checkpoint import CheckpointFacts, load_tokenizer, read_local
+from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.read import read_local
+from inferencemesh.checkpoint.tokenizer import load_tokenizer
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.flags import ConfigError
 from inferencemesh.planner import PlanInputs, plan_stages

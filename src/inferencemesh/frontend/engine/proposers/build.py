@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inferencemesh.checkpoint import CheckpointFacts, fetch_config_dir
+from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.read import fetch_config_dir
 from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.proposers.base import Proposer

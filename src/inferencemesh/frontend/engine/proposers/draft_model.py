@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from inferencemesh.checkpoint import read_checkpoint
+from inferencemesh.checkpoint.read import read_checkpoint
 from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import SessionKV
 from inferencemesh.modeling.loader import StageModules, load_stage

@@ -1,0 +1,126 @@
+"""CheckpointFacts: what a checkpoint holds (config, tensor names, dtypes, shapes, bytes), from metadata."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    shard: str  # file name within the checkpoint
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Where a tensor belongs in a layer split."""
+
+    kind: str  # "layer" | "embed" | "norm" | "head" | "other"
+    layer: int = -1
+
+
+def classify(name: str) -> TensorGroup:
+    match = _LAYER_KEY.match(name)
+    if match:
+        return TensorGroup("layer", int(match.group(1)))
+    if name.startswith("model.embed_tokens."):
+        return TensorGroup("embed")
+    if name.startswith("model.norm."):
+        return TensorGroup("norm")
+    if name.startswith("lm_head."):
+        return TensorGroup("head")
+    return TensorGroup("other")
+
+
+@dataclass
+class CheckpointFacts:
+    """Everything the planner and loader need to know about a checkpoint, from metadata only."""
+
+    config: dict
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.hidden_size // int(self.config["num_attention_heads"]))
+
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The torch dtype name the config declares (float32 when it declares none)."""
+        return str(self.config.get("dtype") or self.config.get("torch_dtype") or "float32")
+
+    def layer_bytes(self, dtype_bytes: int | None = None) -> list[int]:
+        sizes = [0] * self.num_layers
+        for info in self.tensors.values():
+            group = classify(info.name)
+            if group.kind == "layer" and group.layer < self.num_layers:
+                sizes[group.layer] += self._scaled(info, dtype_bytes)
+        return sizes
+
+    def group_bytes(self, kind: str, dtype_bytes: int | None = None) -> int:
+        return sum(self._scaled(t, dtype_bytes) for t in self.tensors.values() if classify(t.name).kind == kind)
+
+    def head_bytes(self, dtype_bytes: int | None = None) -> int:
+        """Bytes the last stage holds for the LM head: a tied head reuses the embedding matrix."""
+        head = self.group_bytes("head", dtype_bytes)
+        return head if head else self.group_bytes("embed", dtype_bytes)
+
+    def shards_for(self, names: list[str]) -> list[str]:
+        return sorted({self.tensors[n].shard for n in names})
+
+    def stage_tensor_names(self, layer_start: int, layer_end: int) -> list[str]:
+        """The tensors a stage holding layers [layer_start, layer_end) must load."""
+        first, last = layer_start == 0, layer_end == self.num_layers
+        keep = []
+        for name in self.tensors:
+            group = classify(name)
+            if (
+                (group.kind == "layer" and layer_start <= group.layer < layer_end)
+                or (group.kind == "embed" and (first or (last and self.tie_word_embeddings)))
+                or (group.kind in ("norm", "head") and last)
+            ):
+                keep.append(name)
+        return sorted(keep)
+
+    @staticmethod
+    def _scaled(info: TensorInfo, dtype_bytes: int | None) -> int:
+        if dtype_bytes is None:
+            return info.nbytes
+        return info.nbytes // DTYPE_BYTES[info.dtype] * dtype_bytes
