@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +26,10 @@ from inferencemesh.programs.bench.mesh import in_process_pipeline, meshes, start
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
 from inferencemesh.programs.bench.report import header, percentile
 from inferencemesh.programs.bench.runners import EngineUnderTest, Run, SpecCounter, proposer
+
+if TYPE_CHECKING:
+    from inferencemesh.frontend.engine.constraints import Constraint
+    from inferencemesh.frontend.engine.grammar import GrammarTokenizer
 
 SCHEMA = {
     "type": "object",
@@ -67,9 +72,20 @@ def decode_tokens_per_s(runs: list[Run]) -> float | None:
     return round(tokens / seconds, 2) if tokens > 0 and seconds > 0 else None
 
 
-def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) -> dict:
+@dataclass(frozen=True)
+class ConstrainedDecoding:
+    """What every constrained configuration shares: the schema's constraint, the grammar's view of
+    the tokenizer, and the tokens a constrained output ends on."""
+
+    constraint: Constraint
+    grammar_tokenizer: GrammarTokenizer
+    stops: frozenset[int]
+
+
+def constrained_decoding(model: BenchModel) -> ConstrainedDecoding:
+    """RESPONSE_FORMAT's constraint over `model`'s tokenizer (ConfigError: its logits do not cover it)."""
     from inferencemesh.frontend.engine.constraints import constraint_from_request
-    from inferencemesh.frontend.engine.grammar import ConstrainedOutput, grammar_tokenizer
+    from inferencemesh.frontend.engine.grammar import grammar_tokenizer
     from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 
     tokenizer, vocab_size = model.tokenizer, model.facts.vocab_size
@@ -79,14 +95,15 @@ def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) ->
     # What the frontend ends a constrained output on (JobBuilder): EOS and end-of-turn markers.
     vocab = tokenizer.get_vocab()
     stops = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab} | {tokenizer.eos_token_id} - {None}
-    grammar_tok = grammar_tokenizer(tokenizer, vocab_size, sorted(stops))
     constraint = constraint_from_request(response_format=RESPONSE_FORMAT)
     assert constraint is not None
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    return ConstrainedDecoding(constraint, grammar_tokenizer(tokenizer, vocab_size, sorted(stops)), frozenset(stops))
 
+
+def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) -> dict:
+    constrained = constrained_decoding(model)
+    prompts = [model.tokenizer(p).input_ids for p in PROMPTS]
     threads = torch.get_num_threads()
-    configs: list[Measured] = []
-    masks: dict[int, Masks] = {}  # by index in configs
     with meshes() as started:
         pipelines = []
         for count in config.stages:
@@ -97,34 +114,11 @@ def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) ->
                 mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, first_stage=form)
                 started.append(mesh)
                 pipelines.append((mesh.label, count, mesh.pipeline, mesh.threads))
-        for label, count, pipeline, config_threads in pipelines:
-            for strategy in config.speculative:
-                for output in ("free", "json_schema"):
-                    counter = SpecCounter() if strategy != "none" else None
-                    constrained = None
-                    if output == "json_schema":
-                        masks[len(configs)] = timer = Masks()
-                        constrained = ConstrainedOutput(constraint, grammar_tok, mask_timer=timer)
-                    runner = EngineUnderTest(pipeline, config.new_tokens, MAX_CONTEXT,
-                                             proposer(speculation, strategy, counter),
-                                             config.speculative_disable_by_batch_size, constrained=constrained,
-                                             stop_token_ids=frozenset(stops) if constrained else frozenset())
-                    name = f"{label}+{strategy}" if strategy != "none" else label
-                    extra = {"stages": count, "speculative": strategy, "output": output}
-                    configs.append(Measured(f"{name} {output}", extra, prompts, runner, config_threads, counter))
+        configs, masks = configurations(config, pipelines, speculation, constrained, prompts)
         print(f"  {len(configs)} configurations, {config.repeats} interleaved rounds", flush=True)
         asyncio.run(measure(configs, config.repeats))
         torch.set_num_threads(threads)
-        results = []
-        for index, c in enumerate(configs):
-            entry = c.entry()
-            entry["decode_tokens_per_s"] = decode_tokens_per_s(c.runs)
-            entry["mean_tokens"] = round(sum(r.tokens for r in c.runs) / len(c.runs), 1)
-            if index in masks:  # the warm-up's frames too: mask time does not drift with the machine
-                seconds = masks[index].seconds
-                entry["mask_ms_p50"] = round(1000 * (percentile(seconds, 50) or 0), 4)
-                entry["mask_ms_p99"] = round(1000 * (percentile(seconds, 99) or 0), 4)
-            results.append(entry)
+        results = [result(c, masks.get(index)) for index, c in enumerate(configs)]
     report = {**header(config, model, threads), "schema": SCHEMA, "prompts": PROMPTS, "results": results,
               "structured": pairs(results)}
     for pair in report["structured"]:
@@ -132,6 +126,45 @@ def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) ->
               f"{pair['json_schema_decode_tokens_per_s']} tok/s (x{pair['json_schema_vs_free']}), acceptance "
               f"{pair.get('acceptance_rate_free')} -> {pair.get('acceptance_rate_json_schema')}", flush=True)
     return report
+
+
+def configurations(config: BenchConfig, pipelines: list[tuple[str, int, Any, int]], speculation: dict,
+                   constrained: ConstrainedDecoding,
+                   prompts: list[list[int]]) -> tuple[list[Measured], dict[int, Masks]]:
+    """Per pipeline (label, stage count, pipeline, threads) and strategy, the free and the
+    json_schema configuration; and each constrained one's mask timer, by index in the list."""
+    from inferencemesh.frontend.engine.grammar import ConstrainedOutput
+
+    configs: list[Measured] = []
+    masks: dict[int, Masks] = {}
+    for label, count, pipeline, config_threads in pipelines:
+        for strategy in config.speculative:
+            for output in ("free", "json_schema"):
+                counter = SpecCounter() if strategy != "none" else None
+                grammar = None
+                if output == "json_schema":
+                    masks[len(configs)] = timer = Masks()
+                    grammar = ConstrainedOutput(constrained.constraint, constrained.grammar_tokenizer,
+                                                mask_timer=timer)
+                runner = EngineUnderTest(pipeline, config.new_tokens, MAX_CONTEXT,
+                                         proposer(speculation, strategy, counter),
+                                         config.speculative_disable_by_batch_size, constrained=grammar,
+                                         stop_token_ids=constrained.stops if grammar else frozenset())
+                name = f"{label}+{strategy}" if strategy != "none" else label
+                extra = {"stages": count, "speculative": strategy, "output": output}
+                configs.append(Measured(f"{name} {output}", extra, prompts, runner, config_threads, counter))
+    return configs, masks
+
+
+def result(measured: Measured, masks: Masks | None) -> dict:
+    """One configuration's entry: decode tok/s, mean tokens, and a constrained one's mask times."""
+    entry = measured.entry()
+    entry["decode_tokens_per_s"] = decode_tokens_per_s(measured.runs)
+    entry["mean_tokens"] = round(sum(r.tokens for r in measured.runs) / len(measured.runs), 1)
+    if masks is not None:  # the warm-up's frames too: mask time does not drift with the machine
+        entry["mask_ms_p50"] = round(1000 * (percentile(masks.seconds, 50) or 0), 4)
+        entry["mask_ms_p99"] = round(1000 * (percentile(masks.seconds, 99) or 0), 4)
+    return entry
 
 
 def pairs(results: list[dict]) -> list[dict]:
