@@ -5,11 +5,13 @@ with two stages and each speculation strategy (n-grams, the bundled draft model,
 Every output must end by the grammar (finish_reason "stop", never max_tokens), parse without
 duplicate keys, validate against its schema (formats checked too) and write its properties in the
 schema's order; the speculative configurations must have proposed drafts; a greedy output is the
-same text in every configuration (neither the split nor speculation may change a greedy answer).
+same text in every configuration as in the plainest one (neither the split nor speculation may
+change a greedy answer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -113,8 +115,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "2 stages, auto": ("--stages", "2", "--speculative", "auto"),
 }
 ALWAYS_SPECULATE = ("--speculative-disable-by-batch-size", "0")
-# (schema, endpoint) -> {configuration: greedy text}, filled by the matrix, compared at the end
-GREEDY: dict[tuple[str, str], dict[str, str]] = {}
+REFERENCE = "1 stage, none"  # the configuration whose greedy answers every other one must give
+# Each schema is asked greedy on one endpoint and sampled on the other, alternating by schema:
+# both endpoints see both.
+GREEDY_ENDPOINT = {name: ("chat", "completions")[index % 2] for index, name in enumerate(SCHEMAS)}
+SAMPLED_ENDPOINT = {name: ("completions", "chat")[index % 2] for index, name in enumerate(SCHEMAS)}
 
 
 # object keywords OpenAI's strict mode does not take
@@ -151,11 +156,33 @@ def test_the_matrix_covers_strict_and_non_strict_schemas() -> None:
     assert is_strict(SCHEMAS["refs"]) and not is_strict(SCHEMAS["pattern-keyed map"])
 
 
+@contextlib.contextmanager
+def serving_config(config: str) -> Iterator[tuple[str, str, OpenAI, str]]:
+    """`inferencemesh serve` in one of CONFIGS: (config, base URL, a client, the model's name)."""
+    with serving(*CONFIGS[config], *ALWAYS_SPECULATE) as (base, _, _):
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield config, base, client, client.models.list().data[0].id
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def served(request) -> Iterator[tuple[str, str, OpenAI, str]]:
-    with serving(*CONFIGS[request.param], *ALWAYS_SPECULATE) as (base, _, _):
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield request.param, base, client, client.models.list().data[0].id
+    with serving_config(request.param) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def reference_greedy() -> dict[str, str]:
+    """The reference configuration's greedy answers, from a server of its own (so that a test
+    comparing against them needs no other test to have run first)."""
+    with serving_config(REFERENCE) as (_, _, client, model):
+        return greedy_answers(client, model)
+
+
+def greedy_answers(client: OpenAI, model: str) -> dict[str, str]:
+    """Schema -> its greedy answer's text on its greedy endpoint."""
+    with ThreadPoolExecutor(4) as pool:
+        replies = pool.map(lambda name: ask(client, model, name, GREEDY_ENDPOINT[name], temperature=0), SCHEMAS)
+        return {name: choices[0][1] for name, choices in zip(SCHEMAS, replies, strict=True)}
 
 
 def draft_tokens(base: str) -> float:
@@ -212,19 +239,15 @@ def problem(name: str, finish_reason: str | None, output: str) -> str | None:
 
 def test_every_schema_is_followed_greedy_and_sampled(served) -> None:
     config, base, client, model = served
-    # greedy on one endpoint and sampled on the other, alternating by schema: both endpoints see both
     requests = []
     for index, name in enumerate(SCHEMAS):
-        greedy, sampled = ("chat", "completions") if index % 2 == 0 else ("completions", "chat")
-        requests.append((name, greedy, {"temperature": 0}))
-        requests.append((name, sampled, {"temperature": 1.0, "seed": 100 + index, "n": 2}))
+        requests.append((name, GREEDY_ENDPOINT[name], {"temperature": 0}))
+        requests.append((name, SAMPLED_ENDPOINT[name], {"temperature": 1.0, "seed": 100 + index, "n": 2}))
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda asked: ask(client, model, asked[0], asked[1], **asked[2]), requests))
     failures = []
     for (name, endpoint, sampling), choices in zip(requests, replies, strict=True):
         assert len(choices) == sampling.get("n", 1)
-        if sampling["temperature"] == 0:
-            GREEDY.setdefault((name, endpoint), {})[config] = choices[0][1]
         for finish_reason, output in choices:
             why = problem(name, finish_reason, output)
             if why:
@@ -235,9 +258,13 @@ def test_every_schema_is_followed_greedy_and_sampled(served) -> None:
         failures)
 
 
-def test_greedy_output_is_the_same_in_every_configuration() -> None:
-    if not GREEDY or any(len(by_config) < len(CONFIGS) for by_config in GREEDY.values()):
-        pytest.skip("needs the matrix run in every configuration (this session ran it in fewer)")
-    differ = {key: by_config for key, by_config in GREEDY.items() if len(set(by_config.values())) > 1}
-    assert not differ, "\n".join(f"{name} / {endpoint}: {json.dumps(by_config, indent=1)}"
-                                 for (name, endpoint), by_config in differ.items())
+@pytest.mark.parametrize("served", [config for config in CONFIGS if config != REFERENCE], indirect=True)
+def test_greedy_output_is_the_same_in_every_configuration(served, reference_greedy: dict[str, str]) -> None:
+    config, base, client, model = served
+    drafts = draft_tokens(base)
+    answers = greedy_answers(client, model)
+    assert draft_tokens(base) > drafts, f"{config} proposed no drafts for these answers"
+    differ = {name: {REFERENCE: reference_greedy[name], config: answer} for name, answer in answers.items()
+              if answer != reference_greedy[name]}
+    assert not differ, "\n".join(f"{name} / {GREEDY_ENDPOINT[name]}: {json.dumps(by_config, indent=1)}"
+                                 for name, by_config in differ.items())
