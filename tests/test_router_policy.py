@@ -1,5 +1,5 @@
 """The router's policy as pure functions (inferencemesh.router.policy): routing keys, chained block
-hashes, the prefix index's TTL and LRU bound, and the order `choose` gives."""
+hashes, the prefix affinity index's TTL and LRU bound, and the order `choose` gives."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from inferencemesh.config import RouterConfig
 from inferencemesh.flags import ConfigError, from_args, to_argv
 from inferencemesh.programs.cli import build_parser
 from inferencemesh.router.policy import (
-    PrefixIndex,
+    PrefixAffinity,
     block_hashes,
     choose,
     key_seed,
@@ -31,9 +31,9 @@ class Clock:
         return self.now
 
 
-def index(ttl: float = 60.0, max_entries: int = 1000) -> tuple[PrefixIndex, Clock]:
+def index(ttl: float = 60.0, max_entries: int = 1000) -> tuple[PrefixAffinity, Clock]:
     clock = Clock()
-    return PrefixIndex(ttl=ttl, max_entries=max_entries, clock=clock), clock
+    return PrefixAffinity(ttl=ttl, max_entries=max_entries, clock=clock), clock
 
 
 # ---- routing keys ---------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_block_hashes_are_chained() -> None:
     assert block_hashes("", 10) == [] and block_hashes(None, 10) == []
 
 
-# ---- the prefix index ---------------------------------------------------------------------------
+# ---- the prefix affinity index (PrefixAffinity) ------------------------------------------------
 
 
 def test_longest_prefix_per_replica() -> None:

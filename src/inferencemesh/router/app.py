@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferencemesh.config import RouterConfig
 from inferencemesh.router.metrics import RouterMetrics
-from inferencemesh.router.policy import PrefixIndex, block_hashes, choose, key_seed, retryable, routing_key
+from inferencemesh.router.policy import PrefixAffinity, block_hashes, choose, key_seed, retryable, routing_key
 from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
 from inferencemesh.router.transport import LeanTransport
 
@@ -123,7 +123,7 @@ class RouterApp:
             StaticReplicas(self.replicas, config.frontends) if config.frontends else
             EndpointSliceWatch(self.replicas, config.frontends_service or "", config.namespace,
                                config.frontend_port, api_client=api_client))
-        self.index = PrefixIndex(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
+        self.affinity = PrefixAffinity(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
         self.metrics = RouterMetrics()
         self.metrics.ready_replicas.set_function(lambda: len(self.replicas.up()))
         self.client: httpx.AsyncClient | None = None  # the load poller's
@@ -162,7 +162,7 @@ class RouterApp:
             self._loop.call_soon_threadsafe(self._removed, name)
 
     def _removed(self, name: str) -> None:
-        self.index.forget(name)  # gone, or back as a new pod: its cache is not the one we knew
+        self.affinity.forget(name)  # gone, or back as a new pod: its cache is not the one we knew
         if name not in self.replicas.current():
             self.metrics.remove_replica(name)
 
@@ -214,7 +214,7 @@ class RouterApp:
             body = {"replicas": [{"name": r.name, "url": r.url, "in_flight": r.in_flight, "waiting": r.waiting,
                                   "routed": r.routed, "up": r.down is None, "down": r.down}
                                  for r in replicas.values()],
-                    "prefix_blocks": len(self.index)}
+                    "prefix_blocks": len(self.affinity)}
             await send_whole(send, 200, json.dumps(body).encode())
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
@@ -292,7 +292,7 @@ class RouterApp:
         blocks = block_hashes(key, self.config.block_chars)
         # Down replicas only when none is up: they may be back before the poller has seen it.
         replicas = self.replicas.up() or self.replicas.current()
-        choice = choose({name: r.load for name, r in replicas.items()}, self.index.match(blocks) if blocks else {},
+        choice = choose({name: r.load for name, r in replicas.items()}, self.affinity.match(blocks) if blocks else {},
                         seed=key_seed(key), balance_abs=self.config.balance_abs, balance_rel=self.config.balance_rel)
         if not choice.order:
             self.metrics.no_replica.inc()
@@ -336,7 +336,7 @@ class RouterApp:
                 response, first, rest = answer
                 try:
                     if blocks:
-                        self.index.record(blocks, name)
+                        self.affinity.record(blocks, name)
                     replica.routed += 1
                     self.metrics.requests.labels(name, f"{response.status_code // 100}xx").inc()
                     await self._relay(replica, response, first, rest, send, state)

@@ -1,4 +1,4 @@
-"""The routing policy, as pure functions and one in-memory index (no I/O).
+"""The routing policy, as pure functions and one in-memory index of prefix affinity (no I/O).
 
 A request's *routing key* is the text a replica's prefix cache would see first: the chat messages
 (tools first, as chat templates render them), a completion's prompt, a response's instructions and
@@ -7,14 +7,14 @@ longer conversation extends it. The key is cut into fixed-size blocks of charact
 together with the hash of the blocks before it (a chained hash: block i's hash stands for the whole
 prefix 0..i), as the SGLang router's approximate tree and llm-d's prefix indexes do.
 
-The PrefixIndex remembers, per block hash, the replicas that were sent that prefix (each with the
+The PrefixAffinity remembers, per block hash, the replicas that were sent that prefix (each with the
 time it last was, as SGLang's tree keeps a set of tenants per node): an approximation of what each
 replica's prefix cache holds, local to this router, bounded (least recently used blocks dropped
 first) and forgetful (a replica's hold on a block expires after a TTL, as its cache would have
 evicted it by then). A prefix every conversation shares (a system prompt, the tools) is held by
 every replica that was sent it, and load decides among them.
 
-`choose` orders the replicas to try: the one with the longest prefix match among those that are not
+`choose` orders the replicas to try (a RouteChoice): the one with the longest prefix match among those that are not
 far busier than the least loaded one, then the rest by load. Far busier (SGLang's cache-aware
 policy's balance thresholds): load > min_load + balance_abs AND load > min_load * balance_rel, where
 load = the router's own requests in flight to it + the requests its /metrics says are waiting.
@@ -135,7 +135,7 @@ def stable_rank(seed: int, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{replica}".encode(), digest_size=8).digest(), "big")
 
 
-class PrefixIndex:
+class PrefixAffinity:
     """block hash -> {replica: when it was last sent that prefix}, least recently used block first;
     at most `max_entries` blocks, a replica's hold on one forgotten `ttl` seconds after its last use.
     Not thread-safe: the router's event loop owns it."""
@@ -195,7 +195,7 @@ class PrefixIndex:
 
 
 @dataclass(frozen=True)
-class Choice:
+class RouteChoice:
     """The replicas to try, in order, and whether the first holds part of the prompt."""
 
     order: list[str]
@@ -207,22 +207,22 @@ def far_busier(load: float, min_load: float, balance_abs: float, balance_rel: fl
 
 
 def choose(loads: Mapping[str, float], matches: Mapping[str, int], *, seed: int, balance_abs: float,
-           balance_rel: float) -> Choice:
+           balance_rel: float) -> RouteChoice:
     """The order in which to try the replicas (`loads`: replica -> load): the one with the longest
     prefix match (`matches`) that is not far busier than the least loaded, then every other by load;
     equal loads (and equal matches) ordered by `seed` (stable_rank: the same prompt, the same
     replica). No replica: an empty order."""
     if not loads:
-        return Choice([], 0)
+        return RouteChoice([], 0)
     ranks = {name: stable_rank(seed, name) for name in loads}
     by_load = sorted(loads, key=lambda name: (loads[name], ranks[name]))
     min_load = loads[by_load[0]]
     eligible = [name for name, blocks in matches.items() if blocks > 0 and name in loads
                 and not far_busier(loads[name], min_load, balance_abs, balance_rel)]
     if not eligible:
-        return Choice(by_load, 0)
+        return RouteChoice(by_load, 0)
     best = min(eligible, key=lambda name: (-matches[name], loads[name], ranks[name]))
-    return Choice([best, *(name for name in by_load if name != best)], matches[best])
+    return RouteChoice([best, *(name for name in by_load if name != best)], matches[best])
 
 
 def key_seed(key: str | None) -> int:
