@@ -34,6 +34,7 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferencemesh.config import RouterConfig
+from inferencemesh.openai_errors import error_json, sse_error_event
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixAffinity, block_hashes, choose, key_seed, retryable, routing_key
 from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
@@ -65,10 +66,6 @@ def _without(headers: Iterable[tuple[bytes, bytes]], dropped: frozenset[bytes]) 
     return [(name, value) for name, value in headers if name.lower() not in dropped and name.lower() not in named]
 
 
-def error_body(message: str, type_: str, code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-
-
 async def send_whole(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
                      content_type: bytes = b"application/json") -> None:
     head = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(headers or [])]
@@ -79,12 +76,7 @@ async def send_whole(send: Send, status: int, body: bytes, headers: list[tuple[b
 async def send_error(send: Send, status: int, message: str, type_: str, code: str | None = None,
                      retry_after: bool = False, close: bool = False) -> None:
     extra = [(b"retry-after", RETRY_AFTER_S.encode())] if retry_after else []
-    await send_whole(send, status, error_body(message, type_, code), extra + (CLOSE if close else []))
-
-
-def sse_error_event(message: str) -> bytes:
-    """An OpenAI error event for an SSE stream that cannot go on (the openai client raises on it)."""
-    return b"data: " + error_body(message, "server_error", "replica_failed") + b"\n\n"
+    await send_whole(send, status, error_json(message, type_, code=code), extra + (CLOSE if close else []))
 
 
 class BodyRefused(Exception):
@@ -408,7 +400,8 @@ class RouterApp:
                 return  # without the body's end: uvicorn cuts the connection, the client sees it cut
             # An event of its own: after a whole event's blank line (what was relayed ends one, or
             # the blank line ends the part that came).
-            event = sse_error_event(f"The replica {replica.name} serving this stream failed: {err}")
+            event = sse_error_event(f"The replica {replica.name} serving this stream failed: {err}", "server_error",
+                                    code="replica_failed")
             await send({"type": "http.response.body", "more_body": True,
                         "body": event if last.endswith(b"\n\n") else b"\n\n" + event})
         state["done"] = True

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from inferencemesh.frontend.engine.api import EngineError
+from inferencemesh.openai_errors import error_body
 
 log = logging.getLogger("inferencemesh.frontend")
 
@@ -21,7 +22,7 @@ class APIError(Exception):
         self.retry_after = retry_after  # seconds, for a Retry-After header (a temporary refusal)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, param=self.param, code=self.code)
 
 
 def _printable(text: str) -> str:
