@@ -101,10 +101,13 @@ def test_the_api_server_rejects_schema_violations(cluster: ControlPlane, ns: str
 
 
 def test_the_api_server_prunes_the_removed_fields(cluster: ControlPlane, ns: str) -> None:
-    """stages.maxBatchTokens and frontend.replicas left the v1alpha1 CRD: a spec that still sets
-    them is accepted and stored without them (the structural schema prunes unknown fields)."""
+    """stages.maxBatchTokens and frontend.replicas left the v1alpha1 CRD: kubectl's validation
+    refuses a spec that still sets them, naming the field; without it, the API server accepts the
+    spec and stores it without them (the structural schema prunes unknown fields)."""
     body = {"model": {"name": "org/m"}, "stages": {"maxBatchTokens": 64}, "frontend": {"replicas": 3}}
     doc = yaml.safe_dump(mesh_doc("removed-fields", body))
+    refused = cluster.kubectl("create", "-n", ns, "-f", "-", input=doc, check=False)
+    assert refused.returncode != 0 and "unknown field" in refused.stderr, refused.stderr
     proc = cluster.kubectl("create", "--validate=false", "-n", ns, "-f", "-", input=doc, check=False)
     assert proc.returncode == 0, proc.stderr
     try:

@@ -45,8 +45,6 @@ def hostile_specs(tiny: str) -> dict[str, tuple[dict, str, str | None]]:
                          "False", "InvalidChild"),
         "bad-node-selector": ({"model": model, "frontend": {"nodeSelector": {"gpu": "a b/c"}}},
                               "False", "InvalidChild"),
-        # deprecated, no effect (one frontend per pipeline): still planned
-        "no-frontend": ({"model": model, "frontend": {"replicas": 0}}, "True", "Planned"),
         "no-pipelines": ({"model": model, "replicas": 0}, "True", "Planned"),
     }
 

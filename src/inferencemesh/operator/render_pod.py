@@ -33,6 +33,7 @@ DEFAULT_FRONTEND_IMAGE = "ghcr.io/inferencemesh/frontend:0.1.0"
 # Loading a large range can take minutes: a pod that loads layers holds liveness off this long (30 min).
 LAYERS_STARTUP_PROBE = {"periodSeconds": 10, "failureThreshold": 180}
 
+
 @dataclass(frozen=True)
 class RenderOptions:
     stage_image: str = DEFAULT_STAGE_IMAGE
