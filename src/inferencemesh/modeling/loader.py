@@ -221,12 +221,20 @@ def load_stage(
     choice = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=torch_device.type == "cpu")
     log.info("layers %d:%d compute in %s on %s", layer_start, layer_end, choice, torch_device)
     torch_dtype = resolve_dtype(choice.name, facts.checkpoint_dtype)
-    first, last = layer_start == 0, layer_end == facts.num_layers
+    model = _build_on_meta(config, torch_dtype, facts, source)
+    tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress)
+    tied_head = _take_tied_head(tensors, facts, layer_start, layer_end, source)
+    _assign(model, tensors, torch_dtype, source)
+    _tie_head(model, facts, layer_start, layer_end, tied_head)
+    _check_loaded(model, facts, layer_start, layer_end, source)
+    return _stage_modules(model, facts, config, model_dir, layer_start, layer_end, torch_dtype, torch_device)
 
-    # The family's own causal LM, parameters on the meta device (nothing allocated): the stage
-    # keeps the modules it runs, and the checkpoint's tensors for those are assigned into them
-    # through transformers' own key conversion (MoE experts stored one by one are fused into the
-    # module's expert tensors as from_pretrained fuses them).
+
+def _build_on_meta(config: Any, dtype: torch.dtype, facts: CheckpointFacts, source: str | Path) -> Any:
+    """The family's own causal LM, parameters on the meta device (nothing allocated) in the compute
+    dtype: the stage keeps the modules it runs, and the checkpoint's tensors for those are assigned
+    into them through transformers' own key conversion (MoE experts stored one by one are fused
+    into the module's expert tensors as from_pretrained fuses them)."""
     config._attn_implementation = "eager"  # built as eager (a family refusing sdpa, Gemma2, still builds) ...
     model = families.build_causal_lm(config)
     # ... and run through our registered name (see attention.py): transformers' sdpa attention
@@ -234,35 +242,43 @@ def load_stage(
     config._attn_implementation = attention.NAME
     if (why := families.layout_refusal(model, config)) is not None:
         raise CheckpointError(f"{source}: {facts.model_type} cannot be split into stages: {why}")
-    base = model.model
     for module in model.modules():  # the compute dtype, still on meta (free): loading keeps a parameter's dtype
         for name, param in module._parameters.items():
-            if param is not None and param.is_floating_point() and param.dtype != torch_dtype:
-                module._parameters[name] = nn.Parameter(param.to(torch_dtype), requires_grad=False)
-    tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress)
-    tied_head = None
-    if last and (facts.tie_word_embeddings or "lm_head.weight" not in tensors):
-        if not facts.tie_word_embeddings:
-            raise CheckpointError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
-        tensors.pop("lm_head.weight", None)
-        if "model.embed_tokens.weight" not in tensors:
-            raise CheckpointError(f"{source}: no model.embed_tokens.weight, which the tied LM head is")
-        # A tied head is the embedding matrix: read as the embedding's, shared below.
-        tied_head = tensors["model.embed_tokens.weight"] if not first else None
-        if tied_head is not None:
-            tensors.pop("model.embed_tokens.weight")
-    _assign(model, tensors, torch_dtype, source)
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+    return model
 
-    embed = base.embed_tokens if first else None
-    layers = nn.ModuleList(base.layers[layer_start:layer_end])
-    norm = base.norm if last else None
-    lm_head = model.lm_head if last else None
-    if lm_head is not None:
-        if embed is not None and facts.tie_word_embeddings:
-            lm_head.weight = embed.weight  # the very tensor, held once
-        elif tied_head is not None:
-            lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
-    stage_modules = [m for m in (embed, layers, norm, lm_head) if m is not None]
+
+def _take_tied_head(tensors: dict[str, torch.Tensor], facts: CheckpointFacts, layer_start: int, layer_end: int,
+                    source: str | Path) -> torch.Tensor | None:
+    """On the last stage: the LM head's matrix when it is the embedding's (tied), taken out of
+    tensors when this stage has no embedding of its own to share it with; None otherwise."""
+    if layer_end != facts.num_layers or not (facts.tie_word_embeddings or "lm_head.weight" not in tensors):
+        return None
+    if not facts.tie_word_embeddings:
+        raise CheckpointError(f"{source}: no lm_head.weight and tie_word_embeddings is false")
+    tensors.pop("lm_head.weight", None)
+    if "model.embed_tokens.weight" not in tensors:
+        raise CheckpointError(f"{source}: no model.embed_tokens.weight, which the tied LM head is")
+    # A tied head is the embedding matrix: read as the embedding's, shared by _tie_head.
+    return tensors.pop("model.embed_tokens.weight") if layer_start != 0 else None
+
+
+def _tie_head(model: Any, facts: CheckpointFacts, layer_start: int, layer_end: int,
+              tied_head: torch.Tensor | None) -> None:
+    """On the last stage, a tied LM head becomes the embedding matrix: the first stage's own
+    embedding (the very tensor, held once), or the matrix _take_tied_head set aside."""
+    if layer_end != facts.num_layers:
+        return
+    if layer_start == 0 and facts.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    elif tied_head is not None:
+        model.lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
+
+
+def _check_loaded(model: nn.Module, facts: CheckpointFacts, layer_start: int, layer_end: int,
+                  source: str | Path) -> None:
+    """Refuse a stage with a parameter the checkpoint did not give (still on the meta device)."""
     # Named as the checkpoint names them (model.layers.N.…), so a user can look for them.
     unloaded = [name for name, p in model.named_parameters() if p.device.type == "meta"
                 and _in_stage(name, layer_start, layer_end, facts.num_layers)]
@@ -270,13 +286,24 @@ def load_stage(
         raise CheckpointError(f"{source}: the checkpoint has no tensor {', '.join(unloaded[:3])}"
                               f"{f' (and {len(unloaded) - 3} more)' if len(unloaded) > 3 else ''}, which "
                               f"layers {layer_start}:{layer_end} need")
+
+
+def _stage_modules(model: Any, facts: CheckpointFacts, config: Any, model_dir: Path, layer_start: int,
+                   layer_end: int, dtype: torch.dtype, device: torch.device) -> StageModules:
+    """The loaded model's modules this stage runs, on the device, for inference; the rest is dropped."""
+    base = model.model
+    first, last = layer_start == 0, layer_end == facts.num_layers
+    embed = base.embed_tokens if first else None
+    layers = nn.ModuleList(base.layers[layer_start:layer_end])
+    norm = base.norm if last else None
+    lm_head = model.lm_head if last else None
+    stage_modules = [m for m in (embed, layers, norm, lm_head) if m is not None]
     for module in stage_modules:
-        module.to(torch_device)  # buffers (computed at construction) join the loaded weights
-    rotary = base.rotary_emb.to(torch_device)  # small and computed, so built for real
+        module.to(device)  # buffers (computed at construction) join the loaded weights
+    rotary = base.rotary_emb.to(device)  # small and computed, so built for real
     for module in stage_modules:
         module.eval().requires_grad_(False)
-    del model, base
-    return StageModules(facts, config, model_dir, embed, layers, norm, lm_head, rotary, torch_dtype, torch_device)
+    return StageModules(facts, config, model_dir, embed, layers, norm, lm_head, rotary, dtype, device)
 
 
 def _in_stage(name: str, layer_start: int, layer_end: int, num_layers: int) -> bool:

@@ -69,16 +69,8 @@ class StageRuntime:
     ) -> None:
         """modules: layers [layer_start, layer_end) already loaded (load_stage) from source,
         used as they are (the draft model, which loads once and may run its own forward)."""
-        stage = modules or load_stage(
-            source,
-            layer_start,
-            layer_end,
-            revision=revision,
-            dtype=dtype,
-            device=device,
-            cache_dir=cache_dir,
-            on_progress=on_progress,
-        )
+        stage = modules or load_stage(source, layer_start, layer_end, revision=revision, dtype=dtype, device=device,
+                                      cache_dir=cache_dir, on_progress=on_progress)
         self.facts = stage.facts
         self.config = stage.config
         self.num_layers = stage.facts.num_layers
@@ -92,44 +84,46 @@ class StageRuntime:
         self.device = stage.device
         self.max_context = max_context
         self.model_dir = stage.model_dir
-
-        self._embed = stage.embed
-        self._layers = list(stage.layers)
-        self._norm = stage.norm
-        self._lm_head: nn.Module | None = stage.lm_head  # packed below on the CPU
-        if self.device.type == "cpu":
-            pack_linears(stage.layers)
-            # A head that shares its matrix with this stage's embedding stays as is: packing
-            # would hold the largest matrix twice.
-            head = self._lm_head
-            if isinstance(head, nn.Linear) and packs(head) and not (
-                    self._embed is not None and head.weight is self._embed.weight):
-                self._lm_head = PackedLinear(head)
-        self._rotary = stage.rotary
-        self._kv_heads = stage.facts.num_kv_heads
-        self._kv_dtype = kv_cache_dtype(self.dtype, self.device)
-        self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
-        self._windows = [sliding_window(self.config, i) for i in range(layer_start, layer_end)]
-        self._smallest_window = min((w for w in self._windows if w is not None), default=None)
-        self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
-        # The layers' name for the KV cache argument: `cache` from transformers 5.x's rename on
-        # (passing the old name warns on every call), `past_key_values` before it.
-        takes_cache = bool(self._layers) and "cache" in inspect.signature(type(self._layers[0]).forward).parameters
-        self._cache_kwarg = "cache" if takes_cache else "past_key_values"
-        # What the family's forward does around the layers (modeling/families.py HOOKS).
-        self._hooks = forward_hooks(self.config)
-        # Rotary per layer type where the family has one per type (Gemma3), else one for all.
-        layer_types = list(getattr(self.config, "layer_types", None) or [])
-        self._rope_keys: list[str | None] = [layer_types[i] if self._hooks.rotary_per_layer_type else None
-                                             for i in range(layer_start, layer_end)]
-        self._rope_tables = {key: rope_table(self.config, self._rotary, max_context, self.dtype, self.device,
-                                             layer_type=key) for key in set(self._rope_keys)}
-        self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
+        self._adopt_modules(stage)
+        self._plan_attention(stage)
+        self._plan_rotary(stage)
         # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
         # "padded" / "per-session" forced (benchmarks, exactness tests).
         self.batched_attention = batched_attention_form()
         if on_progress is not None:
             on_progress("ready", 1.0)
+
+    def _adopt_modules(self, stage: StageModules) -> None:
+        """The stage's modules, their linear layers packed for the CPU's matmul there."""
+        self._embed = stage.embed
+        self._layers = list(stage.layers)
+        self._norm = stage.norm
+        self._lm_head: nn.Module | None = stage.lm_head
+        if self.device.type == "cpu":
+            pack_linears(stage.layers)
+            self._lm_head = _packed_head(self._lm_head, self._embed)
+
+    def _plan_attention(self, stage: StageModules) -> None:
+        """The KV cache's shape and dtype, the layers' sliding windows and how a layer is handed the cache."""
+        self._kv_heads = stage.facts.num_kv_heads
+        self._kv_dtype = kv_cache_dtype(self.dtype, self.device)
+        self._head_dim = int(getattr(self.config, "head_dim", None) or stage.facts.head_dim)
+        self._windows = [sliding_window(self.config, i) for i in range(self.layer_start, self.layer_end)]
+        self._smallest_window = min((w for w in self._windows if w is not None), default=None)
+        self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
+        self._cache_kwarg = _cache_argument(self._layers)
+        self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
+
+    def _plan_rotary(self, stage: StageModules) -> None:
+        """What the family's forward does around the layers (modeling/families.py HOOKS), and the
+        rotary tables: one per layer type where the family has one per type (Gemma3), else one for all."""
+        self._rotary = stage.rotary
+        self._hooks = forward_hooks(self.config)
+        layer_types = list(getattr(self.config, "layer_types", None) or [])
+        self._rope_keys: list[str | None] = [layer_types[i] if self._hooks.rotary_per_layer_type else None
+                                             for i in range(self.layer_start, self.layer_end)]
+        self._rope_tables = {key: rope_table(self.config, self._rotary, self.max_context, self.dtype, self.device,
+                                             layer_type=key) for key in set(self._rope_keys)}
 
     # ------------------------------------------------------------------ sessions
 
@@ -249,14 +243,7 @@ class StageRuntime:
             seg.kv.end()
         if not self.is_last:
             return list(x[0].split(counts))
-        rows: list[int] = []
-        spans: list[int] = []
-        end = 0
-        for seg, count in zip(segments, counts, strict=True):
-            end += count
-            span = {"all": count, "last": 1}.get(seg.logits, 0)  # the rows whose logits this segment wants
-            rows.extend(range(end - span, end))
-            spans.append(span)
+        rows, spans = _logit_rows(segments, counts)
         if not rows:
             return [None] * len(segments)
         logits = self._logits(x[:, rows]).split(spans)
@@ -266,12 +253,7 @@ class StageRuntime:
         if self.is_first:
             if token_ids is None or hidden is not None:
                 raise ValueError("the first stage takes token_ids (and no hidden states)")
-            if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {tuple(token_ids.shape)}")
-            # Checked where the ids arrive (the CPU, from the wire): no device sync for it.
-            low, high = (int(token_ids), int(token_ids)) if len(token_ids) == 1 else map(int, token_ids.aminmax())
-            if low < 0 or high >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+            _check_token_ids(token_ids, self.vocab_size)
             assert self._embed is not None  # the first stage has it
             x = self._embed(token_ids.to(device=self.device, dtype=torch.long))[None]
             if self._hooks.embedding_multiplier is not None:
@@ -308,6 +290,44 @@ class StageRuntime:
             return self._no_masks  # the decode step: nothing to build
         by_window = {w: attention_mask(start, count, w, self.device) for w in set(self._windows)}
         return [by_window[w] for w in self._windows]
+
+
+def _check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
+    """ValueError unless token_ids is a non-empty 1-D integer tensor of ids in [0, vocab_size).
+    Checked where the ids arrive (the CPU, from the wire): no device sync for it."""
+    if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"token_ids must be a non-empty 1-D integer tensor, got {tuple(token_ids.shape)}")
+    low, high = (int(token_ids), int(token_ids)) if len(token_ids) == 1 else map(int, token_ids.aminmax())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size})")
+
+
+def _packed_head(head: nn.Module | None, embed: nn.Module | None) -> nn.Module | None:
+    """The LM head packed for the CPU, except one that shares its matrix with this stage's
+    embedding: packing would hold the largest matrix twice."""
+    if isinstance(head, nn.Linear) and packs(head) and not (embed is not None and head.weight is embed.weight):
+        return PackedLinear(head)
+    return head
+
+
+def _cache_argument(layers: list[nn.Module]) -> str:
+    """The layers' name for the KV cache argument: `cache` from transformers 5.x's rename on
+    (passing the old name warns on every call), `past_key_values` before it."""
+    takes_cache = bool(layers) and "cache" in inspect.signature(type(layers[0]).forward).parameters
+    return "cache" if takes_cache else "past_key_values"
+
+
+def _logit_rows(segments: list[Segment], counts: list[int]) -> tuple[list[int], list[int]]:
+    """The packed rows whose logits the segments want (their last, all or none), and how many per segment."""
+    rows: list[int] = []
+    spans: list[int] = []
+    end = 0
+    for seg, count in zip(segments, counts, strict=True):
+        end += count
+        span = {"all": count, "last": 1}.get(seg.logits, 0)
+        rows.extend(range(end - span, end))
+        spans.append(span)
+    return rows, spans
 
 
 class _PackedCache:
