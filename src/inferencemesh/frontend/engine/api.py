@@ -79,9 +79,12 @@ class Step(list):
     request asked, their logprobs (one per token) and, on the first step, the prompt's (None
     for its first token, which nothing predicts).
 
-    The last Step of a choice says why it ended (finish_reason): "stop" when a stop token ended
-    it, "length" when max_tokens or the model's context did; None on every other Step. The
-    engine alone decides this; the HTTP layer only adds its own "stop" for a stop string.
+    The engine guarantees, for every choice that ends without an error (stopping.py decides):
+    - its Steps hold at most max_tokens tokens in all (fewer when the model's context leaves
+      less room after the prompt): a caller never clips them again;
+    - its last Step says why it ended (finish_reason): "stop" when a stop token ended it,
+      "length" when max_tokens or the model's context did; every other Step has None. The HTTP
+      layer only adds its own "stop" for a stop string, which it finds in the text.
 
     The first Step also says how many of the prompt's tokens the prefix cache supplied
     (cached_tokens: forked from a cached session, not computed), as usage reports them; 0 on

@@ -1,5 +1,5 @@
-"""The generation engine: turns GenerationRequests into sessions in the pipeline, and decides
-when each choice stops and why.
+"""The generation engine: turns GenerationRequests into sessions in the pipeline, each choice's
+steps held to its stop rule (stopping.py: when a choice ends, and why).
 
 A request is checked and converted for the wire, then admitted (frontend.admission: its slots
 are held by one context manager), then its prompt is prefilled once: the other n - 1 choices
@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
 from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine.admission import Admission, Lease, Slot
@@ -36,6 +36,7 @@ from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.prefix_cache import PrefixEntries
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.frontend.engine.session import Connection, Pipeline, SessionFrames, converted
+from inferencemesh.frontend.engine.stopping import ChoiceStopping, StopRule
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
@@ -75,7 +76,7 @@ class _Prompt:
 
     request: GenerationRequest  # as checked: its seed drawn (or read) as the wire's 64 bits
     tokens: list[int]
-    budget: int  # tokens each choice may generate: max_tokens, within the context
+    stop_rule: StopRule  # when each choice ends: every choice has the same
     choices: list[GenerationRequest]  # choice j samples with choice_seed(seed, j)
     samplings: list[pb.Sampling]
     reproducible: bool = False  # greedy or seeded: same frame shapes every run (Proposer.reproducible)
@@ -192,6 +193,8 @@ class PipelineEngine(Generic[PipelineT]):
             )
         if n < 1:
             raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
+        if request.max_tokens < 0:
+            raise InvalidRequest(f"max_tokens is {request.max_tokens}; it must be at least 0", param="max_tokens")
         ids_below = self.options.vocab_size or INT32_MAX + 1
         bad = next((t for t in prompt if not 0 <= t < ids_below), None)
         if bad is not None:
@@ -215,8 +218,7 @@ class PipelineEngine(Generic[PipelineT]):
                          for r in choices]
         except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
             raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
-        budget = min(request.max_tokens, self.max_context - len(prompt))
-        return _Prompt(base, prompt, budget, choices, samplings,
+        return _Prompt(base, prompt, StopRule.of(base, self.max_context), choices, samplings,
                        reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
     async def _started(self, prompt: _Prompt, lease: Lease) -> list[ChoiceStream]:
@@ -263,7 +265,7 @@ class PipelineEngine(Generic[PipelineT]):
         choices = []
         for j, (conn, request, sampling, proposer) in enumerate(
                 zip(conns, prompt.choices, prompt.samplings, proposers, strict=True)):
-            steps = self._decode(conn, request, sampling, prompt.tokens, prompt.budget, proposer,
+            steps = self._decode(conn, request, sampling, prompt.tokens, prompt.stop_rule, proposer,
                                  prediction if j == 0 else None, prompt_logprobs, reused if j == 0 else 0)
             slot = lease.hand_over()
             choices.append(ChoiceStream(steps, partial(self._release, conn, proposer, slot)))
@@ -298,32 +300,29 @@ class PipelineEngine(Generic[PipelineT]):
         return limit <= 0 or self.running < limit
 
     async def _decode(self, conn: Connection, request: GenerationRequest, sampling: pb.Sampling, prompt: list[int],
-                      budget: int, proposer: Proposer | None, prediction: pb.Prediction | None,
+                      stop_rule: StopRule, proposer: Proposer | None, prediction: pb.Prediction | None,
                       prompt_logprobs: list[TokenLogprob | None] | None, cached: int = 0) -> AsyncIterator[Step]:
         """Generation in a session that holds the prompt: all of it, with `prediction` (its
         prefill's), or all but its last token (a fork), which the first step computes.
 
-        The engine alone decides when a choice stops, and says why on its last Step: "stop" (a
-        stop token) or "length" (max_tokens, or the model's context, reached). Its first Step
-        carries `cached`, the prompt tokens its prefill took from the prefix cache (usage's cached_tokens)."""
+        Each step's tokens pass through the choice's ChoiceStopping (stopping.py), which says how
+        many are yielded and, on the last Step, why the choice ended. Its first Step carries
+        `cached`, the prompt tokens its prefill took from the prefix cache (usage's cached_tokens)."""
         try:
             if prediction is None:
                 prediction = await self.frames.step(conn, sampling, prompt, proposer)
             history = prompt + list(prediction.tokens)
             conn.history = history  # what the session holds, should it end here (all but the last)
-            emitted = 0
+            stopping = ChoiceStopping(stop_rule)
             while True:
                 if conn.grammar is not None:  # the grammar advances by decided tokens only
-                    await conn.grammar.commit_async(_until_stop(prediction.tokens, request))
-                count, stopped = _emittable(list(prediction.tokens), request, budget - emitted)
-                emitted += count
-                finish: Literal["stop", "length"] | None = "stop" if stopped else "length" if emitted >= budget \
-                    else None
-                if count or prompt_logprobs is not None or finish is not None:
-                    yield Step(list(prediction.tokens[:count]), _logprobs(prediction.logprobs[:count], request),
-                               prompt_logprobs, finish_reason=finish, cached_tokens=cached)
+                    await conn.grammar.commit_async(stopping.decided(prediction.tokens))
+                cut = stopping.cut(prediction.tokens)
+                if cut.count or prompt_logprobs is not None or cut.finish_reason is not None:
+                    yield Step(list(prediction.tokens[:cut.count]), _logprobs(prediction.logprobs[:cut.count], request),
+                               prompt_logprobs, finish_reason=cut.finish_reason, cached_tokens=cached)
                     prompt_logprobs, cached = None, 0
-                if finish is not None:
+                if cut.finish_reason is not None:
                     return
                 # Everything but the last token is in the stages' caches; a replacement stage
                 # gets exactly that prefix again.
@@ -350,25 +349,6 @@ def _connection(pipeline: Pipeline, request_id: str, choice: GenerationRequest) 
     conn = Connection(pipeline, request_id)
     conn.grammar = choice.constrained.start() if choice.constrained is not None else None
     return conn
-
-
-def _until_stop(tokens: Iterable[int], request: GenerationRequest) -> list[int]:
-    """A step's tokens before the first that ends generation (nothing after it is generated)."""
-    kept = []
-    for token in tokens:
-        if token in request.stop_token_ids:
-            break
-        kept.append(token)
-    return kept
-
-
-def _emittable(tokens: list[int], request: GenerationRequest, room: int) -> tuple[int, bool]:
-    """How many of a step's tokens go to the client, and whether a stop token ended generation
-    (it goes too when the request asks for it)."""
-    for index, token in enumerate(tokens[:room]):
-        if token in request.stop_token_ids:
-            return index + int(request.emit_stop_token), True
-    return min(len(tokens), room), False
 
 
 def _logprobs(entries: Iterable[pb.TokenLogprobs], request: GenerationRequest) -> list[TokenLogprob] | None:
