@@ -29,7 +29,8 @@ from inferencemesh.config import StageConfig
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault, PipelineError
 from inferencemesh.protocol.streams import RemoteStage
-from inferencemesh.stage.service import InlineExecutor, StageService
+from inferencemesh.stage.compute import InlineExecutor
+from inferencemesh.stage.service import StageService
 from inferencemesh.stage.stream import NextStage, StageStream
 
 if TYPE_CHECKING:

@@ -24,56 +24,64 @@ class StageMetrics:
         self.host = host  # where /metrics binds: where the stage's gRPC does
         self.endpoint: MetricsEndpoint | None = None
         self.registry = CollectorRegistry()
-        labels = {"model_name": model, "stage": str(stage_index)}
-        names = list(labels)
+        self._labels = {"model_name": model, "stage": str(stage_index)}
+        self._declare_lifecycle()
+        self._declare_sessions()
+        self._declare_passes()
+        self._declare_traffic()
+        self._bind_children()
 
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(f"inferencemesh_stage_{name}", doc, names + list(extra), registry=self.registry)
+    def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(f"inferencemesh_stage_{name}", doc, [*self._labels, *extra], registry=self.registry)
 
-        self.state = gauge("state", "1 for the stage's current lifecycle state", ("state",))
-        self.progress = gauge("load_progress_ratio", "download / load progress within the current state (0..1)")
-        self.active_sessions = gauge("active_sessions", "live sessions holding a KV cache on this stage")
-        self.prefix_cache_entries = gauge("prefix_cache_entries", "finished sessions kept as prefix-cache entries")
-        self.prefix_cache_evictions = Counter(
-            "inferencemesh_stage_prefix_cache_evictions_total",
-            "prefix-cache entries dropped to make room for a new session", names, registry=self.registry)
-        self.cached_tokens = gauge("cached_tokens", "token positions held in KV caches on this stage")
-        self.kv_bytes = gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
-        self.forward_seconds = Histogram(
-            "inferencemesh_stage_forward_seconds",
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(f"inferencemesh_stage_{name}", doc, [*self._labels, *extra], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(f"inferencemesh_stage_{name}", doc, [*self._labels, *extra], buckets=buckets,
+                         registry=self.registry)
+
+    def _declare_lifecycle(self) -> None:
+        self.state = self._gauge("state", "1 for the stage's current lifecycle state", ("state",))
+        self.progress = self._gauge("load_progress_ratio", "download / load progress within the current state (0..1)")
+
+    def _declare_sessions(self) -> None:
+        self.active_sessions = self._gauge("active_sessions", "live sessions holding a KV cache on this stage")
+        self.prefix_cache_entries = self._gauge("prefix_cache_entries",
+                                                "finished sessions kept as prefix-cache entries")
+        self.prefix_cache_evictions = self._counter("prefix_cache_evictions_total",
+                                                    "prefix-cache entries dropped to make room for a new session")
+        self.cached_tokens = self._gauge("cached_tokens", "token positions held in KV caches on this stage")
+        self.kv_bytes = self._gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
+
+    def _declare_passes(self) -> None:
+        """Where a pass's time goes: the frame's wait for it, the layers, the compute thread's wall time."""
+        self.forward_seconds = self._histogram(
+            "forward_seconds",
             "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind); "
-            "kind=fork: copying a session's KV for a FORK",
-            names + ["kind"], buckets=_FORWARD_BUCKETS, registry=self.registry,
-        )
-        self.batch_frames_histogram = Histogram(
-            "inferencemesh_stage_batch_frames", "frames (sessions) computed together per forward pass",
-            names, buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry,
-        )
-        self.frames = Counter("inferencemesh_stage_frames_total", "frames processed", names + ["kind"],
-                              registry=self.registry)
-        self.frame_errors = Counter("inferencemesh_stage_frame_errors_total", "frames refused, by gRPC status",
-                                    names + ["code"], registry=self.registry)
-        self.activation_bytes_sent = Counter(
-            "inferencemesh_stage_activation_bytes_sent_total", "activation payload bytes sent downstream",
-            names, registry=self.registry)
-        self.tokens_processed = Counter("inferencemesh_stage_tokens_total", "token positions computed",
-                                        names, registry=self.registry)
-        self.queue_wait_seconds = Histogram(
-            "inferencemesh_stage_queue_wait_seconds", "time a frame waited in the stage's queue for its pass",
-            names, buckets=_STEP_BUCKETS, registry=self.registry)
-        self.compute_seconds = Histogram(
-            "inferencemesh_stage_compute_seconds", "wall time of one pass on the compute thread (layers + sampling)",
-            names, buckets=_STEP_BUCKETS, registry=self.registry)
-        self.send_seconds = Histogram(
-            "inferencemesh_stage_send_seconds", "time to encode and send one frame's activations downstream",
-            names, buckets=_STEP_BUCKETS, registry=self.registry)
-        self.busy_seconds = Counter(
-            "inferencemesh_stage_busy_seconds", "seconds the compute thread spent in passes (1 - rate: idle fraction)",
-            names, registry=self.registry)
-        self._labels = labels
-        # Children bound once: the per-frame path does no label lookups.
-        self.forward_by_kind = {}
-        self.frames_by_kind = {}
+            "kind=fork: copying a session's KV for a FORK", _FORWARD_BUCKETS, ("kind",))
+        self.batch_frames_histogram = self._histogram(
+            "batch_frames", "frames (sessions) computed together per forward pass", (1, 2, 4, 8, 16, 32, 64))
+        self.queue_wait_seconds = self._histogram(
+            "queue_wait_seconds", "time a frame waited in the stage's queue for its pass", _STEP_BUCKETS)
+        self.compute_seconds = self._histogram(
+            "compute_seconds", "wall time of one pass on the compute thread (layers + sampling)", _STEP_BUCKETS)
+        self.busy_seconds = self._counter(
+            "busy_seconds", "seconds the compute thread spent in passes (1 - rate: idle fraction)")
+
+    def _declare_traffic(self) -> None:
+        """What went through the stage: frames, their refusals, token positions and activations sent on."""
+        self.frames = self._counter("frames_total", "frames processed", ("kind",))
+        self.frame_errors = self._counter("frame_errors_total", "frames refused, by gRPC status", ("code",))
+        self.activation_bytes_sent = self._counter("activation_bytes_sent_total",
+                                                   "activation payload bytes sent downstream")
+        self.tokens_processed = self._counter("tokens_total", "token positions computed")
+        self.send_seconds = self._histogram(
+            "send_seconds", "time to encode and send one frame's activations downstream", _STEP_BUCKETS)
+
+    def _bind_children(self) -> None:
+        """Children bound once: the per-frame path does no label lookups."""
+        labels = self._labels
         self.bytes_sent = self.activation_bytes_sent.labels(**labels)
         self.batch_frames = self.batch_frames_histogram.labels(**labels)
         self.tokens = self.tokens_processed.labels(**labels)
@@ -87,9 +95,9 @@ class StageMetrics:
         self.send = self.send_seconds.labels(**labels)
         self._compute = self.compute_seconds.labels(**labels)
         self._busy = self.busy_seconds.labels(**labels)
-        for kind in ("prefill", "decode", "verify", "release", "fork"):
-            self.forward_by_kind[kind] = self.forward_seconds.labels(**labels, kind=kind)
-            self.frames_by_kind[kind] = self.frames.labels(**labels, kind=kind)
+        kinds = ("prefill", "decode", "verify", "release", "fork")
+        self.forward_by_kind = {kind: self.forward_seconds.labels(**labels, kind=kind) for kind in kinds}
+        self.frames_by_kind = {kind: self.frames.labels(**labels, kind=kind) for kind in kinds}
 
     def observe_pass(self, seconds: float) -> None:
         """One pass on the compute thread took `seconds`."""

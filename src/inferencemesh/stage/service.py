@@ -3,12 +3,10 @@
 It loads the layers (downloading -> loading -> ready | failed), and carries out each batch:
 RELEASE and FORK frames at once, the others in one forward pass, a frame that fails failing
 alone (it travels on as a Failure). Its worker (worker.py) holds the sessions and the codec.
-Transport is not its business: the gRPC servicer (server.py) and the in-process stage
+Transport is not its business: the gRPC endpoint (server.py) and the in-process stage
 (local.py) both feed it batches through a StageStream (stream.py).
 
-Device work runs where `compute` says: on a stage process's main thread (programs.stage's
-MainThreadExecutor), or inline on the event loop's thread for a stage inside another process
-(InlineExecutor): one computing thread per process, one OpenMP team.
+Device work runs on the stage's one computing thread (compute.py's ComputeLane).
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -30,6 +28,7 @@ from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
 from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
+from inferencemesh.stage.compute import ComputeLane
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import Owner
 from inferencemesh.stage.worker import Job, StageWorker
@@ -40,21 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("inferencemesh.stage")
 
 
-class InlineExecutor(Executor):
-    """Runs submitted work at once, on the submitting thread (here: the event loop's)."""
-
-    inline = True  # StageService calls such work directly instead of awaiting a future
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as err:  # delivered to the awaiting coroutine
-            future.set_exception(err)
-        return future
-
-
 class StageService:
+    """One stage's layer range: its loading, its batches, and its sessions beyond one batch.
+    compute: where device work runs (a ThreadPoolExecutor of one thread unless given)."""
+
     def __init__(self, options: StageConfig, metrics: StageMetrics | None = None, runtime: StageRuntime | None = None,
                  compute: Executor | None = None) -> None:
         self.options = options
@@ -64,7 +52,8 @@ class StageService:
         self.is_first = options.stage_index == 0
         self.is_last = options.stage_index == options.num_stages - 1
         self.debug = options.debug_telemetry
-        self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.compute = ComputeLane(compute or ThreadPoolExecutor(1, thread_name_prefix="stage-compute"), self.metrics,
+                                   self.index)
         # Told on the event loop whether the stage serves: True once the layers are loaded, False
         # when it stops (the gRPC server's health follows).
         self.on_serving: list[Callable[[bool], Awaitable[None]]] = []
@@ -197,7 +186,7 @@ class StageService:
                     jobs.append((session, frame, worker.inputs(frame, hidden)))
             except Fault as fault:
                 failures.append(self._failed(frame, fault, owner))
-        outs = await self._compute(jobs)
+        outs = await self.compute.forward(worker, jobs)
         computed = []
         for (_, frame, _), out in zip(jobs, outs, strict=True):
             if isinstance(out, Fault):
@@ -209,48 +198,11 @@ class StageService:
         self.publish_totals()
         return worker.pack(batch.seq, failures, computed, carried)
 
-    async def _compute(self, jobs: list[Job]) -> list:
-        """One forward pass over the jobs, on the compute thread; per job its output or Fault."""
-        if not jobs:
-            return []
-        queued = time.perf_counter()
-
-        def run() -> list:  # timed on the compute thread: event-loop delays count as neither
-            started = time.perf_counter()
-            try:
-                return self.loaded.compute_batch(jobs)
-            finally:
-                for _ in jobs:
-                    self.metrics.queue_wait.observe(started - queued)
-                self.metrics.observe_pass(time.perf_counter() - started)
-
-        try:
-            return await self._on_compute_thread(run)
-        except Fault as fault:
-            return [fault] * len(jobs)
-        except Exception as err:
-            if len(jobs) > 1:
-                # The frames were checked before the pass, yet it failed: compute each alone, so
-                # that only the frame that makes it fail fails (pos_start is authoritative: a
-                # frame computed again overwrites what the failed pass left in its cache).
-                log.warning("stage %d: a pass of %d frames failed (%s: %s); computing them one by one",
-                            self.index, len(jobs), type(err).__name__, err)
-                return [out for job in jobs for out in await self._compute([job])]
-            log.exception("stage %d: a forward pass failed", self.index)
-            return [Fault(grpc.StatusCode.INTERNAL, f"forward pass failed: {type(err).__name__}: {err}")]
-
-    async def _on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args) where this stage computes. A stage inside another process computes inline, on
-        the event loop's own thread (InlineExecutor): called directly, without a future's wake-up."""
-        if getattr(self.compute, "inline", False):
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
-
     async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
         parent, child = self.loaded.begin_fork(frame, owner)
         # a copy is device work: on the compute thread, between passes
         started = time.perf_counter()
-        await self._on_compute_thread(self.loaded.finish_fork, parent, child, frame)
+        await self.compute.run(self.loaded.finish_fork, parent, child, frame)
         kind = KIND_NAMES[pb.FORK]
         self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)  # the copy's cost
         self.metrics.frames_by_kind[kind].inc()
@@ -311,4 +263,4 @@ class StageService:
             await closer()
         if self.metrics.endpoint is not None:
             self.metrics.endpoint.close()
-        self.compute.shutdown(wait=False, cancel_futures=True)
+        self.compute.shutdown()
