@@ -42,7 +42,7 @@ async def _pump(batches: AsyncIterator[pb.Batch], stream: StageStream) -> None:
     stream.end()
 
 
-class StageServicer(pb_grpc.StageServicer):
+class StageGrpcEndpoint(pb_grpc.StageServicer):
     """The gRPC face of a StageService, with its health service and the next stage's address."""
 
     def __init__(self, service: StageService) -> None:
@@ -99,16 +99,16 @@ async def start_stage_server(options: StageConfig, *, runtime: StageRuntime | No
     service = StageService(options, runtime=runtime, compute=compute)
     if on_failed is not None:
         service.on_failed.append(on_failed)
-    servicer = StageServicer(service)
+    endpoint = StageGrpcEndpoint(service)
     server = grpc.aio.server(options=server_options(options.max_message_bytes))
-    pb_grpc.add_StageServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
+    pb_grpc.add_StageServicer_to_server(endpoint, server)
+    health_pb2_grpc.add_HealthServicer_to_server(endpoint.health, server)
     address = f"{options.host}:{options.port}"
     credentials = tls.load(options.tls_dir)
     port = server.add_secure_port(address, credentials.server_credentials()) if credentials else \
         server.add_insecure_port(address)
     await server.start()
-    await servicer.set_serving(service.ready)
+    await endpoint.set_serving(service.ready)
     if not service.ready:
         threading.Thread(target=service.load, args=(asyncio.get_running_loop(),), name="stage-load",
                          daemon=True).start()
