@@ -8,6 +8,7 @@ signal stops it at once.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -34,12 +35,13 @@ class RouterServer(uvicorn.Server):
         self.should_exit = True
 
 
-def router_server(config: RouterConfig, **settings: Any) -> Any:
-    """The uvicorn server of a router (tests run it in a thread)."""
+def router_server(config: RouterConfig, *, transport: Callable[[], Any] | None = None, **settings: Any) -> Any:
+    """The uvicorn server of a router (tests run it in a thread); `transport` makes the replicas'
+    HTTP client (tools/router_latency.py compares others against router/transport.py's)."""
     from inferencemesh.http_server import server_config
     from inferencemesh.router.app import create_router
 
-    app = create_router(config)
+    app = create_router(config) if transport is None else create_router(config, transport=transport)
     # The replicas' Date and Server headers pass through: none of uvicorn's own beside them. No
     # access log: one line per request is the router's largest cost (the replicas log theirs); no
     # X-Forwarded-* rewriting (the router never reads the client's address).

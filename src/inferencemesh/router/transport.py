@@ -1,13 +1,14 @@
-"""A lean HTTP/1.1 transport for the router's httpx.AsyncClient.
+"""The router's HTTP/1.1 client to its replicas: httpx's request and response models over h11.
 
-httpx's default transport (httpcore over anyio) costs about 1.9 ms of CPU per request on the
-2-core machine the latency bench ran on (tools/router_latency.py; a bare asyncio stream: 0.5 ms
-for the same round trip), more than the router's whole budget. The replicas are our own
-frontends on a trusted network, plain HTTP/1.1, so the router talks to them through this: the
-httpx API (Request, Response, aiter_raw, its exception types) over asyncio streams, with a pool
-of kept-alive connections per origin. It frames bodies by Content-Length, chunked encoding or
-the connection's end, passes each chunk on as it arrives (an SSE event is one chunk), and
-closes a connection whose response was not read to its end (a client that went away).
+h11 (the parser uvicorn's server runs on, here and in every frontend) frames both ways: request
+heads and bodies out, response heads, Content-Length, chunked and connection-delimited bodies,
+HEAD/204/304 and keep-alive in. It does no I/O, so what stays here is the router's own: asyncio
+connections, a pool of kept-alive ones per origin, the retry of a request on a new connection when
+a kept-alive one turns out closed, and 100-continue. Each body chunk is passed on as it arrives
+(an SSE stream unbuffered); a connection whose response was not read to its end is closed.
+
+httpx's own transport (httpcore over anyio) costs more per request than the router's whole budget
+(tools/router_latency.py, docs/benchmarks/router-transports.json).
 
 A body of EXPECT_CONTINUE_BYTES or more is sent only once the replica says `100 Continue`
 (RFC 9110 10.1.1): a replica that refuses it from its head alone (413 beyond its own body limit)
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import h11
 import httpx
 
 HEAD_LIMIT = 256 * 1024  # the largest response head accepted
@@ -28,13 +30,47 @@ READ_SIZE = 64 * 1024
 EXPECT_CONTINUE_BYTES = 64 * 1024  # smaller bodies go with their head: one write, no round trip
 CONTINUE_WAIT_S = 1.0  # a replica that never says 100 Continue gets the body after this (curl waits 1 s)
 
+Origin = tuple[str, int]
+
+
+class _Stale(Exception):
+    """A kept-alive connection the replica had closed: the request goes again on a new one."""
+
 
 class _Connection:
+    """One connection to a replica, and h11's state of the exchange on it."""
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
+        self.heard = False  # whether any byte of the current answer came
 
     def usable(self) -> bool:
         return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def reusable(self) -> bool:
+        """Whether the exchange ended whole on both sides, neither asking to close: then it is ready
+        for the next request. (An answer that came before the body went is not: the replica still
+        expects that body.)"""
+        done = self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+        if done and self.usable():
+            self.h11.start_next_cycle()
+            return True
+        return False
+
+    async def send(self, *events: h11.Event) -> None:
+        self.writer.write(b"".join(self.h11.send(event) or b"" for event in events))
+        await self.writer.drain()
+
+    async def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        """h11's next event of the answer (never NEED_DATA), reading as much as it needs."""
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self.reader.read(READ_SIZE)
+            self.heard = self.heard or bool(data)
+            self.h11.receive_data(data)  # b"": the connection's end
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -44,64 +80,44 @@ class _Connection:
 class _Body(httpx.AsyncByteStream):
     """A response body as it arrives; its connection back to the pool once read to its end."""
 
-    def __init__(self, transport: LeanTransport, origin: tuple[str, int], conn: _Connection, mode: str,
-                 length: int, keep_alive: bool) -> None:
+    def __init__(self, transport: ReplicaTransport, origin: Origin, conn: _Connection) -> None:
         self.transport, self.origin, self.conn = transport, origin, conn
-        self.mode, self.length, self.keep_alive = mode, length, keep_alive
-        self.done = mode == "empty"
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        reader = self.conn.reader
         try:
-            if self.mode == "length":
-                left = self.length
-                while left > 0:
-                    chunk = await reader.read(min(left, READ_SIZE))
-                    if not chunk:
-                        raise httpx.RemoteProtocolError("the replica closed the connection mid-body")
-                    left -= len(chunk)
-                    yield chunk
-            elif self.mode == "chunked":
-                while True:
-                    line = await reader.readuntil(b"\r\n")
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                    if size == 0:
-                        while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
-                            pass
-                        break
-                    chunk = await reader.readexactly(size)
-                    await reader.readexactly(2)
-                    yield chunk
-            elif self.mode == "close":
-                while chunk := await reader.read(READ_SIZE):
-                    yield chunk
-            self.done = True
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError) as err:
+            while isinstance(event := await self.conn.next_event(), h11.Data):
+                yield bytes(event.data)
+        except (h11.RemoteProtocolError, ConnectionError) as err:
             raise httpx.RemoteProtocolError(f"the replica's body broke off: {err}") from err
+        if not isinstance(event, h11.EndOfMessage):
+            raise httpx.RemoteProtocolError(f"the replica's body broke off: {type(event).__name__}")
 
     async def aclose(self) -> None:
         conn, self.conn = self.conn, None  # type: ignore[assignment]
         if conn is None:
             return
-        if self.done and self.keep_alive and self.mode != "close" and conn.usable():
+        if conn.reusable():
             self.transport.release(self.origin, conn)
         else:
             conn.close()
 
 
-class LeanTransport(httpx.AsyncBaseTransport):
+class ReplicaTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over pooled h11 connections, plain HTTP/1.1 (the replicas are the
+    router's own frontends on a trusted network)."""
+
     def __init__(self, *, connect_timeout: float, max_idle_per_origin: int = 64) -> None:
         self.connect_timeout, self.max_idle = connect_timeout, max_idle_per_origin
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
 
-    def release(self, origin: tuple[str, int], conn: _Connection) -> None:
+    def release(self, origin: Origin, conn: _Connection) -> None:
         idle = self._idle.setdefault(origin, [])
         if len(idle) < self.max_idle:
             idle.append(conn)
         else:
             conn.close()
 
-    async def _connect(self, origin: tuple[str, int]) -> _Connection:
+    async def _connect(self, origin: Origin) -> _Connection:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*origin, limit=HEAD_LIMIT),
                                                     self.connect_timeout)
@@ -116,94 +132,46 @@ class LeanTransport(httpx.AsyncBaseTransport):
         if url.scheme != "http":
             raise httpx.UnsupportedProtocol(f"the router speaks plain HTTP to its replicas, not {url.scheme}")
         origin = (url.host, url.port or 80)
-        target = url.raw_path
         body = await request.aread()
         expect = [(b"expect", b"100-continue")] if len(body) >= EXPECT_CONTINUE_BYTES else []
-        head = b"".join([request.method.encode(), b" ", target, b" HTTP/1.1\r\n",
-                         *(name + b": " + value + b"\r\n" for name, value in [*request.headers.raw, *expect]),
-                         b"\r\n"])
+        try:
+            head = h11.Request(method=request.method, target=url.raw_path, headers=[*request.headers.raw, *expect])
+        except h11.LocalProtocolError as err:
+            raise httpx.LocalProtocolError(f"the request cannot be sent as HTTP/1.1: {err}") from err
         idle = self._idle.get(origin)
         while idle:  # a kept-alive connection; one the replica closed meanwhile fails before any answer
             conn = idle.pop()
             if not conn.usable():
                 conn.close()
                 continue
-            try:
-                return await self._exchange(request, origin, conn, head, body)
-            except _Stale:
-                conn.close()
-        return await self._exchange(request, origin, await self._connect(origin), head, body, fresh=True)
+            with contextlib.suppress(_Stale):
+                return self._response(request, origin, conn, await self._exchange(conn, head, body, fresh=False))
+        conn = await self._connect(origin)
+        return self._response(request, origin, conn, await self._exchange(conn, head, body, fresh=True))
 
-    async def _exchange(self, request: httpx.Request, origin: tuple[str, int], conn: _Connection, head: bytes,
-                        body: bytes, fresh: bool = False) -> httpx.Response:
-        waiting = len(body) >= EXPECT_CONTINUE_BYTES  # the body waits for 100 Continue
+    async def _exchange(self, conn: _Connection, head: h11.Request, body: bytes, *, fresh: bool) -> h11.Response:
+        """The request sent, the answer's head read; _Stale when a kept-alive connection (not
+        `fresh`) was closed before a byte of the answer came."""
+        conn.heard = False
         try:
-            conn.writer.write(head if waiting else head + body)
-            await conn.writer.drain()
-            while True:
-                if waiting:
-                    try:
-                        async with asyncio.timeout(CONTINUE_WAIT_S):
-                            raw = await conn.reader.readuntil(b"\r\n\r\n")
-                    except TimeoutError:
-                        raw = b""
-                else:
-                    raw = await conn.reader.readuntil(b"\r\n\r\n")
-                if not raw:  # no word in time: the body goes anyway
-                    waiting = False
-                    conn.writer.write(body)
-                    await conn.writer.drain()
-                    continue
-                status_line, _, rest = raw.partition(b"\r\n")
-                parts = status_line.split(b" ", 2)
-                status = int(parts[1])
-                if status >= 200 or status == 101:
-                    break
-                if waiting and status == 100:  # go on: the body, then the real answer
-                    waiting = False
-                    conn.writer.write(body)
-                    await conn.writer.drain()
+            return await _send_and_read_head(conn, head, body)
         except asyncio.CancelledError:
             conn.close()
             raise
-        except (asyncio.IncompleteReadError, ConnectionError) as err:
+        except (h11.RemoteProtocolError, ConnectionError) as err:
             conn.close()
-            if not fresh and isinstance(err, asyncio.IncompleteReadError) and not err.partial:
+            if not fresh and not conn.heard:
                 raise _Stale from err
-            if not fresh and isinstance(err, ConnectionError):
-                raise _Stale from err
-            raise httpx.RemoteProtocolError("the replica closed the connection without an answer") from err
-        except (asyncio.LimitOverrunError, ValueError, IndexError) as err:
-            conn.close()
+            if not conn.heard:
+                raise httpx.RemoteProtocolError("the replica closed the connection without an answer") from err
             raise httpx.RemoteProtocolError(f"the replica's answer is not HTTP/1.1: {err}") from err
-        headers = []
-        # An answer before the body went (a refusal from the head): the replica expects a body
-        # that will never come, so the connection is not reused.
-        length, chunked, keep_alive = -1, False, parts[0] == b"HTTP/1.1" and not waiting
-        for line in rest[:-4].split(b"\r\n") if rest[:-4] else ():
-            name, _, value = line.partition(b":")
-            name, value = name.strip(), value.strip()
-            lower = name.lower()
-            if lower == b"content-length":
-                length = int(value)
-            elif lower == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif lower == b"connection":
-                tokens = value.lower()
-                keep_alive = b"close" not in tokens and not waiting and (keep_alive or b"keep-alive" in tokens)
-            headers.append((name, value))
-        if request.method == "HEAD" or status in (204, 304) or length == 0:
-            mode = "empty"
-        elif chunked:
-            mode = "chunked"
-        elif length > 0:
-            mode = "length"
-        else:
-            mode = "close"
-        stream = _Body(self, origin, conn, mode, length, keep_alive)
-        return httpx.Response(status, headers=headers, stream=stream, request=request,
-                              extensions={"http_version": b"HTTP/1.1", "reason_phrase": parts[2] if len(parts) > 2
-                                          else b""})
+
+    def _response(self, request: httpx.Request, origin: Origin, conn: _Connection,
+                  head: h11.Response) -> httpx.Response:
+        return httpx.Response(head.status_code, headers=head.headers.raw_items(), request=request,
+                              stream=_Body(self, origin, conn),
+                              extensions={"http_version": b"HTTP/" + head.http_version,
+                                          "reason_phrase": head.reason})
 
     async def aclose(self) -> None:
         for idle in self._idle.values():
@@ -212,5 +180,23 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
 
 
-class _Stale(Exception):
-    """A kept-alive connection the replica had closed: the request goes again on a new one."""
+async def _send_and_read_head(conn: _Connection, head: h11.Request, body: bytes) -> h11.Response:
+    """Send the request (a large body once the replica says 100 Continue, or after CONTINUE_WAIT_S
+    without a word) and read up to the final answer's head."""
+    waiting = len(body) >= EXPECT_CONTINUE_BYTES
+    rest: list[h11.Event] = [h11.Data(data=body), h11.EndOfMessage()] if body else [h11.EndOfMessage()]
+    await (conn.send(head) if waiting else conn.send(head, *rest))
+    while True:
+        event: h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED] | None
+        try:
+            async with asyncio.timeout(CONTINUE_WAIT_S if waiting else None):
+                event = await conn.next_event()
+        except TimeoutError:
+            event = None  # no word in time: the body goes anyway
+        if isinstance(event, h11.Response):
+            return event  # before the body went: a refusal from the head, and the body never goes
+        if waiting and (event is None or isinstance(event, h11.InformationalResponse) and event.status_code == 100):
+            waiting = False
+            await conn.send(*rest)
+        elif not isinstance(event, h11.InformationalResponse):
+            raise h11.RemoteProtocolError(f"expected an answer's head, got {event!r}")
