@@ -45,16 +45,13 @@ from transformers import (
 from inferencemesh.bundled import bundled_path
 from inferencemesh.frontend.engine.api import (
     ChoiceStream,
-    ContextLengthExceeded,
-    EngineError,
-    EngineOverloaded,
     GenerationRequest,
-    InvalidRequest,
     Step,
     TokenLogprob,
     choice_seed,
     single_choice,
 )
+from inferencemesh.frontend.engine.errors import ContextLengthExceeded, EngineError, EngineOverloaded, InvalidRequest
 from inferencemesh.frontend.openai.http_server import server_config
 from inferencemesh.sampling import logprobs, next_token
 

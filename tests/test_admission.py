@@ -339,7 +339,7 @@ def test_a_batch_waits_for_all_its_slots_without_holding_any_and_runs_in_order(m
 
 def test_admission_is_first_come_first_served_and_all_or_nothing() -> None:
     from inferencemesh.frontend.engine.admission import Admission
-    from inferencemesh.frontend.engine.api import EngineOverloaded, InvalidRequest
+    from inferencemesh.frontend.engine.errors import EngineOverloaded, InvalidRequest
 
     async def go() -> None:
         admission = Admission(4, max_waiting=8, timeout_s=0.3)

@@ -9,7 +9,6 @@ from typing import Any
 import llguidance
 import pytest
 
-from inferencemesh.frontend.engine.api import InvalidRequest
 from inferencemesh.frontend.engine.constraints import (
     LIMITS,
     MAX_CONSTRAINT_BYTES,
@@ -20,6 +19,7 @@ from inferencemesh.frontend.engine.constraints import (
     constraint_from_request,
     regex_shape,
 )
+from inferencemesh.frontend.engine.errors import InvalidRequest
 from inferencemesh.frontend.engine.grammar_worker import GrammarChecker
 
 PERSON = {

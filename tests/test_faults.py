@@ -14,7 +14,8 @@ from mesh_helpers import hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
 from inferencemesh.frontend.engine.api import GenerationRequest
-from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine, PipelineFailed
+from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.errors import PipelineFailed
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc

@@ -14,8 +14,9 @@ import pytest
 from mesh_helpers import start_mesh
 from tiny_models import write_tiny_model
 
-from inferencemesh.frontend.engine.api import EngineError, EngineOverloaded, GenerationRequest
+from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.errors import EngineError, EngineOverloaded
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc

@@ -13,8 +13,9 @@ import itertools
 
 import pytest
 
-from inferencemesh.frontend.engine.api import GenerationRequest, InvalidRequest, Step
+from inferencemesh.frontend.engine.api import GenerationRequest, Step
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.errors import InvalidRequest
 from inferencemesh.frontend.engine.stopping import ChoiceStopping, Cut, StopRule, token_budget
 from inferencemesh.protocol import stage_pb2 as pb
 

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from inferencemesh.frontend.engine.api import EngineOverloaded, InvalidRequest
+from inferencemesh.frontend.engine.errors import EngineOverloaded, InvalidRequest
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from inferencemesh.sampling import SamplingParams
 
-if TYPE_CHECKING:  # grammar.py's errors are this module's (constraints.ConstraintError)
+if TYPE_CHECKING:  # the type alone: grammar.py brings llguidance and torch
     from inferencemesh.frontend.engine.grammar import ConstrainedOutput
 
 
@@ -131,38 +131,6 @@ class ChoiceStream:
                 await aclose()
         finally:
             await self._release()
-
-
-class EngineError(Exception):
-    """A request failed inside the engine; status and OpenAI error type for the HTTP layer."""
-
-    status_code = 500
-    error_type = "server_error"
-    code: str | None = None
-    param: str | None = None  # the request parameter at fault, for a 400
-
-
-class InvalidRequest(EngineError):
-    """A request the engine cannot serve as asked (e.g. n beyond its concurrent sessions)."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class EngineOverloaded(EngineError):
-    status_code = 429
-    error_type = "rate_limit_error"
-    code = "overloaded"
-
-
-class ContextLengthExceeded(EngineError):
-    status_code = 400
-    error_type = "invalid_request_error"
-    code = "context_length_exceeded"
 
 
 async def single_choice(engine: Engine, request: GenerationRequest) -> AsyncIterator[Step]:

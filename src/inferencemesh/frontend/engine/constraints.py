@@ -29,7 +29,7 @@ import jsonschema
 import llguidance
 
 from inferencemesh.frontend.engine import grammar_worker
-from inferencemesh.frontend.engine.api import InvalidRequest
+from inferencemesh.frontend.engine.errors import InvalidRequest
 
 # The largest constraint a request may bring, as UTF-8 text (a schema as its compact JSON): larger
 # ones are refused before compiling. Compiling is linear-ish in size, but a request must not be

@@ -23,15 +23,13 @@ from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
 from inferencemesh.frontend.engine.admission import Admission, Lease, Slot
 from inferencemesh.frontend.engine.api import (
     ChoiceStream,
-    ContextLengthExceeded,
-    EngineError,
     GenerationRequest,
-    InvalidRequest,
     Step,
     TokenLogprob,
     choice_seed,
     single_choice,
 )
+from inferencemesh.frontend.engine.errors import ContextLengthExceeded, InvalidRequest, PipelineFailed
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.prefix_cache import PrefixEntries
 from inferencemesh.frontend.engine.proposers.base import Proposer
@@ -46,12 +44,6 @@ from inferencemesh.sampling import INT32_MAX, UINT32_MAX, unsafe_field
 log = logging.getLogger("inferencemesh.engine")
 READY_TRUST_S = 5.0
 PipelineT = TypeVar("PipelineT", bound=Pipeline)
-
-
-class PipelineFailed(EngineError):
-    status_code = 502
-    error_type = "server_error"
-    code = "pipeline_error"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 
-from inferencemesh.frontend.engine.api import EngineOverloaded, TokenLogprob
+from inferencemesh.frontend.engine.api import TokenLogprob
+from inferencemesh.frontend.engine.errors import EngineOverloaded
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.prefix_cache import Match
 from inferencemesh.frontend.engine.proposers.base import Proposer

@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from inferencemesh.config import HTTP_BODY_TIMEOUT_S  # the whole body's deadline: then 408, connection closed
-from inferencemesh.frontend.engine.api import Engine, EngineError
+from inferencemesh.frontend.engine.api import Engine
+from inferencemesh.frontend.engine.errors import EngineError
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.openai.drain import Drain, DrainGuard, draining_error
 from inferencemesh.frontend.openai.errors import APIError, from_engine_error

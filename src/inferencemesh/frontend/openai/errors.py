@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inferencemesh.frontend.engine.api import EngineError
+from inferencemesh.frontend.engine.errors import EngineError
 from inferencemesh.openai_errors import error_body
 
 log = logging.getLogger("inferencemesh.frontend")

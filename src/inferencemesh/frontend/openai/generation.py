@@ -13,7 +13,8 @@ import anyio
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
-from inferencemesh.frontend.engine.api import Engine, EngineError, Step, TokenLogprob
+from inferencemesh.frontend.engine.api import Engine, Step, TokenLogprob
+from inferencemesh.frontend.engine.errors import EngineError
 from inferencemesh.frontend.engine.metrics import FrontendMetrics, RequestTracker
 from inferencemesh.frontend.openai.detokenize import OutputText
 from inferencemesh.frontend.openai.errors import from_engine_error

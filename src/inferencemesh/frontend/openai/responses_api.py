@@ -33,7 +33,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from inferencemesh.frontend.engine.api import EngineError, TokenLogprob
+from inferencemesh.frontend.engine.api import TokenLogprob
+from inferencemesh.frontend.engine.errors import EngineError
 from inferencemesh.frontend.openai.errors import APIError, as_api_error
 from inferencemesh.frontend.openai.generation import Piece, Run, ToolCallDelta
 from inferencemesh.frontend.openai.jobs import Job
