@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import h11
 import httpx
 
-HEAD_LIMIT = 256 * 1024  # the largest response head accepted
+HEAD_LIMIT = 256 * 1024  # a response head beyond this (give or take one read) is refused
 READ_SIZE = 64 * 1024
 EXPECT_CONTINUE_BYTES = 64 * 1024  # smaller bodies go with their head: one write, no round trip
 CONTINUE_WAIT_S = 1.0  # a replica that never says 100 Continue gets the body after this (curl waits 1 s)
