@@ -5,9 +5,9 @@ same two calls from the CLI, so that no program decides its logging, torch threa
 or OpenMP spinning on its own: `prepare_process()` before torch is imported, then
 `set_up_process(program, ...)` with what the program's config says (PROFILES: what differs).
 
-Supervision. `serve` and `bench` start stage and frontend processes; those must not outlive
-their parent, whatever kills it (Ctrl-C, a closed terminal, `kill -9`). Two mechanisms, because
-neither alone covers every case:
+Children that die with their parent. `serve` and `bench` start stage and frontend processes;
+those must not outlive their parent, whatever kills it (Ctrl-C, a closed terminal, `kill -9`).
+Two mechanisms, because neither alone covers every case:
 - a parent-death signal (Linux prctl PR_SET_PDEATHSIG, which the child asks for first thing
   when PDEATHSIG_ENV says so): the kernel sends the child SIGTERM when the parent dies, SIGKILL
   included. Not set between fork and exec (a preexec_fn): that forces a full fork() which runs
@@ -17,10 +17,11 @@ neither alone covers every case:
   LIFELINE_ENV) and a thread that waits for EOF, which comes when the parent is gone, on any OS.
   It also backs the signal up: a child whose graceful stop hangs exits anyway after STOP_GRACE_S.
 
-Children. ManagedProcess is the parent's end of both: it starts a child program with a lifeline
-and points the child's termination message at a file of the parent's, from which it reads why
-the child exited; stop_processes stops a group of them together. When to start, restart or stop
-which child is the supervisor's (programs/supervisor.py).
+Children. ManagedProcess is the parent's end of the lifeline and of the termination message
+(below): it starts a child program with a lifeline and points the child's termination message
+at a file of the parent's, from which it reads why the child exited; stop_processes stops a
+group of them together. When to start, restart or stop which child is the supervisor's
+(programs/supervisor.py).
 
 Ports. A port that is taken is found before anything loads, and reported in one line that
 names it (PortInUse), instead of after minutes of loading as a traceback.
