@@ -13,10 +13,10 @@ from mesh_helpers import generate
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.engine.constraints import constraint_from_request
 from inferencemesh.frontend.engine.grammar import ConstrainedOutput, grammar_tokenizer
 from inferencemesh.frontend.engine.proposers.base import Proposal, Proposer
 from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.programs.mesh import in_process_pipeline
 from inferencemesh.token_masks import allowed_tokens, is_allowed

@@ -9,18 +9,11 @@ from typing import Any
 import llguidance
 import pytest
 
-from inferencemesh.frontend.engine.constraints import (
-    LIMITS,
-    MAX_CONSTRAINT_BYTES,
-    MAX_REPEAT_EXPANSION,
-    Constraint,
-    ConstraintError,
-    ConstraintKind,
-    constraint_from_request,
-    regex_shape,
-)
-from inferencemesh.frontend.engine.errors import InvalidRequest
+from inferencemesh.frontend.engine.constraints import LIMITS, MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
+from inferencemesh.frontend.engine.errors import ConstraintError, InvalidRequest
+from inferencemesh.frontend.engine.grammar_shape import MAX_REPEAT_EXPANSION, regex_shape
 from inferencemesh.frontend.engine.grammar_worker import GrammarChecker
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 
 PERSON = {
     "type": "object",

@@ -26,12 +26,8 @@ import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.frontend.engine import grammar as grammar_module
-from inferencemesh.frontend.engine.constraints import (
-    Constraint,
-    ConstraintError,
-    ConstraintKind,
-    constraint_from_request,
-)
+from inferencemesh.frontend.engine.constraints import Constraint, ConstraintKind
+from inferencemesh.frontend.engine.errors import ConstraintError
 from inferencemesh.frontend.engine.grammar import (
     ConstrainedOutput,
     GrammarTokenizer,
@@ -40,6 +36,7 @@ from inferencemesh.frontend.engine.grammar import (
     constraint_matcher,
     grammar_tokenizer,
 )
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.token_masks import (
     allowed_tokens,
     apply_token_masks,

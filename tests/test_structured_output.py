@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.frontend.engine.constraints import constraint_from_request
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 
 pytestmark = pytest.mark.slow
 

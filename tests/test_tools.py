@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
-from inferencemesh.frontend.engine.constraints import ConstraintError, constraint_from_request
+from inferencemesh.frontend.engine.errors import ConstraintError
 from inferencemesh.frontend.engine.grammar import grammar_tokenizer
 from inferencemesh.frontend.openai.errors import APIError
 from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 from inferencemesh.frontend.openai.prompts import chat_ids
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.frontend.openai.tools import (
     MAX_TOOLS,
     ToolCallParser,

@@ -24,8 +24,9 @@ import tokenizers
 import transformers
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.engine.constraints import Constraint, constraint_from_request
+from inferencemesh.frontend.engine.constraints import Constraint
 from inferencemesh.frontend.engine.grammar import GrammarTokenizer, SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.token_masks import allowed_tokens
 
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -24,6 +24,14 @@ class InvalidRequest(EngineError):
         self.param = param
 
 
+class ConstraintError(InvalidRequest):
+    """A constraint the server refuses: a 400 naming the OpenAI parameter at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message, param=param)
+        self.message = message
+
+
 class EngineOverloaded(EngineError):
     """No room for the request: its queue is full, or it waited past the queue timeout."""
 

@@ -43,7 +43,8 @@ import llguidance
 import llguidance.hf
 import torch
 
-from inferencemesh.frontend.engine.constraints import GRAMMAR_LIMITS, Constraint, ConstraintError, first_line
+from inferencemesh.frontend.engine.constraints import GRAMMAR_LIMITS, Constraint, first_line
+from inferencemesh.frontend.engine.errors import ConstraintError
 from inferencemesh.frontend.engine.grammar_worker import WORKER_STACK_BYTES
 from inferencemesh.token_masks import WORD_BITS, allowed_tokens, apply_token_masks, is_allowed, mask_words
 

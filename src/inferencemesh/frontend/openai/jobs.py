@@ -16,12 +16,13 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from inferencemesh.frontend.engine.api import Engine, GenerationRequest
-from inferencemesh.frontend.engine.constraints import Constraint, constraint_from_request
+from inferencemesh.frontend.engine.constraints import Constraint
 from inferencemesh.frontend.engine.grammar import ConstrainedOutput, constrained_output, grammar_tokenizer
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.openai.errors import APIError
 from inferencemesh.frontend.openai.prompts import chat_ids, text_ids
 from inferencemesh.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, wire_seed
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.frontend.openai.tools import ToolCalling, tool_calling_from_request
 
 log = logging.getLogger("inferencemesh.frontend")

@@ -44,13 +44,13 @@ import llguidance
 from inferencemesh.frontend.engine.constraints import (
     JSON_WHITESPACE_FLEXIBLE,
     Constraint,
-    ConstraintError,
     ConstraintKind,
-    _check_strict,
+    check_strict,
     json_schema_constraint,
     subschemas,
     validated_grammar,
 )
+from inferencemesh.frontend.engine.errors import ConstraintError
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOLS_BYTES = 256 * 1024  # every function's definition together, as compact JSON
@@ -170,7 +170,7 @@ def strict_if_possible(parameters: dict[str, Any] | None) -> tuple[dict[str, Any
     schema = NO_PARAMETERS if parameters is None else parameters
     try:
         closed = closed_objects(schema)
-        _check_strict(closed, "parameters")
+        check_strict(closed, "parameters")
     except (ConstraintError, RecursionError, TypeError, ValueError):  # the later checks name what is wrong
         return schema, False
     return closed, True

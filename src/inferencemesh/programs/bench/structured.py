@@ -84,9 +84,9 @@ class ConstrainedDecoding:
 
 def constrained_decoding(model: BenchModel) -> ConstrainedDecoding:
     """RESPONSE_FORMAT's constraint over `model`'s tokenizer (ConfigError: its logits do not cover it)."""
-    from inferencemesh.frontend.engine.constraints import constraint_from_request
     from inferencemesh.frontend.engine.grammar import grammar_tokenizer
     from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
+    from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 
     tokenizer, vocab_size = model.tokenizer, model.facts.vocab_size
     if len(tokenizer) > vocab_size:  # a random-weight shape narrower than the tokenizer it borrows
