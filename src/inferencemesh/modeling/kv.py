@@ -24,6 +24,16 @@ import torch
 INITIAL_CAPACITY = 256
 
 
+def prefix_cache_room(*, max_sessions: int, max_context: int, cache_tokens: int, live_sessions: int = 0) -> int:
+    """KV positions a stage's prefix-cache entries may hold: those reserved for them alone
+    (--prefix-cache-tokens) and every session slot no live session uses, max_context each. The
+    planner reserves max_sessions x max_context + cache_tokens positions, so entries and live
+    sessions together stay within it. The stage evicts entries past this (stage/sessions.py); the
+    frontend bounds its index of them by the most it can be, with no live session
+    (frontend/engine/prefix_cache.py)."""
+    return cache_tokens + (max_sessions - live_sessions) * max_context
+
+
 class SessionKV:
     """The KV cache of one session for layers [layer_offset, layer_offset + num_layers)."""
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from inferencemesh.modeling.kv import prefix_cache_room
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
@@ -114,7 +115,8 @@ class SessionTable:
 
     def cache_room(self) -> int:
         """Positions the prefix-cache entries may hold now."""
-        return self.cache_tokens + (self.max_sessions - self._live) * self.max_context
+        return prefix_cache_room(max_sessions=self.max_sessions, max_context=self.max_context,
+                                 cache_tokens=self.cache_tokens, live_sessions=self._live)
 
     def fit_cache(self, keep: StageSession | None = None) -> None:
         """Evict entries, least recently used first, until what they hold fits cache_room (`keep`

@@ -35,6 +35,7 @@ from inferencemesh.frontend.engine.prefix_cache import PrefixEntries
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.frontend.engine.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.frontend.engine.stopping import ChoiceStopping, StopRule
+from inferencemesh.modeling.kv import prefix_cache_room
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
@@ -96,8 +97,9 @@ class PipelineEngine(Generic[PipelineT]):
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
         # The most the stages' entries can hold: every session slot, and the prefix cache's own room.
-        self.prefix_entries = PrefixEntries(options.max_sessions * options.max_context + options.prefix_cache_tokens
-                                        ) if options.prefix_cache else None
+        self.prefix_entries = PrefixEntries(prefix_cache_room(
+            max_sessions=options.max_sessions, max_context=options.max_context,
+            cache_tokens=options.prefix_cache_tokens)) if options.prefix_cache else None
 
     @property
     def recoveries(self) -> int:

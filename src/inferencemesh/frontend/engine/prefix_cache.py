@@ -9,8 +9,8 @@ so that the last stage has logits to sample from.
 The index is advisory: a stage may have evicted the entry (room for a live session, its idle TTL,
 a restart, a replay that broke the stream). The FORK then fails, and the request prefills in full:
 a wrong index costs speed, never an answer. It is bounded by `capacity` token positions, the room
-the stages' entries have at most (stage/sessions.py: every session slot and --prefix-cache-tokens),
-least recently used dropped first, as the stages drop theirs.
+the stages' entries have at most (modeling.kv.prefix_cache_room with no live session: every session
+slot and --prefix-cache-tokens), least recently used dropped first, as the stages drop theirs.
 """
 
 from __future__ import annotations
