@@ -160,7 +160,8 @@ class PipelineEngine(Generic[PipelineT]):
             raise InvalidRequest(f"{len(requests)} prompt(s) with n={n} need {total} concurrent sequences; this server "
                                  f"runs at most {self.options.max_sessions} at once: send fewer prompts per request",
                                  param="prompt" if len(requests) > 1 else "n")
-        prompts = [self._checked(request, n) for request in requests]  # before admission: a refusal holds no slot
+        # checked before admission: a refusal holds no slot
+        prompts = [_checked(request, n, self.options) for request in requests]
         async with self.admission.lease(total, what=f"{len(requests)} prompt(s) with n={n}") as lease:
             starts = [asyncio.ensure_future(self._started(prompt, lease)) for prompt in prompts]
             try:
@@ -175,45 +176,6 @@ class PipelineEngine(Generic[PipelineT]):
                 await _close_started(starts)
                 raise failure
             return [choice for choices in started if not isinstance(choices, BaseException) for choice in choices]
-
-    def _checked(self, request: GenerationRequest, n: int) -> _Prompt:
-        """The request's n choices, checked and converted for the wire, or InvalidRequest saying why."""
-        prompt = list(request.prompt_ids)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if len(prompt) >= self.max_context:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context} tokens"
-            )
-        if n < 1:
-            raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
-        if request.max_tokens < 0:
-            raise InvalidRequest(f"max_tokens is {request.max_tokens}; it must be at least 0", param="max_tokens")
-        ids_below = self.options.vocab_size or INT32_MAX + 1
-        bad = next((t for t in prompt if not 0 <= t < ids_below), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside [0, {ids_below})", param="prompt")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(request, name)
-            if value is not None and not 0 <= value <= UINT32_MAX:
-                raise InvalidRequest(f"{name} must be within [0, 2^32), got {value}", param=name)
-        # The wire carries the seed as 64 unsigned bits: a negative seed is the same 64 bits read
-        # unsigned (the sampler's streams depend on the seed modulo 2^63 anyway). A top_k beyond
-        # int32 exceeds any vocabulary: it means no top-k restriction, as INT32_MAX does; so does a
-        # negative one (vLLM's -1), as 0 does on the wire.
-        seed = (request.seed if request.seed is not None else secrets.randbits(63)) % 2**64
-        base = replace(request, seed=seed, top_k=min(max(request.top_k, 0), INT32_MAX))
-        choices = [replace(base, seed=choice_seed(seed, j)) for j in range(n)]
-        problem = unsafe_field(base.sampling_params(seed), self.options.vocab_size)
-        if problem is not None:
-            raise InvalidRequest(problem[1], param=problem[0])
-        try:
-            samplings = [params.to_wire(r.sampling_params(seed if r.seed is None else r.seed), r.logprobs)
-                         for r in choices]
-        except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
-            raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
-        return _Prompt(base, prompt, StopRule.of(base, self.max_context), choices, samplings,
-                       reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
     async def _started(self, prompt: _Prompt, lease: Lease) -> list[ChoiceStream]:
         """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
@@ -325,6 +287,47 @@ class PipelineEngine(Generic[PipelineT]):
         except PipelineError as err:
             conn.history = None  # a failed session is not kept
             raise self._failed(err) from err
+
+
+def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Prompt:
+    """The request's n choices, checked and converted for the wire (for a model of
+    options.max_context tokens and options.vocab_size), or InvalidRequest saying why."""
+    prompt = list(request.prompt_ids)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    if len(prompt) >= options.max_context:
+        raise ContextLengthExceeded(
+            f"the prompt has {len(prompt)} tokens; this model's context is {options.max_context} tokens"
+        )
+    if n < 1:
+        raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
+    if request.max_tokens < 0:
+        raise InvalidRequest(f"max_tokens is {request.max_tokens}; it must be at least 0", param="max_tokens")
+    ids_below = options.vocab_size or INT32_MAX + 1
+    bad = next((t for t in prompt if not 0 <= t < ids_below), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is outside [0, {ids_below})", param="prompt")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and not 0 <= value <= UINT32_MAX:
+            raise InvalidRequest(f"{name} must be within [0, 2^32), got {value}", param=name)
+    # The wire carries the seed as 64 unsigned bits: a negative seed is the same 64 bits read
+    # unsigned (the sampler's streams depend on the seed modulo 2^63 anyway). A top_k beyond
+    # int32 exceeds any vocabulary: it means no top-k restriction, as INT32_MAX does; so does a
+    # negative one (vLLM's -1), as 0 does on the wire.
+    seed = (request.seed if request.seed is not None else secrets.randbits(63)) % 2**64
+    base = replace(request, seed=seed, top_k=min(max(request.top_k, 0), INT32_MAX))
+    choices = [replace(base, seed=choice_seed(seed, j)) for j in range(n)]
+    problem = unsafe_field(base.sampling_params(seed), options.vocab_size)
+    if problem is not None:
+        raise InvalidRequest(problem[1], param=problem[0])
+    try:
+        samplings = [params.to_wire(r.sampling_params(seed if r.seed is None else r.seed), r.logprobs)
+                     for r in choices]
+    except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
+        raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
+    return _Prompt(base, prompt, StopRule.of(base, options.max_context), choices, samplings,
+                   reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
 
 async def _close_started(starts: Sequence[asyncio.Future[list[ChoiceStream]]]) -> None:

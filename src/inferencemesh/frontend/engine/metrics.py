@@ -44,106 +44,121 @@ COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 MASK_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+class _Families:
+    """Declares metric families in one registry, each labelled by MODEL_LABEL and then `labels`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, documentation, [MODEL_LABEL, *labels], registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(PREFIX + name, documentation, [MODEL_LABEL, *labels], registry=self.registry)
+
+    def histogram(self, name: str, documentation: str, buckets: tuple[float, ...],
+                  labels: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(PREFIX + name, documentation, [MODEL_LABEL, *labels], buckets=buckets,
+                         registry=self.registry)
+
+
 class FrontendMetrics:
+    """One frontend's metrics, declared in groups by what updates them, every series exported
+    (at 0) from the first scrape."""
+
     def __init__(self, model: str, *, max_spec_positions: int = 16) -> None:
         self.model = model
-        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
         self._included: list[CollectorRegistry] = []
-        m = [MODEL_LABEL]
+        families = _Families(self.registry)
+        self._declare_request_flow(families)
+        self._declare_prefix_cache(families)
+        self._declare_speculation(families)
+        self._declare_steps(families)
+        self._declare_structured_output(families)
+        self._export_every_series(max_spec_positions)
 
-        # Request flow (updated by the HTTP layer).
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first generated token.",
-            m, buckets=TTFT_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+    def _declare_request_flow(self, f: _Families) -> None:
+        """Request flow (updated by the HTTP layer)."""
+        self.time_to_first_token = f.histogram(
+            "time_to_first_token_seconds", "Time from request arrival to its first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = f.histogram(
+            "inter_token_latency_seconds",
             "Time between successive engine steps of one request (a step may carry several accepted tokens).",
-            m, buckets=ITL_BUCKETS, registry=registry)
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its last token.",
-            m, buckets=E2E_BUCKETS, registry=registry)
-        self.num_requests_running = Gauge(
-            PREFIX + "num_requests_running", "Requests that are producing tokens.", m, registry=registry)
-        self.num_requests_waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Admitted requests that have not produced their first token yet.",
-            m, registry=registry)
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens_total", "Prompt tokens of admitted requests.", m, registry=registry)
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens_total", "Tokens generated.", m, registry=registry)
-        self.request_success = Counter(
-            PREFIX + "request_success_total", "Finished requests by finish reason.",
-            m + ["finished_reason"], registry=registry)
-        self.request_errors = Counter(
-            PREFIX + "request_errors_total", "Requests answered with an error, by HTTP status code.",
-            m + ["status"], registry=registry)
-        self.draining = Gauge(
-            PREFIX + "draining", "1 while this frontend drains (stopping: new requests get 503, those in flight "
-            "finish).", m, registry=registry)
+            ITL_BUCKETS)
+        self.e2e_request_latency = f.histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its last token.", E2E_BUCKETS)
+        self.num_requests_running = f.gauge("num_requests_running", "Requests that are producing tokens.")
+        self.num_requests_waiting = f.gauge(
+            "num_requests_waiting", "Admitted requests that have not produced their first token yet.")
+        self.prompt_tokens = f.counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = f.counter("generation_tokens_total", "Tokens generated.")
+        self.request_success = f.counter(
+            "request_success_total", "Finished requests by finish reason.", ("finished_reason",))
+        self.request_errors = f.counter(
+            "request_errors_total", "Requests answered with an error, by HTTP status code.", ("status",))
+        self.draining = f.gauge(
+            "draining", "1 while this frontend drains (stopping: new requests get 503, those in flight finish).")
 
-        # Prefix cache (updated by the engine), in tokens as vLLM counts them.
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", m, registry=registry)
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (forked, not computed).", m,
-            registry=registry)
+    def _declare_prefix_cache(self, f: _Families) -> None:
+        """Prefix cache (updated by the engine), in tokens as vLLM counts them."""
+        self.prefix_cache_queries = f.counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = f.counter(
+            "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (forked, not computed).")
 
-        # Speculative decoding (updated by the engine).
-        self.spec_decode_num_drafts = Counter(
-            PREFIX + "spec_decode_num_drafts_total", "Verify rounds that carried draft tokens.", m, registry=registry)
-        self.spec_decode_num_draft_tokens = Counter(
-            PREFIX + "spec_decode_num_draft_tokens_total", "Draft tokens proposed for verification.", m,
-            registry=registry)
-        self.spec_decode_num_accepted_tokens = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target.", m,
-            registry=registry)
-        self.spec_decode_num_accepted_tokens_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos_total",
-            "Accepted draft tokens by position in the verify window (0 = first draft token).",
-            m + ["position"], registry=registry)
-        self.spec_decode_window_size = Gauge(
-            PREFIX + "spec_decode_window_size", "Current number of draft tokens per verify round.", m,
-            registry=registry)
-        self.spec_decode_auto_state = Gauge(
-            PREFIX + "spec_decode_auto_state", "State of automatic n-gram speculation (1 on the current state).",
-            m + ["state"], registry=registry)
-        self.speculative_strategy_info = Gauge(
-            PREFIX + "speculative_strategy_info",
-            "The speculative strategy in use (value 1) and why it was chosen.",
-            m + ["strategy", "reason"], registry=registry)
+    def _declare_speculation(self, f: _Families) -> None:
+        """Speculative decoding (updated by the engine)."""
+        self.spec_decode_num_drafts = f.counter(
+            "spec_decode_num_drafts_total", "Verify rounds that carried draft tokens.")
+        self.spec_decode_num_draft_tokens = f.counter(
+            "spec_decode_num_draft_tokens_total", "Draft tokens proposed for verification.")
+        self.spec_decode_num_accepted_tokens = f.counter(
+            "spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target.")
+        self.spec_decode_num_accepted_tokens_per_pos = f.counter(
+            "spec_decode_num_accepted_tokens_per_pos_total",
+            "Accepted draft tokens by position in the verify window (0 = first draft token).", ("position",))
+        self.spec_decode_window_size = f.gauge(
+            "spec_decode_window_size", "Current number of draft tokens per verify round.")
+        self.spec_decode_auto_state = f.gauge(
+            "spec_decode_auto_state", "State of automatic n-gram speculation (1 on the current state).", ("state",))
+        self.speculative_strategy_info = f.gauge(
+            "speculative_strategy_info", "The speculative strategy in use (value 1) and why it was chosen.",
+            ("strategy", "reason"))
 
-        # Where a step's time goes (updated by the engine): proposing here vs the pipeline's round trip.
-        self.step_proposal_seconds = Histogram(
-            PREFIX + "step_proposal_seconds", "Time proposing draft tokens per engine step (steps with a proposer).",
-            m, buckets=STEP_BUCKETS, registry=registry)
-        self.step_pipeline_seconds = Histogram(
-            PREFIX + "step_pipeline_seconds",
+    def _declare_steps(self, f: _Families) -> None:
+        """Where a step's time goes (updated by the engine): proposing here vs the pipeline's round
+        trip; and the step scheduler's microbatches and how full they are."""
+        self.step_proposal_seconds = f.histogram(
+            "step_proposal_seconds", "Time proposing draft tokens per engine step (steps with a proposer).",
+            STEP_BUCKETS)
+        self.step_pipeline_seconds = f.histogram(
+            "step_pipeline_seconds",
             "Time from sending a step's frame into the stages until its prediction came back, by frame kind.",
-            m + ["kind"], buckets=STEP_BUCKETS, registry=registry)
+            STEP_BUCKETS, ("kind",))
+        self.microbatch_frames = f.histogram(
+            "microbatch_frames", "Frames (sessions) per microbatch sent into the stages.",
+            (1, 2, 4, 8, 16, 32, 64, 128))
+        self.microbatches_in_flight = f.gauge(
+            "microbatches_in_flight", "Microbatches sent into the stages and not yet answered (at most one per stage).")
 
-        # The step scheduler (updated by the pipeline client): microbatches and how full they are.
-        self.microbatch_frames = Histogram(
-            PREFIX + "microbatch_frames", "Frames (sessions) per microbatch sent into the stages.",
-            m, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.microbatches_in_flight = Gauge(
-            PREFIX + "microbatches_in_flight", "Microbatches sent into the stages and not yet answered "
-            "(at most one per stage).", m, registry=registry)
-
-        # Structured output (requests and compiles by the job builder, masks by each session).
-        self.structured_output_requests = Counter(
-            PREFIX + "structured_output_requests_total",
-            "Requests (prompts of a completions batch each) with a structured-output constraint, by kind.",
-            m + ["kind"], registry=registry)
-        self.grammar_compile_seconds = Histogram(
-            PREFIX + "grammar_compile_seconds",
+    def _declare_structured_output(self, f: _Families) -> None:
+        """Structured output (requests and compiles by the job builder, masks by each session)."""
+        self.structured_output_requests = f.counter(
+            "structured_output_requests_total",
+            "Requests (prompts of a completions batch each) with a structured-output constraint, by kind.", ("kind",))
+        self.grammar_compile_seconds = f.histogram(
+            "grammar_compile_seconds",
             "Time checking and compiling a request's constraint (not counted when served from the compiled cache).",
-            m, buckets=COMPILE_BUCKETS, registry=registry)
-        self.grammar_mask_seconds = Histogram(
-            PREFIX + "grammar_mask_seconds",
+            COMPILE_BUCKETS)
+        self.grammar_mask_seconds = f.histogram(
+            "grammar_mask_seconds",
             "Time computing one frame's token masks (every draft position and the bonus one) of a constrained "
-            "request.", m, buckets=MASK_BUCKETS, registry=registry)
+            "request.", MASK_BUCKETS)
 
-        # Create the labelled children now so every series is exported (at 0) from the first scrape.
+    def _export_every_series(self, max_spec_positions: int) -> None:
+        """Create the labelled children now so every series is exported (at 0) from the first scrape."""
+        model = self.model
         for metric in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                        self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
