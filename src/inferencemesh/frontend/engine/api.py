@@ -1,6 +1,6 @@
 """The contract between the HTTP layer and the generation engine.
 
-The HTTP layer (app.py) speaks OpenAI; the engine speaks token ids. Keeping the boundary
+The HTTP layer (frontend/openai/) speaks OpenAI; the engine speaks token ids. Keeping the boundary
 this small lets the same HTTP layer drive an in-process pipeline or a remote one.
 """
 

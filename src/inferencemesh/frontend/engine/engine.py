@@ -1,11 +1,11 @@
 """The generation engine: turns GenerationRequests into sessions in the pipeline, each choice's
 steps held to its stop rule (stopping.py: when a choice ends, and why).
 
-A request is checked and converted for the wire, then admitted (frontend.admission: its slots
+A request is checked and converted for the wire, then admitted (admission.py: its slots
 are held by one context manager), then its prompt is prefilled once: the other n - 1 choices
 FORK the first one's session at every stage, up to the prompt's last token, which each computes
 itself with its own seed; from there every choice is a request of its own. The frames a
-session sends, and its recovery, are frontend.session's.
+session sends, and its recovery, are session.py's.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class _Prompt:
 
 
 class PipelineEngine(Generic[PipelineT]):
-    """engine_api.Engine over a Pipeline (typed as the caller's own, e.g. GrpcPipeline)."""
+    """api.Engine over a Pipeline (typed as the caller's own, e.g. GrpcPipeline)."""
 
     def __init__(self, pipeline: PipelineT, options: EngineOptions, *,
                  proposer_for: Callable[[GenerationRequest], Proposer | None] | None = None,
@@ -140,7 +140,7 @@ class PipelineEngine(Generic[PipelineT]):
         return single_choice(self, request)
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
-        """n continuations of the prompt (engine_api.Engine.generate_n). The first choice's
+        """n continuations of the prompt (api.Engine.generate_n). The first choice's
         session prefills it; the others fork that session (FORK at every stage) at the prompt's
         last token, which each computes with its own seed, so that each samples exactly as a
         request alone with its seed would."""
@@ -150,7 +150,7 @@ class PipelineEngine(Generic[PipelineT]):
         return await self.generate_batch([request], n)
 
     async def generate_batch(self, requests: Sequence[GenerationRequest], n: int) -> list[ChoiceStream]:
-        """Every request's n choices, request i's choice j at i * n + j (engine_api.Engine.generate_batch).
+        """Every request's n choices, request i's choice j at i * n + j (api.Engine.generate_batch).
 
         The batch's sessions are admitted together, in arrival order, once that many are free: it
         never holds some while it waits for more. A batch larger than this server's sessions can

@@ -33,7 +33,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 MODEL_LABEL = "model_name"  # vLLM's label name
 FINISHED_REASONS = ("stop", "length", "abort")  # abort: the client went away
-# States of automatic (n-gram) speculation, seed 003: watch the prompt and the first tokens,
+# States of automatic (n-gram) speculation: watch the prompt and the first tokens,
 # speculate while it pays, back off after poor acceptance; "off" when auto is not in use.
 AUTO_STATES = ("off", "observing", "active", "cooldown")
 STEP_KINDS = ("decode", "verify")  # a plain step DECODEs the last token; a speculative one VERIFYs drafts

@@ -81,7 +81,8 @@ class ChoiceStopping:
         if self.finish_reason is not None:
             return Cut(0, None)
         room = self.rule.budget - self.yielded
-        count, reason = min(len(tokens), room), None
+        count = min(len(tokens), room)
+        reason: FinishReason | None = None
         for index, token in enumerate(tokens[:room]):
             if self.rule.stops_at(token, self.generated + index):
                 count, reason = index + int(self.rule.emit_stop_token), "stop"

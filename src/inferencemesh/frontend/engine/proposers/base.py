@@ -2,7 +2,7 @@
 
 A proposer proposes tokens for the last stage to verify (a VERIFY frame) and learns from what
 was accepted. Its window (how many tokens it proposes) grows while speculation pays and
-shrinks when it does not (seed 003); WindowedProposer reports each verify round to the metrics.
+shrinks when it does not; WindowedProposer reports each verify round to the metrics.
 """
 
 from __future__ import annotations

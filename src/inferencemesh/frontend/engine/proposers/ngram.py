@@ -1,6 +1,6 @@
 """N-gram (prompt lookup) proposals: continue the history's suffix by what followed it earlier.
 
-NgramProposer proposes by lookup; AutoProposer does so only where it pays (seed 003): on at once
+NgramProposer proposes by lookup; AutoProposer does so only where it pays: on at once
 for favourable prompt shapes (code fences, diffs, tracebacks, logs, JSON, SQL, paths), or after
 repeated-suffix hits seen during a cold observation phase; off with a cooldown after poor acceptance.
 
