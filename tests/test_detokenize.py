@@ -17,8 +17,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.frontend.openai import detokenize
-from inferencemesh.frontend.openai.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
+from inferencemesh.frontend.openai.text import detokenize
+from inferencemesh.frontend.openai.text.detokenize import IncrementalDetokenizer
+from inferencemesh.frontend.openai.text.stop_strings import OutputText, StopStringMatcher
 
 REPLACEMENT_CHAR = "\ufffd"
 

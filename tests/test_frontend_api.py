@@ -18,7 +18,8 @@ from fixture_engine import FixtureModel, TransformersEngine, build_fixture_model
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
 
 from inferencemesh.frontend.openai.app import create_app
-from inferencemesh.frontend.openai.detokenize import IncrementalDetokenizer, OutputText, StopStringMatcher
+from inferencemesh.frontend.openai.text.detokenize import IncrementalDetokenizer
+from inferencemesh.frontend.openai.text.stop_strings import OutputText, StopStringMatcher
 
 PROMPT = "def fibonacci(n):\n    "
 

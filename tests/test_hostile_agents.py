@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
-from inferencemesh.frontend.openai.tools import CALL_CLOSE, CALL_OPEN
+from inferencemesh.frontend.openai.text.tool_calls import CALL_CLOSE, CALL_OPEN
 
 pytestmark = pytest.mark.slow
 

@@ -25,11 +25,15 @@ from openai_spec import errors
 from pydantic import BaseModel, Field
 
 from inferencemesh.frontend.engine.api import GenerationRequest
+from inferencemesh.frontend.openai.choices import ChoiceState
 from inferencemesh.frontend.openai.errors import APIError
-from inferencemesh.frontend.openai.generation import Piece, ToolCallDelta
 from inferencemesh.frontend.openai.jobs import Job
 from inferencemesh.frontend.openai.logprobs import LogprobsFormatter
-from inferencemesh.frontend.openai.responses_api import CreateResponseRequest, ResponsesShaper
+from inferencemesh.frontend.openai.responses.protocol import CreateResponseRequest
+from inferencemesh.frontend.openai.responses.shaper import ResponsesShaper
+from inferencemesh.frontend.openai.responses.to_chat import to_chat
+from inferencemesh.frontend.openai.text.pieces import Piece
+from inferencemesh.frontend.openai.text.tool_calls import ToolCallDelta
 
 MODEL = "m"
 
@@ -77,7 +81,7 @@ def parse_events(text: str) -> list[dict[str, Any]]:
 
 def convert(**body: Any) -> dict[str, Any]:
     request = CreateResponseRequest.model_validate_json(json.dumps({"model": MODEL, **body}))
-    return request.chat_request().model_dump(exclude_none=True)
+    return to_chat(request).chat.model_dump(exclude_none=True)
 
 
 def refused(**body: Any) -> APIError:
@@ -197,8 +201,7 @@ def test_chat_parameters_are_named_as_the_request_has_them() -> None:
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "1"}]}))
-    request.chat_request()
-    name = request.responses_param
+    name = to_chat(request).responses_param
     assert [name(f"messages.{i}") for i in range(4)] == ["instructions", "input.0", "input.1", "input.3"]
     assert name("messages.2.tool_calls.1.function.arguments") == "input.1"  # the turn's first call
     assert (name("messages"), name("messages.9"), name(None)) == ("input", "input", None)
@@ -218,13 +221,14 @@ def test_developer_and_refusal_parts_are_text() -> None:
 # --- the shaper, from synthetic pieces (no server) ---------------------------------------------
 
 
-def make_job(finish_reason: str, **echo: Any) -> tuple[ResponsesShaper, Job]:
+def make_job(finish_reason: str, **echo: Any) -> tuple[ResponsesShaper, Any]:
+    """A shaper and a choice that ended for finish_reason after 9 tokens (its job and its state,
+    as a ChoiceRun has them), of a request with these settings."""
     shaper = ResponsesShaper(LogprobsFormatter(None))  # type: ignore[arg-type]  # no logprobs here
-    job = Job("response", "resp_test", int(time.time()), MODEL, [1, 2, 3], GenerationRequest("r", [1, 2, 3], 16),
-              [], True, False, 0.0, finish_reason=finish_reason, completion_tokens=9)
     body = CreateResponseRequest.model_validate_json(json.dumps({"model": MODEL, "input": "x", **echo}))
-    shaper.expect(job.id, body.echo())
-    return shaper, job
+    job = Job("response", "resp_test", int(time.time()), MODEL, [1, 2, 3], GenerationRequest("r", [1, 2, 3], 16),
+              [], True, False, 0.0, echoed=body.echo())
+    return shaper, SimpleNamespace(job=job, state=ChoiceState(finish_reason=finish_reason, completion_tokens=9))
 
 
 TOOL_PIECES = [
@@ -237,14 +241,14 @@ TOOL_PIECES = [
 TOOLS = [{"type": "function", "name": "weather", "parameters": {"type": "object"}, "description": "w"}]
 
 
-def stream_of(shaper: ResponsesShaper, job: Job, pieces: list[Piece]) -> list[dict[str, Any]]:
+def stream_of(shaper: ResponsesShaper, run: Any, pieces: list[Piece]) -> list[dict[str, Any]]:
     """The events a stream of these pieces sends, as serving.py sends them."""
-    run = SimpleNamespace(job=job)
-    text = "".join(shaper.chunk(job, opening) for opening in shaper.opening(run))  # type: ignore[arg-type]
+    job, state = run.job, run.state
+    text = "".join(shaper.chunk(job, state, opening) for opening in shaper.opening(run))
     for piece in pieces:
-        text += shaper.chunk(job, shaper.delta(job, piece))
-    text += shaper.chunk(job, shaper.closing(job))
-    text += "".join(shaper.stream_end(job, {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}))
+        text += shaper.chunk(job, state, shaper.delta(run, piece))
+    text += shaper.chunk(job, state, shaper.closing(run))
+    text += "".join(shaper.stream_end([run], {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}))
     return parse_events(text)
 
 
@@ -253,10 +257,10 @@ def without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_function_calls_in_a_response() -> None:
-    shaper, job = make_job("tool_calls", tools=TOOLS, tool_choice={"type": "function", "name": "weather"},
+    shaper, run = make_job("tool_calls", tools=TOOLS, tool_choice={"type": "function", "name": "weather"},
                            metadata={"k": "v"})
-    choice = shaper.choice(SimpleNamespace(job=job), TOOL_PIECES)  # type: ignore[arg-type]
-    body = shaper.response(job, [choice], {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12})
+    choice = shaper.choice(run, TOOL_PIECES)
+    body = shaper.response([run], [choice], {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12})
     check(body, "Response")
     assert (body["status"], body["store"], body["metadata"], body["incomplete_details"]) == \
         ("completed", False, {"k": "v"}, None)
@@ -276,8 +280,8 @@ def test_function_calls_in_a_response() -> None:
 
 
 def test_function_calls_in_a_stream() -> None:
-    shaper, job = make_job("tool_calls", tools=TOOLS)
-    events = stream_of(shaper, job, TOOL_PIECES)
+    shaper, run = make_job("tool_calls", tools=TOOLS)
+    events = stream_of(shaper, run, TOOL_PIECES)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
@@ -301,7 +305,7 @@ def test_function_calls_in_a_stream() -> None:
     assert final["output"] == items_done  # the final response holds exactly the items announced done
     assert final["usage"]["total_tokens"] == 12 and final["status"] == "completed"
     # the same pieces answered whole give the same items (ids aside)
-    whole = shaper.choice(SimpleNamespace(job=job), TOOL_PIECES)["output"]  # type: ignore[arg-type]
+    whole = shaper.choice(run, TOOL_PIECES)["output"]
     assert without_ids(whole) == without_ids(final["output"])
 
 
@@ -313,12 +317,12 @@ def test_the_openai_clients_stream_state_accumulates_the_function_calls() -> Non
     from openai.lib.streaming.responses._responses import ResponseStreamState
     from openai.types.responses import ResponseStreamEvent
 
-    shaper, job = make_job("tool_calls", tools=TOOLS)
+    shaper, run = make_job("tool_calls", tools=TOOLS)
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
             "additionalProperties": False}
     tools: Any = [{"type": "function", "name": "weather", "parameters": city, "strict": True}]
     state = ResponseStreamState(input_tools=tools, text_format=omit)
-    seen = [out for event in stream_of(shaper, job, TOOL_PIECES)
+    seen = [out for event in stream_of(shaper, run, TOOL_PIECES)
             for out in state.handle_event(construct_type(type_=ResponseStreamEvent, value=event))]  # type: ignore[arg-type]
     snapshots = [e.snapshot for e in seen if e.type == "response.function_call_arguments.delta"]
     assert snapshots == ['{"city":', '{"city":"Paris"}', '{"city":"Rome"}']
@@ -331,8 +335,8 @@ def test_the_openai_clients_stream_state_accumulates_the_function_calls() -> Non
 
 
 def test_a_stream_cut_by_the_length_limit_is_incomplete() -> None:
-    shaper, job = make_job("length", max_output_tokens=2)
-    events = stream_of(shaper, job, [Piece("Hel", [1], None), Piece("lo", [2], None)])
+    shaper, run = make_job("length", max_output_tokens=2)
+    events = stream_of(shaper, run, [Piece("Hel", [1], None), Piece("lo", [2], None)])
     assert events[-1]["type"] == "response.incomplete"
     final = events[-1]["response"]
     assert final["incomplete_details"] == {"reason": "max_output_tokens"} and final["max_output_tokens"] == 2
@@ -340,40 +344,39 @@ def test_a_stream_cut_by_the_length_limit_is_incomplete() -> None:
 
 
 def test_an_empty_answer_is_an_empty_message() -> None:
-    shaper, job = make_job("stop")
-    events = stream_of(shaper, job, [])
+    shaper, run = make_job("stop")
+    events = stream_of(shaper, run, [])
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
-    body = shaper.response(job, [shaper.choice(SimpleNamespace(job=job), [])],  # type: ignore[arg-type]
+    body = shaper.response([run], [shaper.choice(run, [])],
                            {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3})
     check(body, "Response")
 
 
 def test_a_failure_after_the_headers_is_an_error_then_response_failed() -> None:
-    shaper, job = make_job("stop")
-    run = SimpleNamespace(job=job)
-    text = "".join(shaper.chunk(job, opening) for opening in shaper.opening(run))  # type: ignore[arg-type]
-    text += shaper.chunk(job, shaper.delta(job, Piece("par", [1], None)))
+    shaper, run = make_job("stop")
+    text = "".join(shaper.chunk(run.job, run.state, opening) for opening in shaper.opening(run))
+    text += shaper.chunk(run.job, run.state, shaper.delta(run, Piece("par", [1], None)))
     error = APIError(503, "A stage is gone.", type="service_unavailable", code="stage_unavailable").body()
-    text += "".join(shaper.stream_error(job, error))
+    text += "".join(shaper.stream_error(run.job, run.state, error))
     events = parse_events(text)
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert (events[-2]["code"], events[-2]["message"]) == ("stage_unavailable", "A stage is gone.")
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"] == {"code": "server_error", "message": "A stage is gone."}
     # a stream that fails before it started (a late start): the same two events, numbered from 0
-    shaper, job = make_job("stop")
+    shaper, run = make_job("stop")
     overloaded = APIError(429, "Busy.", type="rate_limit_error", code="overloaded").body()
-    events = parse_events("".join(shaper.stream_error(job, overloaded)))
+    events = parse_events("".join(shaper.stream_error(run.job, ChoiceState(), overloaded)))
     assert [e["type"] for e in events] == ["error", "response.failed"]
     assert events[0]["code"] == "overloaded" and events[1]["response"]["error"]["code"] == "rate_limit_exceeded"
 
 
 def test_the_echo_of_a_structured_request() -> None:
     schema = {"type": "object", "properties": {}, "additionalProperties": False}
-    shaper, job = make_job("stop", instructions="Be brief.", temperature=0, top_p=0.5, parallel_tool_calls=False,
+    shaper, run = make_job("stop", instructions="Be brief.", temperature=0, top_p=0.5, parallel_tool_calls=False,
                            text={"format": {"type": "json_schema", "name": "s", "schema": schema, "strict": True}},
                            service_tier="auto", user="u", safety_identifier="s1", prompt_cache_key="k")
-    body = shaper.response(job, [shaper.choice(SimpleNamespace(job=job), [Piece("{}", [1], None)])],  # type: ignore[arg-type]
+    body = shaper.response([run], [shaper.choice(run, [Piece("{}", [1], None)])],
                            {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4})
     check(body, "Response")
     assert (body["instructions"], body["temperature"], body["top_p"], body["parallel_tool_calls"]) == \
@@ -656,34 +659,32 @@ def inprocess() -> Iterator[tuple[str, Any, Any, str]]:
 
 
 @pytest.mark.slow
-def test_every_answer_forgets_its_request(inprocess: tuple[str, Any, Any, str]) -> None:
-    """The shaper keeps each response's echoed settings only while it is answered: whole, streamed,
-    refused by the engine, or a stream its client left early; none stay behind."""
+def test_answers_whole_streamed_and_refused(inprocess: tuple[str, Any, Any, str]) -> None:
+    """Whole, streamed, refused by the engine (naming the Responses parameter), or a stream its
+    client left early; the shaper holds nothing of any request (it is stateless: the echoed
+    settings travel on the job, a stream's output items on its choice's state)."""
     base, app, _, model = inprocess
-    kept = app.state.frontend.shapers["response"].requests
+    shaper = app.state.frontend.shapers["response"]
+    assert list(vars(shaper)) == ["formatter"]
     body = {"model": model, "input": "def add(a, b):", "max_output_tokens": 6}
     with httpx.Client(base_url=base, timeout=60) as http:
-        assert http.post("/v1/responses", json=body).status_code == 200
-        assert kept == {}
+        whole = http.post("/v1/responses", json=body)
+        assert whole.status_code == 200 and whole.json()["max_output_tokens"] == 6  # the request's settings echoed
         with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
             events = parse_events("".join(streamed.iter_text()))
-        assert events[-1]["type"] in ("response.completed", "response.incomplete") and kept == {}
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        assert events[-1]["response"]["max_output_tokens"] == 6
         too_long = http.post("/v1/responses", json={**body, "max_output_tokens": 10**6})
         assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "input")  # chat's "messages"
-        assert kept == {}
         # an engine-side 400 about response_format (this engine constrains nothing) names text.format
         schema = {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}
         bad_schema = http.post("/v1/responses", json={**body, "text": {"format": {"type": "json_schema", "name": "s",
                                                                                   "schema": schema}}})
         assert bad_schema.status_code == 400 and bad_schema.json()["error"]["param"].startswith("text.format"), \
             bad_schema.text
-        assert kept == {}
         with http.stream("POST", "/v1/responses", json={**body, "stream": True, "max_output_tokens": 64}) as left:
             next(left.iter_lines())  # the client goes away after the first line
-        deadline = time.monotonic() + 10
-        while kept and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert kept == {}
+    assert list(vars(shaper)) == ["formatter"]
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -741,7 +742,7 @@ def fuzzed_bodies(model: str) -> st.SearchStrategy:
 @pytest.mark.slow
 def test_fuzzed_bodies_never_5xx(inprocess: tuple[str, Any, Any, str]) -> None:
     """Whatever arrives: no 5xx, errors in OpenAI's format, every answer (whole or streamed) valid
-    against OpenAI's spec, and no engine session or echoed settings left behind."""
+    against OpenAI's spec, and no engine session left behind, nor anything on the (stateless) shaper."""
     base, app, engine, model = inprocess
     answered: list[str] = []  # what each body got: a status, and for 200s whether streamed
 
@@ -764,7 +765,7 @@ def test_fuzzed_bodies_never_5xx(inprocess: tuple[str, Any, Any, str]) -> None:
 
     run()
     assert engine.open_sessions == 0
-    assert app.state.frontend.shapers["response"].requests == {}
+    assert list(vars(app.state.frontend.shapers["response"])) == ["formatter"]
     # the bodies reached the engine too, whole and streamed, not only the checks
     assert answered.count("200 application/json") >= 5 and answered.count("200 text/event-stream") >= 5, \
         sorted(answered)

@@ -21,13 +21,8 @@ from inferencemesh.frontend.openai.errors import APIError
 from inferencemesh.frontend.openai.jobs import END_OF_TURN_TOKENS
 from inferencemesh.frontend.openai.prompts import chat_ids
 from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
-from inferencemesh.frontend.openai.tools import (
-    MAX_TOOLS,
-    ToolCallParser,
-    ToolChoice,
-    merged_calls,
-    tool_calling_from_request,
-)
+from inferencemesh.frontend.openai.text.tool_calls import ToolCallParser, merged_calls
+from inferencemesh.frontend.openai.tools import MAX_TOOLS, ToolChoice, tool_calling_from_request
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
         "additionalProperties": False}

@@ -42,7 +42,7 @@ FINAL_GRACE_S = 1  # seconds (uvicorn's timeout_graceful_shutdown)
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, which drains on SIGTERM and SIGINT instead of stopping at once
-    (frontend.drain): /ready and new requests get 503, the socket stays open, and the server
+    (frontend/openai/drain.py): /ready and new requests get 503, the socket stays open, and the server
     stops when nothing is in flight or drain_timeout_s has passed. A second signal stops it at
     once; drain_timeout_s 0 stops at the first. The process then exits 0: the signals are not
     re-raised after serving (uvicorn's own handle_exit records them for that)."""
@@ -140,7 +140,7 @@ def run_frontend(config: FrontendConfig) -> int:
         api_key=os.environ.get(config.api_key_env) or None, max_body_bytes=config.max_body_bytes, metrics=metrics,
         drain=drain, body_timeout_s=config.body_timeout,
     )
-    # header timeout, connection limit, keep-alive: frontend.http_server
+    # header timeout, connection limit, keep-alive: frontend/openai/http_server.py
     server = DrainingServer(server_config(app, host=config.host, port=config.port, log_level="info",
                                           header_timeout_s=config.header_timeout,
                                           timeout_graceful_shutdown=FINAL_GRACE_S), drain, config.drain_timeout)

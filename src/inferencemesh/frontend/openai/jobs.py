@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,15 +20,17 @@ from inferencemesh.frontend.engine.api import Engine, GenerationRequest
 from inferencemesh.frontend.engine.constraints import Constraint
 from inferencemesh.frontend.engine.grammar import ConstrainedOutput, constrained_output, grammar_tokenizer
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
+from inferencemesh.frontend.openai.chat.protocol import ChatCompletionRequest
+from inferencemesh.frontend.openai.completions.protocol import CompletionRequest
 from inferencemesh.frontend.openai.errors import APIError
 from inferencemesh.frontend.openai.prompts import chat_ids, text_ids
-from inferencemesh.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, wire_seed
+from inferencemesh.frontend.openai.protocol import wire_seed
 from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.frontend.openai.tools import ToolCalling, tool_calling_from_request
+from inferencemesh.sampling import GREEDY_BELOW
 
 log = logging.getLogger("inferencemesh.frontend")
 
-GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's epsilon
 COMPILED_CONSTRAINTS = 64  # the last constraints compiled (agents send the same schema again and again)
 # End-of-turn markers of common chat templates: generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -35,11 +38,12 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 Body = ChatCompletionRequest | CompletionRequest
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """One prompt of a validated request, ready for the engine."""
+    """One prompt of a validated request, ready for the engine. Immutable: what a choice's
+    generation finds is its ChoiceState's (choices.py)."""
 
-    kind: str  # "chat" | "completion": which endpoint's shapes its answer takes
+    kind: str  # "chat" | "completion" | "response": which endpoint's shapes its answer takes
     id: str
     created: int
     model: str
@@ -52,12 +56,9 @@ class Job:
     echo_text: str = ""
     top_logprobs: int = 0  # alternatives per token when job.request.logprobs is set
     index: int = 0  # the choice's index in the response (prompt index * n + j)
-    # Set as generation goes:
-    text_offset: int = 0  # completions logprobs: where the choice's text so far ends
-    finish_reason: str = "length"
-    completion_tokens: int = 0
     tools: ToolCalling | None = None  # the request's tools: its output is parsed for calls when they may be made
-    shape_state: dict[str, Any] = field(default_factory=dict)  # its shaper's per-choice scratch (a stream's counters)
+    # the request's settings its answer reports (a Response echoes its request's: responses/protocol.py)
+    echoed: Mapping[str, Any] = field(default_factory=dict)
 
 
 async def engine_ready(engine: Engine) -> bool:
@@ -154,7 +155,7 @@ class JobBuilder:
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
-        if temperature < GREEDY_BELOW_TEMPERATURE or top_p == 0.0:
+        if temperature < GREEDY_BELOW or top_p == 0.0:
             # logits / 1e-300 overflow to inf: this close to 0 means greedy; so does top_p 0 (no
             # probability mass: only the most likely token), which the wire would read as "off"
             temperature, top_p = 0.0, 1.0

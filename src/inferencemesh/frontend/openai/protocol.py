@@ -1,4 +1,6 @@
-"""Pydantic models of the OpenAI request bodies we accept.
+"""What every OpenAI request body we accept shares: the field types, the strict base model, the
+refused and fixed fields, and the sampling request /v1/completions and /v1/chat/completions share
+(chat/protocol.py and completions/protocol.py hold each endpoint's own).
 
 Strict types, as OpenAI's own API is ("temperature": "1" is a 400, not a coercion). Every
 field of OpenAI's request schemas and every vLLM extra we know is either honoured or refused by
@@ -11,9 +13,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from inferencemesh.frontend.openai.tools import closed_objects
@@ -101,27 +103,29 @@ FIXED: dict[str, object] = {
     "store": False, "modalities": ["text"],
     "add_special_tokens": False,  # chat (the template places them); completions declare the field
 }
-# Known fields that only label a request (they change nothing about the answer): accepted.
 # Known fields that only label a request (user, metadata, service_tier, ...) change nothing about
 # the answer: extra="allow" accepts them as it accepts fields nobody has defined yet.
 
 
-class _Body(BaseModel):
-    # extra="allow": known fields we refuse arrive in model_extra, where unsupported() sees them.
+class RequestBody(BaseModel):
+    # extra="allow": known fields we refuse arrive in model_extra, where unsupported() sees them;
+    # fields nobody has defined yet are ignored, so newer clients keep working.
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class StreamOptions(_Body):
-    include_usage: bool | None = None
-    include_obfuscation: bool | None = None  # accepted; we never add obfuscation padding
+class StreamOptionsParam(RequestBody):
+    """stream_options, as chat, completions and Responses take it."""
+
+    include_usage: bool | None = None  # chat and completions: a last chunk with the usage
+    include_obfuscation: bool | None = None  # accepted; events never carry obfuscation padding
 
 
-class _SamplingRequest(_Body):
+class SamplingRequest(RequestBody):
     """Fields common to /v1/completions and /v1/chat/completions. None means "the default"."""
 
     model: Text
     stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptionsParam | None = None
     max_tokens: Annotated[Int, Field(ge=0)] | None = None
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[Float, Field(ge=0.0, le=1.0)] | None = None  # 0: greedy (OpenAI's schema allows it)
@@ -211,135 +215,3 @@ def closed_schema(schema: Any) -> Any:
         return closed_objects(schema)
     except (RecursionError, TypeError, ValueError):
         return schema
-
-
-class CompletionRequest(_SamplingRequest):
-    # A string, token ids, or a batch of either: one response, n choices per prompt.
-    # null or absent: OpenAI generates "as if from the beginning of a new document" (the BOS token alone)
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=64)] | list[Int] | \
-        Annotated[list[list[Int]], Field(min_length=1, max_length=64)] | None = None
-    echo: bool | None = None
-    suffix: Text | None = None
-    best_of: Annotated[Int, Field(ge=1)] | None = None
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI: up to 5; vLLM: 20
-    add_special_tokens: bool | None = None  # vLLM: add BOS etc. to a text prompt (default true)
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1 is not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
-        if self.max_tokens == 0 and not (self.echo and self.logprobs is not None):
-            return "max_tokens", "max_tokens 0 scores the prompt: it needs echo and logprobs"
-        return super().unsupported()
-
-    def prompts(self) -> list[str | list[int]]:
-        """The request's prompts (text or token ids): a batch runs them concurrently."""
-        p = "" if self.prompt is None else self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return list(p)  # type: ignore[arg-type]  # a list of prompts: strings or id lists
-        return [p]  # type: ignore[list-item]  # one prompt: a string or a list of ids
-
-
-class TextContentPart(_Body):
-    type: Literal["text"]
-    text: Text
-
-
-class FunctionCall(_Body):
-    name: Text
-    arguments: Text  # JSON text, as the model wrote it
-
-
-class MessageToolCall(_Body):
-    """A tool call an assistant turn made (what a client sends back with the tool's result)."""
-
-    id: Text
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    # null only for an assistant turn (OpenAI's schema: one that carried tool calls): it reads as ""
-    content: Text | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
-    name: Text | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
-    tool_call_id: Text | None = None  # a tool turn: the call it answers
-
-    @model_validator(mode="after")
-    def _content_needed(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise PydanticCustomError("missing", "content is required unless the role is assistant")
-        if self.tool_calls and self.role != "assistant":
-            raise PydanticCustomError("tool_calls_role", "only an assistant message carries tool_calls")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise PydanticCustomError("missing", "a tool message needs the tool_call_id it answers")
-        return self
-
-    def template_message(self) -> dict[str, Any]:
-        """The message as chat templates take it: "developer" is OpenAI's newer name for "system"
-        (templates only know the latter); a call's arguments as an object when they are JSON
-        (templates render them with tojson, as transformers and vLLM pass them), else as given."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.text()}
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-                for call in self.tool_calls]
-        return message
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool | None = None  # vLLM: only false
-    # Function calling (tools.py checks them: a bad one is its 400, naming the field)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.max_tokens == 0 or self.max_completion_tokens == 0:
-            return "max_tokens", "max_tokens must be at least 1"
-        if self.echo:
-            return "echo", "echo is not supported for chat"
-        return super().unsupported()
-
-    def requested_max_tokens(self) -> int | None:
-        # max_completion_tokens replaces the deprecated max_tokens; it wins when both are set.
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The conversation as chat templates take it."""
-        return [m.template_message() for m in self.messages]
-
-    def tool_fields(self) -> dict[str, Any]:
-        """The function-calling fields, as tools.tool_calling_from_request takes them."""
-        return {"tools": self.tools, "tool_choice": self.tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
-
-
-def _arguments(text: str) -> Any:
-    """A history's call arguments as the template renders them: parsed when they are JSON (templates
-    write them with tojson), else the string as given. OpenAI accepts any string there, and a
-    client sends back what the model wrote, a call cut short by the length limit included."""
-    try:
-        arguments = json.loads(text)
-        json.dumps(arguments, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate cannot be rendered
-    except (ValueError, RecursionError):  # UnicodeEncodeError included
-        return text
-    return arguments

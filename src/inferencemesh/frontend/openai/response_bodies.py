@@ -67,16 +67,16 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None
 
 
-class TokenLogprob(TopLogprob):
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-    refusal: list[TokenLogprob] | None
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None
 
 
-class FunctionCall(BaseModel):
+class CalledFunction(BaseModel):
     name: str
     arguments: str  # JSON text matching the function's parameters
 
@@ -84,7 +84,7 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     id: str
     type: Literal["function"]
-    function: FunctionCall
+    function: CalledFunction
 
 
 class AssistantMessage(BaseModel):

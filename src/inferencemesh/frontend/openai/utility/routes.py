@@ -7,10 +7,9 @@
     POST /detokenize  {model?, tokens} -> {prompt}
     GET  /version     -> {version}
 
-(GET /health is the app's.) Prompts are tokenised by the same code as generation (prompts.py),
-so /tokenize counts exactly the tokens a request with that prompt would send. The handlers
-reach the frontend through `request.app.state.frontend` (create_app sets it); errors are
-APIErrors, answered in OpenAI's format by the app's handlers.
+(GET /health, /ready, /metrics and /v1/models: service_routes.py.) Prompts are tokenised by
+the same code as generation (prompts.py), so /tokenize counts exactly the tokens a request with
+that prompt would send. Errors are APIErrors, answered in OpenAI's format by the app's handlers.
 """
 
 from __future__ import annotations
@@ -21,64 +20,26 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from inferencemesh.frontend.openai.errors import APIError
 from inferencemesh.frontend.openai.prompts import chat_ids, text_ids
-from inferencemesh.frontend.openai.protocol import REFUSED, ChatCompletionRequest, ChatMessage, Int, Text
 from inferencemesh.frontend.openai.response_bodies import GENERATION_ERRORS
+from inferencemesh.frontend.openai.serving import Serving, serving
 from inferencemesh.frontend.openai.tools import tool_calling_from_request
+from inferencemesh.frontend.openai.utility.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    UtilityRequest,
+)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: GENERATION_ERRORS[code] for code in (400, 401, 404, 413)}
 
 router = APIRouter()
 
 
-class _Utility(BaseModel):
-    # Strict like the generation bodies; fields nobody has defined are ignored (newer clients work).
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    model: Text | None = None
-
-    def refused(self) -> tuple[str, str] | None:
-        """A known vLLM field we do not implement, sent with a value."""
-        for name, value in (self.model_extra or {}).items():
-            if value is not None and name in REFUSED:
-                return name, REFUSED[name]
-        return None
-
-
-class TokenizeCompletionRequest(_Utility):
-    prompt: Text
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(_Utility):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # the chat template places BOS and control tokens
-    return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None
-
-    def refused(self) -> tuple[str, str] | None:
-        if self.continue_final_message and self.add_generation_prompt:
-            return "continue_final_message", "continue_final_message and add_generation_prompt cannot both be true"
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            return "continue_final_message", "continue_final_message needs a final assistant message"
-        return super().refused()
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        # The chat endpoint's own mapping of messages to the template's (one decision, one place).
-        return ChatCompletionRequest.model_construct(messages=self.messages).template_messages()
-
-
-class DetokenizeRequest(_Utility):
-    tokens: list[Int]
-
-
-def _parse(model: type[_Utility], body: dict[str, Any]) -> Any:
+def _parse(model: type[UtilityRequest], body: dict[str, Any]) -> Any:
     """Validate like FastAPI would, so a bad field is the same OpenAI 400 naming the parameter."""
     try:
         parsed = model.model_validate(body)
@@ -90,8 +51,8 @@ def _parse(model: type[_Utility], body: dict[str, Any]) -> Any:
     return parsed
 
 
-def _frontend(request: Request, model: str | None) -> Any:
-    front = request.app.state.frontend
+def _frontend(request: Request, model: str | None) -> Serving:
+    front = serving(request)
     if model is not None and model != front.model:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{front.model}`.",
                        param="model", code="model_not_found")
@@ -126,7 +87,7 @@ async def detokenize(request: Request, body: Annotated[dict[str, Any], Body()]) 
     bad = next((t for t in parsed.tokens if not 0 <= t < front.vocab_size), None)
     if bad is not None:
         raise APIError(400, f"Token id {bad} is outside the vocabulary (size {front.vocab_size}).", param="tokens")
-    return {"prompt": front.tokenizer.decode(parsed.tokens)}
+    return {"prompt": str(front.tokenizer.decode(parsed.tokens))}
 
 
 @router.get("/version")
