@@ -354,6 +354,12 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
         assert all(kind == "error" and "failed" in str(message) for kind, message in results), results
         assert on_survivor.result(120) == ("done", "length")
         assert not_streamed.result(120) == (200, "length")  # retried on the survivor before any byte went
+    _the_survivor_serves_alone(mesh, victim, survivor, prefix, killed_at)
+    _the_replica_is_used_again_once_back(mesh, client, victim)
+
+
+def _the_survivor_serves_alone(mesh: Mesh, victim: str, survivor: str, prefix: str, killed_at: float) -> None:
+    """The killed replica was retried away from and is down; the survivor serves every request."""
     retried = [line for line in httpx.get(f"{mesh.router.url}/metrics").text.splitlines()
                if line.startswith("inferencemesh_router_retries_total") and f'replica="{victim}"' in line]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in retried) >= 1, retried
@@ -365,7 +371,9 @@ def test_a_replica_killed_mid_stream(mesh: Mesh) -> None:
     assert httpx.get(f"{mesh.router.url}/ready").status_code == 200
     unharmed(mesh)
 
-    # back (a restarted frontend on the same port): up again once ready, and sent requests again
+
+def _the_replica_is_used_again_once_back(mesh: Mesh, client: openai.OpenAI, victim: str) -> None:
+    """Back (a restarted frontend on the same port): up again once ready, and sent requests again."""
     mesh.frontends[victim].start().wait_ready()
     deadline = time.monotonic() + 10
     while not mesh.replicas()[victim]["up"]:

@@ -32,6 +32,55 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _a_shared_prefix_lands_on_one_replica(client: OpenAI, model: str, base: str) -> None:
+    """A long shared prefix: every request lands where the first went."""
+    prefix = "".join(f"def helper_{i}(x):\n    return x * {i}\n\n" for i in range(12))
+    before = routed(base)
+    for i in range(5):
+        done = client.completions.create(model=model, prompt=prefix + f"def main_{i}(", max_tokens=4, temperature=0)
+        assert done.choices[0].text is not None
+    after = routed(base)
+    gained = {name: after[name] - before[name] for name in after}
+    assert sorted(gained.values()) == [0, 5], gained
+
+
+def _a_burst_is_answered_by_both(client: OpenAI, model: str, base: str) -> None:
+    """A burst of 16 different prompts: all answered, both replicas used."""
+    before = routed(base)
+
+    def ask(i: int) -> int:
+        raw = client.completions.with_raw_response.create(model=model, prompt=f"# task {i}: {'x' * i}\nimport",
+                                                          max_tokens=4, temperature=0)
+        return raw.status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(ask, range(16)))
+    assert statuses == [200] * 16
+    after = routed(base)
+    gained = {name: after[name] - before[name] for name in after}
+    assert sum(gained.values()) == 16 and all(n > 0 for n in gained.values()), gained
+
+
+def _ctrl_c_twice_during_a_stream(client: OpenAI, model: str, proc: subprocess.Popen, lines: list[str]) -> None:
+    """Ctrl-C with a long stream in flight: the router holds the stop for it (it goes first); a
+    second Ctrl-C stops everything at once, the stream cut."""
+    stream = iter(client.completions.create(model=model, prompt="def long(", max_tokens=400, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert proc.poll() is None, "".join(lines)
+    assert "Ctrl-C again to stop at once" in "".join(lines)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(15) == 0, "".join(lines)
+    assert time.monotonic() - started < 10
+    finished: list[str] = []
+    with contextlib.suppress(Exception):  # the cut connection: the openai client's error or httpx's
+        finished += [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+    assert "length" not in finished  # cut, not run to its 400 tokens
+
+
 def test_two_replicas_behind_the_router() -> None:
     with serving_replicas() as (base, proc, lines, frontends):
         text = "".join(lines)
@@ -42,54 +91,13 @@ def test_two_replicas_behind_the_router() -> None:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         assert set(routed(base)) == {"p0", "p1"}
-
-        # a long shared prefix: every request lands where the first went
-        prefix = "".join(f"def helper_{i}(x):\n    return x * {i}\n\n" for i in range(12))
-        before = routed(base)
-        for i in range(5):
-            done = client.completions.create(model=model, prompt=prefix + f"def main_{i}(", max_tokens=4,
-                                             temperature=0)
-            assert done.choices[0].text is not None
-        after = routed(base)
-        gained = {name: after[name] - before[name] for name in after}
-        assert sorted(gained.values()) == [0, 5], gained
-
-        # a burst of 16 different prompts: all answered, both replicas used
-        before = routed(base)
-
-        def ask(i: int) -> int:
-            raw = client.completions.with_raw_response.create(model=model, prompt=f"# task {i}: {'x' * i}\nimport",
-                                                              max_tokens=4, temperature=0)
-            return raw.status_code
-
-        with ThreadPoolExecutor(16) as pool:
-            statuses = list(pool.map(ask, range(16)))
-        assert statuses == [200] * 16
-        after = routed(base)
-        gained = {name: after[name] - before[name] for name in after}
-        assert sum(gained.values()) == 16 and all(n > 0 for n in gained.values()), gained
+        _a_shared_prefix_lands_on_one_replica(client, model, base)
+        _a_burst_is_answered_by_both(client, model, base)
         metrics = httpx.get(f"{base}/metrics").text
         assert 'inferencemesh_router_prefix_affinity_hits_total{replica=' in metrics
         # each pipeline's frontend answers on its own port too
         assert all(httpx.get(f"{url}/ready").status_code == 200 for url in frontends.values())
-
-        # Ctrl-C with a long stream in flight: the router holds the stop for it (it goes first);
-        # a second Ctrl-C stops everything at once, the stream cut
-        stream = iter(client.completions.create(model=model, prompt="def long(", max_tokens=400, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}))
-        next(stream)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(1.0)
-        assert proc.poll() is None, "".join(lines)
-        assert "Ctrl-C again to stop at once" in "".join(lines)
-        started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(15) == 0, "".join(lines)
-        assert time.monotonic() - started < 10
-        finished: list[str] = []
-        with contextlib.suppress(Exception):  # the cut connection: the openai client's error or httpx's
-            finished += [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
-        assert "length" not in finished  # cut, not run to its 400 tokens
+        _ctrl_c_twice_during_a_stream(client, model, proc, lines)
     # nothing serve started is left
     assert proc.returncode is not None
     deadline = time.monotonic() + 10

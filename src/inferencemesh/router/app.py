@@ -61,7 +61,7 @@ class RouterApp:
     def __init__(self, config: RouterConfig, *, api_client: Any = None,
                  transport: TransportFactory = replica_transport) -> None:
         self.config = config
-        self.new_transport = transport  # the replicas' HTTP client (the latency bench compares others)
+        self.make_transport = transport  # the replicas' HTTP client (the latency bench compares others)
         self.header_timeout_s = config.header_timeout  # http_server.server_config's, for the request head
         self.replicas = ReplicaSet()
         self.source: StaticReplicas | EndpointSliceWatch = (
@@ -84,7 +84,7 @@ class RouterApp:
         # httpx's models over h11 (router/transport.py). Relayed requests go to the transport itself:
         # no client cookie jar (a Set-Cookie of one client's answer must never ride along on another
         # client's request), no redirects.
-        self.transport = self.new_transport()
+        self.transport = self.make_transport()
         self.client = httpx.AsyncClient(transport=self.transport,
                                         timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), trust_env=False,
                                         follow_redirects=False)
