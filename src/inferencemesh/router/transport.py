@@ -49,10 +49,10 @@ class _Connection:
     def usable(self) -> bool:
         return not self.writer.is_closing() and not self.reader.at_eof()
 
-    def reusable(self) -> bool:
-        """Whether the exchange ended whole on both sides, neither asking to close: then it is ready
-        for the next request. (An answer that came before the body went is not: the replica still
-        expects that body.)"""
+    def ready_for_next(self) -> bool:
+        """Readies the connection for its next request when the exchange ended whole on both sides,
+        neither asking to close; else False. (An answer that came before the body went did not: the
+        replica still expects that body.)"""
         done = self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
         if done and self.usable():
             self.h11.start_next_cycle()
@@ -97,7 +97,7 @@ class _Body(httpx.AsyncByteStream):
         conn, self.conn = self.conn, None  # type: ignore[assignment]
         if conn is None:
             return
-        if conn.reusable():
+        if conn.ready_for_next():
             self.transport.release(self.origin, conn)
         else:
             conn.close()
