@@ -68,8 +68,8 @@ class ChoiceStopping:
         self.finish_reason: FinishReason | None = None  # set once the choice has ended
 
     def decided(self, tokens: Sequence[int]) -> list[int]:
-        """A step's tokens before the first that ends the choice (none after it count, budget
-        aside): what a grammar advances by."""
+        """A step's tokens before the first stop token that ends the choice, whatever the budget:
+        what the choice's grammar advances by."""
         for index, token in enumerate(tokens):
             if self.rule.stops_at(token, self.generated + index):
                 return list(tokens[:index])
