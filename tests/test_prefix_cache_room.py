@@ -42,3 +42,18 @@ def test_each_live_session_takes_its_slot_from_the_entries() -> None:
     stage.open("b")
     assert stage.cache_room() == prefix_cache_room(max_sessions=4, max_context=128, cache_tokens=100,
                                                    live_sessions=2) == 100 + 2 * 128
+
+
+def test_the_planner_reserves_what_the_stage_gives_its_sessions_and_entries(tmp_path) -> None:
+    """The planned KV reserve is the stage's whole room: every session slot plus the entries' own."""
+    import torch
+    from tiny_models import write_tiny_model
+
+    from inferencemesh.checkpoint.read import read_local
+    from inferencemesh.planner import PlanInputs
+
+    facts = read_local(write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.float32))
+    per_position = PlanInputs.from_checkpoint(facts, context_length=1, max_sessions=1).kv_bytes_per_layer
+    planned = PlanInputs.from_checkpoint(facts, context_length=128, max_sessions=4, prefix_cache_tokens=100)
+    stage = SessionTable(4, 60.0, max_context=128, cache_tokens=100)
+    assert planned.kv_bytes_per_layer == per_position * stage.cache_room()

@@ -52,6 +52,13 @@ class StagePlan:
         return asdict(self)
 
 
+def reserved_kv_positions(*, max_sessions: int, max_context: int, cache_tokens: int) -> int:
+    """KV positions each stage reserves per layer: every session slot at full context, and the
+    positions reserved for the prefix cache alone (--prefix-cache-tokens). The stages' prefix
+    cache lives within this (modeling.kv.prefix_cache_room)."""
+    return max_sessions * max_context + cache_tokens
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """Per-layer and end-stage byte counts in the serving dtype, and the KV reserve per layer."""
@@ -99,7 +106,9 @@ class PlanInputs:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
         width = TORCH_DTYPE_BYTES[dtype]
         kv_width = TORCH_DTYPE_BYTES["float32"] if on_cpu else width
-        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * (context_length * max_sessions + prefix_cache_tokens)
+        positions = reserved_kv_positions(max_sessions=max_sessions, max_context=context_length,
+                                          cache_tokens=prefix_cache_tokens)
+        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * positions
         return cls(
             layer_bytes=tuple(facts.layer_bytes(width)),
             embed_bytes=facts.group_bytes("embed", width),

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from inferencemesh.planner import reserved_kv_positions
+
 INITIAL_CAPACITY = 256
 
 
@@ -31,7 +33,8 @@ def prefix_cache_room(*, max_sessions: int, max_context: int, cache_tokens: int,
     sessions together stay within it. The stage evicts entries past this (stage/sessions.py); the
     frontend bounds its index of them by the most it can be, with no live session
     (frontend/engine/prefix_cache.py)."""
-    return cache_tokens + (max_sessions - live_sessions) * max_context
+    reserved = reserved_kv_positions(max_sessions=max_sessions, max_context=max_context, cache_tokens=cache_tokens)
+    return reserved - live_sessions * max_context
 
 
 class SessionKV:
