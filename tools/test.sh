@@ -6,6 +6,8 @@
 #                                        this script brings up (tools/cluster/up.sh) and tears down after
 #   KUBECONFIG=... bash tools/test.sh    tests/, then e2e/ on that cluster (set IMESH_E2E_* images)
 #   IMESH_E2E=0 bash tools/test.sh       tests/ only
+#   bash tools/test.sh fast              the fast tier (tests/conftest.py FAST_TIER: unit and in-process
+#                                        tests, no processes), then mypy: a few minutes, while changing code
 #   bash tools/test.sh tests/test_x.py   only what you name (no cluster)
 #
 # Idempotent and cached: a second run installs nothing and reuses the Kubernetes binaries, the
@@ -20,6 +22,18 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # download CUDA packages).
 python3 -m pip install -q "torch==2.13.0" ".[test]"
 
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=15)
+# The fast tier starts no processes: it needs neither promtool nor Kubernetes.
+if [ "${1:-}" = fast ]; then
+  shift
+  t0=$(date +%s)
+  fast=0
+  "${PYTEST[@]}" --fast tests "$@" || fast=$?
+  echo "[test.sh] fast tier took $(( $(date +%s) - t0 ))s" >&2
+  python3 -m mypy
+  exit "$fast"
+fi
+
 # promtool (Prometheus' own metrics linter) for the /metrics tests.
 if ! command -v promtool >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
@@ -28,7 +42,6 @@ fi
 # etcd + the Kubernetes binaries for the operator tests and the local cluster (built once, cached).
 bash tools/k8s/ensure_binaries.sh
 
-PYTEST=(python3 -m pytest -q -p no:cacheprovider --durations=15)
 if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
