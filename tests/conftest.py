@@ -30,8 +30,8 @@ TESTS = Path(__file__).resolve().parent
 WHOLE: frozenset[str] = frozenset()  # a module with no test left out
 # Test modules (paths under tests/) of the fast tier -> the tests of theirs left out of it, those
 # that start processes: by name without parameters, or "[value]" for every test with a parameter
-# of that value. Left out whole: modules whose tests mostly
-# start processes (stages, serve, the CLI, control planes) or are all marked slow.
+# of that value. Not named at all: modules whose tests mostly start processes (stages, serve,
+# the CLI, control planes) or are all marked slow.
 FAST_TIER: dict[str, frozenset[str]] = {
     "operator/test_frontend_probe.py": WHOLE,
     "operator/test_handlers.py": WHOLE,
@@ -170,9 +170,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = stale_exceptions(items)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py FAST_TIER leaves out tests that do not exist: {stale}")
-    kept = [item for item in items if in_fast_tier(item)]
-    config.hook.pytest_deselected(items=[item for item in items if not in_fast_tier(item)])
-    items[:] = kept
+    fast = {item.nodeid for item in items if in_fast_tier(item)}
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in fast])
+    items[:] = [item for item in items if item.nodeid in fast]
 
 
 # The one process a fast-tier test may start: the frontend's grammar worker, part of the engine
