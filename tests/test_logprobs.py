@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 from mesh_helpers import start_mesh
+from speculation_rounds import Rounds, assert_speculated
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -16,8 +17,9 @@ from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
 from inferencemesh.frontend.engine.api import GenerationRequest
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
+from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
-from inferencemesh.frontend.engine.proposers.build import resolve_speculation
+from inferencemesh.frontend.engine.proposers.build import Speculation, resolve_speculation
 
 TARGET = bundled_path(DEFAULT_MODEL)
 CODE = "def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n\n" \
@@ -54,12 +56,20 @@ def strategies(tokenizer) -> dict:
                                       device="cpu", max_context=512) for name in ("none", "ngram", "draft")}
 
 
-def run(mesh, request: GenerationRequest, proposer_for=None, prefill_chunk: int = 256):
+def run(mesh, request: GenerationRequest, speculation: Speculation | None = None, prefill_chunk: int = 256):
     """(tokens, their logprobs, the prompt's logprobs) of one request through the mesh."""
+    return run_counted(mesh, request, speculation, prefill_chunk)[0]
+
+
+def run_counted(mesh, request: GenerationRequest, speculation: Speculation | None = None, prefill_chunk: int = 256):
+    """run's answer, and the speculative rounds it took (speculation None: no proposals)."""
+    metrics = FrontendMetrics("t")
+
     async def go():
         engine = PipelineEngine(GrpcPipeline(mesh.addresses),
                                 EngineOptions("t", max_context=512, prefill_chunk=prefill_chunk),
-                                proposer_for=proposer_for)
+                                proposer_for=speculation.with_metrics(metrics).proposer_for if speculation else None,
+                                metrics=metrics)
         tokens, logprobs, prompt_logprobs = [], [], None
         try:
             async for step in engine.generate(request):
@@ -71,7 +81,7 @@ def run(mesh, request: GenerationRequest, proposer_for=None, prefill_chunk: int 
             await engine.close()
         return tokens, logprobs, prompt_logprobs
 
-    return asyncio.run(go())
+    return asyncio.run(go()), Rounds.counted(metrics)
 
 
 def reference(model, ids: list[int]) -> torch.Tensor:
@@ -95,7 +105,7 @@ def test_logprobs_are_the_target_models(tokenizer, model, meshes, strategies, st
     prompt = tokenizer(CODE).input_ids
     request = GenerationRequest("lp", prompt, 24, temperature=temperature, seed=7, logprobs=TOP, prompt_logprobs=TOP)
     # Small prefill chunks: prompt logprobs cross chunk boundaries (the stage keeps the last row).
-    tokens, logprobs, prompt_logprobs = run(meshes[stages], request, strategies[strategy].proposer_for,
+    tokens, logprobs, prompt_logprobs = run(meshes[stages], request, strategies[strategy],
                                             prefill_chunk=16)
     assert len(tokens) == 24 and len(logprobs) == 24
     rows = reference(model, prompt + tokens)
@@ -129,13 +139,14 @@ def hf_penalised_greedy(model, prompt: list[int], new: int, penalty: float) -> l
 
 def test_repetition_penalty_is_transformers_and_speculation_stays_exact(tokenizer, model, meshes, strategies) -> None:
     prompt = tokenizer(CODE).input_ids
-    expected = hf_penalised_greedy(model, prompt, 20, 1.3)
-    plain = hf_penalised_greedy(model, prompt, 20, 1.0)
+    expected = hf_penalised_greedy(model, prompt, 60, 1.3)  # 60: enough for n-gram drafts to be verified
+    plain = hf_penalised_greedy(model, prompt, 60, 1.0)
     assert expected != plain  # the penalty changes what greedy decoding says
     for name, strategy in strategies.items():
-        got, _, _ = run(meshes[2], GenerationRequest(name, prompt, 20, temperature=0.0, repetition_penalty=1.3),
-                        strategy.proposer_for)
+        (got, _, _), rounds = run_counted(meshes[2], GenerationRequest(name, prompt, 60, temperature=0.0,
+                                                                        repetition_penalty=1.3), strategy)
         assert got == expected, name
+        assert_speculated(name, [rounds], accepted=name != "ngram")
 
 
 def test_every_control_keeps_speculation_exact(tokenizer, meshes, strategies) -> None:
@@ -144,8 +155,11 @@ def test_every_control_keeps_speculation_exact(tokenizer, meshes, strategies) ->
     controls = dict(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1,
                     logit_bias=((tokenizer.convert_tokens_to_ids("Ġself"), 3.0),), min_tokens=8,
                     stop_token_ids=frozenset({tokenizer.eos_token_id}))
-    outputs = {name: run(meshes[2], GenerationRequest(name, prompt, 30, **controls), s.proposer_for)[0]
-               for name, s in strategies.items()}
-    plain = run(meshes[2], GenerationRequest("plain", prompt, 30, temperature=0.0))[0]
+    outputs = {}
+    for name, strategy in strategies.items():  # 60 tokens: enough for n-gram drafts to be verified and accepted
+        (outputs[name], _, _), rounds = run_counted(meshes[2], GenerationRequest(name, prompt, 60, **controls),
+                                                    strategy)
+        assert_speculated(name, [rounds])
+    plain = run(meshes[2], GenerationRequest("plain", prompt, 60, temperature=0.0))[0]
     assert outputs["none"] != plain
     assert outputs["ngram"] == outputs["none"] and outputs["draft"] == outputs["none"], outputs

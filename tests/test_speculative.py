@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from mesh_helpers import collect, start_mesh
+from speculation_rounds import Rounds, assert_speculated
 from transformers import AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
@@ -48,36 +47,6 @@ def tokenizer():
 def setups(tokenizer) -> dict[str, Speculation]:
     return {name: resolve(TARGET, tokenizer, speculative=name) for name in
             ("none", "ngram", "draft", "auto")}
-
-
-@dataclass(frozen=True)
-class Rounds:
-    """What a strategy's requests did, as the frontend's metrics count it."""
-
-    verify: float = 0.0  # engine steps that VERIFYed drafts
-    proposed: float = 0.0  # draft tokens sent for verification
-    accepted: float = 0.0  # of them, kept by the target
-
-    def __add__(self, other: Rounds) -> Rounds:
-        return Rounds(self.verify + other.verify, self.proposed + other.proposed, self.accepted + other.accepted)
-
-    @classmethod
-    def counted(cls, metrics: FrontendMetrics) -> Rounds:
-        def sample(name: str, **labels: str) -> float:
-            return metrics.registry.get_sample_value(PREFIX + name, {MODEL_LABEL: metrics.model, **labels}) or 0.0
-
-        return cls(sample("step_pipeline_seconds_count", kind="verify"), sample("spec_decode_num_draft_tokens_total"),
-                   sample("spec_decode_num_accepted_tokens_total"))
-
-
-def assert_speculated(name: str, rounds: Iterable[Rounds]) -> None:
-    """Strategy `name` ran verify rounds whose drafts were accepted (over all its `rounds`), or,
-    for "none", never verified anything."""
-    total = sum(rounds, Rounds())
-    if name == "none":
-        assert total == Rounds(), total
-    else:
-        assert total.verify > 0 and total.proposed > 0 and total.accepted > 0, f"{name} speculated nothing: {total}"
 
 
 def engine_for(pipeline, setup: Speculation, metrics: FrontendMetrics) -> PipelineEngine:
