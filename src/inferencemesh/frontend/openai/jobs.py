@@ -173,7 +173,7 @@ class JobBuilder:
 
     async def _output_rules(self, body: Body) -> tuple[ToolCalling | None, Constraint | None, float | None]:
         """The request's tools and its output's constraint (response_format, guided_*,
-        structured_outputs, and the tool calls' grammar), compiled (constraints.py, tools.py: a
+        structured_outputs, and the tool calls' grammar), compiled (structured_outputs.py, tools.py: a
         ConstraintError is a 400 naming the field), and the compile time (None: from the cache).
         (None, None, None): free text."""
         fields = body.constraint_fields()

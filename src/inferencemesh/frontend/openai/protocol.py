@@ -146,7 +146,7 @@ class SamplingRequest(RequestBody):
     # ids: checked against the vocabulary where the request is prepared (the vocabulary is the app's)
     stop_token_ids: Annotated[list[Annotated[Int, Field(ge=0)]], Field(max_length=64)] | None = None
     include_stop_str_in_output: bool | None = None
-    # Structured output (constraints.py reads them; a malformed one is its 400, naming the field):
+    # Structured output (structured_outputs.py reads them; a malformed one is its 400, naming the field):
     # OpenAI's response_format, and vLLM's guided_* and structured_outputs, on both endpoints as vLLM has them.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | Text | None = None
@@ -173,7 +173,7 @@ class SamplingRequest(RequestBody):
         return None
 
     def constraint_fields(self) -> dict[str, Any]:
-        """The structured-output fields, as constraints.constraint_from_request takes them, a JSON
+        """The structured-output fields, as structured_outputs.constraint_from_request takes them, a JSON
         schema's objects closed unless it says otherwise (closed_schema)."""
         response_format, structured = self.response_format, self.structured_outputs
         spec = response_format.get("json_schema") if isinstance(response_format, dict) else None
