@@ -52,6 +52,7 @@ from inferencemesh.frontend.engine.api import (
     single_choice,
 )
 from inferencemesh.frontend.engine.errors import ContextLengthExceeded, EngineError, EngineOverloaded, InvalidRequest
+from inferencemesh.frontend.engine.stopping import ChoiceStopping, StopRule
 from inferencemesh.frontend.openai.http_server import server_config
 from inferencemesh.sampling import logprobs, next_token
 
@@ -159,25 +160,24 @@ class TransformersEngine:
         """Steps from the prompt's last logits on; produced[0] counts the tokens yielded."""
         params = request.sampling_params(request.seed)
         history = list(request.prompt_ids)
+        stopping = ChoiceStopping(StopRule.of(request, self.max_context))  # the engine's own rule
         while True:
-            token = next_token(logits, params, len(history), history) if produced[0] < request.max_tokens else None
-            stop = token in request.stop_token_ids
-            if token is None or (stop and not request.emit_stop_token):
-                yield Step([], None, prompt_logprobs, finish_reason="stop" if stop else "length")
-                return
-            produced[0] += 1
-            history.append(token)
-            lps = None if request.logprobs is None else _entries(logits[None], [token], request.logprobs)
-            finish = "stop" if stop else "length" if produced[0] >= request.max_tokens else None
-            yield Step([token], lps, prompt_logprobs, finish_reason=finish)
+            decided = [next_token(logits, params, len(history), history)] if stopping.yielded < stopping.rule.budget \
+                else []
+            cut = stopping.cut(decided)
+            kept = decided[:cut.count]
+            produced[0] += len(kept)
+            history.extend(kept)
+            lps = None if request.logprobs is None or not kept else _entries(logits[None], kept, request.logprobs)
+            yield Step(kept, lps, prompt_logprobs, finish_reason=cut.finish_reason)
             prompt_logprobs = None
-            if finish is not None:
+            if cut.finish_reason is not None:
                 return
             if self.fail_after_tokens is not None and produced[0] >= self.fail_after_tokens:
                 raise EngineError("stage 1 was lost mid-generation")
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)
-            logits = (await asyncio.to_thread(session.forward, [token]))[-1]
+            logits = (await asyncio.to_thread(session.forward, kept))[-1]
 
 
 def _entries(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
