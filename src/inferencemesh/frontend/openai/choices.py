@@ -115,9 +115,9 @@ async def choice_pieces(run: ChoiceRun, tokenizer: PreTrainedTokenizerBase) -> A
     calls = job.tools.parser() if job.tools is not None and job.tools.may_call else None
     text = ChoiceText(tokenizer, job.prompt_ids, job.stops, min_tokens=job.request.min_tokens,
                       include_stop=job.request.emit_stop_token, calls=calls)
-    step, engine_reason = run.first, None
+    step, last = run.first, run.first
     while step is not None:
-        engine_reason = step.finish_reason or engine_reason
+        last = step
         if step:
             run.state.completion_tokens += len(step)
             run.tracker.on_tokens(len(step))
@@ -130,7 +130,7 @@ async def choice_pieces(run: ChoiceRun, tokenizer: PreTrainedTokenizerBase) -> A
     tail = text.tail()
     if tail is not None:
         yield tail
-    run.state.finish_reason = text.finish_reason(engine_reason)
+    run.state.finish_reason = text.finish_reason(last.finish_reason if last is not None else None)
 
 
 async def _next_step(iterator: AsyncIterator[Step]) -> Step | None:
