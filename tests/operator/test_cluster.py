@@ -318,7 +318,8 @@ def test_an_update_replans_and_replaces_the_pipeline(cluster: ControlPlane, ns: 
 def test_scale_subresource_scales_the_pipelines(cluster: ControlPlane, ns: str) -> None:
     with Kubelet(cluster, ns, "inferencemesh.io/mesh=code"):
         cluster.kubectl("scale", "inferencemesh", "code", "-n", ns, "--replicas=2")
-        objs = wait_for(lambda: (o := children(cluster, "code")) and ("Deployment", "code-p1-frontend") in o and o, 60,
+        # 120 s, as the other waits for a new pipeline's objects: once in CI (2 busy cores) 60 s passed without them
+        objs = wait_for(lambda: (o := children(cluster, "code")) and ("Deployment", "code-p1-frontend") in o and o, 120,
                         "pipeline 1's frontend")
         assert {("Deployment", "code-p1-stage-0"), ("Deployment", "code-p1-stage-1")} <= set(objs)  # type: ignore[arg-type]
         wait_for(lambda: status_of(cluster, "code").get("replicas") == 2, 60, "status.replicas == 2")
