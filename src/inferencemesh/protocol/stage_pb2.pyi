@@ -14,7 +14,6 @@ class FrameKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODE: _ClassVar[FrameKind]
     VERIFY: _ClassVar[FrameKind]
     RELEASE: _ClassVar[FrameKind]
-    FORK: _ClassVar[FrameKind]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -27,7 +26,6 @@ PREFILL: FrameKind
 DECODE: FrameKind
 VERIFY: FrameKind
 RELEASE: FrameKind
-FORK: FrameKind
 DTYPE_UNSPECIFIED: DType
 F32: DType
 F16: DType
@@ -71,7 +69,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "parent_session_id", "retain", "token_masks")
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "token_masks", "kv_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -84,9 +82,8 @@ class Frame(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    RETAIN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     kind: FrameKind
@@ -99,10 +96,9 @@ class Frame(_message.Message):
     seq: int
     sent_ns: int
     prompt_logprobs: bool
-    parent_session_id: str
-    retain: bool
     token_masks: bytes
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., parent_session_id: _Optional[str] = ..., retain: _Optional[bool] = ..., token_masks: _Optional[bytes] = ...) -> None: ...
+    kv_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., token_masks: _Optional[bytes] = ..., kv_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "frames", "dtype", "hidden_size", "activations", "failures")
@@ -193,7 +189,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("model", "stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "state", "state_reason", "progress", "hidden_size", "vocab_size", "wire_dtype", "active_sessions", "max_sessions", "max_context", "device")
+    __slots__ = ("model", "stage_index", "num_stages", "layer_start", "layer_end", "num_layers", "is_first", "is_last", "state", "state_reason", "progress", "hidden_size", "vocab_size", "wire_dtype", "active_sessions", "max_sessions", "max_context", "device", "kv_block_tokens", "kv_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +208,8 @@ class StageInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     stage_index: int
     num_stages: int
@@ -230,4 +228,6 @@ class StageInfo(_message.Message):
     max_sessions: int
     max_context: int
     device: str
-    def __init__(self, model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., progress: _Optional[float] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_block_tokens: int
+    kv_blocks: int
+    def __init__(self, model: _Optional[str] = ..., stage_index: _Optional[int] = ..., num_stages: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., progress: _Optional[float] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., kv_block_tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...

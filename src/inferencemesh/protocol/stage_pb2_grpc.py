@@ -57,7 +57,9 @@ class StageServicer:
         in flight; each stage computes a Batch's frames in one forward pass and sends the result on
         its own stream to the next stage. The last stage answers every Batch with one BatchResult,
         which each stage relays back up its stream to the frontend. Sessions are opened by their
-        first frame and belong to the stream: when it ends, every stage frees them.
+        first frame and belong to the stream: when it ends, every stage frees them. A stage's KV pool
+        serves one stream at a time: another stream's computing frames are refused RESOURCE_EXHAUSTED
+        until it ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,6 +11,9 @@ SERVICE_NAME = "inferencemesh.v1.Stage"
 # give both ends message_limit(...) instead, the largest Batch the plan can make.
 FALLBACK_MESSAGE_BYTES = 256 * 1024 * 1024
 
+# Positions per KV block, at every stage and in the frontend's block manager (docs/design/kv-blocks.md).
+KV_BLOCK_TOKENS = 16
+
 # What bounds a Batch. The frontend keeps to these (its step scheduler and sessions), and
 # message_limit adds them up.
 PREFILL_CHUNK_TOKENS = 256  # prompt tokens per PREFILL frame; a batch's first chunk always goes
@@ -19,7 +22,8 @@ MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
 # adaptive window's maximum (8). More wait for the next microbatch; one full window always fits.
 MAX_DRAFT_ROWS_PER_BATCH = 128
 MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: a Sampling message stays small
-# A frame's ids, positions and Sampling (logit_bias, 64 stop ids), as protobuf bytes, generously.
+# A frame's ids, positions, Sampling (logit_bias, 64 stop ids) and block table (at most 5 bytes an
+# entry, one per KV_BLOCK_TOKENS positions of the context), as protobuf bytes, generously.
 FRAME_BYTES = 1024 + MAX_LOGIT_BIAS_ENTRIES * 16
 # A decided token in a Prediction: its id and logprob, and up to 20 alternatives with theirs.
 PREDICTED_TOKEN_BYTES = 21 * 16
@@ -78,10 +82,8 @@ def server_options(max_message_bytes: int | None = None) -> list[tuple[str, int]
 # breaks). The acknowledgement is what lets the frontend hand a freed slot to the next request
 # without the stages refusing it.
 RELEASE_ACK_TIMEOUT_S = 5.0
-KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release",
-              pb.FORK: "fork"}
-# Frames with tokens to compute, in a forward pass; the others (RELEASE, FORK) a stage carries
-# out itself, between passes.
+KIND_NAMES = {pb.PREFILL: "prefill", pb.DECODE: "decode", pb.VERIFY: "verify", pb.RELEASE: "release"}
+# Frames with tokens to compute, in a forward pass; RELEASE a stage carries out itself, between passes.
 COMPUTE_KINDS = (pb.PREFILL, pb.DECODE, pb.VERIFY)
 
 
@@ -90,5 +92,6 @@ def expects_prediction(frame: pb.Frame) -> bool:
 
 
 def expects_ack(frame: pb.Frame) -> bool:
-    """Whether the last stage acknowledges the frame (in its BatchResult)."""
-    return frame.kind in (pb.RELEASE, pb.FORK)
+    """Whether the last stage acknowledges the frame (in its BatchResult): a RELEASE once every stage
+    carried it out, a PREFILL chunk that wants no prediction once every stage computed it."""
+    return frame.kind == pb.RELEASE or (frame.kind == pb.PREFILL and not frame.want_prediction)
