@@ -21,7 +21,12 @@ DEVICES = ("auto", "cpu", "cuda")
 SPECULATIVE_STRATEGIES = ("auto", "draft", "ngram", "none")
 
 DEFAULT_MAX_CONTEXT = 2048
-DEFAULT_MAX_SESSIONS = 16
+# Sessions the frontend runs at once: a scheduling limit (vLLM's max_num_seqs), not a reservation:
+# KV memory is the pool's (kv_cache_tokens), given to the tokens that exist, in blocks.
+DEFAULT_MAX_SESSIONS = 256
+# The KV pool a stage gets unless told (--kv-cache-tokens 0): this many full contexts, the memory
+# the plan reserved before KV blocks (16 sessions at --max-context each).
+DEFAULT_KV_CONTEXTS = 16
 # Most prompt tokens one microbatch (one forward pass at every stage) carries.
 DEFAULT_MAX_BATCH_TOKENS = 256
 # The frontend's torch threads (its only tensor work is the draft model). One: a small draft's
@@ -67,11 +72,12 @@ class ModelOptions:
 @dataclass(frozen=True, kw_only=True)
 class RuntimeOptions:
     max_context: int = option(DEFAULT_MAX_CONTEXT, "longest session (prompt + output) in tokens", parse=int)
-    max_sessions: int = option(DEFAULT_MAX_SESSIONS, "concurrent sessions a stage holds", parse=int)
-    # The prefix cache's own room (stage/sessions.py): the planner reserves it beside the sessions'.
-    prefix_cache_tokens: int = option(0, "KV positions each stage reserves for prefix-cache entries alone (the "
-                                         "plan counts them); entries also use the session slots live requests "
-                                         "leave free", parse=int)
+    max_sessions: int = option(DEFAULT_MAX_SESSIONS, "requests generating at once (a scheduling limit: their KV "
+                                                     "comes from the pool, --kv-cache-tokens)", parse=int)
+    kv_cache_tokens: int = option(0, "KV positions in each stage's pool, given out in blocks of 16 to the tokens "
+                                     f"that exist and shared between prompts that start the same (0: "
+                                     f"{DEFAULT_KV_CONTEXTS} x --max-context); the plan sizes each stage's memory "
+                                     "by it", parse=int)
     wire_dtype: str | None = option(None, "dtype of activations between stages (default: the compute dtype)",
                                     choices=WIRE_DTYPES)
     debug_telemetry: bool = switch("per-token timings and debug attributes")
@@ -117,10 +123,10 @@ class HTTPTimeoutOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class PrefixCacheOptions:
-    prefix_cache: bool = option(True, "keep each finished request's KV at the stages (within their free session "
-                                      "slots and --prefix-cache-tokens, least recently used evicted first) for "
-                                      "later prompts that start the same; --no-prefix-cache computes every prompt "
-                                      "in full", switch=True)
+    prefix_cache: bool = option(True, "share the KV blocks of prompts that start the same: a request reuses "
+                                      "every block another request computed (running, finished or cancelled) "
+                                      "while the pool keeps it, least recently used reclaimed first; "
+                                      "--no-prefix-cache computes every prompt in full", switch=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +242,6 @@ class FrontendConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingO
                               "(without one, the frontend computes only the draft: --draft-threads)")
         if self.first_stage_layers is not None:
             _check_layer_range("first_stage_layers", self.first_stage_layers)
-        _check_prefix_cache(self)
         check_counts(self)
         self._check_timeouts()
         return self
@@ -281,7 +286,6 @@ class ServeConfig(ModelOptions, RuntimeOptions, SpeculativeOptions, BatchingOpti
                               "authentication")
 
     def check(self) -> ServeConfig:
-        _check_prefix_cache(self)
         check_counts(self)
         return self
 
@@ -408,10 +412,11 @@ class OperatorConfig:
         return [("operator metrics (--metrics-port)", "", self.metrics_port)]
 
 
-def _check_prefix_cache(config: FrontendConfig | ServeConfig) -> None:
-    if not config.prefix_cache and config.prefix_cache_tokens:
-        raise ConfigError("--prefix-cache-tokens reserves room for the prefix cache that --no-prefix-cache turns "
-                          "off: give one or the other")
+def kv_pool_tokens(kv_cache_tokens: int, max_context: int) -> int:
+    """The positions of a stage's KV pool: --kv-cache-tokens, or by default DEFAULT_KV_CONTEXTS full
+    contexts. The stages allocate it, the frontend gives it out and the planner sizes memory by it:
+    all three call this."""
+    return kv_cache_tokens or DEFAULT_KV_CONTEXTS * max_context
 
 
 def check_counts(config: Any) -> None:
@@ -423,7 +428,7 @@ def check_counts(config: Any) -> None:
         if isinstance(value, int) and value < 1:
             raise ConfigError(f"{flag_name(name)} must be at least 1, not {value}")
     for name in ("threads", "stage_threads", "speculative_disable_by_batch_size",  # 0: automatic / off
-                 "prefix_cache_tokens", "drain_timeout"):
+                 "kv_cache_tokens", "drain_timeout"):
         value = getattr(config, name, 0)
         if isinstance(value, int | float) and value < 0:
             raise ConfigError(f"{flag_name(name)} must be 0 or more, not {value}")
