@@ -9,7 +9,15 @@ import typing
 import pytest
 
 from inferencemesh import config as cfg
-from inferencemesh.config import FrontendConfig, OperatorConfig, PlanConfig, ServeConfig, StageConfig
+from inferencemesh.config import (
+    DEFAULT_KV_CONTEXTS,
+    FrontendConfig,
+    OperatorConfig,
+    PlanConfig,
+    ServeConfig,
+    StageConfig,
+    kv_pool_tokens,
+)
 from inferencemesh.flags import ConfigError, derive, from_args, to_argv
 from inferencemesh.programs.bench import config as bench_cfg
 from inferencemesh.programs.bench.config import BenchConfig
@@ -58,8 +66,7 @@ def off_default(f: dataclasses.Field, cls: type):
 # Fields that contradict each other off their defaults (each pair's refusal has a test): the
 # all-off-default config keeps the first at its default, and it gets a round trip of its own with
 # the second back at its default.
-CONFLICTS = {"prefix_cache": "prefix_cache_tokens",  # test_prefix_cache_tokens_need_the_cache
-             "multi_turn": "structured"}  # test_the_benches_are_one_at_a_time
+CONFLICTS = {"multi_turn": "structured"}  # test_the_benches_are_one_at_a_time
 
 
 def non_default_config(cls: type):
@@ -91,12 +98,18 @@ def test_the_benches_are_one_at_a_time() -> None:
         parse("bench", ["--multi-turn", "--structured"])
 
 
-@pytest.mark.parametrize("command", ["frontend", "serve"])
-def test_prefix_cache_tokens_need_the_cache(command: str) -> None:
-    args = ["--model", "m", "--stage-addresses", "h:1"] if command == "frontend" else ["--model", "m"]
-    assert parse(command, [*args, "--prefix-cache-tokens", "4096"]).prefix_cache_tokens == 4096
-    with pytest.raises(ConfigError, match="--no-prefix-cache turns off"):
-        parse(command, [*args, "--no-prefix-cache", "--prefix-cache-tokens", "4096"])
+@pytest.mark.parametrize("command", ["frontend", "serve", "stage"])
+def test_the_kv_pool_is_sized_once_for_every_program(command: str) -> None:
+    """--kv-cache-tokens reaches each program's config, and kv_pool_tokens gives the pool every
+    side of a stream uses (the stage allocates it, the frontend gives it out, the plan sizes it)."""
+    args = {"frontend": ["--model", "m", "--stage-addresses", "h:1"], "serve": ["--model", "m"],
+            "stage": ["--model", "m", "--layers", "0:1", "--stage-index", "0", "--num-stages", "1"]}[command]
+    config = parse(command, [*args, "--kv-cache-tokens", "4096", "--max-context", "512"])
+    assert kv_pool_tokens(config.kv_cache_tokens, config.max_context) == 4096
+    default = parse(command, [*args, "--max-context", "512"])
+    assert kv_pool_tokens(default.kv_cache_tokens, default.max_context) == DEFAULT_KV_CONTEXTS * 512
+    with pytest.raises(ConfigError, match="--kv-cache-tokens must be 0 or more"):
+        parse(command, [*args, "--kv-cache-tokens", "-1"])
 
 
 @pytest.mark.parametrize("command", sorted(PROGRAMS))
@@ -117,8 +130,8 @@ def test_one_default_per_setting() -> None:
     assert StageConfig.__dataclass_fields__["max_sessions"].default == cfg.DEFAULT_MAX_SESSIONS
     assert ServeConfig.__dataclass_fields__["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
     assert inspect.signature(GrpcPipeline).parameters["max_batch_tokens"].default == cfg.DEFAULT_MAX_BATCH_TOKENS
-    planner_default = inspect.signature(planner.PlanInputs.from_checkpoint).parameters["max_sessions"].default
-    assert planner_default == cfg.DEFAULT_MAX_SESSIONS
+    planner_default = inspect.signature(planner.PlanInputs.from_checkpoint).parameters["kv_tokens"].default
+    assert planner_default == kv_pool_tokens(0, cfg.DEFAULT_MAX_CONTEXT)
 
 
 def test_serve_derives_its_children_from_its_own_config() -> None:
@@ -191,6 +204,7 @@ def test_the_crd_defaults_are_the_programs_defaults() -> None:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert spec["contextLength"]["default"] == cfg.DEFAULT_MAX_CONTEXT
     assert spec["maxSessions"]["default"] == cfg.DEFAULT_MAX_SESSIONS
+    assert spec["kvCacheTokens"]["default"] == cfg.StageConfig.__dataclass_fields__["kv_cache_tokens"].default == 0
     assert spec["prefixCache"]["default"] is cfg.FrontendConfig.__dataclass_fields__["prefix_cache"].default is True
     # frontend.maxBatchTokens has no schema default (the deprecated stages.maxBatchTokens must stay
     # visible when set); its text names the programs' default, which the typed spec applies.

@@ -185,7 +185,7 @@ def test_plan_bytes_per_layer_match_the_checkpoint(root, family):
             if name.startswith("model.layers."):
                 t = f.get_tensor(name)
                 per_layer[int(name.split(".")[2])] += t.numel() * t.element_size()
-    inputs = PlanInputs.from_checkpoint(facts, dtype="float32", context_length=64, max_sessions=1)
+    inputs = PlanInputs.from_checkpoint(facts, dtype="float32", kv_tokens=64)
     assert list(inputs.layer_bytes) == per_layer
     # The stage that loads a layer reads every tensor of it, experts included.
     names = facts.stage_tensor_names(1, 2)
@@ -203,7 +203,7 @@ def test_uneven_moe_layers_are_planned_by_what_each_stage_holds(root):
 
     path = root / "qwen2_moe" if (root / "qwen2_moe").exists() else write(root, "qwen2_moe")
     facts = read_local(path)
-    inputs = PlanInputs.from_checkpoint(facts, dtype="float32", context_length=64, max_sessions=1)
+    inputs = PlanInputs.from_checkpoint(facts, dtype="float32", kv_tokens=64)
     for count in (2, 3):
         for stage in plan_stages(inputs, count):
             held = load_stage(path, stage.layer_start, stage.layer_end, dtype="float32", device="cpu")

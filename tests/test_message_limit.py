@@ -12,6 +12,7 @@ from mesh_helpers import generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
 
 from inferencemesh.checkpoint.read import read_local
+from inferencemesh.config import DEFAULT_MAX_SESSIONS
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.frontend.engine.scheduler import _Waiting, draft_rows, next_microbatch
 from inferencemesh.protocol import stage_pb2 as pb
@@ -19,6 +20,7 @@ from inferencemesh.protocol.transport import (
     FALLBACK_MESSAGE_BYTES,
     MAX_DRAFT_ROWS_PER_BATCH,
     MAX_LOGIT_BIAS_ENTRIES,
+    KV_BLOCK_TOKENS,
     MAX_WINDOW,
     PREFILL_CHUNK_TOKENS,
     message_limit,
@@ -27,6 +29,7 @@ from inferencemesh.sampling import SamplingParams, unsafe_field
 
 QWEN_05B = {"hidden_size": 896, "vocab_size": 151936}  # Qwen2.5-0.5B's shape, the default model's family
 TINY = {"hidden_size": 32, "vocab_size": 259}
+CONTEXT = 32768  # every frame's block table as long as this context, its ids as wide as a varint gets
 
 
 def fullest_sampling(vocab_size: int) -> pb.Sampling:
@@ -39,8 +42,10 @@ def fullest_sampling(vocab_size: int) -> pb.Sampling:
 
 def waiting_frames(shape: dict, sessions: int, window: int) -> list[_Waiting]:
     """Every session with a frame waiting, as large as each kind gets: long ids, the fullest
-    sampling, prompt chunks, sampled verify windows of `window` drafts with their probabilities."""
+    sampling, prompt chunks, sampled verify windows of `window` drafts with their probabilities,
+    block tables of the whole CONTEXT."""
     vocab = shape["vocab_size"]
+    table = [2**32 - 1] * (CONTEXT // KV_BLOCK_TOKENS)
     probs = bytes(window * vocab * 4)
     frames = []
     for i in range(sessions):
@@ -48,11 +53,12 @@ def waiting_frames(shape: dict, sessions: int, window: int) -> list[_Waiting]:
         if i % 3 == 0:
             frame = pb.Frame(session_id=sid, request_id=rid, kind=pb.PREFILL, pos_start=2**31, seq=2**63,
                              token_count=PREFILL_CHUNK_TOKENS, token_ids=[vocab - 1] * PREFILL_CHUNK_TOKENS,
-                             want_prediction=True, prompt_logprobs=True, sampling=fullest_sampling(vocab))
+                             want_prediction=True, prompt_logprobs=True, sampling=fullest_sampling(vocab),
+                             kv_blocks=table)
         else:
             frame = pb.Frame(session_id=sid, request_id=rid, kind=pb.VERIFY, pos_start=2**31, seq=2**63,
                              token_count=window + 1, token_ids=[vocab - 1] * (window + 1), draft_probs=probs,
-                             sampling=fullest_sampling(vocab), sent_ns=2**63)
+                             sampling=fullest_sampling(vocab), sent_ns=2**63, kv_blocks=table)
         frames.append(_Waiting(frame, None, None))  # type: ignore[arg-type]
     return frames
 
@@ -84,7 +90,7 @@ def answered(frames: list[pb.Frame], vocab_size: int) -> pb.BatchResult:
 @pytest.mark.parametrize(("sessions", "budget", "window"), [(16, 256, 8), (16, 2048, MAX_WINDOW), (64, 512, 2)])
 def test_the_largest_batch_the_scheduler_cuts_fits_the_limit(shape: dict, sessions: int, budget: int,
                                                              window: int) -> None:
-    limit = message_limit(**shape, max_batch_tokens=budget, max_sessions=sessions)
+    limit = message_limit(**shape, max_batch_tokens=budget, max_sessions=sessions, max_context=CONTEXT)
     waiting = waiting_frames(shape, sessions, window)
     batch, rest = next_microbatch(waiting, budget)
     frames = [w.frame for w in batch]
@@ -108,12 +114,15 @@ def test_draft_rows_beyond_the_cap_wait_for_the_next_batch_and_one_window_always
 
 
 def test_the_plans_limit_is_far_under_the_old_256_mib() -> None:
-    default = message_limit(**QWEN_05B, max_batch_tokens=256, max_sessions=16)
-    tiny = message_limit(**TINY, max_batch_tokens=256, max_sessions=16)
+    default = message_limit(**QWEN_05B, max_batch_tokens=256, max_sessions=DEFAULT_MAX_SESSIONS, max_context=2048)
+    tiny = message_limit(**TINY, max_batch_tokens=256, max_sessions=DEFAULT_MAX_SESSIONS, max_context=2048)
     print(f"message limit: Qwen2.5-0.5B shape {default / 2**20:.1f} MiB, tiny {tiny / 2**20:.2f} MiB "
           f"(fallback {FALLBACK_MESSAGE_BYTES / 2**20:.0f} MiB)")
-    assert tiny < 2 * 2**20 and default < FALLBACK_MESSAGE_BYTES // 2
-    assert message_limit(**QWEN_05B, max_batch_tokens=4096, max_sessions=16) > default  # the budget counts
+    assert tiny < 8 * 2**20 and default < FALLBACK_MESSAGE_BYTES // 2
+    assert message_limit(**QWEN_05B, max_batch_tokens=4096, max_sessions=DEFAULT_MAX_SESSIONS,
+                         max_context=2048) > default  # the budget counts
+    assert message_limit(**QWEN_05B, max_batch_tokens=256, max_sessions=DEFAULT_MAX_SESSIONS,
+                         max_context=32768) > default  # so do the block tables of a longer context
 
 
 def test_logit_bias_entries_are_bounded_where_sampling_is_checked() -> None:
@@ -137,7 +146,7 @@ def test_a_stage_refuses_a_message_over_the_plans_limit_before_holding_it(tmp_pa
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, hidden_size=32, intermediate_size=64)
     facts = read_local(model)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size, max_batch_tokens=256,
-                          max_sessions=16)
+                          max_sessions=16, max_context=256)  # start_mesh's
     mesh = start_mesh(model, 2, max_message_bytes=limit)
     try:
         pid = mesh.processes[0].process.pid

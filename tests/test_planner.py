@@ -79,20 +79,20 @@ def test_kv_reserve_follows_the_cache_dtype(tmp_path) -> None:
 
     model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, dtype=torch.bfloat16)
     facts = read_local(model)
-    half = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2)  # on a GPU: the checkpoint's
-    on_cpu = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, dtype="bfloat16", on_cpu=True)
+    half = PlanInputs.from_checkpoint(facts, kv_tokens=200)  # on a GPU: the checkpoint's
+    on_cpu = PlanInputs.from_checkpoint(facts, kv_tokens=200, dtype="bfloat16", on_cpu=True)
     assert on_cpu.kv_bytes_per_layer == 2 * half.kv_bytes_per_layer  # a CPU stage's cache is float32
     assert on_cpu.layer_bytes == half.layer_bytes  # its weights bfloat16, as asked
     # auto on a CPU: float32 weights unless the CPU has native bf16 units
-    emulated = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, on_cpu=True,
-                                          cpu_flags=frozenset({"avx2"}))
-    native = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, on_cpu=True,
-                                        cpu_flags=frozenset({"avx2", "avx512_bf16"}))
+    emulated = PlanInputs.from_checkpoint(facts, kv_tokens=200, on_cpu=True, cpu_flags=frozenset({"avx2"}))
+    native = PlanInputs.from_checkpoint(facts, kv_tokens=200, on_cpu=True, cpu_flags=frozenset({"avx2", "avx512_bf16"}))
     assert native.layer_bytes == half.layer_bytes
     assert emulated.layer_bytes == tuple(2 * b for b in half.layer_bytes)
-    # the prefix cache's own room: positions beside the sessions' 2 x 100
-    cached = PlanInputs.from_checkpoint(facts, context_length=100, max_sessions=2, prefix_cache_tokens=300)
-    assert cached.kv_bytes_per_layer * 200 == half.kv_bytes_per_layer * 500
+    # the pool's positions, whatever the sessions: 500 of them cost 2.5 times 200
+    pool = PlanInputs.from_checkpoint(facts, kv_tokens=500)
+    assert pool.kv_bytes_per_layer * 200 == half.kv_bytes_per_layer * 500
+    # 2 (K, V) x kv heads x head dim x 2 bytes (the checkpoint's bfloat16) x positions
+    assert half.kv_bytes_per_layer == 2 * facts.num_kv_heads * facts.head_dim * 2 * 200
 
 
 # ---- the first stage embedded in the frontend: stage 0's process also holds the draft ----------------------
@@ -123,8 +123,9 @@ def test_a_first_stage_reserve_counts_against_stage_0_only() -> None:
     assert "300.00 MiB held beside its layers" in render_plan(embedded)
 
 
-def _bundled_draft_bytes(context: int, sessions: int) -> int:
-    """The bundled draft's float32 weights and KV, counted from its files, not by the planner."""
+def _bundled_draft_bytes(kv_tokens: int) -> int:
+    """The bundled draft's float32 weights and KV for the pool's positions, counted from its files,
+    not by the planner."""
     import json
 
     from safetensors import safe_open
@@ -135,7 +136,7 @@ def _bundled_draft_bytes(context: int, sessions: int) -> int:
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
-    kv = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * context * sessions * config["num_hidden_layers"]
+    kv = 2 * config["num_key_value_heads"] * config["head_dim"] * 4 * kv_tokens * config["num_hidden_layers"]
     return params * 4 + kv
 
 
@@ -144,12 +145,12 @@ def test_serve_reserves_the_bundled_draft_in_the_embedded_first_stage() -> None:
     from inferencemesh.programs.plan import plan_from_settings
 
     def settings(**fields: object) -> ServeConfig:
-        return ServeConfig(device="cpu", max_context=256, max_sessions=4, **fields)
+        return ServeConfig(device="cpu", max_context=256, kv_cache_tokens=1024, **fields)
 
     def reserved(config: ServeConfig) -> int:
         return plan_from_settings(config)[2][0].reserved_bytes
 
-    want = _bundled_draft_bytes(256, 4)  # the bundled target's package declares the bundled draft
+    want = _bundled_draft_bytes(1024)  # the bundled target's package declares the bundled draft
     assert reserved(settings()) == want  # serve embeds by default
     assert reserved(settings(embed_first_stage=False)) == 0
     assert reserved(settings(speculative="ngram")) == 0  # no draft runs
@@ -187,8 +188,8 @@ SAME_REQUESTS = [  # (serve's flags, the spec's fields saying the same)
      {"stages": {"count": 2}, "frontend": {"embedFirstStage": True}, "speculative": {"noDraft": True}}),
     ({"stages": "auto", "stage_memory": "320Mi", "embed_first_stage": True},
      {"stages": {"count": "auto", "memory": ["320Mi"]}, "frontend": {"embedFirstStage": True}}),
-    ({"stages": 2, "stage_memory": "300Mi,400Mi", "prefix_cache_tokens": 512},
-     {"stages": {"count": 2, "memory": ["300Mi", "400Mi"]}, "prefixCacheTokens": 512}),
+    ({"stages": 2, "stage_memory": "300Mi,400Mi", "kv_cache_tokens": 1536},
+     {"stages": {"count": 2, "memory": ["300Mi", "400Mi"]}, "kvCacheTokens": 1536}),
 ]
 
 

@@ -134,7 +134,8 @@ def test_stage_streams_take_the_plans_message_limit_at_both_ends(served) -> None
     _, proc, _ = served
     facts = read_local(resolve_model(None))
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=4)  # serving()'s --max-sessions
+                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=4,  # serving()'s --max-sessions
+                          max_context=DEFAULT_MAX_CONTEXT)
     assert flag_of_children(proc.pid, "--max-message-bytes") == {"stage": str(limit), "frontend": str(limit)}
 
 

@@ -113,7 +113,7 @@ def main() -> int:
     args = parser.parse_args()
 
     model = resolve_model(None)
-    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model), max_sessions=64), 2)
+    plan = plan_stages(PlanInputs.from_checkpoint(read_local(model), kv_tokens=16 * 1024), 2)
     # serve's threads rule: each stage its share of the cores
     stages = LocalStages(stage_template(model, max_sessions=64, max_context=1024, threads=share_of_cpus(len(plan))),
                          plan)

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from inferencemesh.checkpoint.facts import CheckpointFacts
-from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
+from inferencemesh.config import DEFAULT_KV_CONTEXTS, DEFAULT_MAX_CONTEXT
 from inferencemesh.planner import (
     FirstStageReserve,
     PlanError,
@@ -46,8 +46,7 @@ class PlanRequest:
     embed_first_stage: bool = False  # stage 0 runs in the frontend's process, beside its draft
     dtype: str | None = None  # the stages' compute dtype as asked (auto / None: compute_dtype's choice)
     on_cpu: bool = False  # the stages compute on a CPU (the dtype auto chooses there, a float32 KV cache)
-    context_length: int = DEFAULT_MAX_CONTEXT
-    max_sessions: int = DEFAULT_MAX_SESSIONS
+    kv_tokens: int = DEFAULT_KV_CONTEXTS * DEFAULT_MAX_CONTEXT  # a stage's KV pool (config.kv_pool_tokens)
     # The speculative options as given (None: unset, the model package's declaration decides).
     strategy: str | None = None
     draft: str | None = None
@@ -76,8 +75,7 @@ def assemble_plan(inputs: PlanInputs, request: PlanRequest, *, model_dir: Path |
     `read_draft` that mean "try again later" propagate."""
     choice = request.speculative_choice(model_dir)
     reserve = first_stage_reserve(choice, read_draft, embed_first_stage=request.embed_first_stage,
-                                  dtype=request.dtype, on_cpu=request.on_cpu, context_length=request.context_length,
-                                  max_sessions=request.max_sessions)
+                                  dtype=request.dtype, on_cpu=request.on_cpu, kv_tokens=request.kv_tokens)
     if reserve.bytes:
         inputs = dataclasses.replace(inputs, first_stage_reserved_bytes=reserve.bytes)
     return AssembledPlan(split_layers(inputs, request), choice, reserve)

@@ -1,10 +1,9 @@
 """Memory-planned contiguous layer ranges: the one plan both `inferencemesh serve` and the operator use.
 
 A stage's memory need is its layers' weight bytes, plus the embedding (first stage) and
-final norm + LM head (last stage; a tied head reuses the embedding matrix), plus a KV-cache
-reserve for its layers at the configured context length and session count (and the prefix
-cache's own positions), plus a fixed
-runtime overhead. A first stage embedded in the frontend process also holds what that process
+final norm + LM head (last stage; a tied head reuses the embedding matrix), plus its layers' share of
+the KV pool (config.kv_pool_tokens positions, which the stage allocates and the frontend gives out
+in blocks), plus a fixed runtime overhead. A first stage embedded in the frontend process also holds what that process
 needs beside its layers (the draft model: `draft_reserve_bytes`), given as
 `PlanInputs.first_stage_reserved_bytes`. Ranges are chosen to minimise the largest stage's share of its memory
 budget, so a 24 GiB GPU takes more layers than a 16 GiB one.
@@ -20,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import TORCH_DTYPE_BYTES, CheckpointFacts
 from inferencemesh.compute_dtype import choose_dtype
-from inferencemesh.config import DEFAULT_MAX_CONTEXT, DEFAULT_MAX_SESSIONS
+from inferencemesh.config import DEFAULT_KV_CONTEXTS, DEFAULT_MAX_CONTEXT
 from inferencemesh.speculation import SpeculativeChoice, draft_dtype
 
 GIB = 1024**3
@@ -52,13 +51,6 @@ class StagePlan:
         return asdict(self)
 
 
-def reserved_kv_positions(*, max_sessions: int, max_context: int, cache_tokens: int) -> int:
-    """KV positions each stage reserves per layer: every session slot at full context, and the
-    positions reserved for the prefix cache alone (--prefix-cache-tokens). The stages' prefix
-    cache lives within this (modeling.kv.prefix_cache_room)."""
-    return max_sessions * max_context + cache_tokens
-
-
 @dataclass(frozen=True)
 class PlanInputs:
     """Per-layer and end-stage byte counts in the serving dtype, and the KV reserve per layer."""
@@ -88,9 +80,7 @@ class PlanInputs:
         facts: CheckpointFacts,
         *,
         dtype: str | None = None,
-        context_length: int = DEFAULT_MAX_CONTEXT,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        prefix_cache_tokens: int = 0,
+        kv_tokens: int = DEFAULT_KV_CONTEXTS * DEFAULT_MAX_CONTEXT,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
         first_stage_reserved_bytes: int = 0,
         on_cpu: bool = False,
@@ -98,17 +88,14 @@ class PlanInputs:
     ) -> PlanInputs:
         """dtype: as asked (auto / None: compute_dtype.choose_dtype's choice for a stage on_cpu or
         not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
-        float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve holds
-        max_sessions sessions at context_length and prefix_cache_tokens positions for the prefix
-        cache alone (stage/sessions.py)."""
+        float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve is the
+        pool: kv_tokens positions (config.kv_pool_tokens) per layer."""
         dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
         width = TORCH_DTYPE_BYTES[dtype]
         kv_width = TORCH_DTYPE_BYTES["float32"] if on_cpu else width
-        positions = reserved_kv_positions(max_sessions=max_sessions, max_context=context_length,
-                                          cache_tokens=prefix_cache_tokens)
-        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * positions
+        kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * kv_tokens
         return cls(
             layer_bytes=tuple(facts.layer_bytes(width)),
             embed_bytes=facts.group_bytes("embed", width),
@@ -137,14 +124,14 @@ class PlanInputs:
         return self.first_stage_reserved_bytes if start == 0 else 0
 
 
-def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bool, context_length: int,
-                        max_sessions: int) -> int:
+def draft_reserve_bytes(draft: CheckpointFacts, *, dtype: str | None, on_cpu: bool, kv_tokens: int) -> int:
     """What the frontend's draft model holds beside an embedded first stage (that stage's
-    first_stage_reserved_bytes): all its weights, once (a tied head is the embedding matrix), and a
-    KV cache per session at full context, in the dtype the frontend loads it in (speculation.draft_dtype).
-    No runtime overhead of its own: the stage's process counts one."""
-    inputs = PlanInputs.from_checkpoint(draft, dtype=draft_dtype(dtype, on_cpu), context_length=context_length,
-                                        max_sessions=max_sessions, overhead_bytes=0, on_cpu=on_cpu)
+    first_stage_reserved_bytes): all its weights, once (a tied head is the embedding matrix), and KV
+    for as many positions as the pool (the draft keeps KV for live sessions only, whose tokens the
+    pool bounds), in the dtype the frontend loads it in (speculation.draft_dtype). No runtime
+    overhead of its own: the stage's process counts one."""
+    inputs = PlanInputs.from_checkpoint(draft, dtype=draft_dtype(dtype, on_cpu), kv_tokens=kv_tokens,
+                                        overhead_bytes=0, on_cpu=on_cpu)
     n = len(inputs.layer_bytes)
     weights, kv, _ = inputs.stage_bytes(0, n, n)
     if not draft.group_bytes("head"):  # tied: stage_bytes counted the embedding again as the head
@@ -162,8 +149,8 @@ class FirstStageReserve:
 
 
 def first_stage_reserve(choice: SpeculativeChoice, read_draft: Callable[[str], CheckpointFacts], *,
-                        embed_first_stage: bool, dtype: str | None, on_cpu: bool, context_length: int,
-                        max_sessions: int) -> FirstStageReserve:
+                        embed_first_stage: bool, dtype: str | None, on_cpu: bool,
+                        kv_tokens: int) -> FirstStageReserve:
     """The one rule for stage 0's reserve, for `plan`/`serve` and the operator alike: with the first
     stage embedded in the frontend, the draft model the frontend will load (`choice`, the
     frontend's own decision, inferencemesh.speculation), read by `read_draft` (each caller reads
@@ -175,8 +162,7 @@ def first_stage_reserve(choice: SpeculativeChoice, read_draft: Callable[[str], C
     if choice.strategy != "draft" or not choice.draft:
         return FirstStageReserve(0, "stage 0 runs in the frontend")
     try:
-        reserved = draft_reserve_bytes(read_draft(choice.draft), dtype=dtype, on_cpu=on_cpu,
-                                       context_length=context_length, max_sessions=max_sessions)
+        reserved = draft_reserve_bytes(read_draft(choice.draft), dtype=dtype, on_cpu=on_cpu, kv_tokens=kv_tokens)
     except (CheckpointError, PlanError, OSError, ValueError, KeyError) as exc:
         return FirstStageReserve(0, f"stage 0 runs in the frontend; its draft {choice.draft} is unreadable here "
                                     f"({type(exc).__name__}: {exc}), so stage 0's plan holds no room for it", True)

@@ -42,14 +42,18 @@ def test_local_checkpoint_is_planned_from_its_headers(tiny_model: Path) -> None:
     assert list(info.inputs.layer_bytes) == facts.layer_bytes(4)  # float32 checkpoint, auto dtype
 
 
-def test_the_prefix_cache_tokens_are_planned(tiny_model: Path) -> None:
+def test_the_kv_pool_is_planned(tiny_model: Path) -> None:
+    """A stage's KV reserve is its pool, kvCacheTokens positions (default 16 x contextLength), as
+    `serve` plans it (config.kv_pool_tokens); maxSessions, a scheduling limit, sizes nothing."""
     fields = {"contextLength": 100, "maxSessions": 2}
-    plain = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}, **fields})).inputs
-    spec = parse_spec({"model": {"name": str(tiny_model)}, **fields, "prefixCacheTokens": 300})
-    info = ModelFacts().info(spec)
-    assert info.inputs.kv_bytes_per_layer * 200 == plain.kv_bytes_per_layer * 500  # 2 x 100 sessions + 300
+    default = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}, **fields})).inputs
+    pool = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}, **fields, "kvCacheTokens": 400})).inputs
+    assert pool.kv_bytes_per_layer * 1600 == default.kv_bytes_per_layer * 400  # 16 x 100 by default
+    many = ModelFacts().info(parse_spec({"model": {"name": str(tiny_model)}, "contextLength": 100,
+                                         "maxSessions": 256})).inputs
+    assert many.kv_bytes_per_layer == default.kv_bytes_per_layer
     by_layout = {"layout": {"numLayers": 4, "layerBytes": 1000, "kvBytesPerToken": 10}}
-    assert ModelFacts().info(parse_spec({"model": {"name": "m", **by_layout}, **fields, "prefixCacheTokens": 300})
+    assert ModelFacts().info(parse_spec({"model": {"name": "m", **by_layout}, **fields, "kvCacheTokens": 500})
                              ).inputs.kv_bytes_per_layer == 10 * 500
 
 
@@ -62,7 +66,7 @@ def test_the_layout_plan_prints_is_the_plan_of_the_checkpoint(tiny_model: Path) 
     out = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--model", str(tiny_model), "--layout",
                           "--json", "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    fields = {"contextLength": 100, "maxSessions": 3, "prefixCacheTokens": 50}
+    fields = {"contextLength": 100, "maxSessions": 3, "kvCacheTokens": 800}
     by_layout = parse_spec({"model": {"name": "m", "pvc": {"claimName": "models"}, **json.loads(out)}, **fields})
     from_checkpoint = parse_spec({"model": {"name": str(tiny_model), "dtype": "float32"}, **fields})
     assert ModelFacts().info(by_layout).inputs == ModelFacts().info(from_checkpoint).inputs
@@ -137,7 +141,7 @@ def test_the_plan_carries_the_message_limit_of_its_model_and_budgets(tiny_model:
     plan = make_plan(s, ModelFacts().info(s))
     facts = read_local(tiny_model)
     assert plan.message_limit == message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                                               max_batch_tokens=1024, max_sessions=8)
+                                               max_batch_tokens=1024, max_sessions=8, max_context=2048)
     assert plan.to_dict()["maxMessageBytes"] == plan.message_limit
     by_layout = layout_spec(4, **fields)
     unknown = make_plan(by_layout, ModelFacts().info(by_layout))
@@ -266,7 +270,7 @@ def test_an_embedded_first_stage_holds_the_packages_draft(tmp_path: Path, make_m
 
     embed = {"embedFirstStage": True}
     separate, embedded = plan_for(), plan_for(frontend=embed)
-    want = draft_reserve_bytes(read_local(draft), dtype="auto", on_cpu=True, context_length=64, max_sessions=2)
+    want = draft_reserve_bytes(read_local(draft), dtype="auto", on_cpu=True, kv_tokens=16 * 64)  # the default pool
     assert want > 0 and separate.stages[0].reserved_bytes == 0
     assert embedded.embedded_first_stage and embedded.stages[0].reserved_bytes == want
     assert embedded.stages[1].reserved_bytes == 0 and embedded.hash != separate.hash

@@ -306,11 +306,11 @@ def test_the_prefix_cache_is_the_frontends_switch(enabled: bool) -> None:
     assert ("--no-prefix-cache" in args) is not enabled
 
 
-def test_every_pod_gets_the_prefix_caches_own_room() -> None:
-    objs = children({"model": {"name": "bundled://imesh-code-target"}, "prefixCacheTokens": 4096})
+def test_every_pod_gets_the_kv_pool() -> None:
+    objs = children({"model": {"name": "bundled://imesh-code-target"}, "kvCacheTokens": 4096})
     parser = build_parser()
-    for name in ("frontend", "stage-0", "stage-1", "stage-2"):  # the stages keep entries, the frontend indexes them
-        assert parser.parse_args(container(objs[("Deployment", f"code-p0-{name}")])["args"]).prefix_cache_tokens == 4096
+    for name in ("frontend", "stage-0", "stage-1", "stage-2"):  # the stages allocate it, the frontend gives it out
+        assert parser.parse_args(container(objs[("Deployment", f"code-p0-{name}")])["args"]).kv_cache_tokens == 4096
 
 
 def test_rendering_is_deterministic_and_hashes_move_only_with_content() -> None:

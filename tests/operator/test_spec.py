@@ -258,9 +258,7 @@ CASES = [
     ({"frontend": {"embedFirstStage": True, "nodeSelector": {"gpu": "h100", "zone": "a"}},
       "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),  # agreeing keys merge
     ({"frontend": {"nodeSelector": {"gpu": "a100"}}, "stages": {"nodeSelector": {"gpu": "h100"}}}, set()),
-    ({"prefixCache": False, "prefixCacheTokens": 4096}, {S.MSG_PREFIX_CACHE_TOKENS}),
-    ({"prefixCache": True, "prefixCacheTokens": 4096}, set()),
-    ({"prefixCache": False, "prefixCacheTokens": 0}, set()),
+    ({"prefixCache": False, "kvCacheTokens": 4096}, set()),  # a pool without sharing
 ]
 
 

@@ -48,7 +48,7 @@ def layout_of(facts: CheckpointFacts, *, dtype: str | None, on_cpu: bool) -> Lay
     planner's own terms (inputs_from_layout reads it back): its sizes in the compute dtype, the KV
     bytes per token and layer, and one size for every layer, the largest (an uneven MoE is then
     planned as if every layer were its heaviest: never short of memory)."""
-    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, context_length=1, max_sessions=1, on_cpu=on_cpu)
+    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, kv_tokens=1, on_cpu=on_cpu)
     return Layout(num_layers=facts.num_layers, layer_bytes=max(inputs.layer_bytes), embed_bytes=inputs.embed_bytes,
                   head_bytes=inputs.tail_bytes, kv_bytes_per_token=inputs.kv_bytes_per_layer)
 
@@ -60,8 +60,7 @@ def inputs_from_layout(spec: MeshSpec) -> PlanInputs:
         layer_bytes=(layout.layer_bytes,) * layout.num_layers,
         embed_bytes=layout.embed_bytes,
         tail_bytes=layout.head_bytes,
-        kv_bytes_per_layer=layout.kv_bytes_per_token * (spec.context_length * spec.max_sessions
-                                                         + spec.prefix_cache_tokens),
+        kv_bytes_per_layer=layout.kv_bytes_per_token * spec.kv_pool_tokens,
         overhead_bytes=DEFAULT_OVERHEAD_BYTES,
     )
 
@@ -116,8 +115,8 @@ class ModelFacts:
         # The stage chooses auto's dtype on its node, whose CPU the operator cannot see: CPU stages
         # are planned for float32 (the larger; a stage with native bf16 units holds less).
         return PlanInputs.from_checkpoint(
-            facts, dtype=spec.model.dtype, context_length=spec.context_length, max_sessions=spec.max_sessions,
-            prefix_cache_tokens=spec.prefix_cache_tokens, on_cpu=spec.stages.on_cpu, cpu_flags=frozenset())
+            facts, dtype=spec.model.dtype, kv_tokens=spec.kv_pool_tokens, on_cpu=spec.stages.on_cpu,
+            cpu_flags=frozenset())
 
     def _hub_facts(self, repo_id: str, revision: str | None) -> CheckpointFacts:
         key = (repo_id, revision)

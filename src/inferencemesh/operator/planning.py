@@ -63,8 +63,8 @@ def plan_request(spec: MeshSpec) -> PlanRequest:
     return PlanRequest(
         stages=spec.stages.count, memory=tuple(memory or ()), ranges=tuple(spec.stages.ranges or ()),
         max_auto_stages=MAX_STAGES, embed_first_stage=spec.frontend.embed_first_stage, dtype=spec.model.dtype,
-        on_cpu=spec.stages.on_cpu, context_length=spec.context_length, max_sessions=spec.max_sessions,
-        strategy=sp.strategy, draft=sp.draft, no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None)
+        on_cpu=spec.stages.on_cpu, kv_tokens=spec.kv_pool_tokens, strategy=sp.strategy, draft=sp.draft,
+        no_draft=sp.no_draft, window=sp.window.flag() if sp.window else None)
 
 
 def stage_memory_budgets(spec: MeshSpec) -> tuple[list[int] | None, str]:
@@ -117,6 +117,7 @@ def make_plan(spec: MeshSpec, info: ModelInfo, facts: ModelFacts | None = None) 
                                   read_draft=lambda draft: reader.draft_facts(draft, info))
     shape = info.facts
     limit = message_limit(hidden_size=shape.hidden_size, vocab_size=shape.vocab_size,
-                          max_batch_tokens=spec.max_batch_tokens, max_sessions=spec.max_sessions) if shape else None
+                          max_batch_tokens=spec.max_batch_tokens, max_sessions=spec.max_sessions,
+                          max_context=spec.context_length) if shape else None
     return Plan(assembled.stages, info.source, assembled.speculative, spec.frontend.embed_first_stage,
                 assembled.reserve.note, limit)

@@ -61,7 +61,7 @@ def shared_options(spec: MeshSpec, plan: Plan) -> dict:
         "model": source, "revision": revision, "dtype": model.dtype, "cache_dir": f"{CACHE_MOUNT}/hub",
         "served_model_name": served_model_name(spec),  # every pod's metrics carry the name clients use
         "max_context": spec.context_length, "max_sessions": spec.max_sessions,
-        "prefix_cache_tokens": spec.prefix_cache_tokens, "wire_dtype": spec.wire_dtype or None,
+        "kv_cache_tokens": spec.kv_cache_tokens, "wire_dtype": spec.wire_dtype or None,
         "debug_telemetry": spec.debug_tracing, "tls_dir": TLS_MOUNT if spec.tls else None,
         "max_message_bytes": plan.message_limit,  # both ends of every stage stream
     }

@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS, kv_pool_tokens
 
 MAX_STAGES = 64
 
@@ -33,8 +33,6 @@ MSG_PVC_LAYOUT = "model.pvc needs model.layout: the operator does not mount the 
 MSG_DRAFT_NODRAFT = "speculative.draft and speculative.noDraft cannot both be set"
 MSG_DRAFT_STRATEGY = "speculative.draft is only used with strategy draft or auto"
 MSG_WINDOW = "speculative.window needs min <= initial <= max"
-MSG_PREFIX_CACHE_TOKENS = ("prefixCacheTokens reserves room for the prefix cache that prefixCache: false turns off: "
-                           "give one or the other")
 MSG_EMBED_NODE_SELECTOR = ("frontend.embedFirstStage puts stage 0 in the frontend pod, which then needs both "
                            "nodeSelectors: frontend.nodeSelector and stages.nodeSelector must not give one key "
                            "different values")
@@ -222,9 +220,9 @@ class MeshSpec(_Spec):
     speculative: SpeculativeSpec = SpeculativeSpec()
     wire_dtype: Literal["float32", "float16", "bfloat16"] | None = None
     context_length: int = 2048
-    max_sessions: int = 16
+    max_sessions: int = 256
+    kv_cache_tokens: int = Field(default=0, ge=0, le=2**30)  # a stage's KV pool in positions (0: config.kv_pool_tokens)
     prefix_cache: bool = True
-    prefix_cache_tokens: int = Field(default=0, ge=0)  # the prefix cache's own KV positions per stage
     telemetry: TelemetrySpec = TelemetrySpec()
     security: SecuritySpec = SecuritySpec()
     images: ImagesSpec = ImagesSpec()
@@ -232,6 +230,11 @@ class MeshSpec(_Spec):
     @property
     def metrics(self) -> bool:
         return self.telemetry.metrics
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """A stage's KV pool in positions, decided as every program decides it."""
+        return kv_pool_tokens(self.kv_cache_tokens, self.context_length)
 
     @property
     def debug_tracing(self) -> bool:
@@ -299,6 +302,4 @@ def validate(spec: MeshSpec) -> list[str]:
     front = spec.frontend
     if front.embed_first_stage and any(st.node_selector.get(k, v) != v for k, v in front.node_selector.items()):
         errors.append(MSG_EMBED_NODE_SELECTOR)
-    if spec.prefix_cache_tokens and not spec.prefix_cache:
-        errors.append(MSG_PREFIX_CACHE_TOKENS)
     return errors

@@ -16,10 +16,11 @@ import uvicorn
 from inferencemesh.bundled import resolve_model, served_name
 from inferencemesh.checkpoint.read import fetch_config_dir
 from inferencemesh.checkpoint.tokenizer import load_tokenizer
-from inferencemesh.config import FrontendConfig
+from inferencemesh.config import FrontendConfig, kv_pool_tokens
 from inferencemesh.cpus import compute_threads
 from inferencemesh.programs.mesh import frontend_pipeline
 from inferencemesh.programs.process import LoadFailed
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 if TYPE_CHECKING:
     import socket
@@ -100,7 +101,8 @@ def build_engine(config: FrontendConfig, model_dir: Path, tokenizer: PreTrainedT
                             max_sessions=config.max_sessions, debug_telemetry=config.debug_telemetry,
                             recovery_timeout_s=config.recovery_timeout,
                             speculative_disable_by_batch_size=config.speculative_disable_by_batch_size,
-                            prefix_cache=config.prefix_cache, prefix_cache_tokens=config.prefix_cache_tokens)
+                            prefix_cache=config.prefix_cache,
+                            kv_blocks=kv_pool_tokens(config.kv_cache_tokens, config.max_context) // KV_BLOCK_TOKENS)
     return PipelineEngine(pipeline, options, proposer_for=speculation.proposer_for,
                           describe={"speculative": speculation.describe()}, metrics=metrics), speculation
 

@@ -36,14 +36,17 @@ def frontend_pipeline(config: FrontendConfig, first_stage_runtime: StageRuntime 
 
 
 def in_process_pipeline(runtimes: Sequence[StageRuntime], *, max_sessions: int = DEFAULT_MAX_SESSIONS,
-                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, step_timeout: float = 30.0) -> HopPipeline:
+                        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, step_timeout: float = 30.0,
+                        kv_cache_tokens: int = 0) -> HopPipeline:
     """Every stage in this process, in pipeline order (loaded runtimes: benchmarks, tests), each
-    sending to the next directly, behind the same step scheduler as a mesh of processes."""
+    sending to the next directly, behind the same step scheduler as a mesh of processes. Their KV
+    pools: config.kv_pool_tokens(kv_cache_tokens, the runtimes' max_context), as the engine's must be."""
     stages: list[LocalStage] = []
     for index in reversed(range(len(runtimes))):  # the last first: each stage is given its next
         runtime = runtimes[index]
         config = StageConfig(model=str(runtime.model_dir), layers=(runtime.layer_start, runtime.layer_end),
                              stage_index=index, num_stages=len(runtimes), max_context=runtime.max_context,
-                             max_sessions=max_sessions, host="127.0.0.1", port=0, metrics_port=0)
+                             max_sessions=max_sessions, kv_cache_tokens=kv_cache_tokens, host="127.0.0.1", port=0,
+                             metrics_port=0)
         stages.insert(0, LocalStage(config, runtime=runtime, next_stage=stages[0] if stages else None))
     return HopPipeline(stages, step_timeout=step_timeout, max_batch_tokens=max_batch_tokens)

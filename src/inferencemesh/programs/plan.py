@@ -12,7 +12,7 @@ from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.read import read_checkpoint
-from inferencemesh.config import PlanConfig, ServeConfig
+from inferencemesh.config import PlanConfig, ServeConfig, kv_pool_tokens
 from inferencemesh.plan_assembly import PlanRequest, assemble_plan
 from inferencemesh.planner import PlanError, PlanInputs, StagePlan, parse_bytes, render_plan
 
@@ -38,9 +38,9 @@ def plan_request(settings: ServeConfig | PlanConfig) -> PlanRequest:
         except ValueError as err:
             raise PlanError(f"--stages must be a number or auto, not {stages!r}") from err
     return PlanRequest(stages=stages, memory=memory, embed_first_stage=settings.embed_first_stage,
-                       dtype=settings.dtype, on_cpu=_on_cpu(settings.device), context_length=settings.max_context,
-                       max_sessions=settings.max_sessions, strategy=settings.speculative, draft=settings.draft,
-                       no_draft=settings.no_draft)
+                       dtype=settings.dtype, on_cpu=_on_cpu(settings.device),
+                       kv_tokens=kv_pool_tokens(settings.kv_cache_tokens, settings.max_context),
+                       strategy=settings.speculative, draft=settings.draft, no_draft=settings.no_draft)
 
 
 def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, CheckpointFacts, list[StagePlan]]:
@@ -52,9 +52,8 @@ def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, Checkpo
     try:
         facts = read_checkpoint(model, revision=settings.revision)
         request = plan_request(settings)
-        inputs = PlanInputs.from_checkpoint(facts, dtype=request.dtype, context_length=request.context_length,
-                                            max_sessions=request.max_sessions,
-                                            prefix_cache_tokens=settings.prefix_cache_tokens, on_cpu=request.on_cpu)
+        inputs = PlanInputs.from_checkpoint(facts, dtype=request.dtype, kv_tokens=request.kv_tokens,
+                                            on_cpu=request.on_cpu)
         plan = assemble_plan(inputs, request, model_dir=Path(model) if Path(model).is_dir() else None,
                              read_draft=lambda draft: read_checkpoint(resolve_model(draft)))
     except (PlanError, CheckpointError) as err:

@@ -117,7 +117,8 @@ def run_serve(config: ServeConfig) -> int:
     print(f"inferencemesh: serving {model}" + (f" as {config.replicas} pipelines behind a router"
                                                if config.replicas > 1 else "") + f"\n{render_plan(plan)}", flush=True)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                          max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions)
+                          max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions,
+                          max_context=config.max_context)
     if config.tls_dir:  # brought by the user: every process presents it
         return _serve_mesh(config, model, plan, limit, [(None, None)] * config.replicas)
     processes = range(int(config.embed_first_stage), len(plan))  # the stages that run as processes

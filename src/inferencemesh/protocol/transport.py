@@ -22,26 +22,29 @@ MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
 # adaptive window's maximum (8). More wait for the next microbatch; one full window always fits.
 MAX_DRAFT_ROWS_PER_BATCH = 128
 MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: a Sampling message stays small
-# A frame's ids, positions, Sampling (logit_bias, 64 stop ids) and block table (at most 5 bytes an
-# entry, one per KV_BLOCK_TOKENS positions of the context), as protobuf bytes, generously.
+# A frame's ids, positions and Sampling (logit_bias, 64 stop ids), as protobuf bytes, generously
+# (its block table is counted by message_limit, by the context).
 FRAME_BYTES = 1024 + MAX_LOGIT_BIAS_ENTRIES * 16
 # A decided token in a Prediction: its id and logprob, and up to 20 alternatives with theirs.
 PREDICTED_TOKEN_BYTES = 21 * 16
 WIDEST_WIRE_DTYPE_BYTES = 4  # float32 activations
 
 
-def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, max_sessions: int) -> int:
+def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, max_sessions: int,
+                  max_context: int) -> int:
     """The largest message either direction of a stage stream can carry for this plan, the gRPC
     limit of both ends: a Batch of every session's frame (one each), prompt chunks up to the token
     budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their probabilities and
     token masks (constrained decoding: a row for each draft and each session's next token), and
-    float32 activations for all of it (the widest wire dtype); its BatchResult is smaller. gRPC
+    float32 activations for all of it (the widest wire dtype), and every frame's block table up to the
+    full context; its BatchResult is smaller. gRPC
     refuses a larger message with RESOURCE_EXHAUSTED instead of handing it to the stage."""
     tokens = max(max_batch_tokens, PREFILL_CHUNK_TOKENS) + max_sessions + MAX_DRAFT_ROWS_PER_BATCH
     activations = tokens * hidden_size * WIDEST_WIRE_DTYPE_BYTES
     draft_probs = MAX_DRAFT_ROWS_PER_BATCH * vocab_size * 4
     token_masks = (MAX_DRAFT_ROWS_PER_BATCH + max_sessions) * (vocab_size // 8 + 4)  # a bit per token, each row
-    frames = max_sessions * FRAME_BYTES + tokens * PREDICTED_TOKEN_BYTES
+    block_table = 5 * -(-max_context // KV_BLOCK_TOKENS)  # a uint32 varint is at most 5 bytes
+    frames = max_sessions * (FRAME_BYTES + block_table) + tokens * PREDICTED_TOKEN_BYTES
     return activations + draft_probs + token_masks + frames + 64 * 1024  # the Batch's own fields and framing
 # Keepalive, agreed by both ends of every stage stream. The channel pings a stream every
 # KEEPALIVE_MS, quiet or not (so a dead peer is found while a stream idles); the server must then
