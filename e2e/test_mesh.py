@@ -45,6 +45,8 @@ from imesh_e2e import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
+
 openai = pytest.importorskip("openai")
 
 
@@ -194,10 +196,10 @@ def counter(text: str, name: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
 
 
-def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: dict) -> None:
+def test_a_repeated_request_reuses_the_first_ones_kv_blocks_at_every_stage(shared_mesh: dict) -> None:
     """The second identical request is served from the prefix cache: the frontend counts its
-    prompt as hits, each stage pod holds the first request as an entry, and the stages compute
-    the prompt's tokens but one fewer the second time; the answer is the same."""
+    prompt's full KV blocks as hits, each stage pod holds written blocks, and the stages compute
+    the prompt's tokens but those blocks the second time; the answer is the same."""
     ns, name = shared_mesh["namespace"], shared_mesh["name"]
     k = ready_pipeline(ns, name)
     pods = [stage_pod(ns, name, i, k)["metadata"]["name"] for i in range(2)]
@@ -216,14 +218,15 @@ def test_a_repeated_request_forks_the_first_ones_kv_at_every_stage(shared_mesh: 
             answers.append(reply.choices[0].text)
             computed.append([stage_metrics(pod, "inferencemesh_stage_tokens_total") - b
                              for pod, b in zip(pods, before, strict=True)])
-    # One pipeline: the router sent both to its frontend, whose own counter says what it forked.
+    # One pipeline: the router sent both to its frontend, whose own counter says what it reused.
     hits = counter(frontend_metrics(ns, name, k), "inferencemesh_prefix_cache_hits_total") - hits_before
     prompt_tokens = reply.usage.prompt_tokens
     assert answers[0] == answers[1]
-    assert hits >= prompt_tokens - 1, f"{hits} prefix-cache hits for a {prompt_tokens}-token prompt"
+    full_blocks = (prompt_tokens - 1) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS  # all but the last token, by blocks
+    assert hits >= full_blocks, f"{hits} prefix-cache hits for a {prompt_tokens}-token prompt"
     for pod in pods:
-        assert stage_metrics(pod, "inferencemesh_stage_prefix_cache_entries") >= 1, pod
-    for first, second in zip(*computed, strict=True):  # per stage: the same decoding, the prompt forked
+        assert stage_metrics(pod, "inferencemesh_stage_kv_blocks_used") >= 1, pod
+    for first, second in zip(*computed, strict=True):  # per stage: the same decoding, the prompt reused
         assert second <= first - (prompt_tokens - 1) // 2, computed
 
 
