@@ -1,0 +1,254 @@
+"""The frontend's KV block manager: the one bookkeeping of every stage's KV pool
+(docs/design/kv-blocks.md).
+
+Every stage holds the same pool of `num_blocks` blocks of `block_tokens` positions for its own
+layers; frames carry each session's block table, and the stages write and read where it says.
+Here: which blocks each session's table holds, reference counts, the prefix index of computed
+full blocks (kv_index.py: a chain of blake2b digests), and the least recently used cached blocks
+that are reclaimed when no free block is left.
+
+A block a frame is computing is **pending** in the index: a request whose prompt needs it takes a
+reference and waits for it (`Reuse.waits`), rather than computing it again. The frame holds a
+reference of its own until its answer settles it (`settle`), so a request cancelled meanwhile
+still leaves the block cached once every stage has computed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from inferencemesh.frontend.engine.kv_index import PrefixIndex, block_digest
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
+
+
+class PoolExhausted(Exception):
+    """No free or reclaimable block is left for a table to grow: the engine preempts a session."""
+
+
+@dataclass
+class BlockTable:
+    """One session's blocks: entry i holds positions [i * block_tokens, (i + 1) * block_tokens)."""
+
+    blocks: list[int] = field(default_factory=list)
+    # The chain digests of the leading full blocks whose tokens are known to the index (pending
+    # or computed, in this table or matched from another): the parent of the next one is the last.
+    digests: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class Pending:
+    """Full blocks one frame is computing, registered in the index until its answer settles them."""
+
+    entries: list[tuple[bytes, int]]  # (digest, block), each holding a reference of its own
+    settled: bool = False
+
+
+@dataclass
+class Reuse:
+    """A prompt's cached prefix, taken by reference: `tokens` positions, whose blocks pending a
+    computation each come with the future that says whether it succeeded (in block order)."""
+
+    tokens: int
+    waits: list[tuple[int, asyncio.Future[bool]]]  # (block index in the table, its computation)
+
+
+@dataclass
+class BlockStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found cached
+    evictions: int = 0  # cached blocks reclaimed for another use
+    preemptions: int = 0  # sessions preempted for room (counted by the engine)
+
+
+class BlockManager:
+    """The blocks of one pool, for every stage at once (see the module's doc)."""
+
+    def __init__(self, num_blocks: int, block_tokens: int = KV_BLOCK_TOKENS, *, caching: bool = True,
+                 salt: bytes = b"") -> None:
+        if num_blocks < 1 or block_tokens < 1:
+            raise ValueError(f"a pool needs blocks: {num_blocks} blocks of {block_tokens} positions")
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.caching = caching
+        self.salt = salt
+        self.refs = [0] * num_blocks
+        self._free = set(range(num_blocks))
+        self._heap = list(range(num_blocks))  # the lowest free block first (lazily pruned): a free run's start
+        self.cached: OrderedDict[int, None] = OrderedDict()  # refcount 0, hashed: oldest use first
+        self.index = PrefixIndex()
+        self.stats = BlockStats()
+
+    # ---- capacity ---------------------------------------------------------------------------------
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_tokens)
+
+    @property
+    def available(self) -> int:
+        """Blocks a table could still take: free ones and cached ones nobody references."""
+        return len(self._free) + len(self.cached)
+
+    @property
+    def used(self) -> int:
+        """Blocks referenced by a table or a computation in flight."""
+        return self.num_blocks - self.available
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.num_blocks
+
+    def can_hold(self, positions: int, table: BlockTable | None = None) -> bool:
+        """Whether `table` (None: a new one) could grow to `positions` now."""
+        held = len(table.blocks) if table is not None else 0
+        return self.blocks_for(positions) - held <= self.available
+
+    # ---- allocation -------------------------------------------------------------------------------
+
+    def grow(self, table: BlockTable, positions: int) -> None:
+        """Blocks for positions [0, positions), or PoolExhausted (the table is left as it was)."""
+        need = self.blocks_for(positions) - len(table.blocks)
+        if need <= 0:
+            return
+        if need > self.available:
+            raise PoolExhausted(f"{need} more block(s) needed, {self.available} free or reclaimable")
+        for _ in range(need):
+            block = self._take(table.blocks[-1] + 1 if table.blocks else None)
+            self.refs[block] = 1
+            table.blocks.append(block)
+
+    def _take(self, after: int | None) -> int:
+        """A free block, `after` when it is free (consecutive blocks are a view at the stages), else
+        the start of a free run; else the least recently used cached block, forgotten."""
+        if after is not None and after in self._free:
+            self._free.discard(after)
+            return after
+        while self._heap:
+            block = heapq.heappop(self._heap)
+            if block in self._free:
+                self._free.discard(block)
+                return block
+        block, _ = self.cached.popitem(last=False)
+        self.index.drop_block(block)
+        self.stats.evictions += 1
+        return block
+
+    def share(self, source: BlockTable, table: BlockTable, count: int) -> None:
+        """`table` starts with `source`'s first `count` blocks, by reference (n > 1's choices)."""
+        assert not table.blocks, "a table shares another's blocks only as its start"
+        for block in source.blocks[:count]:
+            self._ref(block)
+            table.blocks.append(block)
+        table.digests = list(source.digests[:count])
+
+    def free(self, table: BlockTable) -> None:
+        """The table lets go of its blocks: one nobody references goes back to the pool, or, full
+        and computed, to the cached blocks (kept by hash until reclaimed)."""
+        for block in table.blocks:
+            self._unref(block)
+        table.blocks, table.digests = [], []
+
+    def truncate(self, table: BlockTable, positions: int) -> None:
+        """Keep the blocks of positions [0, positions) only."""
+        keep = self.blocks_for(positions)
+        for block in table.blocks[keep:]:
+            self._unref(block)
+        del table.blocks[keep:]
+        del table.digests[positions // self.block_tokens:]
+
+    def _ref(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self.cached.pop(block, None)
+        self.refs[block] += 1
+
+    def _unref(self, block: int) -> None:
+        self.refs[block] -= 1
+        assert self.refs[block] >= 0, f"block {block} freed more often than taken"
+        if self.refs[block]:
+            return
+        if self.index.computed(block):
+            self.cached[block] = None
+        else:
+            self.index.drop_block(block)  # a pending block nobody computes any more
+            self._free.add(block)
+            heapq.heappush(self._heap, block)
+
+    # ---- the prefix index -------------------------------------------------------------------------
+
+    def _chain(self, table: BlockTable, tokens: Sequence[int], upto_block: int) -> None:
+        """Extend the table's digests over its full blocks below upto_block."""
+        bt = self.block_tokens
+        for i in range(len(table.digests), upto_block):
+            parent = table.digests[-1] if table.digests else b""
+            table.digests.append(block_digest(parent, tokens[i * bt:(i + 1) * bt], self.salt))
+
+    def match(self, table: BlockTable, prompt: Sequence[int]) -> Reuse:
+        """The cached blocks of prompt[:-1]'s longest prefix of full blocks, appended to an empty
+        `table` by reference (the last prompt token is always computed: the last stage samples
+        from it). Blocks still being computed come with their futures, which the caller awaits."""
+        assert not table.blocks, "a prompt is matched into a new table"
+        self.stats.queries += len(prompt)
+        if not self.caching:
+            return Reuse(0, [])
+        waits = []
+        self._chain(table, prompt, (len(prompt) - 1) // self.block_tokens)
+        for i, digest in enumerate(table.digests):
+            entry = self.index.get(digest)
+            if entry is None:
+                break
+            self._ref(entry.block)
+            table.blocks.append(entry.block)
+            if entry.future is not None:
+                waits.append((i, entry.future))
+        del table.digests[len(table.blocks):]
+        tokens = len(table.blocks) * self.block_tokens
+        self.stats.hits += tokens
+        return Reuse(tokens, waits)
+
+    def begin(self, table: BlockTable, tokens: Sequence[int], upto: int) -> Pending:
+        """A frame computing positions below `upto` of `tokens` goes out: its full blocks that the
+        index lacks become pending there, each with a reference for the frame (settle ends them)."""
+        entries: list[tuple[bytes, int]] = []
+        if not self.caching:
+            return Pending(entries)
+        start = len(table.digests)
+        self._chain(table, tokens, upto // self.block_tokens)
+        for i in range(start, len(table.digests)):
+            digest, block = table.digests[i], table.blocks[i]
+            if self.index.get(digest) is None and not self.index.known(block):
+                self.index.add_pending(digest, block, asyncio.get_running_loop().create_future())
+                self._ref(block)
+                entries.append((digest, block))
+        return Pending(entries)
+
+    def settle(self, pending: Pending, computed: bool) -> None:
+        """The frame's answer came (computed: every stage holds its blocks) or it failed: its pending
+        blocks become computed, or leave the index and their waiters compute them themselves."""
+        if pending.settled:
+            return
+        pending.settled = True
+        for digest, block in pending.entries:
+            self.index.resolve(digest, block, computed)
+            self._unref(block)
+
+    def confirm(self, table: BlockTable, tokens: Sequence[int], upto: int) -> None:
+        """Positions below `upto` of `tokens` are computed at every stage (a decode step's answer):
+        the full blocks among them enter the index."""
+        if not self.caching:
+            return
+        start = len(table.digests)
+        self._chain(table, tokens, min(upto // self.block_tokens, len(table.blocks)))
+        for i in range(start, len(table.digests)):
+            if self.index.get(table.digests[i]) is None and not self.index.known(table.blocks[i]):
+                self.index.add_computed(table.digests[i], table.blocks[i])
+
+    def forget_all(self) -> None:
+        """A new stream: every stage's pool is empty for it. The index is emptied (pending
+        computations fail), cached blocks become free; live tables keep their blocks but no chain."""
+        self.index.clear()
+        for block in list(self.cached):
+            self._free.add(block)
+            heapq.heappush(self._heap, block)
+        self.cached.clear()

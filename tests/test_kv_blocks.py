@@ -1,0 +1,179 @@
+"""The frontend's KV block manager alone (frontend/engine/kv_blocks.py): allocation, sharing by
+reference, the prefix index with pending blocks, LRU reclaim, a new stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable, PoolExhausted
+
+BT = 4  # positions per block, small for the tests
+
+
+def manager(blocks: int = 8, **kw) -> BlockManager:
+    return BlockManager(blocks, BT, **kw)
+
+
+def computed(m: BlockManager, tokens: list[int]) -> BlockTable:
+    """A table that computed `tokens` (confirmed at every stage)."""
+    table = BlockTable()
+    m.grow(table, len(tokens))
+    m.confirm(table, tokens, len(tokens))
+    return table
+
+
+def test_tables_grow_into_consecutive_blocks_and_the_start_of_a_free_run() -> None:
+    m = manager()
+    a, b = BlockTable(), BlockTable()
+    m.grow(a, 5)
+    m.grow(b, 1)
+    assert a.blocks == [0, 1] and b.blocks == [2]
+    m.grow(a, 9)  # block 2 is b's: the start of the next free run
+    assert a.blocks == [0, 1, 3]
+    m.grow(a, 13)
+    assert a.blocks == [0, 1, 3, 4]
+    m.free(b)
+    c = BlockTable()
+    m.grow(c, 8)
+    assert c.blocks == [2, 5]
+    assert m.used == 6 and m.usage == 6 / 8
+
+
+def test_an_identical_prompt_shares_its_full_blocks_by_reference_but_the_last_token() -> None:
+    m = manager()
+    prompt = list(range(12))  # 3 full blocks: prompt[:-1] covers 2
+    first = computed(m, prompt)
+    second = BlockTable()
+    reuse = m.match(second, prompt)
+    assert reuse.tokens == 8 and not reuse.waits and second.blocks == first.blocks[:2]
+    assert m.refs[first.blocks[0]] == 2 and m.refs[first.blocks[2]] == 1
+    assert (m.stats.queries, m.stats.hits) == (12, 8)
+    m.grow(second, 12)
+    assert second.blocks[2] != first.blocks[2]
+
+
+def test_a_chain_that_differs_in_an_early_block_never_matches_later_blocks() -> None:
+    m = manager()
+    computed(m, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    other = BlockTable()
+    assert m.match(other, [1, 2, 3, 0, 5, 6, 7, 8, 9]).tokens == 0  # block 1 equal, its parent not
+    salted = BlockManager(8, BT, salt=b"another model")
+    computed(salted, [1, 2, 3, 4, 5])
+    assert salted.match(BlockTable(), [1, 2, 3, 4, 5]).tokens == 4
+    assert m.match(BlockTable(), [1, 2, 3, 4, 5]).tokens == 4
+    assert BlockManager(8, BT, salt=b"x").match(BlockTable(), [1, 2, 3, 4, 5]).tokens == 0
+
+
+def test_freed_blocks_stay_cached_and_are_reclaimed_least_recently_used_first() -> None:
+    m = manager(4)
+    old, new = computed(m, [1] * 4), computed(m, [2] * 4)
+    m.free(old)
+    m.free(new)
+    assert m.available == 4 and len(m.cached) == 2
+    m.match(BlockTable(), [1] * 4 + [0])  # a use: old becomes the most recent
+    m.free(BlockTable())
+    t = BlockTable()
+    m.grow(t, 12)  # the two free blocks, then one reclaim: `new` is the least recently used
+    assert m.stats.evictions == 1
+    assert m.match(BlockTable(), [2] * 4 + [0]).tokens == 0
+
+
+def test_pool_exhaustion_raises_and_leaves_the_table_as_it_was() -> None:
+    m = manager(3)
+    a = BlockTable()
+    m.grow(a, 8)
+    with pytest.raises(PoolExhausted):
+        m.grow(a, 13)
+    assert len(a.blocks) == 2 and m.can_hold(12, a) and not m.can_hold(13, a) and not m.can_hold(5)
+
+
+def test_pending_blocks_are_matched_and_waited_for_then_cached_after_a_cancel() -> None:
+    async def go() -> None:
+        m = manager()
+        prompt = list(range(9))
+        owner = BlockTable()
+        m.grow(owner, 8)
+        pending = m.begin(owner, prompt, 8)  # the chunk's frame goes out
+        waiter = BlockTable()
+        reuse = m.match(waiter, prompt)
+        assert reuse.tokens == 8 and [i for i, _ in reuse.waits] == [0, 1]
+        m.free(owner)  # the owner is cancelled: its frame still holds the blocks
+        assert m.used == 2
+        m.settle(pending, True)
+        assert all(await asyncio.gather(*(f for _, f in reuse.waits)))
+        m.free(waiter)
+        assert len(m.cached) == 2 and m.match(BlockTable(), prompt).tokens == 8
+
+    asyncio.run(go())
+
+
+def test_a_failed_computation_tells_its_waiters_and_frees_its_blocks() -> None:
+    async def go() -> None:
+        m = manager()
+        owner, waiter = BlockTable(), BlockTable()
+        m.grow(owner, 8)
+        pending = m.begin(owner, list(range(9)), 8)
+        reuse = m.match(waiter, list(range(9)))
+        m.free(owner)
+        m.settle(pending, False)
+        assert [f.result() for _, f in reuse.waits] == [False, False]
+        m.truncate(waiter, 0)  # the waiter computes them itself, into blocks of its own
+        assert m.available == 8 and m.match(BlockTable(), list(range(9))).tokens == 0
+
+    asyncio.run(go())
+
+
+def test_a_new_stream_forgets_the_index_and_fails_pending_blocks_but_keeps_live_tables() -> None:
+    async def go() -> None:
+        m = manager()
+        live = computed(m, list(range(8)))
+        m.free(computed(m, [7] * 8))
+        other = BlockTable()
+        m.grow(other, 4)
+        pending = m.begin(other, [5] * 4, 4)
+        waiter = BlockTable()
+        reuse = m.match(waiter, [5] * 5)
+        m.forget_all()
+        assert reuse.waits[0][1].result() is False
+        assert m.match(BlockTable(), list(range(9))).tokens == 0 and not m.cached
+        assert live.blocks == [0, 1] and m.refs[0] == 1
+        m.settle(pending, True)  # after the new stream: nothing to index
+        m.free(waiter)
+        m.free(other)
+        m.free(live)
+        assert m.available == 8 and not m.cached
+
+    asyncio.run(go())
+
+
+def test_every_block_comes_back_after_everything_is_freed() -> None:
+    async def go() -> None:
+        m = manager(16)
+        tables = []
+        for i in range(6):
+            t = BlockTable()
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8, i, i]
+            m.match(t, prompt)
+            m.grow(t, len(prompt) + 3)
+            m.settle(m.begin(t, prompt, len(prompt)), True)
+            tables.append(t)
+        n = BlockTable()
+        m.share(tables[0], n, 2)
+        m.grow(n, 12)
+        m.truncate(tables[1], 5)
+        for t in tables + [n]:
+            m.free(t)
+        assert m.available == 16 and sum(m.refs) == 0 and m.used == 0
+
+    asyncio.run(go())
+
+
+def test_caching_off_shares_nothing_by_hash() -> None:
+    m = manager(caching=False)
+    computed(m, list(range(9)))
+    assert m.match(BlockTable(), list(range(9))).tokens == 0
+    t = computed(m, [1] * 8)
+    m.free(t)
+    assert not m.cached and m.available == 5
