@@ -9,11 +9,15 @@ itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from imesh_e2e import (
@@ -228,6 +232,83 @@ def test_a_repeated_request_reuses_the_first_ones_kv_blocks_at_every_stage(share
         assert stage_metrics(pod, "inferencemesh_stage_kv_blocks_used") >= 1, pod
     for first, second in zip(*computed, strict=True):  # per stage: the same decoding, the prompt reused
         assert second <= first - (prompt_tokens - 1) // 2, computed
+
+
+def gauge_max_while(read: Callable[[], float], work: Callable[[], object],
+                    interval: float = 0.2) -> tuple[float, object]:
+    """The largest value `read` gave while `work` ran (polled on a thread), and what `work` returned."""
+    highest, stop = [0.0], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(Exception):  # a scrape that fails mid-run only misses a sample
+                highest[0] = max(highest[0], read())
+            stop.wait(interval)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        return highest[0], work()
+    finally:
+        stop.set()
+        poller.join(timeout=30)
+
+
+def test_more_streams_than_the_old_session_limit_run_at_once(shared_mesh: dict) -> None:
+    """24 concurrent streams, past the 16 sessions a pipeline once reserved KV for: KV is the pool's,
+    block by block, so the frontend runs all 24 at once (none queued), and every one completes."""
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    k = ready_pipeline(ns, name)
+    streams = 24
+    prompts = [f"# stream {i}\n{PROMPTS[i % len(PROMPTS)]}" for i in range(streams)]
+
+    def running() -> float:
+        return counter(frontend_metrics(ns, name, k), "inferencemesh_num_requests_running")
+
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        client = openai_client(base)
+
+        def stream(prompt: str) -> int:
+            pieces = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            return sum(1 for chunk in pieces if chunk.choices and chunk.choices[0].text)
+
+        def burst() -> list[int]:
+            with ThreadPoolExecutor(max_workers=streams) as pool:
+                return list(pool.map(stream, prompts, timeout=600))
+
+        most, counts = gauge_max_while(running, burst)
+    assert all(c > 0 for c in counts), counts  # type: ignore[union-attr]
+    assert most >= streams - 2, f"at most {most} of {streams} streams ran at once"  # a scrape may miss the peak
+
+
+def test_a_burst_sharing_a_prefix_computes_it_about_once(shared_mesh: dict) -> None:
+    """8 requests sent at once with a long prompt in common and their own last line: the first to be
+    scheduled computes the common blocks and the others wait for them and take them by reference, so
+    the frontend counts most of their common prefix as hits and stage 0 computes far fewer than 8
+    prompts' tokens."""
+    ns, name = shared_mesh["namespace"], shared_mesh["name"]
+    k = ready_pipeline(ns, name)
+    stage0 = stage_pod(ns, name, 0, k)["metadata"]["name"]
+    common = "".join(f"# shared line {i}: {PROMPTS[i % len(PROMPTS)]}\n" for i in range(24))
+    prompts = [f"{common}# request {i}\n" for i in range(8)]
+
+    def metric(text: str, metric_name: str) -> float:
+        return counter(text, metric_name)
+
+    hits_before = metric(frontend_metrics(ns, name, k), "inferencemesh_prefix_cache_hits_total")
+    tokens_before = metric(pod_http(ns, stage0, 9090, "/metrics"), "inferencemesh_stage_tokens_total")
+    with port_forward(ns, *frontend_service(shared_mesh)) as base:
+        client = openai_client(base)
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            replies = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=4,
+                                                                       temperature=0), prompts, timeout=600))
+    hits = metric(frontend_metrics(ns, name, k), "inferencemesh_prefix_cache_hits_total") - hits_before
+    computed = metric(pod_http(ns, stage0, 9090, "/metrics"), "inferencemesh_stage_tokens_total") - tokens_before
+    prompt_tokens = [r.usage.prompt_tokens for r in replies]
+    shared = min(prompt_tokens) - 16  # the common part, give or take the last lines' tokens
+    assert hits >= 0.75 * (len(prompts) - 1) * (shared - KV_BLOCK_TOKENS), (hits, prompt_tokens)
+    assert computed < 0.5 * sum(prompt_tokens), (computed, prompt_tokens)
 
 
 def test_a_strict_json_schema_is_followed_through_the_pods(shared_mesh: dict) -> None:
