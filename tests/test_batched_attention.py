@@ -1,5 +1,7 @@
-"""Batched attention: a pass whose sessions attend in one padded call computes what each
-session's own pass computes (float32, tight tolerance), and greedy decoding picks the same tokens."""
+"""Batched attention over block tables: a pass whose sessions' keys and values live in scattered
+blocks of the stage's pool (modeling/kv_pool.py) computes what each session's own pass over a
+cache of its own computes (float32, tight tolerance), and greedy decoding picks the same tokens,
+in every family (sliding windows, softcaps, sinks included), on a middle stage and in bfloat16."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import pytest
 import torch
 from tiny_models import FAMILIES, write_tiny_model
 
-from inferencemesh.modeling.attention import padded_mask
-from inferencemesh.modeling.positions import attention_mask
+from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
 from inferencemesh.modeling.runtime import Segment, StageRuntime
+
+BLOCKS_EACH = 8  # 128 positions: max_context
 
 
 @pytest.fixture(scope="module")
@@ -25,101 +28,93 @@ def _close(have: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
     torch.testing.assert_close(have, want, rtol=tolerance, atol=tolerance * float(want.abs().max()))
 
 
-def _pass(runtime: StageRuntime, form: str, segments: list[Segment]) -> list[torch.Tensor]:
-    runtime.batched_attention = form
-    return runtime.forward_batch(segments)
+def scattered_tables(sessions: int, seed: int) -> tuple[int, list[list[int]]]:
+    """(pool blocks, a table per session): every session's blocks drawn at random from one pool."""
+    blocks = torch.randperm(sessions * BLOCKS_EACH + 7, generator=torch.Generator().manual_seed(seed)).tolist()
+    return len(blocks), [blocks[i * BLOCKS_EACH : (i + 1) * BLOCKS_EACH] for i in range(sessions)]
+
+
+class Sessions:
+    """The same sessions twice: over caches of their own (solo, one pass each) and over block tables
+    in one pool (batched, one pass for all)."""
+
+    def __init__(self, runtime: StageRuntime, count: int, seed: int) -> None:
+        self.runtime = runtime
+        self.solo = [runtime.new_session() for _ in range(count)]
+        blocks, self.tables = scattered_tables(count, seed)
+        self.pool: KVPool = runtime.new_pool(blocks)
+        self.pool.store.fill_(float("nan"))  # nothing unwritten may be read
+
+    def feed(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"token_ids": x} if self.runtime.is_first else {"hidden": x}
+
+    def prefill(self, prompts: list[torch.Tensor]) -> None:
+        for kv, table, prompt in zip(self.solo, self.tables, prompts, strict=True):
+            self.runtime.forward(kv, 0, **self.feed(prompt))
+            self.runtime.forward(BlockTableKV(self.pool, table, 0, len(prompt)), 0, **self.feed(prompt))
+
+    def step(self, positions: list[int], inputs: list[torch.Tensor], logits: str = "last"
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        rt = self.runtime
+        solo = [rt.forward(kv, pos, logits=logits, **self.feed(x))
+                for kv, pos, x in zip(self.solo, positions, inputs, strict=True)]
+        batched = rt.forward_batch([Segment(BlockTableKV(self.pool, table, pos, len(x)), pos, x, logits)
+                                    for table, pos, x in zip(self.tables, positions, inputs, strict=True)])
+        return solo, batched
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_decode_equals_per_session_decode(models, family) -> None:
+def test_a_batched_pass_over_scattered_blocks_equals_each_session_alone(models, family) -> None:
     """Sessions of different lengths (Mistral's window of 24 crossed by one) decode greedily,
-    then verify a window of 3 each. The padded pass gives each session the logits of the
-    per-session pass (same matmuls; the kernels differ in rounding only), within float32 noise
-    of its solo pass (a matmul over 5 rows sums in another order than over 1), and the solo
-    run's greedy tokens."""
+    then verify a window of 3 each, batched over scattered blocks: each gets the logits of its solo
+    pass within float32 noise (a matmul over 5 rows sums in another order than over 1), and the
+    same greedy tokens."""
     runtime = StageRuntime(models[family], 0, 3, dtype="float32", max_context=128)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=gen) for n in (3, 29, 11, 17, 1)]
-    forms = ("solo", "per-session", "padded")
-    kvs = {form: [runtime.new_session() for _ in prompts] for form in forms}
-    for form in forms:
-        nxt = [runtime.forward(kv, 0, token_ids=p)[-1].argmax() for kv, p in zip(kvs[form], prompts, strict=True)]
-    tokens = {form: list(nxt) for form in forms}
+    sessions = Sessions(runtime, len(prompts), seed=1)
+    sessions.prefill(prompts)
     positions = [len(p) for p in prompts]
-
-    def step(form: str, inputs: list[torch.Tensor], logits: str) -> list[torch.Tensor]:
-        if form == "solo":
-            return [runtime.forward(kv, pos, token_ids=x, logits=logits)
-                    for kv, pos, x in zip(kvs[form], positions, inputs, strict=True)]
-        return _pass(runtime, form, [Segment(kv, pos, x, logits)
-                                     for kv, pos, x in zip(kvs[form], positions, inputs, strict=True)])
-
+    tokens = [runtime.forward(runtime.new_session(), 0, token_ids=p)[-1].argmax() for p in prompts]
     for _ in range(6):
-        out = {form: step(form, [t[None] for t in tokens[form]], "last") for form in forms}
-        for solo, per_session, padded in zip(out["solo"], out["per-session"], out["padded"], strict=True):
-            _close(padded, per_session, 1e-5)
-            _close(padded, solo, 1e-4)
-        tokens = {form: [lg[-1].argmax() for lg in out[form]] for form in forms}
-        assert tokens["padded"] == tokens["solo"] == tokens["per-session"]
+        solo, batched = sessions.step(positions, [t[None] for t in tokens])
+        for have, want in zip(batched, solo, strict=True):
+            _close(have, want, 1e-4)
+        tokens = [lg[-1].argmax() for lg in solo]
+        assert [lg[-1].argmax() for lg in batched] == tokens
         positions = [pos + 1 for pos in positions]
     window = [torch.randint(0, 300, (3,), generator=gen) for _ in prompts]
-    out = {form: step(form, window, "all") for form in forms}
-    for solo, per_session, padded in zip(out["solo"], out["per-session"], out["padded"], strict=True):
-        _close(padded, per_session, 1e-5)
-        _close(padded, solo, 1e-4)
-    assert [kv.length for kv in kvs["padded"]] == [kv.length for kv in kvs["solo"]]
+    solo, batched = sessions.step(positions, window, "all")
+    for have, want in zip(batched, solo, strict=True):
+        _close(have, want, 1e-4)
 
 
-def test_padded_pass_on_a_middle_stage_equals_per_session(models) -> None:
-    """A stage after the first (hidden states in and out) takes the padded form alike."""
-    runtime = StageRuntime(models["qwen2"], 1, 2, dtype="float32", max_context=64)
+def test_a_batched_pass_on_a_middle_stage_over_scattered_blocks_equals_each_alone(models) -> None:
+    runtime = StageRuntime(models["qwen2"], 1, 2, dtype="float32", max_context=128)
     gen = torch.Generator().manual_seed(7)
     lengths = [4, 9, 2, 13]
-    states = {}
-    for form in ("per-session", "padded"):
-        kvs = [runtime.new_session() for _ in lengths]
-        for kv, n in zip(kvs, lengths, strict=True):
-            runtime.forward(kv, 0, hidden=torch.randn(n, runtime.hidden_size, generator=gen.manual_seed(n)))
-        step = [torch.randn(1, runtime.hidden_size, generator=gen.manual_seed(100 + n)) for n in lengths]
-        states[form] = _pass(runtime, form, [Segment(kv, n, x) for kv, n, x in zip(kvs, lengths, step, strict=True)])
-    for want, have in zip(states["per-session"], states["padded"], strict=True):
+    sessions = Sessions(runtime, len(lengths), seed=2)
+    sessions.prefill([torch.randn(n, runtime.hidden_size, generator=gen) for n in lengths])
+    solo, batched = sessions.step(lengths, [torch.randn(1, runtime.hidden_size, generator=gen) for _ in lengths])
+    for have, want in zip(batched, solo, strict=True):
         _close(have, want, 1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_padded_mask_is_the_per_session_mask(window) -> None:
-    """Row i of the padded mask is session i's own mask (positions.attention_mask), padded with False."""
-    starts, count = [0, 6, 2], 3
-    mask = padded_mask(starts, count, window, torch.device("cpu"))
-    assert mask.shape == (3, 1, count, max(starts) + count)
-    for i, start in enumerate(starts):
-        own = attention_mask(start, count, window, torch.device("cpu"))
-        if own is None:  # sdpa's causal mode from position 0
-            own = torch.ones(count, count, dtype=torch.bool).tril()[None, None]
-        width = start + count
-        assert torch.equal(mask[i, :, :, :width], own[0])
-        assert not mask[i, :, :, width:].any()
-
-
-def test_padded_pass_of_a_bfloat16_model_equals_per_session(models) -> None:
-    """bf16 weights, float32 cache (CPU): the padded form converts the new rows into the cache's
-    dtype as the per-session writes do, and the sessions decode the same tokens either way."""
-    runtime = StageRuntime(models["llama"], 0, 3, dtype="bfloat16", max_context=64)
+def test_a_bfloat16_models_batched_pass_writes_its_float32_pool_as_a_lone_pass_does(models) -> None:
+    """bf16 weights, float32 cache (CPU): the pass converts the new rows into the pool's dtype as
+    a session's own cache does, and the sessions decode the same tokens either way."""
+    runtime = StageRuntime(models["llama"], 0, 3, dtype="bfloat16", max_context=128)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=gen) for n in (2, 7, 4, 5)]
-    tokens, logits = {}, {}
-    for form in ("per-session", "padded"):
-        kvs = [runtime.new_session() for _ in prompts]
-        nxt = [runtime.forward(kv, 0, token_ids=p)[-1].argmax() for kv, p in zip(kvs, prompts, strict=True)]
-        positions = [len(p) for p in prompts]
-        tokens[form], logits[form] = [], []
-        for _ in range(4):
-            out = _pass(runtime, form, [Segment(kv, pos, t[None]) for kv, pos, t in zip(kvs, positions, nxt,
-                                                                                       strict=True)])
-            nxt = [lg[-1].argmax() for lg in out]
-            tokens[form].append([int(t) for t in nxt])
-            logits[form].append(torch.stack(out))
-            positions = [pos + 1 for pos in positions]
-    assert tokens["padded"] == tokens["per-session"]
-    for have, want in zip(logits["padded"], logits["per-session"], strict=True):
-        _close(have, want, 1e-2)  # bf16 activations round between the forms' float32 attention outputs
+    sessions = Sessions(runtime, len(prompts), seed=3)
+    assert sessions.pool.dtype == torch.float32
+    sessions.prefill(prompts)
+    positions = [len(p) for p in prompts]
+    tokens = [runtime.forward(runtime.new_session(), 0, token_ids=p)[-1].argmax() for p in prompts]
+    for _ in range(4):
+        solo, batched = sessions.step(positions, [t[None] for t in tokens])
+        tokens = [lg[-1].argmax() for lg in solo]
+        assert [lg[-1].argmax() for lg in batched] == tokens
+        for have, want in zip(batched, solo, strict=True):
+            _close(have, want, 1e-2)  # bf16 activations round between a packed pass and a lone one
+        positions = [pos + 1 for pos in positions]

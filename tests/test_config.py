@@ -234,7 +234,7 @@ def test_comma_separated_flags_are_checked_item_by_item(capsys) -> None:
     assert (bench.stages, bench.speculative, bench.concurrency, bench.stage_threads) == (
         (1, 2), ("none", "ngram"), (1, 8), ("default", "1"))
     for argv in (["--stages", "two"], ["--speculative", "none,magic"], ["--first-stage", "remote"],
-                 ["--stage-threads", "0"], ["--attention", ""]):
+                 ["--stage-threads", "0"]):
         with pytest.raises(SystemExit):
             parse("bench", argv)
     with pytest.raises(ConfigError, match="--stages counts must be at least 1"):
@@ -242,10 +242,8 @@ def test_comma_separated_flags_are_checked_item_by_item(capsys) -> None:
 
 
 def test_the_bench_choices_are_what_the_bench_runs() -> None:
-    from inferencemesh.modeling.attention import FORMS
     from inferencemesh.programs.bench.mesh import FIRST_STAGE_LABELS
     from inferencemesh.programs.bench.models import PROMPTS
 
-    assert set(bench_cfg.ATTENTION_FORMS) == set(FORMS)
     assert tuple(PROMPTS) == bench_cfg.BENCH_PROMPT_SETS
     assert tuple(FIRST_STAGE_LABELS) == bench_cfg.FIRST_STAGE_FORMS

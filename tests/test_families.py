@@ -125,7 +125,7 @@ def test_family_exact_at_1_2_3_stages(root, prompt, family):
         # 1e-4 (or twice transformers' own noise where that is larger), plus float32's
         # summation-order noise on logprobs of magnitude ~10 (rtol 1e-5)
         assert torch.allclose(torch.stack(lps), expected_lp, atol=tolerance, rtol=1e-5), (family, n, tolerance)
-    # Batched decode: three sessions in one pass (the packed and padded forms) equal each alone.
+    # Batched decode: three sessions in one packed pass equal each alone.
     stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64)
               for a, b in zip(SPLITS[2], SPLITS[2][1:], strict=False)]
     whole = torch.cat([prompt, torch.tensor(expected)])

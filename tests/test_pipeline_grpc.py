@@ -8,7 +8,7 @@ import grpc
 import pytest
 from mesh_helpers import collect, generate, hf_greedy, start_mesh
 from tiny_models import write_tiny_model
-from wire import STATUS, exchange, failures, hidden_batch
+from wire import STATUS, blocks, exchange, failures, hidden_batch
 
 from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
@@ -90,25 +90,30 @@ def _call(address: str, frames: list[pb.Frame]) -> list[tuple[grpc.StatusCode, s
     return [failure for result in results for failure in failures(result)]
 
 
+def frame(session: str, kind: int, pos_start: int, token_ids: list[int], table: list[int] | None = None,
+          **fields) -> pb.Frame:
+    """A frame over its own block table (consecutive blocks in lane 0 unless given)."""
+    count = fields.pop("token_count", len(token_ids))
+    table = blocks(pos_start + count) if table is None else table
+    return pb.Frame(session_id=session, kind=kind, pos_start=pos_start, token_count=count, token_ids=token_ids,
+                    kv_blocks=table, **fields)
+
+
 @pytest.mark.parametrize(
     "frames, code, message",
     [
-        ([pb.Frame(session_id="a", kind=pb.PREFILL, pos_start=0, token_count=2, token_ids=[1, 99999])],
-         grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-        ([pb.Frame(session_id="b", kind=pb.PREFILL, pos_start=0, token_count=3, token_ids=[1, 2])],
-         grpc.StatusCode.INVALID_ARGUMENT, "token_count"),
-        ([pb.Frame(session_id="c", kind=pb.DECODE, pos_start=5, token_count=1, token_ids=[1])],
-         grpc.StatusCode.FAILED_PRECONDITION, "unknown session"),
-        ([pb.Frame(session_id="d", kind=pb.PREFILL, pos_start=0, token_count=2, token_ids=[1, 2]),
-          pb.Frame(session_id="d", kind=pb.DECODE, pos_start=9, token_count=1, token_ids=[3])],
-         grpc.StatusCode.FAILED_PRECONDITION, "position"),
-        ([pb.Frame(session_id="e", kind=7, pos_start=0, token_count=1, token_ids=[1])],
-         grpc.StatusCode.INVALID_ARGUMENT, "kind"),
-        ([pb.Frame(session_id="f", kind=pb.PREFILL, pos_start=0, token_count=300, token_ids=list(range(300)))],
-         grpc.StatusCode.OUT_OF_RANGE, "max_context"),
+        ([frame("a", pb.PREFILL, 0, [1, 99999])], grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        ([frame("b", pb.PREFILL, 0, [1, 2], token_count=3)], grpc.StatusCode.INVALID_ARGUMENT, "token_count"),
+        ([frame("c", pb.DECODE, 5, [1])], grpc.StatusCode.FAILED_PRECONDITION, "never wrote"),
+        ([frame("d", pb.PREFILL, 0, [1, 2]), frame("d", pb.DECODE, 40, [3])],
+         grpc.StatusCode.FAILED_PRECONDITION, "never wrote"),
+        ([frame("d", pb.DECODE, 16, [3], table=[0])], grpc.StatusCode.FAILED_PRECONDITION, "block table"),
+        ([frame("d", pb.PREFILL, 0, [3], table=[10 ** 6])], grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+        ([frame("e", 7, 0, [1])], grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+        ([frame("f", pb.PREFILL, 0, list(range(300)))], grpc.StatusCode.OUT_OF_RANGE, "max_context"),
     ],
-    ids=["token-out-of-vocab", "count-mismatch", "unknown-session", "position-beyond-cache", "unknown-kind",
-         "past-context"],
+    ids=["token-out-of-vocab", "count-mismatch", "unknown-session", "reads-past-what-was-written", "table-too-short",
+         "block-outside-the-pool", "unknown-kind", "past-context"],
 )
 def test_bad_frames_to_stage_zero(mesh2, frames, code, message) -> None:
     (got_code, got_message), = _call(mesh2.addresses[0], frames)
@@ -118,11 +123,11 @@ def test_bad_frames_to_stage_zero(mesh2, frames, code, message) -> None:
 def test_bad_activations_to_a_middle_stage(mesh2) -> None:
     address = mesh2.addresses[1]
     info = pb_grpc.StageStub(grpc.insecure_channel(address)).Info(pb.InfoRequest(), timeout=5)
-    frame = pb.Frame(session_id="g", kind=pb.PREFILL, pos_start=0, token_count=2)
-    good = hidden_batch([frame], info.hidden_size)
+    piece = frame("g", pb.PREFILL, 0, [], token_count=2)
+    good = hidden_batch([piece], info.hidden_size)
     truncated = {**good, "activations": good["activations"][:-4]}
     wrong_dtype = {**good, "dtype": 9}
-    wrong_shape = hidden_batch([frame], info.hidden_size + 1)
+    wrong_shape = hidden_batch([piece], info.hidden_size + 1)
     results, status = exchange(address, [truncated, wrong_dtype, wrong_shape])
     assert status == grpc.StatusCode.OK
     for result, needle in zip(results, ("bytes", "dtype", "shape"), strict=True):
@@ -133,10 +138,10 @@ def test_bad_activations_to_a_middle_stage(mesh2) -> None:
 def test_one_bad_frame_fails_alone_in_its_batch(tiny, mesh2) -> None:
     """A batch with good and bad frames: the good sessions are answered in the same result, each
     bad one gets its own status, and the stream goes on."""
-    good = [pb.Frame(session_id=f"ok{i}", kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
-                     want_prediction=True, seq=1) for i in range(2)]
-    bad = [pb.Frame(session_id="stale", kind=pb.DECODE, pos_start=7, token_count=1, token_ids=[3], seq=1),
-           pb.Frame(session_id="oov", kind=pb.PREFILL, pos_start=0, token_count=1, token_ids=[-1], seq=1)]
+    good = [frame(f"ok{i}", pb.PREFILL, 0, PROMPT, blocks(len(PROMPT), lane=i), want_prediction=True, seq=1)
+            for i in range(2)]
+    bad = [frame("stale", pb.DECODE, 7, [3], blocks(8, lane=2), seq=1),
+           frame("oov", pb.PREFILL, 0, [-1], blocks(1, lane=3), seq=1)]
     release = [pb.Frame(session_id=f.session_id, kind=pb.RELEASE, seq=2) for f in good]
     (result, released), status = exchange(mesh2.addresses[0], [{"frames": [good[0], *bad, good[1]]},
                                                                 {"frames": release}])
@@ -157,7 +162,7 @@ def test_bad_frames_do_not_disturb_a_concurrent_session(tiny, mesh2) -> None:
         try:
             good = asyncio.create_task(collect(engine, PROMPT, 20, temperature=0.0))
             for i in range(5):
-                bad = [pb.Frame(session_id=f"bad{i}", kind=pb.PREFILL, pos_start=0, token_count=1, token_ids=[-1])]
+                bad = [frame(f"bad{i}", pb.PREFILL, 0, [-1])]
                 assert (await asyncio.to_thread(_call, mesh2.addresses[0], bad)) is not None
             return await good
         finally:

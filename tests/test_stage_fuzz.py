@@ -1,8 +1,8 @@
 """Property-based fuzzing of stage batches: every bad frame gets a clean gRPC status of its own
 (the stream stays up), and a well-formed session running at the same time still gets exactly
 the right tokens. Frames carry random sampling (NaN, infinities, denormals, ids outside the
-vocabulary), FORKs name parents that exist, sequences of batches share one stream, and batches
-carry forged failures, which a stage relays as they are."""
+vocabulary), block tables name blocks in and out of the pool, sequences of batches share one
+stream, and batches carry forged failures, which a stage relays as they are."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mesh_helpers import generate
 from tiny_models import write_tiny_model
-from wire import StageServers, exchange, failures, hidden_batch
+from wire import StageServers, blocks, exchange, failures, hidden_batch
 
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.programs.mesh import in_process_pipeline
@@ -23,7 +23,8 @@ from inferencemesh.protocol import stage_pb2 as pb
 
 pytestmark = pytest.mark.slow
 CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED}
+         grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED}
+LANES = {"fz-a": 0, "fz-b": 1, "fz-c": 2}  # each plausible session's own blocks (wire.blocks)
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
@@ -67,8 +68,7 @@ frames = st.builds(
     prompt_logprobs=st.booleans(),
     draft_probs=st.binary(max_size=64),
     sampling=st.none() | sampling,
-    parent_session_id=st.just("") | SESSION_IDS,  # FORKs name parents, sometimes their own stream's
-    retain=st.booleans(),  # RELEASEs may keep their session as a prefix-cache entry
+    kv_blocks=st.lists(st.integers(0, 2 ** 32 - 1) | st.integers(0, 130), max_size=24),
     seq=st.integers(0, 2 ** 64 - 1),
 )
 
@@ -76,17 +76,19 @@ frames = st.builds(
 @st.composite
 def plausible_frames(draw) -> pb.Frame:
     """Frames that pass the header checks (ids as many as token_count, positions a prefilled
-    session can take, real parents), so that their sampling and payload reach the pass."""
+    session can take, their session's block table or another's), so that their sampling and payload
+    reach the pass."""
     count = draw(st.integers(1, 3))
-    kind = draw(st.sampled_from([pb.PREFILL, pb.DECODE, pb.VERIFY, pb.FORK]))
+    kind = draw(st.sampled_from([pb.PREFILL, pb.DECODE, pb.VERIFY]))
     count = max(count, 2) if kind == pb.VERIFY else count
-    return pb.Frame(session_id=draw(st.sampled_from(["fz-a", "fz-b", "fz-c"])), kind=kind,
-                    pos_start=draw(st.sampled_from([0, 3, len(PROMPT)])), token_count=0 if kind == pb.FORK else count,
-                    token_ids=[] if kind == pb.FORK else draw(st.lists(st.integers(0, 300), min_size=count,
-                                                                       max_size=count)),
-                    want_prediction=True, sampling=draw(st.none() | sampling),
-                    parent_session_id="fz-a" if kind == pb.FORK else "", seq=draw(st.integers(0, 9)),
-                    draft_probs=draw(st.just(b"") | st.binary(min_size=4, max_size=16)))
+    session = draw(st.sampled_from(list(LANES)))
+    pos_start = draw(st.sampled_from([0, 3, len(PROMPT)]))
+    lane = draw(st.sampled_from([LANES[session], 0]))  # sometimes fz-a's blocks
+    return pb.Frame(session_id=session, kind=kind, pos_start=pos_start, token_count=count,
+                    token_ids=draw(st.lists(st.integers(0, 300), min_size=count, max_size=count)),
+                    want_prediction=True, sampling=draw(st.none() | sampling), seq=draw(st.integers(0, 9)),
+                    draft_probs=draw(st.just(b"") | st.binary(min_size=4, max_size=16)),
+                    kv_blocks=blocks(pos_start + count, lane))
 
 
 frames = frames | plausible_frames()
@@ -126,15 +128,15 @@ def test_random_frames_get_clean_statuses(servers, batch, target) -> None:
 
 def _prefill(session: str) -> pb.Frame:
     return pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
-                    want_prediction=True, seq=1)
+                    want_prediction=True, seq=1, kv_blocks=blocks(len(PROMPT), LANES[session]))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sequence=st.lists(batches, min_size=1, max_size=4), target=st.sampled_from([0, 1]))
-def test_random_batch_sequences_on_one_stream_with_real_parents_get_clean_statuses(servers, sequence,
-                                                                                   target) -> None:
-    """Sessions that exist (prefilled first, so FORKs find their parents and later frames their
-    caches), then random batches on the same stream."""
+def test_random_batch_sequences_on_one_stream_with_written_blocks_get_clean_statuses(servers, sequence,
+                                                                                    target) -> None:
+    """Sessions that exist (prefilled first, so later frames find the blocks they read written),
+    then random batches on the same stream."""
     opening = {"frames": [_prefill("fz-a"), _prefill("fz-b")]}
     if target == 1:
         opening = hidden_batch(opening["frames"], 32)

@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 import torch
 from tiny_models import write_tiny_model
-from wire import RawStream, StageServers, exchange, failures
+from wire import RawStream, StageServers, blocks, exchange, failures
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
 from inferencemesh.token_masks import mask_words, pack_token_masks
 
 PROMPT = [3, 14, 15, 92, 65, 35]
+LANES: dict[str, int] = {}  # session -> its lane of the pool's blocks (wire.blocks)
+
+
+def table(session: str, stop: int) -> list[int]:
+    """The session's block table for positions [0, stop): its own blocks."""
+    return blocks(stop, LANES.setdefault(session, len(LANES) % 16))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def one_stage(model):
 
 def prefill(session: str, **sampling) -> pb.Frame:
     frame = pb.Frame(session_id=session, kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT), token_ids=PROMPT,
-                     want_prediction=True, seq=1)
+                     want_prediction=True, seq=1, kv_blocks=table(session, len(PROMPT)))
     if sampling:
         frame.sampling.CopyFrom(pb.Sampling(**sampling))
     return frame
@@ -92,7 +98,7 @@ def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_
 
     def verify(session: str, probs: torch.Tensor) -> pb.Frame:
         return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=2, token_ids=[5, 6],
-                        draft_probs=probs.numpy().tobytes(), seq=2)
+                        draft_probs=probs.numpy().tobytes(), seq=2, kv_blocks=table(session, len(PROMPT) + 2))
 
     fine = torch.full((1, vocab), 1.0 / vocab)
     poisoned = fine.clone()
@@ -105,7 +111,7 @@ def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_
 
 
 def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:
-    """Another stream that knows its id can neither compute in it, overwrite, fork nor release it."""
+    """Another stream that knows its id can neither compute in it, overwrite nor release it."""
     async def go() -> tuple[list[tuple[grpc.StatusCode, str]], int]:
         async with grpc.aio.insecure_channel(one_stage.addresses[0]) as channel:
             stub = pb_grpc.StageStub(channel)
@@ -113,18 +119,19 @@ def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:
             opened = await owner.exchange(prefill("mine", temperature=0.0))
             assert not opened.failures
             position = len(PROMPT) + 1
+            decode = pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT), token_count=1, token_ids=[5],
+                              seq=2, kv_blocks=table("mine", position))
             attempts = [
-                pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT), token_count=1, token_ids=[5], seq=2),
+                decode,
                 prefill("mine", temperature=0.0),  # a new prompt over it
-                pb.Frame(session_id="theirs", parent_session_id="mine", kind=pb.FORK, pos_start=3, seq=1),
                 pb.Frame(session_id="mine", kind=pb.RELEASE, seq=3),
             ]
             refused = []
             for frame in attempts:
                 refused += failures(await intruder.exchange(frame))
             # the owner's session is untouched: it decodes on from where it was
-            going_on = await owner.exchange(pb.Frame(session_id="mine", kind=pb.DECODE, pos_start=len(PROMPT),
-                                                     token_count=1, token_ids=[5], want_prediction=True, seq=2))
+            decode.want_prediction = True
+            going_on = await owner.exchange(decode)
             assert not going_on.failures and going_on.predictions[0].pos_start == position
             await intruder.close()
             await owner.close()
@@ -170,14 +177,16 @@ def test_a_frames_token_masks_decide_what_the_last_stage_may_sample_and_accept(o
                 path = path or [first]
             while len(path) < 4:
                 frame = pb.Frame(session_id="probe", kind=pb.PREFILL, pos_start=0, token_count=len(PROMPT) + len(path),
-                                 token_ids=PROMPT + path, want_prediction=True, seq=1)
+                                 token_ids=PROMPT + path, want_prediction=True, seq=1,
+                                 kv_blocks=table("probe", len(PROMPT) + len(path)))
                 frame.sampling.CopyFrom(pb.Sampling(temperature=0.0))
                 path.append((await stream.exchange(frame)).predictions[0].tokens[0])
                 await stream.exchange(pb.Frame(session_id="probe", kind=pb.RELEASE, seq=2))
 
             def verify(session: str) -> pb.Frame:
                 return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=3,
-                                token_ids=path[:3], want_prediction=True, seq=3)
+                                token_ids=path[:3], want_prediction=True, seq=3,
+                                kv_blocks=table(session, len(PROMPT) + 3))
 
             whole = (await stream.exchange(verify("whole"))).predictions[0]
             other = next(t for t in range(50, 60) if t != path[2])

@@ -38,15 +38,16 @@ def test_full_stage_answers_resource_exhausted_and_keeps_serving(tiny) -> None:
                 stub = pb_grpc.StageStub(channel)
                 stream = RawStream(stub)
                 opened = await stream.exchange(*(pb.Frame(session_id=f"s{i}", kind=pb.PREFILL, pos_start=0,
-                                                          token_count=1, token_ids=[5], seq=1) for i in range(2)))
+                                                          token_count=1, token_ids=[5], seq=1, kv_blocks=[i])
+                                                 for i in range(2)))
                 assert not opened.failures and (await stub.Info(pb.InfoRequest())).active_sessions == 2
                 third = await stream.exchange(pb.Frame(session_id="s3", kind=pb.PREFILL, pos_start=0, token_count=1,
-                                                       token_ids=[5], want_prediction=True, seq=1))
+                                                       token_ids=[5], want_prediction=True, seq=1, kv_blocks=[2]))
                 (code, message), = failures(third)
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum of 2 sessions" in message
                 # the stream and the sessions it holds still work
                 going_on = await stream.exchange(pb.Frame(session_id="s0", kind=pb.DECODE, pos_start=1, token_count=1,
-                                                          token_ids=[6], seq=2))
+                                                          token_ids=[6], seq=2, kv_blocks=[0]))
                 assert not going_on.failures and [(p.seq, len(p.tokens)) for p in going_on.predictions] == [(2, 1)]
                 await stream.close()
         finally:

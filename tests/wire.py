@@ -13,8 +13,17 @@ from inferencemesh.config import StageConfig
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 STATUS = {code.value[0]: code for code in grpc.StatusCode}
+LANE_BLOCKS = 8  # blocks(..., lane): each lane holds 8 blocks (128 positions) of its own
+
+
+def blocks(stop: int, lane: int = 0) -> list[int]:
+    """A block table of consecutive blocks covering positions [0, stop), starting at the lane's
+    first block: sessions in different lanes never share a block."""
+    first = lane * LANE_BLOCKS
+    return list(range(first, first + -(-stop // KV_BLOCK_TOKENS)))
 
 
 class RawStream:

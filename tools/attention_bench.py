@@ -1,13 +1,13 @@
-"""Attention of a batched decode pass: per session (PackedAttention) against one padded call
-(PaddedAttention), on a stage runtime of a preset shape. Where the crossover lies sets
-attention.PADDED_MIN_SESSIONS / PADDED_MAX_LENGTH.
+"""Attention of a batched decode pass over the stage's KV pool (modeling/kv_pool.py), on a stage
+runtime of a preset shape: each session's blocks consecutive (its keys and values a view of the
+pool) against scattered (one gather of its slots per layer), what a fragmented pool costs.
 
     python tools/attention_bench.py --shape llama-150m --sessions 1,4,8,32 --lengths 16,64,256,1024
 
 Two measures per (sessions N, context length L), forms interleaved rep by rep so a noisy
 machine's drift falls on both alike:
-- layer: the attention steps of a pass as the runtime runs them (the padded form's gather and
-  write-back included; each layer's new keys and values written, then attention for the N
+- layer: the attention steps of a pass as the runtime runs them (each layer's new keys and values
+  written into their blocks, the gather where the blocks are scattered, then attention for the N
   queries), per layer, in microseconds;
 - pass: a whole forward_batch of N decode frames through every layer of the stage, in ms.
 Sessions' lengths spread over [L/2, L] (a batch's sessions are rarely equally long).
@@ -30,10 +30,12 @@ import torch
 
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
 from inferencemesh.modeling.runtime import Segment, StageRuntime, _PackedCache
 from inferencemesh.programs.bench.models import make_shape_model
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
-FORMS = ("per-session", "padded")
+FORMS = ("view", "gather")  # each session's blocks consecutive, or scattered over the pool
 
 
 def lengths_for(sessions: int, longest: int) -> list[int]:
@@ -42,53 +44,56 @@ def lengths_for(sessions: int, longest: int) -> list[int]:
     return [longest - (i * (longest - low)) // max(1, sessions - 1) for i in range(sessions)]
 
 
-def filled_sessions(rt: StageRuntime, lengths: list[int]) -> list:
-    """Sessions whose caches hold `lengths` positions of random keys and values (no prefill pass)."""
-    kvs = []
-    for n in lengths:
-        kv = rt.new_session()
-        kv.begin(0, n)
-        shape = (1, rt._kv_heads, n, rt._head_dim)
-        for layer in range(rt.layer_start, rt.layer_end):
-            kv.update(torch.randn(shape), torch.randn(shape), layer)
-        kv.end()
-        kvs.append(kv)
-    return kvs
+def filled_pool(rt: StageRuntime, lengths: list[int]) -> tuple[KVPool, dict[str, list[list[int]]]]:
+    """A pool holding random keys and values, and each session's block table per form: the same
+    blocks, in order (view) or shuffled (gather)."""
+    each = [-(-(n + 1) // KV_BLOCK_TOKENS) for n in lengths]  # room for the decoded token
+    pool = rt.new_pool(sum(each))
+    pool.store.normal_()
+    order = torch.randperm(sum(each), generator=torch.Generator().manual_seed(0)).tolist()
+    tables: dict[str, list[list[int]]] = {"view": [], "gather": []}
+    first = 0
+    for count in each:
+        tables["view"].append(list(range(first, first + count)))
+        tables["gather"].append(order[first : first + count])
+        first += count
+    return pool, tables
 
 
-def time_layer(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: int) -> float:
+def segments_of(pool: KVPool, tables: list[list[int]], lengths: list[int], feed: list[torch.Tensor]) -> list[Segment]:
+    return [Segment(BlockTableKV(pool, table, n, 1), n, x) for table, n, x in zip(tables, lengths, feed, strict=True)]
+
+
+def time_layer(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int) -> float:
     """Median microseconds per layer of a pass's attention steps over N decode queries."""
     modules = [layer.self_attn for layer in rt._layers]
-    n = len(kvs)
+    n = len(tables)
     heads = rt.config.num_attention_heads
     q = torch.randn(1, heads, n, rt._head_dim, dtype=rt.dtype)
     k_new = torch.randn(1, rt._kv_heads, n, rt._head_dim, dtype=rt.dtype)
     v_new = torch.randn_like(k_new)
-    segments = [Segment(kv, pos, torch.zeros(1, dtype=torch.long)) for kv, pos in zip(kvs, lengths, strict=True)]
-    rt.batched_attention = form
     samples = []
     for _ in range(reps):
         started = time.perf_counter_ns()
+        segments = segments_of(pool, tables, lengths, [torch.zeros(1, dtype=torch.long)] * n)
         for seg in segments:
             seg.kv.begin(seg.pos_start, 1)
         cache = _PackedCache(rt, segments, [1] * n)
         for index, module in enumerate(modules, start=rt.layer_start):
             key, value = cache.update(k_new, v_new, index)
             stage_attention(module, q, key, value, None, dropout=0.0, scaling=module.scaling)
-        cache.finish()
         samples.append((time.perf_counter_ns() - started) / 1e3 / len(modules))
     return statistics.median(samples)
 
 
-def time_pass(rt: StageRuntime, form: str, kvs: list, lengths: list[int], reps: int) -> float:
-    """Median milliseconds of a whole forward_batch of N decode frames (each rolls back to its length)."""
-    rt.batched_attention = form
+def time_pass(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int) -> float:
+    """Median milliseconds of a whole forward_batch of N decode frames (each at its session's length)."""
     gen = torch.Generator().manual_seed(0)
     feed = [torch.randint(0, rt.vocab_size, (1,), generator=gen) if rt.is_first
-            else torch.randn(1, rt.hidden_size, generator=gen) for _ in kvs]
+            else torch.randn(1, rt.hidden_size, generator=gen) for _ in tables]
     samples = []
     for _ in range(reps):
-        segments = [Segment(kv, pos, x) for kv, pos, x in zip(kvs, lengths, feed, strict=True)]
+        segments = segments_of(pool, tables, lengths, feed)
         started = time.perf_counter_ns()
         rt.forward_batch(segments)
         samples.append((time.perf_counter_ns() - started) / 1e6)
@@ -183,31 +188,31 @@ def main() -> None:
     rt = StageRuntime(model_dir, 0, read_local(model_dir).num_layers, dtype=args.dtype, max_context=max(lengths) + 8)
     print(f"attention bench: {args.shape} {args.dtype} ({len(rt._layers)} layers), {args.threads} thread(s), "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    print(f"{'N':>3} {'L':>5} | {'layer per-session':>17} {'layer padded':>12} {'ratio':>6} | "
-          f"{'pass per-session':>16} {'pass padded':>11} {'ratio':>6}")
+    print(f"{'N':>3} {'L':>5} | {'layer view':>12} {'layer gather':>12} {'ratio':>6} | "
+          f"{'pass view':>11} {'pass gather':>11} {'ratio':>6}")
     rows = []
     for n in sessions:
         for longest in lengths:
             spread = lengths_for(n, longest)
-            kvs = filled_sessions(rt, spread)
-            layer = {form: [] for form in FORMS}
-            whole = {form: [] for form in FORMS}
+            pool, tables = filled_pool(rt, spread)
+            layer: dict[str, list[float]] = {form: [] for form in FORMS}
+            whole: dict[str, list[float]] = {form: [] for form in FORMS}
             for _ in range(3):  # rounds of both forms, interleaved
                 for form in FORMS:
-                    layer[form].append(time_layer(rt, form, kvs, spread, args.reps))
+                    layer[form].append(time_layer(rt, pool, tables[form], spread, args.reps))
                     if not args.no_pass:
-                        whole[form].append(time_pass(rt, form, kvs, spread, max(3, args.reps // 5)))
+                        whole[form].append(time_pass(rt, pool, tables[form], spread, max(3, args.reps // 5)))
             row = {"sessions": n, "longest": longest,
                    **{f"layer_us_{f}": round(statistics.median(layer[f]), 1) for f in FORMS}}
-            row["layer_ratio_padded"] = round(row["layer_us_padded"] / row["layer_us_per-session"], 3)
+            row["layer_ratio_gather"] = round(row["layer_us_gather"] / row["layer_us_view"], 3)
             if not args.no_pass:
                 row.update({f"pass_ms_{f}": round(statistics.median(whole[f]), 2) for f in FORMS})
-                row["pass_ratio_padded"] = round(row["pass_ms_padded"] / row["pass_ms_per-session"], 3)
+                row["pass_ratio_gather"] = round(row["pass_ms_gather"] / row["pass_ms_view"], 3)
             rows.append(row)
-            print(f"{n:>3} {longest:>5} | {row['layer_us_per-session']:>15.1f}us {row['layer_us_padded']:>10.1f}us "
-                  f"{row['layer_ratio_padded']:>6.2f} | " + (
-                      f"{row['pass_ms_per-session']:>14.2f}ms {row['pass_ms_padded']:>9.2f}ms "
-                      f"{row['pass_ratio_padded']:>6.2f}" if not args.no_pass else ""), flush=True)
+            print(f"{n:>3} {longest:>5} | {row['layer_us_view']:>10.1f}us {row['layer_us_gather']:>10.1f}us "
+                  f"{row['layer_ratio_gather']:>6.2f} | " + (
+                      f"{row['pass_ms_view']:>9.2f}ms {row['pass_ms_gather']:>9.2f}ms "
+                      f"{row['pass_ratio_gather']:>6.2f}" if not args.no_pass else ""), flush=True)
     report = {"shape": args.shape, "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
               "load_average_before": [round(x, 2) for x in load],
               "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}

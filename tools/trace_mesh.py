@@ -36,7 +36,7 @@ from inferencemesh.programs.bench.runners import EngineUnderTest
 # (category, test on the stack's frames, root first). First match wins, so the specific come first.
 CATEGORIES: list[tuple[str, object]] = [
     ("attention (cache write, gather, sdpa)", lambda fs: _any(fs, "stage_attention", "sdpa_attention_forward",
-                                                              "_PackedCache.update", "kv.py", "padded_mask",
+                                                              "_PackedCache.update", "kv.py", "kv_pool.py",
                                                               "positions.py")),
     ("layer matmuls (projections, MLP)", lambda fs: _any(fs, "modeling_llama.py") and _any(fs, "packed.py")),
     ("layer other (norms, rotary, activations)", lambda fs: _any(fs, "modeling_llama.py", "modeling_layers.py")),

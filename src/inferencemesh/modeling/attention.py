@@ -8,19 +8,14 @@ not the weights, the cost of a long decode. The cache costs twice the bytes of a
 half-precision one; the query and the output are converted, a row at a time.
 
 A batched pass (several sessions' frames packed in one sequence, see the stage runtime)
-reaches attention in one of two forms. PackedAttention: each session's queries over its own
-cache, one sdpa call per session. PaddedAttention: the sessions' caches gathered once per pass
-(modeling.kv.PaddedBatch) into one zero-padded [N, kv_heads, longest, head_dim] tensor per layer
-with a causal mask per session, one sdpa call for all. Decode attention is memory-bound and the
-gather copies every cached position, about what attention itself then reads, so it pays only
-where the per-call overhead outweighs that copy: several sessions over short caches
-(padded_pays holds the crossover measured with tools/attention_bench.py; numbers in
-docs/benchmarks/concurrency-llama-150m.md).
+reaches attention as PackedAttention: each session's queries over its own keys and values (a
+view of the stage's KV pool, or one gather of its blocks: modeling/kv_pool.py), one sdpa call per
+session, so attention's work grows with the tokens each session has, never with the longest
+session of the batch.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,68 +35,14 @@ class PackedAttention:
     counts: list[int]
 
 
-@dataclass
-class PaddedAttention:
-    """N sessions' frames of `count` tokens each, attended in one call: keys and values
-    [N, kv_heads, longest, head_dim] (zeros past each session's length) and a boolean mask
-    [N, 1, count, longest] that leaves each query its own session's causal (and sliding) window."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    mask: torch.Tensor
-    count: int
-
-
-# The crossover (tools/attention_bench.py, llama-150m, one thread): padded takes 0.4-0.6x the
-# per-session time with 4-8 sessions over 16 positions, about 1x at 32, 1.3x and more from 64 on.
-PADDED_MIN_SESSIONS = 4
-PADDED_MAX_LENGTH = 16
-
-
-# A diagnostic override of how batched passes attend ("auto", "padded" or "per-session"), read
-# when a stage runtime starts: `inferencemesh bench --attention` compares the forms in one run.
-FORM_ENV = "INFERENCEMESH_BATCHED_ATTENTION"
-FORMS = ("auto", "padded", "per-session")
-
-
-def batched_attention_form() -> str:
-    form = os.environ.get(FORM_ENV, "auto")
-    if form not in FORMS:
-        raise ValueError(f"{FORM_ENV}={form!r}: choose one of {', '.join(FORMS)}")
-    return form
-
-
-def padded_pays(counts: list[int], longest: int) -> bool:
-    """Whether a pass of frames of `counts` tokens over caches of up to `longest` positions
-    attends faster in PaddedAttention form than per session. Padded needs equal frame sizes."""
-    return len(counts) >= PADDED_MIN_SESSIONS and longest <= PADDED_MAX_LENGTH and len(set(counts)) == 1
-
-
-def padded_mask(starts: list[int], count: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """The PaddedAttention mask [N, 1, count, max(starts) + count]: query r of session i sits at
-    position starts[i] + r and sees keys k <= it (and k > it - window), the rule of
-    positions.attention_mask per session; keys past a session's own length lie beyond its
-    queries, so the padding is masked by the same comparison."""
-    queries = torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)[None, :]
-    keys = torch.arange(max(starts) + count, device=device)
-    allowed = keys <= queries[..., None]
-    if window is not None:
-        allowed &= keys > queries[..., None] - window
-    return allowed[:, None]
-
-
 def stage_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor | PackedAttention | PaddedAttention,
+    key: torch.Tensor | PackedAttention,
     value: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    if isinstance(key, PaddedAttention):  # [1, H, N * T, d] -> [N, H, T, d], one call -> [1, N * T, H, d]
-        batched = query[0].unflatten(1, (-1, key.count)).transpose(0, 1)
-        out, _ = stage_attention(module, batched, key.keys, key.values, key.mask, **kwargs)
-        return out.reshape(1, -1, *out.shape[2:]), None
     if isinstance(key, PackedAttention):  # each session's queries over its own cache
         cache_dtype = key.parts[0][0].dtype  # converted once for the pass, not per session
         queries = query.to(cache_dtype).split(key.counts, dim=2)

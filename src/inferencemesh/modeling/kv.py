@@ -11,30 +11,39 @@ attention calls update(key, value, layer_idx) with the new rows and gets back th
 values of every position so far. The runtime opens a write window with begin() before running
 its layers and commits it with end().
 
-PaddedBatch is the other way a batched pass attends: the sessions' caches gathered once per
-pass into one zero-padded tensor, so each layer attends for all of them in one call.
+The stage itself keeps no per-session cache: its KV lives in one pool of blocks
+(kv_pool.BlockTableKV). SessionKV serves a single model run outside a stage (the frontend's draft
+model, tests). CacheKV is what the runtime asks of either.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Protocol
 
 import torch
-
-from inferencemesh.planner import reserved_kv_positions
 
 INITIAL_CAPACITY = 256
 
 
-def prefix_cache_room(*, max_sessions: int, max_context: int, cache_tokens: int, live_sessions: int = 0) -> int:
-    """KV positions a stage's prefix-cache entries may hold: those reserved for them alone
-    (--prefix-cache-tokens) and every session slot no live session uses, max_context each. The
-    planner reserves max_sessions x max_context + cache_tokens positions, so entries and live
-    sessions together stay within it. The stage evicts entries past this (stage/sessions.py); the
-    frontend bounds its index of them by the most it can be, with no live session
-    (frontend/engine/prefix_cache.py)."""
-    reserved = reserved_kv_positions(max_sessions=max_sessions, max_context=max_context, cache_tokens=cache_tokens)
-    return reserved - live_sessions * max_context
+class CacheKV(Protocol):
+    """What the runtime's forward passes ask of a session's cache (SessionKV, kv_pool.BlockTableKV)."""
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def room(self) -> int: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def begin(self, start: int, count: int) -> None: ...
+
+    def end(self) -> None: ...
+
+    def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class SessionKV:
@@ -73,6 +82,11 @@ class SessionKV:
     def capacity(self) -> int:
         return self._capacity
 
+    @property
+    def room(self) -> int:
+        """The most positions it can hold (it grows up to max_context)."""
+        return self._max_context
+
     def truncate(self, length: int) -> None:
         """Forget every position at or after `length` (no-op if the cache holds fewer)."""
         if length < 0:
@@ -87,20 +101,6 @@ class SessionKV:
         """Free the buffers. The session may be used again; it starts empty."""
         self._store = None
         self._capacity = self._length = 0
-
-    def copy_prefix(self, source: SessionKV, length: int) -> None:
-        """Hold exactly `source`'s first `length` positions (a forked session's start): one copy
-        of every layer's keys and values; `source` is left as it was."""
-        store = source._store  # held here: the source may be released while this copies
-        if length > source.length or (length and store is None):
-            raise ValueError(f"cannot copy {length} positions of a cache that holds {source.length}")
-        self._length = 0
-        if length:
-            if length > self._capacity:
-                self._grow(length)
-            assert store is not None  # checked above: a source with positions has its store
-            self._allocated[..., :length, :].copy_(store[..., :length, :])
-        self._length = length
 
     # ------------------------------------------------------------------ used by the runtime
 
@@ -136,7 +136,7 @@ class SessionKV:
 
     def positions(self, start: int, stop: int) -> torch.Tensor:
         """Every layer's keys and values at positions [start, stop): a view
-        [layers, 2, kv_heads, stop - start, head_dim] (PaddedBatch reads and writes through it)."""
+        [layers, 2, kv_heads, stop - start, head_dim]."""
         return self._allocated[..., start:stop, :]
 
     # ------------------------------------------------------------------ transformers Cache protocol
@@ -158,65 +158,3 @@ class SessionKV:
         stop = self._stop
         layer[:, :, self._start : stop].copy_(rows)
         return layer[0:1, :, :stop], layer[1:2, :, :stop]
-
-
-class Scratch:
-    """One flat buffer, reused pass after pass and grown to the largest asked for: a fresh
-    tensor of tens of megabytes per pass costs more in page faults than the attention it feeds."""
-
-    def __init__(self) -> None:
-        self._flat: torch.Tensor | None = None
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor of `shape`, valid until the next take()."""
-        numel = math.prod(shape)
-        flat = self._flat
-        if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
-            flat = self._flat = torch.empty(numel, dtype=dtype, device=device)
-        return flat[:numel].view(shape)
-
-    def nbytes(self) -> int:
-        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
-
-
-class PaddedBatch:
-    """A batched pass's sessions, each with a frame of `count` tokens at its own start, attended
-    together: their caches are gathered once per pass into one tensor
-    [layers, 2, N, kv_heads, longest, head_dim] (zeros past each session's frame), each layer
-    writes its new rows there in one indexed copy and attends over it in one call, and the new
-    rows go back to the sessions' caches once, after the last layer (write_back).
-
-    Zeros, not garbage, past a session's end: a masked key still meets its value in attention's
-    weighted sum, where 0 * NaN would poison the row."""
-
-    def __init__(self, caches: list[SessionKV], starts: list[int], count: int, scratch: Scratch) -> None:
-        first = caches[0]
-        self._caches, self._starts, self._count = caches, starts, count
-        self._layer_offset = first._layer_offset
-        longest = max(starts) + count
-        _, heads, _, dim = first._shape
-        self._rows = scratch.take((first._num_layers, 2, len(caches), heads, longest, dim), first._dtype,
-                                  first._device)
-        for i, (kv, start) in enumerate(zip(caches, starts, strict=True)):
-            self._rows[:, :, i, :, :start].copy_(kv.positions(0, start))
-            self._rows[:, :, i, :, start + count :].zero_()
-        # Where each new row goes: session i's t-th token is row (i, starts[i] + t).
-        offsets = torch.arange(count, device=first._device)
-        self._session_index = torch.arange(len(caches), device=first._device).repeat_interleave(count)
-        self._position_index = (torch.tensor(starts, device=first._device)[:, None] + offsets).flatten()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new rows (packed [1, kv_heads, N * count, head_dim], session after
-        session); return its keys and values [N, kv_heads, longest, head_dim]."""
-        keys, values = self._rows[layer_idx - self._layer_offset]
-        # .to: a half-precision model's cache is float32 on CPU (attention.kv_cache_dtype).
-        keys[self._session_index, :, self._position_index] = key_states[0].transpose(0, 1).to(keys.dtype)
-        values[self._session_index, :, self._position_index] = value_states[0].transpose(0, 1).to(values.dtype)
-        return keys, values
-
-    def write_back(self) -> None:
-        """Copy the pass's new rows, every layer's, into the sessions' own caches."""
-        for i, (kv, start) in enumerate(zip(self._caches, self._starts, strict=True)):
-            stop = start + self._count
-            kv.positions(start, stop).copy_(self._rows[:, :, i, :, start:stop])

@@ -1,9 +1,13 @@
-"""The stage runtime: run a layer range of a causal LM over per-session KV caches.
+"""The stage runtime: run a layer range of a causal LM over sessions' KV caches.
 
     rt = StageRuntime("path/or/org/model", 0, 12)
     kv = rt.new_session()
     logits = rt.forward(kv, 0, token_ids=prompt)        # prefill (first and last stage)
     logits = rt.forward(kv, len(prompt), token_ids=nxt)  # decode
+
+A stage keeps its KV in one pool of blocks (new_pool) and hands each frame a BlockTableKV over
+it (modeling/kv_pool.py); a session of its own (new_session, a SessionKV) serves a single run
+outside a stage (the draft model, tests). Both are a kv.CacheKV, which forward and forward_batch take.
 
 pos_start is authoritative: a frame at position p first truncates the session's cache to p,
 which is how a rejected speculation rolls back without a message of its own. The first stage
@@ -21,30 +25,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from inferencemesh.modeling.attention import (
-    PackedAttention,
-    PaddedAttention,
-    batched_attention_form,
-    kv_cache_dtype,
-    padded_mask,
-    padded_pays,
-)
+from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
 from inferencemesh.modeling.families import forward_hooks
-from inferencemesh.modeling.kv import PaddedBatch, Scratch, SessionKV
+from inferencemesh.modeling.kv import CacheKV, SessionKV
+from inferencemesh.modeling.kv_pool import KVPool
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 
 class PositionError(ValueError):
-    """pos_start beyond what the session's cache holds, or past max_context."""
+    """pos_start beyond what the session's cache holds, or past max_context or its block table."""
 
 
 @dataclass
 class Segment:
     """One session's frame within a batched forward pass."""
 
-    kv: SessionKV
+    kv: CacheKV  # a BlockTableKV at a stage
     pos_start: int
     inputs: torch.Tensor  # token ids [T] on the first stage, hidden states [T, H] after it
     logits: str = "last"  # on the last stage: "last", "all" or "none" (see StageRuntime.forward)
@@ -87,9 +86,6 @@ class StageRuntime:
         self._adopt_modules(stage)
         self._plan_attention(stage)
         self._plan_rotary(stage)
-        # How a batched pass attends: "auto" (attention.padded_pays picks the faster form), or
-        # "padded" / "per-session" forced (benchmarks, exactness tests).
-        self.batched_attention = batched_attention_form()
         if on_progress is not None:
             on_progress("ready", 1.0)
 
@@ -112,7 +108,6 @@ class StageRuntime:
         self._smallest_window = min((w for w in self._windows if w is not None), default=None)
         self._no_masks: list[torch.Tensor | None] = [None] * len(self._layers)  # shared, never mutated
         self._cache_kwarg = _cache_argument(self._layers)
-        self._padded_scratch = Scratch()  # the padded attention form's gathered caches (one pass at a time)
 
     def _plan_rotary(self, stage: StageModules) -> None:
         """What the family's forward does around the layers (modeling/families.py HOOKS), and the
@@ -138,12 +133,17 @@ class StageRuntime:
             max_context=self.max_context,
         )
 
+    def new_pool(self, num_blocks: int, block_tokens: int = KV_BLOCK_TOKENS) -> KVPool:
+        """The stage's KV pool: num_blocks blocks of block_tokens positions for its layers."""
+        return KVPool(len(self._layers), self.layer_start, self._kv_heads, self._head_dim, num_blocks=num_blocks,
+                      block_tokens=block_tokens, dtype=self._kv_dtype, device=self.device)
+
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
     def forward(
         self,
-        kv: SessionKV,
+        kv: CacheKV,
         pos_start: int,
         *,
         token_ids: torch.Tensor | None = None,
@@ -199,12 +199,15 @@ class StageRuntime:
             logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
         return logits
 
-    def check_positions(self, kv: SessionKV, pos_start: int, count: int) -> None:
-        """PositionError unless [pos_start, pos_start + count) continues what the cache holds."""
+    def check_positions(self, kv: CacheKV, pos_start: int, count: int) -> None:
+        """PositionError unless [pos_start, pos_start + count) continues what the cache holds and
+        fits max_context and the cache's room (a block table's positions)."""
         if pos_start < 0 or pos_start > kv.length:
             raise PositionError(f"pos_start {pos_start} is beyond the {kv.length} positions this session holds")
         if pos_start + count > self.max_context:
             raise PositionError(f"positions up to {pos_start + count} exceed max_context {self.max_context}")
+        if pos_start + count > kv.room:
+            raise PositionError(f"positions up to {pos_start + count} exceed the {kv.room} the block table covers")
 
     @torch.inference_mode()
     def forward_batch(self, segments: list[Segment]) -> list[torch.Tensor | None]:
@@ -212,8 +215,7 @@ class StageRuntime:
 
         The segments' tokens are packed into one sequence for the projections and MLPs, so
         each weight is read once for all of them (what makes decoding many sessions cheap);
-        attention runs over each session's own cache, per segment or gathered into one padded
-        call, whichever is faster for the pass (see attention.PaddedAttention).
+        attention runs over each session's own keys and values, per segment (attention.PackedAttention).
         """
         if len(segments) == 1:
             seg = segments[0]
@@ -238,7 +240,6 @@ class StageRuntime:
         for layer, key in zip(self._layers, self._rope_keys, strict=True):
             x = layer(x, attention_mask=None, position_ids=positions, **{self._cache_kwarg: packed}, use_cache=True,
                       position_embeddings=by_key[key])
-        packed.finish()
         for seg in segments:
             seg.kv.end()
         if not self.is_last:
@@ -332,31 +333,17 @@ def _logit_rows(segments: list[Segment], counts: list[int]) -> tuple[list[int], 
 
 class _PackedCache:
     """The Cache a batched pass hands the decoder layers: each layer's new keys and values are
-    split by segment into the sessions' own caches, and attention gets them back per segment
-    (PackedAttention) or gathered into one padded batch (PaddedAttention), as decided once per pass."""
+    split by segment into the sessions' own caches, and attention gets each session's keys and
+    values back (PackedAttention)."""
 
     def __init__(self, runtime: StageRuntime, segments: list[Segment], counts: list[int]) -> None:
         self.runtime, self.segments, self.counts = runtime, segments, counts
         self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}  # per (segment, window)
-        self._padded_masks: dict[int | None, torch.Tensor] = {}  # per window
-        form = runtime.batched_attention
-        longest = max(seg.pos_start + count for seg, count in zip(segments, counts, strict=True))
-        uniform = len(set(counts)) == 1
-        padded = uniform and (form == "padded" or (form == "auto" and padded_pays(counts, longest)))
-        starts = [seg.pos_start for seg in segments]
-        self._batch = PaddedBatch([seg.kv for seg in segments], starts, counts[0],
-                                  runtime._padded_scratch) if padded else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
-               **kwargs: object) -> tuple[PackedAttention | PaddedAttention, None]:
+               **kwargs: object) -> tuple[PackedAttention, None]:
         rt = self.runtime
         window = rt._windows[layer_idx - rt.layer_start]
-        if self._batch is not None:
-            if window not in self._padded_masks:
-                starts = [seg.pos_start for seg in self.segments]
-                self._padded_masks[window] = padded_mask(starts, self.counts[0], window, rt.device)
-            keys, values = self._batch.update(key_states, value_states, layer_idx)
-            return PaddedAttention(keys, values, self._padded_masks[window], self.counts[0]), None
         # Keys and values stacked and converted to the cache's dtype once for every session: one
         # copy per session then writes both (the per-session cost is what this path is about).
         rows = torch.stack((key_states[0], value_states[0])).to(rt._kv_dtype)
@@ -367,8 +354,3 @@ class _PackedCache:
                 self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
             parts.append((keys, values, self._masks[i, window]))
         return PackedAttention(parts, self.counts), None
-
-    def finish(self) -> None:
-        """After the last layer: a padded pass writes its new rows into the sessions' caches."""
-        if self._batch is not None:
-            self._batch.write_back()

@@ -3,9 +3,12 @@ with the raw logprobs of what was decided (and of the prompt) when the session a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 import torch
 
+from inferencemesh.modeling.kv_pool import NO_TOKEN
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
@@ -14,13 +17,17 @@ from inferencemesh.stage.sessions import StageSession
 from inferencemesh.token_masks import apply_token_masks, unpack_token_masks
 
 
-def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_size: int) -> pb.Prediction:
-    """The Prediction for `frame` from its logits rows (every row for VERIFY, else the last)."""
+def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_size: int,
+           context: Sequence[int] | None = None) -> pb.Prediction:
+    """The Prediction for `frame` from its logits rows (every row for VERIFY, else the last).
+    context: the session's token ids by position through the frame's last (the pool's token slots,
+    kv_pool.NO_TOKEN where a frame carried none); needed only when the sampling adjusts the logits."""
     sampling = session.sampling
-    context = session.tokens
-    if len(context) != frame.pos_start + frame.token_count and sampling.adjusts:
+    if sampling.adjusts and (context is None or len(context) != frame.pos_start + frame.token_count
+                             or NO_TOKEN in context):
         raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
                     "penalties, logit_bias and min_tokens need every frame's token_ids at the last stage")
+    context = context or ()
     if frame.kind == pb.VERIFY:
         drafts = list(frame.token_ids[1:])
         probs = None

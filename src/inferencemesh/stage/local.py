@@ -4,7 +4,7 @@ LocalStage is the stage's side of the frontend's hop interface (inferencemesh.fr
 connect, open_stream, serving, info, close). The frontend embeds the first stage this way (stage
 0 runs in the OpenAI frontend's process: one hop and one process fewer per token), and an in-process
 pipeline (benchmarks, tests) chains every stage this way. Its batches go through the very
-StageStream and StageService a stage process runs (sessions, FORK and RELEASE, the stream to
+StageStream and StageService a stage process runs (sessions, the KV pool, RELEASE, the stream to
 the next stage), so an embedded stage answers as a process does.
 
 Its compute runs inline, on the event loop's thread, which is the one thread that computes in

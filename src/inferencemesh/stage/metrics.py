@@ -46,20 +46,20 @@ class StageMetrics:
         self.progress = self._gauge("load_progress_ratio", "download / load progress within the current state (0..1)")
 
     def _declare_sessions(self) -> None:
-        self.active_sessions = self._gauge("active_sessions", "live sessions holding a KV cache on this stage")
-        self.prefix_cache_entries = self._gauge("prefix_cache_entries",
-                                                "finished sessions kept as prefix-cache entries")
-        self.prefix_cache_evictions = self._counter("prefix_cache_evictions_total",
-                                                    "prefix-cache entries dropped to make room for a new session")
-        self.cached_tokens = self._gauge("cached_tokens", "token positions held in KV caches on this stage")
-        self.kv_bytes = self._gauge("kv_cache_bytes", "bytes held by KV caches on this stage")
+        self.active_sessions = self._gauge("active_sessions", "live sessions on this stage (their sampling state)")
+        self.kv_blocks_used = self._gauge("kv_blocks_used",
+                                          "KV pool blocks the stream the pool serves has written")
+        self.cached_tokens = self._gauge("cached_tokens", "token positions those blocks hold (kv_blocks_used x "
+                                                          "block size)")
+        self.kv_bytes = self._gauge("kv_cache_bytes", "bytes of the stage's KV pool (allocated once; the OS "
+                                                      "commits pages as they are written)")
 
     def _declare_passes(self) -> None:
         """Where a pass's time goes: the frame's wait for it, the layers, the compute thread's wall time."""
         self.forward_seconds = self._histogram(
             "forward_seconds",
-            "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind); "
-            "kind=fork: copying a session's KV for a FORK", _FORWARD_BUCKETS, ("kind",))
+            "time in the stage's layers per forward pass (a batched pass is labelled by its first frame's kind)",
+            _FORWARD_BUCKETS, ("kind",))
         self.batch_frames_histogram = self._histogram(
             "batch_frames", "frames (sessions) computed together per forward pass", (1, 2, 4, 8, 16, 32, 64))
         self.queue_wait_seconds = self._histogram(
@@ -86,8 +86,7 @@ class StageMetrics:
         self.batch_frames = self.batch_frames_histogram.labels(**labels)
         self.tokens = self.tokens_processed.labels(**labels)
         self.sessions_gauge = self.active_sessions.labels(**labels)
-        self.retained_gauge = self.prefix_cache_entries.labels(**labels)
-        self.evictions = self.prefix_cache_evictions.labels(**labels)
+        self.blocks_gauge = self.kv_blocks_used.labels(**labels)
         self.cached_gauge = self.cached_tokens.labels(**labels)
         self.kv_gauge = self.kv_bytes.labels(**labels)
         self.progress_gauge = self.progress.labels(**labels)
@@ -95,7 +94,7 @@ class StageMetrics:
         self.send = self.send_seconds.labels(**labels)
         self._compute = self.compute_seconds.labels(**labels)
         self._busy = self.busy_seconds.labels(**labels)
-        kinds = ("prefill", "decode", "verify", "release", "fork")
+        kinds = ("prefill", "decode", "verify", "release")
         self.forward_by_kind = {kind: self.forward_seconds.labels(**labels, kind=kind) for kind in kinds}
         self.frames_by_kind = {kind: self.frames.labels(**labels, kind=kind) for kind in kinds}
 

@@ -1,7 +1,7 @@
 """The stage service: one layer range of the model, one batch in and one batch out.
 
 It loads the layers (downloading -> loading -> ready | failed), and carries out each batch:
-RELEASE and FORK frames at once, the others in one forward pass, a frame that fails failing
+RELEASE frames at once, the others in one forward pass over the stage's KV pool, a frame that fails failing
 alone (it travels on as a Failure). Its worker (worker.py) holds the sessions and the codec.
 Transport is not its business: the gRPC endpoint (server.py) and the in-process stage
 (local.py) both feed it batches through a StageStream (stream.py).
@@ -23,11 +23,11 @@ import torch
 
 from inferencemesh.bundled import served_name
 from inferencemesh.checkpoint.errors import CheckpointError
-from inferencemesh.config import StageConfig
+from inferencemesh.config import StageConfig, kv_pool_tokens
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
+from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES, KV_BLOCK_TOKENS
 from inferencemesh.stage.compute import ComputeLane
 from inferencemesh.stage.metrics import StageMetrics
 from inferencemesh.stage.sessions import Owner
@@ -114,10 +114,16 @@ class StageService:
         wire_dtype = codec.DTYPE_NAMES[o.wire_dtype] if o.wire_dtype else None
         self.runtime = runtime
         self.worker = StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, max_sessions=o.max_sessions,
-                                  session_ttl=o.session_ttl, prefix_cache_tokens=o.prefix_cache_tokens,
-                                  wire_dtype=wire_dtype, metrics=self.metrics)
+                                  session_ttl=o.session_ttl, kv_blocks=self.kv_blocks, wire_dtype=wire_dtype,
+                                  metrics=self.metrics)
+        self.publish_totals()
         self._set_state("ready", 1.0)
         return self
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks in the stage's KV pool: config.kv_pool_tokens positions, in KV_BLOCK_TOKENS each."""
+        return max(1, kv_pool_tokens(self.options.kv_cache_tokens, self.options.max_context) // KV_BLOCK_TOKENS)
 
     @property
     def ready(self) -> bool:
@@ -144,7 +150,7 @@ class StageService:
 
     def info(self) -> pb.StageInfo:
         o, rt, worker = self.options, self.runtime, self.worker
-        sessions = worker.sessions.totals()[0] if worker is not None else 0  # live ones
+        sessions = len(worker.sessions) if worker is not None else 0
         return pb.StageInfo(
             model=o.model, stage_index=o.stage_index, num_stages=o.num_stages, layer_start=o.layer_start,
             layer_end=o.layer_end, num_layers=rt.num_layers if rt else 0, is_first=self.is_first,
@@ -152,7 +158,8 @@ class StageService:
             hidden_size=rt.hidden_size if rt else 0, vocab_size=rt.vocab_size if rt else 0,
             wire_dtype=codec.WIRE_CODES[worker.wire_dtype] if worker else pb.DTYPE_UNSPECIFIED,
             active_sessions=sessions, max_sessions=o.max_sessions, max_context=o.max_context,
-            device=str(rt.device) if rt else "",
+            device=str(rt.device) if rt else "", kv_block_tokens=KV_BLOCK_TOKENS,
+            kv_blocks=worker.pool.num_blocks if worker is not None else 0,
         )
 
     # ---- per batch -------------------------------------------------------------------------
@@ -164,7 +171,7 @@ class StageService:
         if worker is None:
             raise Fault(grpc.StatusCode.UNAVAILABLE, f"stage is {self.state}, not ready: {self.reason}".rstrip(": "))
         failures = list(batch.failures)
-        carried: list[pb.Frame] = []  # RELEASE and FORK frames done here
+        carried: list[pb.Frame] = []  # RELEASE frames done here
         jobs: list[Job] = []
         rows = worker.unpack(batch)
         seen: set[str] = set()
@@ -176,19 +183,17 @@ class StageService:
                                 f"two frames of session {frame.session_id!r} in one batch")
                 seen.add(frame.session_id)
                 if frame.kind == pb.RELEASE:
-                    worker.release(frame.session_id, owner, retain=frame.retain)
-                    carried.append(frame)
-                elif frame.kind == pb.FORK:
-                    await self._fork(frame, owner)
+                    worker.release(frame.session_id, owner)
                     carried.append(frame)
                 else:
                     session = worker.bind(frame, owner)
-                    jobs.append((session, frame, worker.inputs(frame, hidden)))
+                    inputs = worker.inputs(frame, hidden)
+                    jobs.append((session, frame, inputs, worker.admit(frame, session, owner)))
             except Fault as fault:
                 failures.append(self._failed(frame, fault, owner))
         outs = await self.compute.forward(worker, jobs)
         computed = []
-        for (_, frame, _), out in zip(jobs, outs, strict=True):
+        for (_, frame, _, _), out in zip(jobs, outs, strict=True):
             if isinstance(out, Fault):
                 failures.append(self._failed(frame, out, owner))
             else:
@@ -197,15 +202,6 @@ class StageService:
                 self._trace(frame)
         self.publish_totals()
         return worker.pack(batch.seq, failures, computed, carried)
-
-    async def _fork(self, frame: pb.Frame, owner: Owner) -> None:
-        parent, child = self.loaded.begin_fork(frame, owner)
-        # a copy is device work: on the compute thread, between passes
-        started = time.perf_counter()
-        await self.compute.run(self.loaded.finish_fork, parent, child, frame)
-        kind = KIND_NAMES[pb.FORK]
-        self.metrics.forward_by_kind[kind].observe(time.perf_counter() - started)  # the copy's cost
-        self.metrics.frames_by_kind[kind].inc()
 
     def _failed(self, frame: pb.Frame, fault: Fault, owner: Owner) -> pb.Failure:
         self.metrics.error(fault.code.name)
@@ -227,11 +223,11 @@ class StageService:
     def publish_totals(self) -> None:
         if self.worker is None:
             return
-        sessions, retained, cached, kv_bytes = self.worker.sessions.totals()
-        self.metrics.sessions_gauge.set(sessions)
-        self.metrics.retained_gauge.set(retained)
-        self.metrics.cached_gauge.set(cached)
-        self.metrics.kv_gauge.set(kv_bytes)
+        worker = self.worker
+        self.metrics.sessions_gauge.set(len(worker.sessions))
+        self.metrics.blocks_gauge.set(worker.ledger.blocks_used)
+        self.metrics.cached_gauge.set(worker.ledger.blocks_used * worker.pool.block_tokens)
+        self.metrics.kv_gauge.set(worker.pool.nbytes())
 
     async def mark_not_serving(self) -> None:
         """The stage is stopping: it says so before its server goes."""

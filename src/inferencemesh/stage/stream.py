@@ -3,7 +3,8 @@
 Per upstream stream (the frontend's, or the previous stage's) a stage keeps one StageStream, and
 opens one stream to the next stage for it, whatever the number of sessions: batches go down,
 each carried out by the service in order, and the last stage's answers come back up the same
-streams. The sessions a stream opened are freed when it ends. The gRPC endpoint (server.py)
+streams. The sessions a stream opened are freed when it ends, and the stage's KV pool, which
+serves one stream at a time, is free for the next. The gRPC endpoint (server.py)
 feeds a StageStream from a gRPC call; an in-process stage (local.py) from its caller directly.
 """
 

@@ -1,10 +1,10 @@
 """What a stage does with one batch, with no transport in sight.
 
-The worker owns the stage's sessions (bind, fork, release: their KV caches, sampling and token
-history) and the activation codec (unpack a batch's hidden states, pack its output), and runs
-the frames through the runtime in one forward pass. The service (service.py) decides what runs
-where: the worker's device work (compute_batch, finish_fork) on the stage's compute thread, the
-rest on the event loop.
+The worker owns the stage's sessions (bind, release: their sampling state), its KV pool and the
+ledger of which stream holds it (sessions.PoolLedger), and the activation codec (unpack a batch's
+hidden states, pack its output), and runs the frames through the runtime in one forward pass,
+each over its block table. The service (service.py) decides what runs where: the worker's device
+work (compute_batch) on the stage's compute thread, the rest on the event loop.
 """
 
 from __future__ import annotations
@@ -21,28 +21,31 @@ import torch
 from inferencemesh.protocol import codec, params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import Fault
-from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES
+from inferencemesh.protocol.transport import COMPUTE_KINDS, KIND_NAMES, KV_BLOCK_TOKENS, expects_ack
 from inferencemesh.stage.decide import decide
 from inferencemesh.stage.metrics import StageMetrics
-from inferencemesh.stage.sessions import Owner, SessionsFull, SessionTable, StageSession, fork, fork_refusal
+from inferencemesh.stage.sessions import Owner, PoolLedger, SessionsFull, SessionTable, StageSession
 
 if TYPE_CHECKING:
     from inferencemesh.modeling.runtime import StageRuntime
 
 log = logging.getLogger("inferencemesh.stage")
 
-Job = tuple[StageSession, pb.Frame, torch.Tensor]  # a frame to compute, with its session and input rows
+# A frame to compute: its session, its input rows and its block table.
+Job = tuple[StageSession, pb.Frame, torch.Tensor, list[int]]
 
 
 class StageWorker:
+    """kv_blocks: blocks of KV_BLOCK_TOKENS positions in the stage's pool."""
+
     def __init__(self, runtime: StageRuntime, *, is_first: bool, is_last: bool, max_sessions: int,
-                 session_ttl: float, prefix_cache_tokens: int = 0, wire_dtype: torch.dtype | None = None,
+                 session_ttl: float, kv_blocks: int, wire_dtype: torch.dtype | None = None,
                  metrics: StageMetrics | None = None) -> None:
         self.runtime = runtime
         self.is_first, self.is_last = is_first, is_last
-        self.sessions = SessionTable(max_sessions, session_ttl, max_context=runtime.max_context,
-                                     cache_tokens=prefix_cache_tokens,
-                                     on_evict=metrics.evictions.inc if metrics is not None else None)
+        self.sessions = SessionTable(max_sessions, session_ttl)
+        self.pool = runtime.new_pool(kv_blocks, KV_BLOCK_TOKENS)
+        self.ledger = PoolLedger(kv_blocks, KV_BLOCK_TOKENS)
         self.wire_dtype = wire_dtype or runtime.dtype
         self.metrics = metrics
 
@@ -57,65 +60,32 @@ class StageWorker:
         return session
 
     def bind(self, frame: pb.Frame, owner: Owner) -> StageSession:
-        """The session a computing frame runs in: its stream's own, or a new one at position 0."""
+        """The session a computing frame runs in: its stream's own, or a new one (at any position:
+        admit checks that its stream wrote the blocks it reads)."""
         if not frame.session_id:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, "frame without session_id")
         if frame.kind not in KIND_NAMES:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT, f"unknown frame kind {frame.kind}")
-        existing = self._session_of(frame.session_id, owner)
-        if existing is not None and existing.retained:
-            raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"session {frame.session_id!r} is a prefix-cache entry: it is forked from, not computed in")
-        if (existing is None or existing.kv is None) and frame.pos_start != 0:
-            raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
-                        f"unknown session {frame.session_id!r} at position {frame.pos_start} (expired, released or "
-                        "the stage restarted): prefill it again from position 0")
+        self._session_of(frame.session_id, owner)
         try:
             return self.sessions.open(frame.session_id, owner)
         except SessionsFull as err:
             raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from err
 
-    def begin_fork(self, frame: pb.Frame, owner: Owner) -> tuple[StageSession, StageSession]:
-        """(parent, new child) of a FORK frame, both the stream's; a refused fork creates nothing
-        (and leaves the parent and any session of that id alone). finish_fork copies the parent."""
-        self.check_payload(frame)
-        target = self._session_of(frame.session_id, owner)
-        parent = self._session_of(frame.parent_session_id, owner) if frame.parent_session_id else None
-        refusal = fork_refusal(frame, parent, target)
-        if refusal is not None:
-            raise refusal
-        assert parent is not None  # fork_refusal refuses a FORK whose parent is missing
-        parent.last_used = time.monotonic()  # a prefix-cache entry forked from is a recently used one
-        try:
-            return parent, self.sessions.open(frame.session_id, owner, keep=parent)
-        except SessionsFull as err:
-            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, f"FORK refused: {err}") from err
+    def admit(self, frame: pb.Frame, session: StageSession, owner: Owner) -> list[int]:
+        """The frame's block table, checked against the pool (sessions.PoolLedger.admit)."""
+        return self.ledger.admit(frame, session, owner)
 
-    def finish_fork(self, parent: StageSession, child: StageSession, frame: pb.Frame) -> None:
-        """The copy (device work); a fork that fails leaves no child behind."""
-        try:
-            fork(parent, child, frame, self.runtime.new_session)
-        except BaseException:
-            self.sessions.release(child.session_id)
-            raise
-        finally:
-            self.sessions.fit_cache()  # the parent, kept for the copy, may be beyond the entries' room
-
-    def release(self, session_id: str, owner: Owner, retain: bool = False) -> None:
-        """RELEASE: free the stream's session, or with `retain` keep it as a prefix-cache entry
-        (one it does not hold: nothing to do)."""
-        session = self._session_of(session_id, owner)
-        if session is None:
-            return
-        if retain and session.kv is not None:
-            self.sessions.retain(session)
-        else:
+    def release(self, session_id: str, owner: Owner) -> None:
+        """RELEASE: forget the stream's session (its blocks are the frontend's to reuse)."""
+        if self._session_of(session_id, owner) is not None:
             self.sessions.release(session_id)
 
     def release_all(self, owner: Owner) -> None:
-        """The stream ended: free every session it opened."""
+        """The stream ended: free every session it opened, and the pool if it held it."""
         for session_id in list(owner.sessions):
             self.sessions.release(session_id)
+        self.ledger.end(owner)
 
     def failure(self, frame: pb.Frame, fault: Fault, stage_index: int, owner: Owner) -> pb.Failure:
         """A frame's failure. Its session is dropped here (the frontend replays it as a new one),
@@ -189,12 +159,14 @@ class StageWorker:
     def pack(self, seq: int, failures: list[pb.Failure], computed: list[tuple[pb.Frame, object]],
              carried: list[pb.Frame]) -> pb.Batch | pb.BatchResult:
         """What goes on: the batch for the next stage (the computed frames' hidden states packed in
-        frame order, then the RELEASE / FORK frames carried out here), or on the last stage the
-        BatchResult (the predictions, and an Ack for each carried frame)."""
+        frame order, then the RELEASE frames carried out here), or on the last stage the
+        BatchResult (the predictions, and an Ack for each prompt chunk computed without one and each
+        carried frame: every stage has done it then)."""
         if self.is_last:
             result = pb.BatchResult(seq=seq, failures=failures,
                                     predictions=[out for _, out in computed if isinstance(out, pb.Prediction)])
-            result.acks.extend(pb.Ack(seq=f.seq, session_id=f.session_id, kind=f.kind) for f in carried)
+            done = [f for f, _ in computed if expects_ack(f)] + carried
+            result.acks.extend(pb.Ack(seq=f.seq, session_id=f.session_id, kind=f.kind) for f in done)
             return result
         down = pb.Batch(seq=seq, failures=failures, frames=[f for f, _ in computed] + carried,
                         dtype=codec.WIRE_CODES[self.wire_dtype], hidden_size=self.runtime.hidden_size)
@@ -206,41 +178,44 @@ class StageWorker:
     # ---- the forward pass ------------------------------------------------------------------
 
     def compute_batch(self, jobs: list[Job]) -> list:
-        """Several sessions' frames in one forward pass. Per job: hidden states (stages before
-        the last), a Prediction or None (the last stage: None for a prompt chunk that wants no
-        prediction, whose head is skipped), or the Fault that job alone gets."""
-        from inferencemesh.modeling.runtime import PositionError, Segment  # torch-heavy: loaded when first used
+        """Several sessions' frames in one forward pass, each over its block table. Per job: hidden
+        states (stages before the last), a Prediction or None (the last stage: None for a prompt
+        chunk that wants no prediction, whose head is skipped), or the Fault that job alone gets."""
+        from inferencemesh.modeling.kv_pool import BlockTableKV  # torch-heavy: loaded when first used
+        from inferencemesh.modeling.runtime import PositionError, Segment
 
         rt = self.runtime
         results: list = [None] * len(jobs)
         runnable, segments = [], []
-        for index, (session, frame, inputs) in enumerate(jobs):
+        for index, (session, frame, inputs, table) in enumerate(jobs):
             if frame.HasField("sampling"):
                 session.sampling, session.logprobs = params.from_wire(frame.sampling)
-            if session.kv is None:
-                session.kv = rt.new_session()
+            kv = BlockTableKV(self.pool, table, frame.pos_start, frame.token_count)
             try:
-                rt.check_positions(session.kv, frame.pos_start, frame.token_count)
+                rt.check_positions(kv, frame.pos_start, frame.token_count)
             except PositionError as err:
                 results[index] = Fault(grpc.StatusCode.FAILED_PRECONDITION, str(err))
                 continue
-            if self.is_last:  # pos_start is authoritative for the token history as for the cache
-                del session.tokens[frame.pos_start:]
-                session.tokens.extend(frame.token_ids)
+            if self.is_last:  # the session's token history is its table's slots (the penalties read it)
+                self.pool.write_tokens(table, frame.pos_start, frame.token_ids, frame.token_count)
             wants = frame.kind != pb.PREFILL or frame.want_prediction
             every_row = frame.kind == pb.VERIFY or (frame.kind == pb.PREFILL and frame.prompt_logprobs)
             logits = "all" if every_row else "last" if wants else "none"
             runnable.append(index)
-            segments.append(Segment(session.kv, frame.pos_start, inputs, logits))
+            segments.append(Segment(kv, frame.pos_start, inputs, logits))
         if not segments:
             return results
         started = time.perf_counter()
         outs = rt.forward_batch(segments)
         self._count(jobs, runnable, time.perf_counter() - started)
         for index, out in zip(runnable, outs, strict=True):
-            session, frame, _ = jobs[index]
+            session, frame, _, table = jobs[index]
+            stop = frame.pos_start + frame.token_count
+            if session.owner is not None:
+                self.ledger.wrote(session.owner, table, frame.pos_start, stop)
             try:  # a frame that cannot be decided (bad draft_probs, penalties without ids) fails alone
-                results[index] = decide(session, frame, out, rt.vocab_size) if self.is_last and out is not None else out
+                results[index] = self._decide(session, frame, out, table) if self.is_last and out is not None \
+                    else out
             except Fault as fault:
                 results[index] = fault
             except Exception as err:  # whatever else deciding one frame raises is that frame's alone too
@@ -248,6 +223,13 @@ class StageWorker:
                 results[index] = Fault(grpc.StatusCode.INTERNAL, f"deciding the frame failed: {type(err).__name__}: "
                                                                  f"{err}")
         return results
+
+    def _decide(self, session: StageSession, frame: pb.Frame, logits: torch.Tensor, table: list[int]) -> pb.Prediction:
+        """The last stage's decision; the token history read from the table's slots only when the
+        sampling looks at it (penalties, logit_bias, min_tokens)."""
+        stop = frame.pos_start + frame.token_count
+        context = self.pool.read_tokens(table, stop) if session.sampling.adjusts else None
+        return decide(session, frame, logits, self.runtime.vocab_size, context)
 
     def _count(self, jobs: list[Job], runnable: list[int], seconds: float) -> None:
         if self.metrics is None:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inferencemesh.modeling.attention import FORM_ENV
 from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.mesh import meshes, start_mesh
 from inferencemesh.programs.bench.models import MAX_CONTEXT, BenchModel
@@ -165,18 +164,16 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target: PreTrainedMo
 
     configs = [MeasuredBursts("hf-generate-batch", {"stages": 1, "concurrency": HF_BATCH, "speculative": "none"},
                                  cycle(HF_BATCH), HfBatchPeer(target, config.new_tokens), threads)]
-    forms, thread_options = config.attention, config.stage_threads
+    thread_options = config.stage_threads
     with meshes() as started:
-        variants = [(c, f, t, e) for c in config.stages for f in forms for t in thread_options
-                    for e in config.first_stage]
-        for count, form, stage_threads, first_stage in variants:
-            # Mesh variants compared in one run: the stages' batched attention form (attention.FORM_ENV),
-            # their OpenMP threads ("default": as `serve` starts them, each stage its share of the cores)
-            # and where the first stage runs.
-            env = {FORM_ENV: form, **({} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads})}
+        variants = [(c, t, e) for c in config.stages for t in thread_options for e in config.first_stage]
+        for count, stage_threads, first_stage in variants:
+            # Mesh variants compared in one run: the stages' OpenMP threads ("default": as `serve`
+            # starts them, each stage its share of the cores) and where the first stage runs.
+            env = {} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads}
             mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, env=env, first_stage=first_stage)
             started.append(mesh)
-            variant = ",".join([form] * (len(forms) > 1) + [f"threads={stage_threads}"] * (len(thread_options) > 1))
+            variant = f"threads={stage_threads}" if len(thread_options) > 1 else ""
             label = mesh.label + (f"[{variant}]" if variant else "")
             for strategy in config.speculative:
                 for level in levels:
@@ -185,7 +182,7 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target: PreTrainedMo
                                              proposer(speculation, strategy), config.speculative_disable_by_batch_size)
                     name = label if strategy == "none" else f"{label}+{strategy}"
                     configs.append(MeasuredBursts(name, {"stages": count, "concurrency": level,
-                                                            "speculative": strategy, "attention": form,
+                                                            "speculative": strategy,
                                                             "stage_threads": stage_threads, "variant": variant,
                                                             "first_stage": first_stage},
                                                      cycle(level), EngineBurst(runner), mesh.threads))
@@ -201,28 +198,8 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target: PreTrainedMo
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "results": results,
     }
     report.update(_concurrency_ratios(results))
-    report.update(_attention_ratios(results))
     _print_table(results)
     return report
-
-
-def _attention_ratios(results: list[dict]) -> dict:
-    """Each attention form's aggregate tokens/s over the per-session form's, per stage count and C."""
-    out = {}
-    def same(r: dict) -> tuple:
-        return r["stages"], r["concurrency"], r["speculative"], r.get("stage_threads"), r.get("first_stage")
-
-    base = {same(r): r for r in results if r.get("attention") == "per-session"}
-    for r in results:
-        b = base.get(same(r))
-        if b and r.get("attention") not in (None, "per-session"):
-            key = f"attention_{r['attention']}_vs_per_session_stages_{r['stages']}_concurrency_{r['concurrency']}"
-            if r["variant"] and "threads=" in r["variant"]:
-                key += f"_threads_{r['stage_threads']}"
-            if r.get("first_stage") == "embedded":
-                key += "_embedded"
-            out[key] = round(r["tokens_per_s"] / b["tokens_per_s"], 3)
-    return out
 
 
 def _concurrency_ratios(results: list[dict]) -> dict:

@@ -17,10 +17,9 @@ from inferencemesh.config import (
 )
 from inferencemesh.flags import ConfigError, flag_name, option, switch
 
-# What `bench` can compare (its prompt sets, modeling.attention.FORMS, where a mesh's first stage
-# runs); named here, beside the flags, so that a typo is a usage error before anything loads.
+# What `bench` can compare (its prompt sets, where a mesh's first stage runs); named here, beside
+# the flags, so that a typo is a usage error before anything loads.
 BENCH_PROMPT_SETS = ("code", "prose")
-ATTENTION_FORMS = ("auto", "padded", "per-session")
 FIRST_STAGE_FORMS = ("embedded", "process")
 
 
@@ -45,8 +44,6 @@ class BenchConfig(ModelOptions):
     concurrency: tuple[int, ...] | None = option(
         None, "stream counts (e.g. 1,8,32): bursts of concurrent streams per stage count, aggregate tok/s, "
         "TTFT and ITL percentiles, and the hf-generate-batch peer", parse=int, render=str, listed=True)
-    attention: tuple[str, ...] = option(("auto",), "with --concurrency, batched attention forms of the stages "
-                                        "to compare", choices=ATTENTION_FORMS, listed=True)
     stage_threads: tuple[str, ...] = option(
         ("default",), "with --concurrency, OpenMP threads of the stage processes to compare (default: as serve "
         "starts them, each its share of the cores), e.g. default,1", parse=_threads_or_default, listed=True)

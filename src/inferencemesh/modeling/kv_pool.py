@@ -1,0 +1,150 @@
+"""A stage's KV memory as one pool of fixed-size blocks, and the cache object of one session's
+frame over its block table (docs/design/kv-blocks.md).
+
+The pool is one tensor [layers, 2 (keys, values), kv_heads, slots, head_dim], slots = blocks x
+block_tokens, allocated once with torch.empty (the OS commits a page when it is first written, so
+an idle pool costs address space, not memory). Block b holds slots [b B, b B + B). The frontend
+decides which blocks a session's positions live in; the stage writes and reads where the frame's
+table says. The last stage also keeps each slot's token id, so a session's token history (what the
+penalties read) is its table's slots, whoever computed them.
+
+BlockTableKV speaks what the runtime asks of a cache (see kv.CacheKV): the new rows go into their
+slots, and attention gets the session's keys and values [0, stop) as a view of the pool when the
+table's blocks are consecutive ids, else in one index_select of its slots (its index built once
+per frame, not per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+NO_TOKEN = -1  # a token slot written by a frame that carried no token ids
+
+
+class KVPool:
+    """The KV blocks of layers [layer_offset, layer_offset + num_layers) of one stage."""
+
+    def __init__(self, num_layers: int, layer_offset: int, kv_heads: int, head_dim: int, *, num_blocks: int,
+                 block_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        if num_blocks < 1 or block_tokens < 1:
+            raise ValueError(f"a KV pool needs blocks ({num_blocks}) of at least one position ({block_tokens})")
+        self.num_blocks, self.block_tokens = num_blocks, block_tokens
+        self.layer_offset = layer_offset
+        self.slots = num_blocks * block_tokens
+        self.store = torch.empty((num_layers, 2, kv_heads, self.slots, head_dim), dtype=dtype, device=device)
+        # Token id per slot, on the CPU (the penalties read it as a list); int32 as the wire's ids.
+        self.tokens = torch.full((self.slots,), NO_TOKEN, dtype=torch.int32)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    def nbytes(self) -> int:
+        """Bytes of the keys and values (allocated, not necessarily committed by the OS yet)."""
+        return self.store.numel() * self.store.element_size()
+
+    def slot_index(self, blocks: Sequence[int], start: int, stop: int, device: torch.device | None = None
+                   ) -> torch.Tensor:
+        """The slots of positions [start, stop) under table `blocks`, as an int64 tensor."""
+        size = self.block_tokens
+        first, last = start // size, -(-stop // size)
+        table = torch.tensor(blocks[first:last], dtype=torch.long)
+        slots = (table[:, None] * size + torch.arange(size)).flatten()
+        offset = start - first * size
+        return slots[offset : offset + stop - start].to(device or self.device)
+
+    def write_tokens(self, blocks: Sequence[int], start: int, token_ids: Sequence[int] | None, count: int) -> None:
+        """Record the ids of positions [start, start + count) (NO_TOKEN for each when not given)."""
+        slots = self.slot_index(blocks, start, start + count, torch.device("cpu"))
+        if token_ids is not None and len(token_ids) == count:
+            self.tokens[slots] = torch.tensor(list(token_ids), dtype=torch.int32)
+        else:
+            self.tokens[slots] = NO_TOKEN
+
+    def read_tokens(self, blocks: Sequence[int], stop: int) -> list[int]:
+        """The token ids of positions [0, stop) under table `blocks` (NO_TOKEN where none was given)."""
+        if stop == 0:
+            return []
+        return self.tokens[self.slot_index(blocks, 0, stop, torch.device("cpu"))].tolist()
+
+
+def consecutive(blocks: Sequence[int], count: int) -> bool:
+    """Whether the table's first `count` entries are b, b + 1, ..., b + count - 1."""
+    if count <= 1:
+        return True
+    first = blocks[0]
+    return blocks[count - 1] == first + count - 1 and list(blocks[:count]) == list(range(first, first + count))
+
+
+class BlockTableKV:
+    """One session's frame over its block table: the cache object the runtime hands its layers.
+
+    pos_start: where the frame's positions start; positions before it are read from the pool as
+    the table says (the stage has checked that this stream wrote them). count: the frame's tokens.
+    """
+
+    def __init__(self, pool: KVPool, blocks: Sequence[int], pos_start: int, count: int) -> None:
+        self.pool = pool
+        self.blocks = list(blocks)
+        self._length = pos_start
+        self._start, self._stop = pos_start, pos_start + count
+        self._base: int | None = None  # consecutive blocks: the slot of position 0
+        self._read: torch.Tensor | None = None  # else the slots of [0, stop) ...
+        self._write: torch.Tensor | None = None  # ... and of [start, stop)
+
+    @property
+    def length(self) -> int:
+        """Positions the frame may read before its own."""
+        return self._length
+
+    @property
+    def room(self) -> int:
+        """Positions the table covers: the most a frame over it may reach."""
+        return len(self.blocks) * self.pool.block_tokens
+
+    def truncate(self, length: int) -> None:
+        """pos_start is authoritative: positions past it are simply overwritten later."""
+        if length < 0:
+            raise ValueError(f"cannot truncate to a negative length ({length})")
+        self._length = min(self._length, length)
+
+    def begin(self, start: int, count: int) -> None:
+        """Open the write window [start, start + count), and plan how its layers read: a view or a gather."""
+        stop = start + count
+        if stop > self.room:
+            raise ValueError(f"positions up to {stop} need more than the table's {len(self.blocks)} blocks")
+        self._start, self._stop = start, stop
+        size = self.pool.block_tokens
+        if consecutive(self.blocks, -(-stop // size)):
+            self._base, self._read, self._write = self.blocks[0] * size if self.blocks else 0, None, None
+        else:
+            self._base = None
+            self._read = self.pool.slot_index(self.blocks, 0, stop)
+            self._write = self._read[start:stop]
+
+    def end(self) -> None:
+        self._length = self._stop
+
+    def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's new keys and values [2, kv_heads, T, head_dim] (in the pool's dtype) into their
+        slots; returns the keys and values of positions [0, stop), each [1, kv_heads, stop, head_dim]."""
+        layer = self.pool.store[layer_idx - self.pool.layer_offset]
+        if self._base is not None:
+            base = self._base
+            layer[:, :, base + self._start : base + self._stop].copy_(rows)
+            return layer[0:1, :, base : base + self._stop], layer[1:2, :, base : base + self._stop]
+        assert self._read is not None and self._write is not None, "write() before begin()"
+        layer.index_copy_(2, self._write, rows.to(layer.dtype))
+        gathered = layer.index_select(2, self._read)
+        return gathered[0:1], gathered[1:2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformers Cache protocol (a single-frame pass): new rows [1, kv_heads, T, head_dim] each."""
+        return self.write(torch.cat((key_states, value_states)).to(self.pool.dtype), layer_idx)
