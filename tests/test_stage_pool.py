@@ -48,6 +48,7 @@ def test_frames_over_tables_the_stream_cannot_read_are_refused_and_the_stream_go
         {"frames": [frame("b", 0, [7], [info.kv_blocks])]},  # outside the pool
         {"frames": [frame("c", 40, [7], [0, 1, 5])]},  # reads 0 and 1 (written, 1 partly: the stage cannot tell) and 5
         {"frames": [frame("d", 20, [7], [0, 1], want_prediction=True)]},  # a new session on a's blocks
+        {"frames": [frame("d", 21, [8], [9, 1])]},  # its table changed under it: block 9 is checked anew
     ]
     results, status = exchange(one_stage.addresses[0], batches)
     assert status == grpc.StatusCode.OK and not results[0].failures
@@ -56,6 +57,8 @@ def test_frames_over_tables_the_stream_cannot_read_are_refused_and_the_stream_go
     assert codes[1][0][0] == grpc.StatusCode.INVALID_ARGUMENT and "outside" in codes[1][0][1]
     assert codes[2][0][0] == grpc.StatusCode.FAILED_PRECONDITION and "block 5" in codes[2][0][1]
     assert not results[4].failures and len(results[4].predictions) == 1
+    (code, message), = failures(results[5])
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "block 9" in message
 
 
 def test_the_pool_serves_one_stream_until_it_ends(one_stage) -> None:

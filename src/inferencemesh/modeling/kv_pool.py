@@ -91,7 +91,7 @@ class BlockTableKV:
 
     def __init__(self, pool: KVPool, blocks: Sequence[int], pos_start: int, count: int) -> None:
         self.pool = pool
-        self.blocks = list(blocks)
+        self.blocks = blocks if isinstance(blocks, list) else list(blocks)
         self._length = pos_start
         self._start, self._stop = pos_start, pos_start + count
         self._base: int | None = None  # consecutive blocks: the slot of position 0

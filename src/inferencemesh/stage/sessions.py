@@ -112,15 +112,18 @@ class PoolLedger:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
                         f"the block table has {len(table)} blocks; positions [0, {stop}) need {needed} of "
                         f"{self.block_tokens} positions")
-        if table and max(table) >= self.num_blocks:
-            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"block {max(table)} is outside the stage's KV pool of {self.num_blocks} blocks")
-        if self.holder is not None and self.holder is not owner:
-            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV pool is held by another stream; retry when it ends")
         read = -(-frame.pos_start // self.block_tokens)
-        known = min(len(session.checked), read)  # a rollback checks nothing again
+        # The entries of the session's last table found good need no second look (a decode step
+        # checks its new block, not the whole context); a rollback checks nothing again.
+        known = min(len(session.checked), read)
         if table[:known] != session.checked[:known]:
             known = 0
+        outside = max(table[known:], default=-1)
+        if outside >= self.num_blocks:
+            raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"block {outside} is outside the stage's KV pool of {self.num_blocks} blocks")
+        if self.holder is not None and self.holder is not owner:
+            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV pool is held by another stream; retry when it ends")
         unwritten = [b for b in table[known:read] if b not in owner.written]
         if unwritten:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
