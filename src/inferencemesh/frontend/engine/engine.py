@@ -2,10 +2,11 @@
 steps held to its stop rule (stopping.py: when a choice ends, and why).
 
 A request is checked and converted for the wire, then admitted (admission.py: its slots
-are held by one context manager), then its prompt is prefilled once: the other n - 1 choices
-FORK the first one's session at every stage, up to the prompt's last token, which each computes
-itself with its own seed; from there every choice is a request of its own. The frames a
-session sends, and its recovery, are session.py's.
+are held by one context manager), then, once the KV pool can hold it (kv_blocks.py), its prompt
+is prefilled once, from the first position its cached prefix blocks do not cover: the other
+n - 1 choices share the prompt's full blocks by reference and compute the rest, the last token
+with their own seed; from there every choice is a request of its own. The frames a session
+sends, and its recovery (preemption included), are session.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Generic, TypeVar
 
-from inferencemesh.config import DEFAULT_RECOVERY_TIMEOUT
+from inferencemesh.config import DEFAULT_MAX_SESSIONS, DEFAULT_RECOVERY_TIMEOUT, kv_pool_tokens
 from inferencemesh.frontend.engine.admission import Admission, Lease, Slot
 from inferencemesh.frontend.engine.api import (
     ChoiceStream,
@@ -30,16 +31,15 @@ from inferencemesh.frontend.engine.api import (
     single_choice,
 )
 from inferencemesh.frontend.engine.errors import ContextLengthExceeded, InvalidRequest, PipelineFailed
+from inferencemesh.frontend.engine.kv_blocks import BlockManager, KvRoom
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
-from inferencemesh.frontend.engine.prefix_cache import PrefixEntries
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.frontend.engine.session import Connection, Pipeline, SessionFrames, converted
 from inferencemesh.frontend.engine.stopping import ChoiceStopping, StopRule
-from inferencemesh.modeling.kv import prefix_cache_room
 from inferencemesh.protocol import params
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
-from inferencemesh.protocol.transport import PREFILL_CHUNK_TOKENS
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS, PREFILL_CHUNK_TOKENS
 from inferencemesh.sampling import INT32_MAX, UINT32_MAX, unsafe_field
 
 log = logging.getLogger("inferencemesh.engine")
@@ -51,7 +51,7 @@ PipelineT = TypeVar("PipelineT", bound=Pipeline)
 class EngineOptions:
     model_name: str
     max_context: int = 2048
-    max_sessions: int = 16  # concurrent requests in flight through the pipeline
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # concurrent requests in flight (a scheduling limit)
     max_waiting: int = 256  # queued beyond that: 429
     prefill_chunk: int = PREFILL_CHUNK_TOKENS  # prompt tokens per frame (bounded message size, interleaving)
     queue_timeout_s: float = 60.0
@@ -59,8 +59,18 @@ class EngineOptions:
     debug_telemetry: bool = False  # per-window timings in the log (and frame send times on the wire)
     speculative_disable_by_batch_size: int = 0  # no proposals while this many requests run (0: always)
     vocab_size: int | None = None  # the target's: token ids at or beyond it are refused (None: int32's range)
-    prefix_cache: bool = True  # finished sessions stay at the stages for later prompts to fork (prefix_cache.py)
-    prefix_cache_tokens: int = 0  # the stages' room for entries beyond their session slots (stage/sessions.py)
+    prefix_cache: bool = True  # computed full blocks are reused by later prompts (kv_blocks.py)
+    # The stages' KV pool in blocks: config.kv_pool_tokens(...) // KV_BLOCK_TOKENS (None: its default)
+    kv_blocks: int | None = None
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.kv_blocks or kv_pool_tokens(0, self.max_context) // KV_BLOCK_TOKENS
+
+    @property
+    def token_room(self) -> int:
+        """The most positions one choice may hold: the context, or the whole pool if smaller."""
+        return min(self.max_context, self.pool_blocks * KV_BLOCK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -90,16 +100,19 @@ class PipelineEngine(Generic[PipelineT]):
         self._describe = describe or {}
         self.admission = Admission(options.max_sessions, max_waiting=options.max_waiting,
                                    timeout_s=options.queue_timeout_s)
-        self.frames = SessionFrames(pipeline, max_context=options.max_context, prefill_chunk=options.prefill_chunk,
+        self.blocks = BlockManager(options.pool_blocks, caching=options.prefix_cache,
+                                   salt=options.model_name.encode())
+        self.room = KvRoom(self.blocks)
+        listeners = getattr(pipeline, "new_stream_listeners", None)  # a new stream: every pool is empty
+        if listeners is not None:
+            listeners.append(self.blocks.forget_all)
+        self.frames = SessionFrames(pipeline, self.room, max_context=options.token_room,
+                                    prefill_chunk=options.prefill_chunk,
                                     queue_timeout_s=options.queue_timeout_s,
                                     recovery_timeout_s=options.recovery_timeout_s,
                                     debug_telemetry=options.debug_telemetry, metrics=metrics,
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
-        # The most the stages' entries can hold: every session slot, and the prefix cache's own room.
-        self.prefix_entries = PrefixEntries(prefix_cache_room(
-            max_sessions=options.max_sessions, max_context=options.max_context,
-            cache_tokens=options.prefix_cache_tokens)) if options.prefix_cache else None
 
     @property
     def recoveries(self) -> int:
@@ -134,16 +147,17 @@ class PipelineEngine(Generic[PipelineT]):
 
     @property
     def waiting(self) -> int:
-        return self.admission.waiting
+        """Requests waiting for a slot, and sessions waiting for KV blocks (preempted ones too)."""
+        return self.admission.waiting + self.room.waiting
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         return single_choice(self, request)
 
     async def generate_n(self, request: GenerationRequest, n: int) -> list[ChoiceStream]:
         """n continuations of the prompt (api.Engine.generate_n). The first choice's
-        session prefills it; the others fork that session (FORK at every stage) at the prompt's
-        last token, which each computes with its own seed, so that each samples exactly as a
-        request alone with its seed would."""
+        session prefills it; the others share its full blocks and compute the rest, the prompt's
+        last token with their own seed, so that each samples exactly as a request alone with its
+        seed would."""
         if n > self.options.max_sessions:
             raise InvalidRequest(f"n is {n}; this server runs at most {self.options.max_sessions} sequences at once",
                                  param="n")
@@ -178,28 +192,25 @@ class PipelineEngine(Generic[PipelineT]):
             return [choice for choices in started if not isinstance(choices, BaseException) for choice in choices]
 
     async def _started(self, prompt: _Prompt, lease: Lease) -> list[ChoiceStream]:
-        """Inside the lease: prefill the prompt once, fork it for the other choices, and hand each
-        choice its slot. Anything raised here leaves the slots in the lease, which gives them back."""
+        """Inside the lease: prefill the prompt once (from its cached prefix), share its blocks
+        with the other choices, and hand each choice its slot. Anything raised here leaves the
+        slots in the lease, which gives them back."""
         conns: list[Connection] = []
         proposers: list[Proposer | None] = []
         try:
-            conns.append(_connection(self.pipeline, prompt.request.request_id, prompt.choices[0]))
-            wants_prompt_logprobs = prompt.request.prompt_logprobs is not None  # computed, never forked
-            index = self.prefix_entries if not wants_prompt_logprobs else None
-            reuse = index.match(prompt.tokens) if index is not None else None
+            conns.append(self._connection(prompt.request.request_id, prompt.choices[0]))
+            wants_prompt_logprobs = prompt.request.prompt_logprobs is not None  # computed, never reused
+            reuse = self.options.prefix_cache and not wants_prompt_logprobs
             prediction, prompt_logprobs, reused = await self.frames.first_prefill(
                 conns[0], prompt.tokens, prompt.samplings[0], wants_prompt_logprobs, reuse)
-            if index is not None and reuse is not None and not reused:
-                index.drop(reuse.session_id)  # the stages no longer hold it
-            if index is not None and self.metrics is not None:
+            if reuse and self.metrics is not None:
                 self.metrics.record_prefix_cache(len(prompt.tokens), reused)
-            conns += [_connection(self.pipeline, f"{prompt.request.request_id}/{j}", prompt.choices[j])
+            conns += [self._connection(f"{prompt.request.request_id}/{j}", prompt.choices[j])
                       for j in range(1, len(prompt.choices))]
-            parent = conns[0].session.session_id
-            forks = await asyncio.gather(*(self.frames.fork(conn, parent, prompt.tokens, sampling)
-                                           for conn, sampling in zip(conns[1:], prompt.samplings[1:], strict=True)),
-                                         return_exceptions=True)
-            failure = next((f for f in forks if isinstance(f, BaseException)), None)
+            shares = await asyncio.gather(*(self.frames.share_prompt(conn, conns[0], prompt.tokens, sampling)
+                                            for conn, sampling in zip(conns[1:], prompt.samplings[1:], strict=True)),
+                                          return_exceptions=True)
+            failure = next((f for f in shares if isinstance(f, BaseException)), None)
             if failure is not None:
                 raise failure
             for conn, request in zip(conns, prompt.choices, strict=True):
@@ -214,9 +225,11 @@ class PipelineEngine(Generic[PipelineT]):
                     proposer.close()
             for conn in conns:
                 await conn.close()
+            self._record_pool()
             if isinstance(err, PipelineError):
                 raise self._failed(err) from err
             raise
+        self._record_pool()
         # Nothing below raises: every choice owns its session, proposer and slot from here on.
         choices = []
         for j, (conn, request, sampling, proposer) in enumerate(
@@ -227,18 +240,25 @@ class PipelineEngine(Generic[PipelineT]):
             choices.append(ChoiceStream(steps, partial(self._release, conn, proposer, slot)))
         return choices
 
+    def _connection(self, request_id: str, choice: GenerationRequest) -> Connection:
+        """A choice's connection, with its own grammar when the request constrains its output."""
+        conn = Connection(self.pipeline, request_id, self.room)
+        conn.grammar = choice.constrained.start() if choice.constrained is not None else None
+        return conn
+
+    def _record_pool(self) -> None:
+        if self.metrics is not None:
+            stats = self.blocks.stats
+            self.metrics.record_kv_pool(self.blocks.usage, stats.preemptions, stats.evictions)
+
     async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
-        """A choice is over: its pipeline session, proposer and slot are free, whatever fails on the
-        way. A session that ended well stays at the stages as a prefix-cache entry, indexed by the
-        tokens whose KV it holds (all it decided but the last, which no frame fed)."""
+        """A choice is over: its pipeline session, blocks (cached by hash where computed),
+        proposer and slot are free, whatever fails on the way."""
         try:
-            index, history = self.prefix_entries, conn.history
-            held = history[:-1] if index is not None and history is not None else []
-            keep = index is not None and index.worth_keeping(held)  # else not worth a stage's slot
-            if await conn.close(retain=keep) and index is not None and keep:
-                index.add(conn.session.session_id, held)
+            await conn.close()
         finally:
             try:
+                self._record_pool()
                 if proposer is not None:
                     proposer.close()
             finally:
@@ -259,7 +279,7 @@ class PipelineEngine(Generic[PipelineT]):
                       stop_rule: StopRule, proposer: Proposer | None, prediction: pb.Prediction | None,
                       prompt_logprobs: list[TokenLogprob | None] | None, cached: int = 0) -> AsyncIterator[Step]:
         """Generation in a session that holds the prompt: all of it, with `prediction` (its
-        prefill's), or all but its last token (a fork), which the first step computes.
+        prefill's), or all but its last token (choices 2..n), which the first step computes.
 
         Each step's tokens pass through the choice's ChoiceStopping (stopping.py), which says how
         many are yielded and, on the last Step, why the choice ended. Its first Step carries
@@ -268,7 +288,6 @@ class PipelineEngine(Generic[PipelineT]):
             if prediction is None:
                 prediction = await self.frames.step(conn, sampling, prompt, proposer)
             history = prompt + list(prediction.tokens)
-            conn.history = history  # what the session holds, should it end here (all but the last)
             stopping = ChoiceStopping(stop_rule)
             while True:
                 if conn.grammar is not None:  # the grammar advances by decided tokens only
@@ -285,7 +304,6 @@ class PipelineEngine(Generic[PipelineT]):
                 prediction = await self.frames.step(conn, sampling, history, proposer)
                 history.extend(prediction.tokens)
         except PipelineError as err:
-            conn.history = None  # a failed session is not kept
             raise self._failed(err) from err
 
 
@@ -299,6 +317,9 @@ def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Pro
         raise ContextLengthExceeded(
             f"the prompt has {len(prompt)} tokens; this model's context is {options.max_context} tokens"
         )
+    if len(prompt) >= options.token_room:  # the prompt and one token decided after it
+        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this server's KV pool holds "
+                             f"{options.token_room} positions in all", param="prompt")
     if n < 1:
         raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
     if request.max_tokens < 0:
@@ -326,7 +347,7 @@ def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Pro
                      for r in choices]
     except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
         raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
-    return _Prompt(base, prompt, StopRule.of(base, options.max_context), choices, samplings,
+    return _Prompt(base, prompt, StopRule.of(base, options.token_room), choices, samplings,
                    reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
 
@@ -339,13 +360,6 @@ async def _close_started(starts: Sequence[asyncio.Future[list[ChoiceStream]]]) -
         if not isinstance(started, BaseException):
             for choice in started:
                 await choice.aclose()
-
-
-def _connection(pipeline: Pipeline, request_id: str, choice: GenerationRequest) -> Connection:
-    """A choice's connection, with its own grammar when the request constrains its output."""
-    conn = Connection(pipeline, request_id)
-    conn.grammar = choice.constrained.start() if choice.constrained is not None else None
-    return conn
 
 
 def _logprobs(entries: Iterable[pb.TokenLogprobs], request: GenerationRequest) -> list[TokenLogprob] | None:

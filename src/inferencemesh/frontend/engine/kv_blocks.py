@@ -16,10 +16,12 @@ still leaves the block cached once every stage has computed it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inferencemesh.frontend.engine.kv_index import PrefixIndex, block_digest
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
@@ -252,3 +254,69 @@ class BlockManager:
             self._free.add(block)
             heapq.heappush(self._heap, block)
         self.cached.clear()
+
+
+class Holder(Protocol):
+    """A session holding a table (session.Connection): preempt() gives its blocks back at once."""
+
+    table: BlockTable
+
+    def preempt(self) -> None: ...
+
+
+class KvRoom:
+    """Running out of blocks is scheduling: the sessions holding blocks in admission order, new
+    ones admitted only while the pool can hold their prompt and no preempted session waits, and a
+    session that cannot grow preempts the most recently admitted other one (vLLM's recompute
+    preemption: the preempted session recomputes its tokens once blocks are free again)."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.running: dict[Holder, None] = {}  # admission order: the last is preempted first
+        self.held_back = 0  # preempted (or replaying) sessions waiting for blocks
+        self.arriving = 0  # new sessions waiting for blocks
+        self._changed = asyncio.Event()
+
+    @property
+    def waiting(self) -> int:
+        return self.held_back + self.arriving
+
+    def notify(self) -> None:
+        """Blocks may have come back: the waiters look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def admit(self, holder: Holder, positions: int, *, resuming: bool) -> None:
+        """Wait until the pool can hold `positions` for the holder (a new one waits while a resuming
+        one does), then count it as running. Cancel it (a timeout) to give up."""
+        counter = "held_back" if resuming else "arriving"
+        setattr(self, counter, getattr(self, counter) + 1)
+        try:
+            while not ((resuming or not self.held_back) and self.manager.can_hold(positions, holder.table)):
+                changed = self._changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.2):  # a safety net: blocks also come back by settle
+                        await changed.wait()
+        finally:
+            setattr(self, counter, getattr(self, counter) - 1)
+        self.running[holder] = None
+
+    def grow(self, holder: Holder, positions: int) -> None:
+        """The holder's table covers `positions`, preempting the most recently admitted others as
+        needed; PoolExhausted when even that cannot make room (the holder then waits its turn)."""
+        while True:
+            try:
+                self.manager.grow(holder.table, positions)
+                return
+            except PoolExhausted:
+                victim = next((h for h in reversed(self.running) if h is not holder and h.table.blocks), None)
+                if victim is None:
+                    raise
+                self.manager.stats.preemptions += 1
+                victim.preempt()
+
+    def release(self, holder: Holder) -> None:
+        """The holder's blocks go back (cached by hash where computed); it no longer runs."""
+        self.running.pop(holder, None)
+        self.manager.free(holder.table)
+        self.notify()

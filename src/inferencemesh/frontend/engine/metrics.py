@@ -101,11 +101,20 @@ class FrontendMetrics:
             "draining", "1 while this frontend drains (stopping: new requests get 503, those in flight finish).")
 
     def _declare_prefix_cache(self, f: _Families) -> None:
-        """Prefix cache (updated by the engine), in tokens as vLLM counts them."""
+        """The KV pool and its prefix cache (updated by the engine's block manager), in tokens and
+        blocks as vLLM counts them."""
         self.prefix_cache_queries = f.counter(
             "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = f.counter(
-            "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (forked, not computed).")
+            "prefix_cache_hits_total", "Prompt tokens found in the prefix cache (reused by reference, not computed).")
+        self.kv_cache_usage = f.gauge(
+            "kv_cache_usage_perc", "Fraction of the KV pool's blocks in use (1 = full); cached blocks nobody "
+            "references count as free.")
+        self.num_preemptions = f.counter(
+            "num_preemptions_total", "Requests preempted for KV blocks (they recompute their tokens later).")
+        self.kv_cache_evictions = f.counter(
+            "kv_cache_evictions_total", "Cached KV blocks reclaimed for another use, least recently used first.")
+        self._kv_counted = (0, 0)  # preemptions and evictions already exported
 
     def _declare_speculation(self, f: _Families) -> None:
         """Speculative decoding (updated by the engine)."""
@@ -164,7 +173,8 @@ class FrontendMetrics:
                        self.generation_tokens, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
                        self.spec_decode_num_accepted_tokens, self.spec_decode_window_size,
                        self.step_proposal_seconds, self.microbatch_frames, self.microbatches_in_flight,
-                       self.prefix_cache_queries, self.prefix_cache_hits, self.grammar_compile_seconds,
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.kv_cache_usage,
+                       self.num_preemptions, self.kv_cache_evictions, self.grammar_compile_seconds,
                        self.grammar_mask_seconds, self.draining):
             metric.labels(model)
         for constraint_kind in CONSTRAINT_KINDS:
@@ -198,6 +208,15 @@ class FrontendMetrics:
         """One prompt looked up: `reused` of its `prompt_tokens` came from the prefix cache."""
         self.prefix_cache_queries.labels(self.model).inc(prompt_tokens)
         self.prefix_cache_hits.labels(self.model).inc(reused)
+
+    def record_kv_pool(self, usage: float, preemptions: int, evictions: int) -> None:
+        """The block manager's state: its usage now, and its running totals of preemptions and
+        evictions (the counters take what they have not counted yet)."""
+        self.kv_cache_usage.labels(self.model).set(usage)
+        counted_preemptions, counted_evictions = self._kv_counted
+        self.num_preemptions.labels(self.model).inc(max(0, preemptions - counted_preemptions))
+        self.kv_cache_evictions.labels(self.model).inc(max(0, evictions - counted_evictions))
+        self._kv_counted = (max(preemptions, counted_preemptions), max(evictions, counted_evictions))
 
     def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
         """One verify round of `draft_tokens` proposals of which the first `accepted` were kept."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
@@ -37,6 +37,8 @@ class HopPipeline:
         self.max_batch_tokens = max_batch_tokens
         self.metrics = metrics
         self._scheduler: StepScheduler | None = None
+        # Told when a new stream replaces a broken one: every stage's KV pool is empty for it.
+        self.new_stream_listeners: list[Callable[[], None]] = []
 
     @property
     def scheduler(self) -> StepScheduler | None:
@@ -56,6 +58,8 @@ class HopPipeline:
         if self._scheduler is None or self._scheduler.failure is not None:
             self._scheduler = StepScheduler(self.hops[0].open_stream(), len(self.hops), self.max_batch_tokens,
                                             self.metrics)
+            for listener in self.new_stream_listeners:
+                listener()
         return ScheduledSession(self._scheduler, uuid.uuid4().hex, self.step_timeout)
 
     async def is_ready(self, timeout: float = 3.0) -> bool:

@@ -205,23 +205,44 @@ class ScheduledSession:
         self.step_timeout = step_timeout
         self.failure: PipelineError | None = None
         self._closed = False
+        self._answers: list[asyncio.Future] = []  # this session's answers still to come
 
-    def fail(self, err: PipelineError, waiting: _Waiting) -> None:
-        """One of this session's frames failed: it and every later send fail with that error."""
+    def fail(self, err: PipelineError, waiting: _Waiting | None = None) -> None:
+        """One of this session's frames failed: it, every answer it still awaits (a prompt's
+        chunks are in flight together) and every later send fail with that error."""
         self.failure = self.failure or err
-        if waiting.answer is not None and not waiting.answer.done():
-            waiting.answer.set_exception(err)
+        for answer in self._answers:
+            if not answer.done():
+                answer.set_exception(err)
+        self._answers = []
 
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        """Send one frame; return its Prediction when the frame asks for one. A FORK returns
-        (None) once every stage holds the new session."""
+    def withdraw(self, err: PipelineError) -> None:
+        """The session gives up (preempted, or closing): its frames not yet sent never go (their
+        blocks may go to another session) and their answers fail with `err`, as does every later
+        send. Frames in flight are answered: every stage computes them before any later frame."""
+        mine = [w for w in self.scheduler.waiting if w.session is self]
+        self.scheduler.waiting = [w for w in self.scheduler.waiting if w.session is not self]
+        self.failure = self.failure or err
+        for waiting in mine:
+            if waiting.answer is not None and not waiting.answer.done():
+                waiting.answer.set_exception(err)
+
+    def submit(self, frame: pb.Frame) -> asyncio.Future | None:
+        """Send one frame without waiting: the future of its answer (a Prediction, or None once an
+        acknowledged frame is acknowledged), None when none comes. Prompt chunks go out this way,
+        one after another, while their acknowledgements are on their way."""
         if self.failure is not None:
             raise self.failure
         wants_answer = expects_prediction(frame) or expects_ack(frame)
         answer = asyncio.get_running_loop().create_future() if wants_answer else None
         self.scheduler.submit(_Waiting(frame, self, answer))  # frames are built fresh per send: no copy
-        if answer is None:
-            return None
+        if answer is not None:
+            self._answers = [a for a in self._answers if not a.done()]
+            self._answers.append(answer)
+        return answer
+
+    async def wait(self, answer: asyncio.Future) -> pb.Prediction | None:
+        """A submitted frame's answer, within the step timeout."""
         # asyncio.timeout, never wait_for: on Python 3.11 wait_for returns the answer when it
         # arrives in the loop iteration that cancels the caller, and the cancel is lost (a
         # cancelled stream then went on generating, and held its slot for good).
@@ -232,17 +253,23 @@ class ScheduledSession:
             raise PipelineError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no prediction within {self.step_timeout:.1f}s: a stage is stalled") from err
 
-    async def close(self, retain: bool = False) -> bool:
-        """RELEASE (with `retain`: keep the session as a prefix-cache entry), and wait for its
-        acknowledgement: it comes once every stage has done it, so the request's slot is really
-        free when the engine hands it on. Whether it came. (A broken stream needs none: the
-        stages freed its sessions when it ended.)"""
+    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
+        """Send one frame and wait for its answer: its Prediction when the frame asks for one."""
+        answer = self.submit(frame)
+        return None if answer is None else await self.wait(answer)
+
+    async def close(self) -> bool:
+        """RELEASE, and wait for its acknowledgement: it comes once every stage has freed the
+        session, so the request's slot is really free when the engine hands it on. Whether it came.
+        Frames not yet sent are withdrawn first. (A broken stream needs none: the stages freed its
+        sessions when it ended.)"""
         if self._closed or self.scheduler.failure is not None:
             return False
         self._closed = True
+        self.withdraw(PipelineError(grpc.StatusCode.CANCELLED, "the session was closed"))
         self.failure = None  # a failed session is still released where it is held
         with contextlib.suppress(Exception):
             async with asyncio.timeout(RELEASE_ACK_TIMEOUT_S):
-                await self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE, retain=retain))
+                await self.send(pb.Frame(session_id=self.session_id, kind=pb.RELEASE))
             return True
         return False

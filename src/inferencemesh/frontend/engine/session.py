@@ -1,17 +1,20 @@
-"""One request's pipeline session: the frames it sends, and how it survives trouble.
+"""One request's pipeline session: the frames it sends, the KV blocks they name, and how it
+survives trouble.
 
-A session prefills its prompt in chunks (or forks another session's prompt at every stage),
-then sends one frame per step: a DECODE of its last token, or a VERIFY of that token with a
-proposal behind it, which may decide several tokens in one round trip. Rollback after a
-rejected proposal is the next frame's pos_start: the stages truncate their caches themselves.
+A session prefills its prompt in chunks from the first position its table does not reuse (prefix
+blocks matched in the block manager, or, for choices 2..n, the first choice's prompt blocks by
+reference), then sends one frame per step: a DECODE of its last token, or a VERIFY of that token
+with a proposal behind it, which may decide several tokens in one round trip. Every compute frame
+carries the session's block table (kv_blocks.py allocates it as the frame is built); rollback
+after a rejected proposal is the next frame's pos_start, whose positions are overwritten.
 
-Recovery is three named steps, each around one operation:
-- `waiting_for_room`: a stage at its session limit is capacity, not failure: back off and retry
-  the session's first operation, up to queue_timeout_s (admission back-off);
-- `replaying_after_stage_loss`: a lost stage is waited for (recovery_timeout_s), the session's
-  tokens so far are prefilled into a new session, and the operation runs again;
-- `fork_or_prefill`: a fork whose parent is gone (a stage was lost, the parent expired)
-  computes the prompt itself, as a recovering session does.
+Recovery is two named steps, each around one operation:
+- `waiting_for_room`: a stage at its session limit, or whose pool another stream holds, is
+  capacity, not failure: back off and retry the session's first operation, up to queue_timeout_s;
+- `replaying_after_stage_loss`: a lost stage (a new stream: the block manager forgets its index),
+  a block a stage never wrote, or a preemption (the pool needed this session's blocks): the
+  session waits for its turn, its tokens so far are prefilled into a new session, and the
+  operation runs again.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import grpc
 
 from inferencemesh.frontend.engine.api import TokenLogprob
 from inferencemesh.frontend.engine.errors import EngineOverloaded
+from inferencemesh.frontend.engine.kv_blocks import BlockTable, KvRoom, Pending
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
-from inferencemesh.frontend.engine.prefix_cache import Match
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
@@ -39,20 +42,40 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inferencemesh.engine")
 T = TypeVar("T")
+COMPUTE_KINDS = (pb.PREFILL, pb.DECODE, pb.VERIFY)
+
+
+class Preempted(PipelineError):
+    """The pool needed this session's blocks: it recomputes its tokens when blocks are free again."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.ABORTED, "preempted for KV blocks")
 
 
 class PipelineSession(Protocol):
     """What the engine uses of one session in the stages (implemented by scheduler.ScheduledSession)."""
 
     session_id: str
+    failure: PipelineError | None
 
-    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        """Send one frame (the session copies it); its Prediction when it asks for one."""
+    def submit(self, frame: pb.Frame) -> asyncio.Future | None:
+        """Send one frame without waiting: the future of its answer, if one comes."""
         ...
 
-    async def close(self, retain: bool = False) -> bool:
-        """RELEASE the session at every stage (retain: keep it as a prefix-cache entry); whether
-        every stage acknowledged it."""
+    async def wait(self, answer: asyncio.Future) -> pb.Prediction | None:
+        """A submitted frame's answer, within the step timeout."""
+        ...
+
+    async def send(self, frame: pb.Frame) -> pb.Prediction | None:
+        """Send one frame; its Prediction when it asks for one."""
+        ...
+
+    def withdraw(self, err: PipelineError) -> None:
+        """Frames not sent yet never go; they and every later send fail with `err`."""
+        ...
+
+    async def close(self) -> bool:
+        """RELEASE the session at every stage; whether every stage acknowledged it."""
         ...
 
 
@@ -67,14 +90,11 @@ class Pipeline(Protocol):
 
 
 class Connection:
-    """A request's current pipeline session, and the numbering of the frames sent into it."""
+    """A request's current pipeline session, its block table, and the numbering of its frames."""
 
-    def __init__(self, pipeline: Pipeline, request_id: str) -> None:
-        self.pipeline, self.request_id = pipeline, request_id
-        # The tokens decided so far, once generation runs (engine._decode): the session's cache
-        # holds all but the last, which is what a prefix-cache entry of it holds. A replay's new
-        # session holds the same.
-        self.history: list[int] | None = None
+    def __init__(self, pipeline: Pipeline, request_id: str, room: KvRoom) -> None:
+        self.pipeline, self.request_id, self.room = pipeline, request_id, room
+        self.table = BlockTable()  # the session's KV blocks, for every stage (kv_blocks.py)
         # Structured output: the choice's grammar, advanced by the engine as tokens are decided;
         # every frame that decides tokens carries its masks (token_masks).
         self.grammar: SessionGrammar | None = None
@@ -89,14 +109,39 @@ class Connection:
 
     def frame(self, kind: pb.FrameKind, *, sampling: pb.Sampling | None = None, **fields: Any) -> pb.Frame:
         """The session's next frame, built fresh: once sent, nothing changes it (the scheduler
-        holds it until its batch goes out), so no receiver needs a copy."""
+        holds it until its batch goes out), so no receiver needs a copy. A compute frame names the
+        session's blocks for [0, pos_start + token_count), allocated here (preempting others when
+        the pool is full: KvRoom.grow)."""
+        if self.session.failure is not None:
+            raise self.session.failure  # preempted: nothing more is allocated for it
+        if kind in COMPUTE_KINDS:
+            end = fields["pos_start"] + fields["token_count"]
+            try:
+                self.room.grow(self, end)
+            except Exception:
+                self.preempt()  # no other session to take blocks from: this one waits its turn
+                raise Preempted() from None
+            fields["kv_blocks"] = self.table.blocks[: self.room.manager.blocks_for(end)]
         self.seq += 1
         carried, self.sampling = sampling or self.sampling, None
         return pb.Frame(session_id=self.session.session_id, request_id=self.request_id, seq=self.seq, kind=kind,
                         sampling=carried, **fields)
 
-    async def close(self, retain: bool = False) -> bool:
-        return await self.session.close(retain)
+    def preempt(self) -> None:
+        """Its unsent frames withdrawn and its blocks given back (KvRoom.grow's victim): its next
+        send raises Preempted, and it replays (SessionFrames.replaying_after_stage_loss)."""
+        self.session.withdraw(Preempted())
+        self.room.release(self)
+
+    async def close(self) -> bool:
+        """The session's blocks go back (cached by hash where computed) and it is RELEASEd."""
+        self.room.release(self)
+        return await self.session.close()
+
+    def settled(self, pending: Pending, answer: asyncio.Future) -> None:
+        """A prompt chunk's answer came (or failed): its blocks are computed at every stage, or not."""
+        self.room.manager.settle(pending, not answer.cancelled() and answer.exception() is None)
+        self.room.notify()
 
     async def token_masks(self, drafts: Sequence[int] = ()) -> tuple[bytes, int]:
         """The wire masks of a frame deciding after `drafts` (none: one row), and how many drafts
@@ -116,11 +161,11 @@ class Connection:
 class SessionFrames:
     """The frames of every session of one engine, and their recovery (see the module's doc)."""
 
-    def __init__(self, pipeline: Pipeline, *, max_context: int, prefill_chunk: int, queue_timeout_s: float,
-                 recovery_timeout_s: float, debug_telemetry: bool, metrics: FrontendMetrics | None,
-                 may_speculate: Callable[[], bool]) -> None:
-        self.pipeline = pipeline
-        self.max_context, self.prefill_chunk = max_context, prefill_chunk
+    def __init__(self, pipeline: Pipeline, room: KvRoom, *, max_context: int, prefill_chunk: int,
+                 queue_timeout_s: float, recovery_timeout_s: float, debug_telemetry: bool,
+                 metrics: FrontendMetrics | None, may_speculate: Callable[[], bool]) -> None:
+        self.pipeline, self.room = pipeline, room
+        self.max_context, self.prefill_chunk = max_context, prefill_chunk  # max_context: the pool's too
         self.queue_timeout_s, self.recovery_timeout_s = queue_timeout_s, recovery_timeout_s
         self.debug_telemetry = debug_telemetry
         self.metrics = metrics  # where each step's time goes (proposal vs pipeline)
@@ -130,60 +175,72 @@ class SessionFrames:
     # ---- what the engine calls -------------------------------------------------------------------
 
     async def first_prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling,
-                            prompt_logprobs: bool, reuse: Match | None = None,
+                            prompt_logprobs: bool, reuse: bool,
                             ) -> tuple[pb.Prediction, list[TokenLogprob | None] | None, int]:
-        """The prompt into a new session: it waits for room, and survives a lost stage. With
-        `reuse`, the session starts as a FORK of that prefix-cache entry's first reuse.tokens
-        positions and computes only the rest; an entry the stages no longer hold costs a full
-        prefill. Returns (prediction, prompt logprobs, prompt tokens reused)."""
+        """The prompt into a new session, once the pool can hold it; it waits for the stages' room,
+        and survives a lost stage and preemption. With `reuse`, its cached prefix blocks are taken
+        by reference (waiting for those still being computed), and only the rest computed.
+        Returns (prediction, prompt logprobs, prompt tokens reused)."""
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await self.room.admit(conn, len(prompt) + 1, resuming=False)
+        except TimeoutError as err:
+            raise EngineOverloaded(f"timed out after {self.queue_timeout_s:.0f}s waiting for KV blocks for "
+                                   f"{len(prompt)} prompt tokens") from err
         reused = 0
 
         async def prefill() -> tuple[pb.Prediction, list[TokenLogprob | None] | None]:
             nonlocal reused
-            reused = await self._forked_from(conn, reuse, sampling) if reuse is not None else 0
+            reused = await self.reused(conn, prompt) if reuse else 0
             prediction, scored = await self.prefill(conn, prompt, sampling, True, prompt_logprobs, start=reused)
             assert prediction is not None  # a non-empty prompt's last chunk asks for one
             return prediction, scored
 
-        replayable = partial(self.replaying_after_stage_loss, conn, sampling, [], prefill)
+        replayable = partial(self.replaying_after_stage_loss, conn, sampling, [], prefill, len(prompt) + 1)
         prediction, scored = await self.waiting_for_room(conn, replayable)
         return prediction, scored, reused
 
-    async def _forked_from(self, conn: Connection, entry: Match, sampling: pb.Sampling) -> int:
-        """conn's session as a copy of the entry's first entry.tokens positions: how many it
-        holds (0: the stages no longer hold the entry, and conn has a fresh session)."""
-        try:
-            await conn.session.send(conn.frame(pb.FORK, sampling=sampling, parent_session_id=entry.session_id,
-                                               pos_start=entry.tokens, token_count=0))
-            return entry.tokens
-        except PipelineError as err:
-            if err.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise  # no room (waiting_for_room's), or a stage lost (replaying_after_stage_loss's)
-            log.debug("request %s: prefix-cache entry %s is gone (%s); prefilling in full", conn.request_id,
-                      entry.session_id, err)
-            await conn.close()
-            conn.open()
-            return 0
+    async def reused(self, conn: Connection, tokens: list[int]) -> int:
+        """The cached full blocks of tokens[:-1] into conn's empty table, by reference: how many
+        positions they cover, once those still being computed are (a failed one, and every block
+        after it, conn computes itself)."""
+        manager = self.room.manager
+        reuse = manager.match(conn.table, tokens)
+        for index, computed in reuse.waits:
+            if not await computed:
+                manager.truncate(conn.table, index * manager.block_tokens)
+                return index * manager.block_tokens
+        return reuse.tokens
 
-    async def fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
-        """conn's session starts as the parent's first len(prompt) - 1 positions at every stage,
-        sampling with `sampling`; or computes them itself (fork_or_prefill)."""
-        send_fork = partial(self._send_fork, conn, parent, prompt, sampling)
-        admitted_fork = partial(self.waiting_for_room, conn, send_fork)
-        await self.fork_or_prefill(conn, admitted_fork, sampling, prompt)
+    async def share_prompt(self, conn: Connection, first: Connection, prompt: list[int],
+                           sampling: pb.Sampling) -> None:
+        """Choices 2..n: conn's table starts with the first choice's full prompt blocks (by
+        reference), and conn computes the rest of the prompt but its last token, which its first
+        step decides with its own sampling."""
+        manager = self.room.manager
+        shared = min((len(prompt) - 1) // manager.block_tokens, len(first.table.blocks))
+        self.room.running[conn] = None
+        manager.share(first.table, conn.table, shared)
+
+        async def tail() -> None:
+            await self.prefill(conn, prompt[:-1], sampling, want_prediction=False,
+                               start=len(conn.table.blocks) * manager.block_tokens)
+
+        await self.replaying_after_stage_loss(conn, sampling, prompt[:-1], tail, len(prompt) + 1)
 
     async def step(self, conn: Connection, sampling: pb.Sampling, history: list[int],
                    proposer: Proposer | None) -> pb.Prediction:
         """The next step of a session whose stages hold all of `history` but its last token."""
         return await self.replaying_after_stage_loss(conn, sampling, history[:-1],
-                                                     partial(self.send_step, conn, history, proposer))
+                                                     partial(self.send_step, conn, history, proposer),
+                                                     len(history) + 1)
 
     # ---- recovery, as named steps -----------------------------------------------------------------
 
     async def waiting_for_room(self, conn: Connection, operation: Callable[[], Awaitable[T]]) -> T:
-        """A session's first operation. A stage at its session limit (another frontend shares it,
-        or a release is still on its way) is capacity, not failure: the request waits for room,
-        as it would in this frontend's own queue, and is answered 429 only after queue_timeout_s."""
+        """A session's first operation. A stage at its session limit, or whose pool another stream
+        holds, is capacity, not failure: the request waits for room, as it would in this
+        frontend's own queue, and is answered 429 only after queue_timeout_s."""
         deadline = time.monotonic() + self.queue_timeout_s
         delay = 0.02
         while True:
@@ -193,59 +250,60 @@ class SessionFrames:
                 if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 if time.monotonic() + delay > deadline:
-                    raise EngineOverloaded(f"the stages have no free session: {err}") from err
+                    raise EngineOverloaded(f"the stages have no room: {err}") from err
                 await conn.close()
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.5)
+                conn.room.running[conn] = None
                 conn.open()
 
     async def replaying_after_stage_loss(self, conn: Connection, sampling: pb.Sampling, prefix: list[int],
-                                         operation: Callable[[], Awaitable[T]]) -> T:
-        """Run `operation`; if a stage was lost, wait for it to come back (up to
-        recovery_timeout_s), prefill `prefix` into a new session, and run it again."""
+                                         operation: Callable[[], Awaitable[T]], needs: int) -> T:
+        """Run `operation`; if a stage was lost, a stage lacks a block, or the session was
+        preempted, wait for the pipeline (up to recovery_timeout_s) and for `needs` positions of
+        blocks, prefill `prefix` into a new session, and run it again."""
         deadline = None
         while True:
             try:
                 return await operation()
             except PipelineError as err:
-                if not err.retryable or self.recovery_timeout_s <= 0:
+                preempted = isinstance(err, Preempted)
+                if not preempted and (not err.retryable or self.recovery_timeout_s <= 0):
                     raise
                 started = time.monotonic()
-                deadline = deadline or started + self.recovery_timeout_s
-                log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
-                await self._reconnect(conn, sampling, prefix, deadline, err)
-                self.recoveries += 1
-                log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
-                         time.monotonic() - started, len(prefix))
+                if err.code == grpc.StatusCode.FAILED_PRECONDITION:  # a stage lacks blocks: it restarted
+                    self.room.manager.forget_all()
+                if not preempted:
+                    deadline = deadline or started + self.recovery_timeout_s
+                    log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
+                await self._reconnect(conn, sampling, prefix, deadline, err, needs)
+                if not preempted:
+                    self.recoveries += 1
+                    log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
+                             time.monotonic() - started, len(prefix))
 
-    async def fork_or_prefill(self, conn: Connection, fork: Callable[[], Awaitable[None]], sampling: pb.Sampling,
-                              prompt: list[int]) -> None:
-        """Fork; without the parent (a stage was lost meanwhile, or the parent expired) the child
-        computes the prompt but its last token itself, as any recovering session does."""
-        try:
-            await fork()
-        except PipelineError as err:
-            if not err.retryable or self.recovery_timeout_s <= 0:
-                raise
-            log.warning("request %s could not fork its prompt (%s); prefilling it", conn.request_id, err)
-            await self._reconnect(conn, sampling, prompt[:-1], time.monotonic() + self.recovery_timeout_s, err)
-
-    async def _reconnect(self, conn: Connection, sampling: pb.Sampling, prefix: list[int], deadline: float,
-                         cause: PipelineError) -> None:
+    async def _reconnect(self, conn: Connection, sampling: pb.Sampling, prefix: list[int], deadline: float | None,
+                         cause: PipelineError, needs: int) -> None:
+        """A new session holding `prefix`, in blocks of its own (its old table freed first: blocks
+        it shared are never written by two replays). A preempted session has no deadline: it waits
+        for blocks, before any new request."""
         await conn.close()
-        while time.monotonic() < deadline:
+        while deadline is None or time.monotonic() < deadline:
+            await self.room.admit(conn, needs, resuming=True)
             if await self.pipeline.is_ready():
                 conn.open()
                 try:
-                    if prefix:
-                        await self.prefill(conn, prefix, sampling, want_prediction=False)
-                    else:  # the session's next frame is its first: it carries the sampling
-                        conn.sampling = sampling
+                    start = await self.reused(conn, [*prefix, 0]) if prefix else 0
+                    # the first frame (a chunk, or the operation's own) carries the sampling
+                    await self.prefill(conn, prefix, sampling, want_prediction=False, start=start)
                     return
                 except PipelineError as err:
-                    if not err.retryable:
+                    if not (err.retryable or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                            or isinstance(err, Preempted)):
                         raise
                     await conn.close()
+            else:
+                self.room.release(conn)
             await asyncio.sleep(0.1)
         raise PipelineError(cause.code, f"the pipeline did not recover within {self.recovery_timeout_s:.0f}s "
                                         f"after: {cause}")
@@ -255,30 +313,36 @@ class SessionFrames:
     async def prefill(self, conn: Connection, prompt: list[int], sampling: pb.Sampling, want_prediction: bool = True,
                       prompt_logprobs: bool = False, start: int = 0,
                       ) -> tuple[pb.Prediction | None, list[TokenLogprob | None] | None]:
-        """Feed the prompt from position `start` (the session holds those before) in chunks; the
-        last chunk's prediction holds the first new token. With prompt_logprobs (from position 0
-        only) every chunk asks for its tokens' logprobs (a Prediction each)."""
-        assert not (prompt_logprobs and start), "prompt logprobs are computed, never forked"
+        """Feed the prompt from position `start` (the session's table holds those before) in
+        chunks; the last chunk's prediction holds the first new token. Chunks that ask for none go
+        out one after another: each one's Ack, when it comes, makes its full blocks computed in
+        the index. With prompt_logprobs (from position 0 only) every chunk asks for its tokens'
+        logprobs (a Prediction each)."""
+        assert not (prompt_logprobs and start), "prompt logprobs are computed, never reused"
         chunk = self.prefill_chunk
+        manager = self.room.manager
         conn.sampling = sampling  # the first chunk carries it
         prediction = None
         scored: list[TokenLogprob | None] | None = [None] if prompt_logprobs else None  # position 0: nothing before it
         for position in range(start, len(prompt), chunk):
             piece = prompt[position : position + chunk]
             last = position + chunk >= len(prompt)
+            predicts = want_prediction and (prompt_logprobs or last)
+            masks = (await conn.token_masks())[0] if want_prediction and last else b""
             frame = conn.frame(pb.PREFILL, pos_start=position, token_count=len(piece), token_ids=piece,
-                               prompt_logprobs=prompt_logprobs,
-                               want_prediction=want_prediction and (prompt_logprobs or last),
-                               token_masks=(await conn.token_masks())[0] if want_prediction and last else b"")
-            prediction = await conn.session.send(frame)
-            if scored is not None:
-                assert prediction is not None
-                scored.extend(converted(prediction.prompt_logprobs))
+                               prompt_logprobs=prompt_logprobs, want_prediction=predicts, token_masks=masks)
+            pending = manager.begin(conn.table, prompt, position + len(piece))
+            answer = conn.session.submit(frame)
+            if answer is None:  # nothing to wait for (a pipeline that does not acknowledge)
+                manager.settle(pending, False)
+                continue
+            answer.add_done_callback(partial(conn.settled, pending))
+            if predicts:
+                prediction = await conn.session.wait(answer)
+                if scored is not None:
+                    assert prediction is not None
+                    scored.extend(converted(prediction.prompt_logprobs))
         return prediction, scored
-
-    async def _send_fork(self, conn: Connection, parent: str, prompt: list[int], sampling: pb.Sampling) -> None:
-        await conn.session.send(conn.frame(pb.FORK, sampling=sampling, parent_session_id=parent,
-                                           pos_start=len(prompt) - 1, token_count=0))
 
     async def send_step(self, conn: Connection, history: list[int], proposer: Proposer | None) -> pb.Prediction:
         """One round trip: DECODE the last token, or VERIFY it with a proposal behind it."""
@@ -294,7 +358,7 @@ class SessionFrames:
         if proposal is None or not drafts:
             frame = conn.frame(pb.DECODE, pos_start=len(history) - 1, token_count=1, token_ids=history[-1:],
                                sent_ns=sent_ns, token_masks=masks)
-            prediction = await self._answer(conn, frame)
+            prediction = await self._answer(conn, frame, history)
             round_trip = time.perf_counter() - proposed
             if proposer is not None:
                 proposer.observe(0, 0, proposed - started, round_trip)
@@ -304,7 +368,7 @@ class SessionFrames:
         frame = conn.frame(pb.VERIFY, pos_start=len(history) - 1, token_count=1 + len(drafts),
                            token_ids=history[-1:] + drafts, sent_ns=sent_ns, token_masks=masks,
                            draft_probs=proposal.probs[: len(drafts) * (len(proposal.probs) // len(proposal.tokens))])
-        prediction = await self._answer(conn, frame)
+        prediction = await self._answer(conn, frame, history)
         round_trip = time.perf_counter() - proposed
         assert proposer is not None  # it made the proposal
         proposer.observe(len(drafts), prediction.accepted, proposed - started, round_trip)
@@ -315,12 +379,13 @@ class SessionFrames:
                       len(drafts), prediction.accepted, 1000 * (proposed - started), 1000 * round_trip)
         return prediction
 
-
-    @staticmethod
-    async def _answer(conn: Connection, frame: pb.Frame) -> pb.Prediction:
-        """The Prediction of a frame that asks for one (DECODE, VERIFY)."""
+    async def _answer(self, conn: Connection, frame: pb.Frame, history: list[int]) -> pb.Prediction:
+        """The Prediction of a frame that asks for one (DECODE, VERIFY). Every decided token but the
+        last is in the stages' KV now: the full blocks among them enter the prefix index."""
         prediction = await conn.session.send(frame)
         assert prediction is not None, "a DECODE or VERIFY frame is always answered"
+        decided = history + list(prediction.tokens)
+        self.room.manager.confirm(conn.table, decided, len(decided) - 1)
         return prediction
 
 
