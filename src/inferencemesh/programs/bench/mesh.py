@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inferencemesh.config import DEFAULT_DRAFT_THREADS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_SESSIONS, FrontendConfig
+from inferencemesh.config import (
+    DEFAULT_DRAFT_THREADS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    FrontendConfig,
+    kv_pool_tokens,
+)
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.planner import PlanInputs, plan_stages
 from inferencemesh.programs.bench.models import BenchModel
@@ -56,9 +62,11 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
     from inferencemesh.modeling.runtime import StageRuntime
 
     facts = read_local(model_dir)
-    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name), count)
+    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name, kv_tokens=kv_pool_tokens(0, max_context)),
+                       count)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
-                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=DEFAULT_MAX_SESSIONS)
+                          max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=DEFAULT_MAX_SESSIONS,
+                          max_context=max_context)
     # serve's threads rule (each stage its share of the cores) unless the variant sets OMP_NUM_THREADS
     share = share_of_cpus(len(plan))
     threads = 0 if env and "OMP_NUM_THREADS" in env else share
