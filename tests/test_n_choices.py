@@ -1,7 +1,8 @@
-"""n continuations of one prompt through real gRPC stages: the prompt is prefilled once and
-forked (FORK frames) at every stage; greedy choices equal the solo run, seeded ones are
-reproducible and each equals a request alone with its derived seed; bad FORK frames get clear
-statuses; the HTTP answers validate against OpenAI's spec; LangChain's n works."""
+"""n continuations of one prompt through real gRPC stages: the prompt is prefilled once and its
+full KV blocks shared by reference with the other choices, which compute only the rest; greedy
+choices equal the solo run, seeded ones are reproducible and each equals a request alone with its
+derived seed; every block comes back; the HTTP answers validate against OpenAI's spec;
+LangChain's n works."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from mesh_helpers import start_mesh
 from openai import OpenAI
 from openai_spec import COMPLETION_STREAM_CHUNK, errors
 from transformers import AutoTokenizer
-from wire import RawStream, failures
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.config import SpeculativeOptions
@@ -34,6 +34,7 @@ from inferencemesh.frontend.engine.proposers.build import resolve_speculation
 from inferencemesh.frontend.openai.app import create_app
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 TARGET = bundled_path(DEFAULT_MODEL)
 NAME = "imesh-code-target"
@@ -74,7 +75,13 @@ def run_n(mesh, request: GenerationRequest, n: int, proposer_for=None) -> list[t
         engine = PipelineEngine(GrpcPipeline(mesh.addresses), EngineOptions("t", max_context=512),
                                 proposer_for=proposer_for)
         try:
-            return list(await asyncio.gather(*(drain(c) for c in await engine.generate_n(request, n))))
+            choices = await engine.generate_n(request, n)
+            shared = (len(request.prompt_ids) - 1) // KV_BLOCK_TOKENS
+            if shared:  # the prompt's first block (a fresh pool's block 0) is every choice's, by reference
+                assert engine.blocks.refs[0] == n
+            answers = list(await asyncio.gather(*(drain(c) for c in choices)))
+            assert engine.blocks.available == engine.blocks.num_blocks and sum(engine.blocks.refs) == 0
+            return answers
         finally:
             await engine.close()
 
@@ -118,17 +125,19 @@ def active_sessions(mesh) -> list[int]:
 
 def test_greedy_choices_equal_the_solo_run_and_the_prompt_is_prefilled_once(mesh, tokenizer) -> None:
     prompt, new, n = tokenizer(CODE).input_ids, 12, 3
+    shared = (len(prompt) - 1) // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
+    assert shared, "the prompt fills a block: the choices share it"
     solo, _, _ = run_one(mesh, GenerationRequest("solo", prompt, new, temperature=0.0))
     before = stage_counters(mesh)
     choices = run_n(mesh, GenerationRequest("n", prompt, new, temperature=0.0), n)
     after = stage_counters(mesh)
     assert [tokens for tokens, _, _ in choices] == [solo] * n
     for b, a in zip(before, after, strict=True):
-        # The prompt once, then each fork computes the prompt's last token, then n x (new - 1) decodes.
-        assert a["tokens"] - b["tokens"] == len(prompt) + (n - 1) + n * (new - 1)
-        assert a["fork"] - b["fork"] == n - 1 and a["prefill"] - b["prefill"] == 1
-    saved = (n - 1) * (len(prompt) - 1)
-    print(f"n={n}, prompt {len(prompt)} tokens: {saved} prefill positions saved per stage by forking")
+        # The prompt once, then each other choice the prompt past its full blocks (its last token
+        # included), then n x (new - 1) decodes.
+        assert a["tokens"] - b["tokens"] == len(prompt) + (n - 1) * (len(prompt) - shared) + n * (new - 1)
+    saved = (n - 1) * shared
+    print(f"n={n}, prompt {len(prompt)} tokens: {saved} prefill positions saved per stage by sharing blocks")
     assert active_sessions(mesh) == [0, 0]
 
 
@@ -163,52 +172,55 @@ def test_logprobs_of_each_choice_are_its_solo_runs(mesh, tokenizer) -> None:
         assert all(abs(g.logprob - w.logprob) < ATOL for g, w in zip(prompt_logprobs[1:], solo_prompt[1:], strict=True))
 
 
-# --- FORK frames on the wire ---------------------------------------------------------------------
+# --- a stage lost while n choices decode ---------------------------------------------------------
 
 
-def fork_frame(session: str, parent: str, pos: int) -> pb.Frame:
-    return pb.Frame(session_id=session, kind=pb.FORK, parent_session_id=parent, pos_start=pos, seq=1)
+def test_choices_survive_a_killed_stage(mesh, tokenizer) -> None:
+    """Each choice recovers as any session does: it prefills its own history into a new session."""
+    prompt, new, n = tokenizer(CODE).input_ids, 48, 3
+    request = GenerationRequest("k", prompt, new, temperature=0.7, seed=8)
+    expected = [tokens for tokens, _, _ in run_n(mesh, request, n)]
+    killed: list[float] = []
+
+    def kill_and_restart() -> None:
+        os.kill(mesh.processes[1].process.pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+        time.sleep(0.5)
+        mesh.processes[1].start()
+
+    async def go() -> list[list[int]]:
+        engine = engine_for(mesh, recovery_timeout_s=90)
+        try:
+            async def one(choice) -> list[int]:
+                out: list[int] = []
+                async for step in choice:
+                    out.extend(step)
+                    if len(out) >= 8 and not killed:
+                        threading.Thread(target=kill_and_restart, daemon=True).start()
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.01)
+                return out
+
+            results = await asyncio.gather(*(one(c) for c in await engine.generate_n(request, n)))
+            assert engine.recoveries >= 1
+            return list(results)
+        finally:
+            await engine.close()
+
+    assert asyncio.run(go()) == expected
+    assert killed
+    mesh.wait_ready(60)
+    assert active_sessions(mesh) == [0, 0]
 
 
-def test_bad_fork_frames_fail_only_their_session(mesh) -> None:
-    async def go() -> None:
-        async with grpc.aio.insecure_channel(mesh.addresses[0]) as channel:
-            stream = RawStream(pb_grpc.StageStub(channel))
-            prefill = await stream.exchange(pb.Frame(session_id="p", kind=pb.PREFILL, pos_start=0, token_count=5,
-                                                     token_ids=[5, 6, 7, 8, 9], want_prediction=True, seq=1))
-            assert len(prefill.predictions) == 1  # the prompt is in both stages' caches
-            good = await stream.exchange(fork_frame("c", "p", 5))  # acknowledged once both stages hold it
-            assert [(a.session_id, a.kind) for a in good.acks] == [("c", pb.FORK)] and not good.failures
-            cases = [(fork_frame("x1", "nobody", 1), grpc.StatusCode.FAILED_PRECONDITION, "unknown parent"),
-                     (fork_frame("x2", "p", 6), grpc.StatusCode.FAILED_PRECONDITION, "holds only 5"),
-                     (fork_frame("c", "p", 2), grpc.StatusCode.ALREADY_EXISTS, "exists already"),
-                     (fork_frame("p", "p", 2), grpc.StatusCode.INVALID_ARGUMENT, "itself"),
-                     (fork_frame("x3", "", 2), grpc.StatusCode.INVALID_ARGUMENT, "parent_session_id")]
-            for frame, code, needle in cases:
-                result = await stream.exchange(frame)
-                (got, message), = failures(result)
-                assert got == code and needle in message and not result.acks, (frame, message)
-            # The parent and the existing child were left alone: both still fork and are counted.
-            forks = [fork_frame(f"f{i}", "c" if i % 2 else "p", 3) for i in range(MAX_SESSIONS - 2)]
-            result = await stream.exchange(*forks)  # several forks in one batch
-            assert len(result.acks) == len(forks) and not result.failures
-            full = await stream.exchange(fork_frame("over", "p", 3))  # a fork beyond max_sessions is refused
-            (code, message), = failures(full)
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum" in message
-            assert active_sessions(mesh) == [MAX_SESSIONS, MAX_SESSIONS]
-            await stream.close()  # the stream's sessions go with it
-        deadline = time.monotonic() + 10
-        while active_sessions(mesh) != [0, 0] and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert active_sessions(mesh) == [0, 0]
-
-
+# The OpenAI surface's engine holds the stages' pool (its stream) until the module ends: the tests
+# with engines of their own come before it.
 # --- the OpenAI surface --------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def url(mesh, tokenizer) -> Iterator[str]:
-    engine = PipelineEngine(GrpcPipeline(mesh.addresses), EngineOptions(NAME, max_context=512))
+    engine = PipelineEngine(GrpcPipeline(mesh.addresses), EngineOptions(NAME, max_context=512, max_sessions=16))
     with serve(create_app(engine, tokenizer, served_model_name=NAME)) as base:
         yield base
 
@@ -304,44 +316,3 @@ def test_langchain_n(url: str) -> None:
     replies = chat.generate([[HumanMessage(CODE)]]).generations[0]
     again = chat.generate([[HumanMessage(CODE)]]).generations[0]
     assert len(replies) == 2 and [r.text for r in replies] == [r.text for r in again]
-
-
-# --- a stage lost while n choices decode ---------------------------------------------------------
-
-
-def test_choices_survive_a_killed_stage(mesh, tokenizer) -> None:
-    """Each choice recovers as any session does: it prefills its own history into a new session."""
-    prompt, new, n = tokenizer(CODE).input_ids, 48, 3
-    request = GenerationRequest("k", prompt, new, temperature=0.7, seed=8)
-    expected = [tokens for tokens, _, _ in run_n(mesh, request, n)]
-    killed: list[float] = []
-
-    def kill_and_restart() -> None:
-        os.kill(mesh.processes[1].process.pid, signal.SIGKILL)
-        killed.append(time.monotonic())
-        time.sleep(0.5)
-        mesh.processes[1].start()
-
-    async def go() -> list[list[int]]:
-        engine = engine_for(mesh, recovery_timeout_s=90)
-        try:
-            async def one(choice) -> list[int]:
-                out: list[int] = []
-                async for step in choice:
-                    out.extend(step)
-                    if len(out) >= 8 and not killed:
-                        threading.Thread(target=kill_and_restart, daemon=True).start()
-                        await asyncio.sleep(0.05)
-                    await asyncio.sleep(0.01)
-                return out
-
-            results = await asyncio.gather(*(one(c) for c in await engine.generate_n(request, n)))
-            assert engine.recoveries >= 1
-            return list(results)
-        finally:
-            await engine.close()
-
-    assert asyncio.run(go()) == expected
-    assert killed
-    mesh.wait_ready(60)
-    assert active_sessions(mesh) == [0, 0]

@@ -226,7 +226,8 @@ class SessionFrames:
             await self.prefill(conn, prompt[:-1], sampling, want_prediction=False,
                                start=len(conn.table.blocks) * manager.block_tokens)
 
-        await self.replaying_after_stage_loss(conn, sampling, prompt[:-1], tail, len(prompt) + 1)
+        replayable = partial(self.replaying_after_stage_loss, conn, sampling, prompt[:-1], tail, len(prompt) + 1)
+        await self.waiting_for_room(conn, replayable)  # after a retry, its table is empty: it computes all
 
     async def step(self, conn: Connection, sampling: pb.Sampling, history: list[int],
                    proposer: Proposer | None) -> pb.Prediction:
