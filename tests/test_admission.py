@@ -90,7 +90,7 @@ async def async_raising(*_args, **_kwargs):
 STEPS = {
     "open a session": ("pipeline", "open", raising),
     "prefill": ("frames", "prefill", async_raising),
-    "fork": ("frames", "fork", async_raising),
+    "share the prompt": ("frames", "share_prompt", async_raising),
     "make a proposer": ("engine", "proposer_for", raising),
     "decode": ("frames", "send_step", async_raising),
 }
@@ -125,6 +125,7 @@ def test_every_step_after_admission_gives_the_slots_back_when_it_raises(mesh, st
             failure = await drive(engine, 4)
             assert isinstance(failure, Injected), repr(failure)
             assert engine.free_slots == SLOTS
+            assert engine.blocks.available == engine.blocks.num_blocks  # and every KV block
             setattr(target, name, original)
             await answers_at_once(engine)
         finally:
@@ -138,8 +139,8 @@ def test_a_session_close_that_raises_gives_the_slot_back(mesh, monkeypatch) -> N
 
     close = Connection.close
 
-    async def close_then_raise(self, retain: bool = False) -> bool:
-        await close(self, retain)
+    async def close_then_raise(self) -> bool:
+        await close(self)
         raise Injected("injected")
 
     async def go() -> None:

@@ -47,8 +47,9 @@ def test_decodes_always_ride_prompt_chunks_share_a_budget_and_a_session_waits_it
 
 class ScriptedStage:
     """A BatchStream (inferencemesh.protocol.streams) that answers as a last stage does: a Prediction
-    for each frame that wants one, an Ack for each RELEASE and FORK. While `holding`, answers wait
-    (batches pile up in flight); end() ends the stream, with a status or cleanly."""
+    for each frame that wants one, an Ack for each RELEASE and each prompt chunk that wants none.
+    While `holding`, answers wait (batches pile up in flight); end() ends the stream, with a status
+    or cleanly."""
 
     def __init__(self) -> None:
         self.sent: list[pb.Batch] = []
@@ -113,13 +114,15 @@ def test_no_more_microbatches_in_flight_than_the_limit_and_each_sessions_frames_
         scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
         session = ScheduledSession(scheduler, "a", step_timeout=5)
         stage.holding = True
-        for seq in range(1, 6):  # prompt chunks that want no answer: one session's frames, one per batch
-            await session.send(chunk("a", seq))
+        # prompt chunks that want no prediction: sent without waiting for their Acks, one per batch
+        acks = [session.submit(chunk("a", seq)) for seq in range(1, 6)]
         await asyncio.sleep(0.05)
         assert [len(b.frames) for b in stage.sent] == [1, 1] and stage.in_flight == 2
+        assert not any(ack.done() for ack in acks)
         stage.release()
         last = await session.send(chunk("a", 6, want=True))
         assert list(last.tokens) == [7]
+        assert [ack.result() for ack in acks] == [None] * 5  # each acknowledged
         await scheduler.close()
         return stage
 
@@ -235,6 +238,51 @@ def test_a_send_still_times_out_as_a_stalled_stage_and_a_release_is_given_up_on_
         assert not closing.done()
         stage.release()
         assert await asyncio.wait_for(closing, 2) is True
+        await scheduler.close()
+
+    asyncio.run(go())
+
+
+def test_a_withdrawn_session_sends_nothing_more_but_its_frames_in_flight_are_answered() -> None:
+    """Preemption and close: frames not yet sent never go (their KV blocks may be another
+    session's by then), and fail; one already in flight is answered, before any later frame."""
+    async def go() -> None:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=1, token_budget=64)
+        a, b = ScheduledSession(scheduler, "a", step_timeout=5), ScheduledSession(scheduler, "b", step_timeout=5)
+        stage.holding = True
+        sent, queued = a.submit(chunk("a", 1)), a.submit(chunk("a", 2))
+        await asyncio.sleep(0.05)
+        a.withdraw(PipelineError(grpc.StatusCode.ABORTED, "preempted"))
+        with pytest.raises(PipelineError, match="preempted"):
+            await queued
+        with pytest.raises(PipelineError, match="preempted"):
+            a.submit(chunk("a", 3))
+        other = b.submit(chunk("b", 1, want=True))
+        stage.release()
+        assert await sent is None and list((await other).tokens) == [7]
+        assert [(f.session_id, f.seq) for batch in stage.sent for f in batch.frames] == [("a", 1), ("b", 1)]
+        await scheduler.close()
+
+    asyncio.run(go())
+
+
+def test_a_failed_chunk_fails_every_answer_its_session_awaits() -> None:
+    async def go() -> None:
+        stage = ScriptedStage()
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        session = ScheduledSession(scheduler, "a", step_timeout=5)
+        stage.holding = True
+        first, last = session.submit(chunk("a", 1)), session.submit(chunk("a", 2, want=True))
+        await asyncio.sleep(0.05)
+        failing = pb.BatchResult(seq=stage.held[0].seq)
+        failing.failures.add(session_id="a", seq=1, code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                             message="block 3 was never written")
+        stage._results.put_nowait(failing)
+        for answer in (first, last):
+            with pytest.raises(PipelineError, match="never written") as failed:
+                await answer
+            assert failed.value.code == grpc.StatusCode.FAILED_PRECONDITION
         await scheduler.close()
 
     asyncio.run(go())
