@@ -218,6 +218,11 @@ class FrontendMetrics:
         self.kv_cache_evictions.labels(self.model).inc(max(0, evictions - counted_evictions))
         self._kv_counted = (max(preemptions, counted_preemptions), max(evictions, counted_evictions))
 
+    def record_held_back(self, count: int) -> None:
+        """`count` running requests preempted for KV blocks wait again (negative: they resume)."""
+        self.num_requests_waiting.labels(self.model).inc(count)
+        self.num_requests_running.labels(self.model).dec(count)
+
     def record_verify_round(self, draft_tokens: int, accepted: int) -> None:
         """One verify round of `draft_tokens` proposals of which the first `accepted` were kept."""
         if draft_tokens <= 0:

@@ -30,7 +30,7 @@ import grpc
 
 from inferencemesh.frontend.engine.api import TokenLogprob
 from inferencemesh.frontend.engine.errors import EngineOverloaded
-from inferencemesh.frontend.engine.kv_blocks import BlockTable, KvRoom, Pending
+from inferencemesh.frontend.engine.kv_blocks import BlockTable, KvRoom, Pending, PoolExhausted
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.proposers.base import Proposer
 from inferencemesh.protocol import stage_pb2 as pb
@@ -118,7 +118,7 @@ class Connection:
             end = fields["pos_start"] + fields["token_count"]
             try:
                 self.room.grow(self, end)
-            except Exception:
+            except PoolExhausted:
                 self.preempt()  # no other session to take blocks from: this one waits its turn
                 raise Preempted() from None
             fields["kv_blocks"] = self.table.blocks[: self.room.manager.blocks_for(end)]
@@ -234,7 +234,7 @@ class SessionFrames:
         """The next step of a session whose stages hold all of `history` but its last token."""
         return await self.replaying_after_stage_loss(conn, sampling, history[:-1],
                                                      partial(self.send_step, conn, history, proposer),
-                                                     len(history) + 1)
+                                                     len(history) + 1, decoding=True)
 
     # ---- recovery, as named steps -----------------------------------------------------------------
 
@@ -259,10 +259,12 @@ class SessionFrames:
                 conn.open()
 
     async def replaying_after_stage_loss(self, conn: Connection, sampling: pb.Sampling, prefix: list[int],
-                                         operation: Callable[[], Awaitable[T]], needs: int) -> T:
+                                         operation: Callable[[], Awaitable[T]], needs: int,
+                                         decoding: bool = False) -> T:
         """Run `operation`; if a stage was lost, a stage lacks a block, or the session was
         preempted, wait for the pipeline (up to recovery_timeout_s) and for `needs` positions of
-        blocks, prefill `prefix` into a new session, and run it again."""
+        blocks, prefill `prefix` into a new session, and run it again. `decoding`: the session has
+        produced tokens (a preempted one counts as waiting again meanwhile)."""
         deadline = None
         while True:
             try:
@@ -277,7 +279,14 @@ class SessionFrames:
                 if not preempted:
                     deadline = deadline or started + self.recovery_timeout_s
                     log.warning("request %s lost its pipeline session (%s); recovering", conn.request_id, err)
-                await self._reconnect(conn, sampling, prefix, deadline, err, needs)
+                held_back = self.metrics if preempted and decoding else None  # waiting again meanwhile
+                if held_back is not None:
+                    held_back.record_held_back(1)
+                try:
+                    await self._reconnect(conn, sampling, prefix, deadline, err, needs)
+                finally:
+                    if held_back is not None:
+                        held_back.record_held_back(-1)
                 if not preempted:
                     self.recoveries += 1
                     log.info("request %s recovered in %.2fs (re-prefilled %d tokens)", conn.request_id,
