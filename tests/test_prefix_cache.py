@@ -7,6 +7,7 @@ that restarted holds nothing and costs a full prefill, never an answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import urllib.request
@@ -55,12 +56,11 @@ def stage_tokens(mesh) -> list[float]:
 class Session:
     """One engine (one frontend) over the mesh, kept across requests, as a served frontend is."""
 
-    def __init__(self, mesh, prefix_cache: bool = True, pipeline=None, kv_blocks: int | None = None) -> None:
+    def __init__(self, mesh, prefix_cache: bool = True, pipeline=None, **options) -> None:
         self.loop = asyncio.new_event_loop()
         self.metrics = FrontendMetrics("t")
         self.engine = PipelineEngine(pipeline or GrpcPipeline(mesh.addresses),
-                                     EngineOptions("t", max_context=CONTEXT, prefix_cache=prefix_cache,
-                                                   kv_blocks=kv_blocks),
+                                     EngineOptions("t", max_context=CONTEXT, prefix_cache=prefix_cache, **options),
                                      metrics=self.metrics)
         self.free_at_start = self.engine.blocks.available
 
@@ -212,6 +212,35 @@ def test_a_cancelled_requests_computed_blocks_are_hit_by_the_next_identical_one(
     hits = cached.counted("prefix_cache_hits")
     assert cached.run(prompt, 4, temperature=0.0) == [hf_greedy(model, prompt, 4)]
     assert cached.counted("prefix_cache_hits") - hits == full_blocks(prompt)
+
+
+def test_chunked_prompts_share_blocks_as_each_chunk_is_acknowledged_and_a_cancel_leaks_none(mesh, model) -> None:
+    """Prompt chunks of one block each go out without waiting for their Acks; a request arriving
+    meanwhile waits for the blocks being computed. A request cancelled during its prefill leaves
+    the blocks its acknowledged chunks computed cached, and nothing held."""
+    session = Session(mesh, prefill_chunk=BT)
+    try:
+        shared = [(5 * i + 2) % 240 + 5 for i in range(8 * BT)]
+        prompts = [shared + [210 + k] for k in range(4)]
+        before = stage_tokens(mesh)[0]
+        assert session.together(prompts, 2, temperature=0.0) == [hf_greedy(model, p, 2) for p in prompts]
+        assert stage_tokens(mesh)[0] - before <= 2 * len(shared) + 4 * (1 + BT + 1)
+        assert session.counted("prefix_cache_hits") >= 2 * len(shared)
+
+        async def cancelled() -> None:
+            request = GenerationRequest("gone", [9] * (10 * BT) + [7], 20, temperature=0.0)
+            task = asyncio.ensure_future(session.drain(request))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        session.loop.run_until_complete(cancelled())
+        prompt = [9] * (10 * BT) + [7]
+        assert session.run(prompt, 3, temperature=0.0) == [hf_greedy(model, prompt, 3)]
+        session.assert_every_block_free()
+    finally:
+        session.close()
 
 
 def test_more_conversations_than_the_pool_holds_all_finish_exactly_with_preemptions(mesh, model) -> None:

@@ -300,6 +300,8 @@ class SessionFrames:
         await conn.close()
         while deadline is None or time.monotonic() < deadline:
             await self.room.admit(conn, needs, resuming=True)
+            # a preempted session waits for blocks as long as it takes, for the pipeline no longer
+            deadline = deadline or time.monotonic() + self.recovery_timeout_s
             if await self.pipeline.is_ready():
                 conn.open()
                 try:
