@@ -87,8 +87,8 @@ class Step(list):
       layer only adds its own "stop" for a stop string, which it finds in the text.
 
     The first Step also says how many of the prompt's tokens the prefix cache supplied
-    (cached_tokens: forked from a cached session, not computed), as usage reports them; 0 on
-    every other Step, and on the choices forked from the first (the prompt counts once)."""
+    (cached_tokens: cached KV blocks reused, not computed), as usage reports them; 0 on
+    every other Step, and on the choices sharing the first's prompt blocks (the prompt counts once)."""
 
     def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
                  prompt_logprobs: list[TokenLogprob | None] | None = None,
