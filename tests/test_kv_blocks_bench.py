@@ -82,13 +82,15 @@ def test_the_multi_turn_ratios_come_from_the_benchs_json() -> None:
 
 def test_the_summary_takes_medians_of_good_rounds_and_judges_the_targets() -> None:
     rounds: dict[str, list[dict[str, Any]]] = {
-        "old": [{"tok_s": 100.0, "max_running": 16.0, "seconds": 9}, {"tok_s": 120.0, "max_running": 16.0},
+        "old": [{"tok_s": 100.0, "max_running": 16.0, "seconds": 9, "burst_walls_s": [1.0, 2.0]},
+                {"tok_s": 120.0, "max_running": 16.0},
                 {"error": "RuntimeError: serve exited"}],
         "new": [{"tok_s": 150.0, "max_running": 48.0}, {"tok_s": 190.0, "max_running": 47.0},
                 {"tok_s": 170.0, "max_running": 48.0}]}
     result = bench.summarise(bench.SCENARIOS["concurrency48"], rounds)
     assert result["metrics"]["tok_s"] == {"old": 110.0, "new": 170.0, "ratio": pytest.approx(1.5455, abs=1e-4)}
-    assert "seconds" not in result["metrics"]
+    assert "seconds" not in result["metrics"] and "burst_walls_s" not in result["metrics"]  # raw, in the rounds
+    assert result["rounds"]["old"][0]["burst_walls_s"] == [1.0, 2.0]
     checks = {c["metric"]: c for c in result["checks"]}
     assert checks["max_running"]["pass"] is True and checks["tok_s"]["pass"] is True
     assert result["errors"] == ["old round 3: RuntimeError: serve exited"]
@@ -109,3 +111,17 @@ def test_a_target_on_a_tree_without_good_rounds_or_a_zero_old_value_is_undecided
     assert cancel["metrics"]["hit_share"]["ratio"] is None and cancel["checks"][0]["pass"] is True
     assert bench.Check("x", "new", "<=", 3.0, "").holds(3.0, None) is True
     assert bench.Check("x", "ratio", ">=", 0.95, "").holds(None, 0.94) is False
+
+
+def test_serves_defaults_are_read_from_its_help_wrapped_or_not() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--max-context", type=int, default=2048, help="longest session")
+    parser.add_argument("--max-sessions", type=int, default=256, help="requests generating at once (a scheduling "
+                        "limit: their KV comes from the pool, --kv-cache-tokens) " * 2)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0, help="KV positions (0: 16 contexts)")
+    parser.add_argument("--window", default="adaptive:4:1:8", help="speculation window")
+    found = bench.help_defaults(parser.format_help(), ("max-context", "max-sessions", "kv-cache-tokens",
+                                                       "prefix-cache-tokens"))
+    assert found == {"max-context": "2048", "max-sessions": "256", "kv-cache-tokens": "0"}

@@ -71,7 +71,7 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario("decode1", lambda m: sc.decode(m, 1, bursts=4),
+    Scenario("decode1", lambda m: sc.decode(m, 1, bursts=8),
              (Check("tok_s", "ratio", ">=", 0.95, "decode tok/s at 1 stream >= 0.95x today's"),)),
     Scenario("decode8", lambda m: sc.decode(m, 8, bursts=3),
              (Check("tok_s", "ratio", ">=", 0.95, "decode tok/s at 8 streams >= 0.95x today's"),)),
@@ -153,12 +153,22 @@ def tree_facts(src: Path) -> dict[str, Any]:
 
     help_text = subprocess.run([sys.executable, "-m", "inferencemesh", "serve", "--help"], capture_output=True,
                                text=True, env={**os.environ, "PYTHONPATH": str(src)}).stdout
-    defaults = {m.group(1): m.group(2) for m in re.finditer(
-        r"--(max-sessions|max-context|kv-cache-tokens|prefix-cache-tokens) [A-Z_]+\s.*?\(default: ([^)]*)\)",
-        help_text, re.S)}
     return {"src": str(src.resolve()), "commit": git("rev-parse", "HEAD"),
             "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".")),
-            "serve_defaults": defaults}
+            "serve_defaults": help_defaults(help_text, ("max-context", "max-sessions", "kv-cache-tokens",
+                                                        "prefix-cache-tokens", "stages"))}
+
+
+def help_defaults(help_text: str, options: tuple[str, ...]) -> dict[str, str]:
+    """`--option: default` from argparse's help, for the options it has."""
+    blocks = re.split(r"\n(?=  -)", help_text)  # one block per option, its help wrapped below it
+    found = {}
+    for block in blocks:
+        head = re.match(r"\s*--([a-z0-9-]+)", block)
+        default = re.search(r"\(default:\s+([^)]*)\)", " ".join(block.split()))
+        if head and head.group(1) in options and default:
+            found[head.group(1)] = default.group(1)
+    return found
 
 
 def run_once(scenario: Scenario, src: Path, flags: list[str], bench: list[str], log_dir: Path) -> dict[str, Any]:
@@ -172,8 +182,12 @@ def run_once(scenario: Scenario, src: Path, flags: list[str], bench: list[str], 
                 numbers = asyncio.run(_measure(scenario, mesh))
     except Exception as err:  # noqa: BLE001 - a failed round is reported, the others still run
         return {"error": f"{type(err).__name__}: {err}"[:4000], "seconds": round(time.monotonic() - started, 1)}
-    return {**{k: round(v, 4) for k, v in numbers.items()}, "seconds": round(time.monotonic() - started, 1),
+    return {**{k: _rounded(v) for k, v in numbers.items()}, "seconds": round(time.monotonic() - started, 1),
             "load_before": round(load, 2)}
+
+
+def _rounded(value: Any) -> Any:
+    return [_rounded(v) for v in value] if isinstance(value, list) else round(value, 4)
 
 
 async def _measure(scenario: Scenario, mesh: sc.Mesh) -> dict[str, float]:
@@ -191,7 +205,8 @@ def summarise(scenario: Scenario, rounds: dict[str, list[dict[str, Any]]]) -> di
     """Per metric the medians of each tree's good rounds and new ÷ old; each check with pass/fail
     (None: a tree had no good round, or old was 0)."""
     good = {t: [r for r in rounds[t] if "error" not in r] for t in TREES}
-    keys = [k for k in (good["old"] or good["new"] or [{}])[0] if k not in ("seconds", "load_before")]
+    keys = [k for k, v in (good["old"] or good["new"] or [{}])[0].items()
+            if k not in ("seconds", "load_before") and not isinstance(v, list)]  # lists: raw, in the rounds
     metrics: dict[str, dict[str, float | None]] = {}
     for key in keys:
         old, new = (median([r[key] for r in good[t] if key in r]) for t in TREES)

@@ -277,29 +277,31 @@ def short_prompt(i: int, kind: str = "task") -> str:
 
 
 async def warm_up(mesh: Mesh) -> None:
-    """One short request first: a fresh process's first pass pays one-off costs."""
-    await stream(mesh, short_prompt(999, "warmup"), 8, chat=True)
+    """A batch of short streams, then one alone: a fresh process pays one-off costs (allocations,
+    kernels picked per shape) on its first batched and its first speculative passes."""
+    await asyncio.gather(*(stream(mesh, short_prompt(900 + i, "warmup"), 24, chat=True) for i in range(8)))
+    await stream(mesh, short_prompt(999, "warmup"), 24, chat=True)
 
 
 # --- scenarios -----------------------------------------------------------------------------------
 
-async def decode(mesh: Mesh, streams: int, bursts: int = 1, max_tokens: int = 64) -> dict[str, float]:
+async def decode(mesh: Mesh, streams: int, bursts: int = 1, max_tokens: int = 64) -> dict[str, Any]:
     """`bursts` times `streams` distinct short chat streams at once: completion tokens over the wall
     time from each burst's first request to its last done (summed), and the most requests the
     frontend ran at once."""
     await warm_up(mesh)
     before = await scrape(mesh)
     runs: list[Stream] = []
-    wall = 0.0
+    walls: list[float] = []
     async with GaugePeaks(mesh) as peaks:
         for b in range(bursts):
             start = time.perf_counter()
             runs += await asyncio.gather(*(stream(mesh, short_prompt(b * streams + i), max_tokens, chat=True)
                                            for i in range(streams)))
-            wall += time.perf_counter() - start
+            walls.append(time.perf_counter() - start)
     after = await scrape(mesh)
     tokens = sum(r.completion_tokens for r in runs)
-    return {"tok_s": tokens / wall, "completion_tokens": tokens, "wall_s": wall,
+    return {"tok_s": tokens / sum(walls), "completion_tokens": tokens, "wall_s": sum(walls), "burst_walls_s": walls,
             "max_running": peaks.peaks["inferencemesh_num_requests_running"],
             "max_waiting": peaks.peaks["inferencemesh_num_requests_waiting"],
             "max_kv_cache_usage_perc": peaks.peaks["inferencemesh_kv_cache_usage_perc"],
@@ -350,35 +352,37 @@ async def cancel_retry(mesh: Mesh, prompt_tokens: int = 1150, trials: int = 3) -
             "prompt_tokens": prompt_tokens, "trials": trials}
 
 
-async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: int = 4096) -> dict[str, float]:
+async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: int = 4096,
+                pairs: int = 2) -> dict[str, Any]:
     """`shorts` short streams alone, then beside one stream of a `long_tokens` prompt that is
-    decoding (started first, its first token awaited), then alone again: their decode tok/s beside
-    ÷ alone (the mean of before and after)."""
+    decoding (started first, its first token awaited), `pairs` times, then alone once more: their
+    mean decode tok/s beside ÷ alone (alone phases bracket the beside ones: the machine drifts)."""
     await warm_up(mesh)
+    long_prompt = await prompt_ids(mesh, long_tokens, "long")
 
     async def shorts_rate(kind: str) -> float:
         runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), 64, chat=True) for i in range(shorts)))
         return sum(r.decode_tok_s for r in runs) / shorts
 
-    alone_before = await shorts_rate("alone")
-    long_prompt = await prompt_ids(mesh, long_tokens, "long")
-    started = asyncio.Event()
-    long_task = asyncio.create_task(stream(mesh, long_prompt, context - long_tokens - 16, started=started))
-    waited = asyncio.create_task(started.wait())
-    await asyncio.wait([long_task, waited], return_when=asyncio.FIRST_COMPLETED)
-    if long_task.done():
-        waited.cancel()
-        raise RuntimeError(f"the long stream ended before its first token: {long_task.result()}")
-    beside = await shorts_rate("beside")
-    still_decoding = not long_task.done()
-    long_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await long_task
-    # alone both before and after: the machine's speed drifts, the mean of both brackets the middle
-    alone = (alone_before + await shorts_rate("again")) / 2
-    return {"beside_over_alone": beside / alone, "alone_tok_s": alone, "beside_tok_s": beside,
-            "alone_before_over_after": alone_before / (2 * alone - alone_before),
-            "long_decoding_throughout": float(still_decoding)}
+    alone, beside, long_throughout = [await shorts_rate("alone0")], [], True
+    for pair in range(pairs):
+        started = asyncio.Event()
+        long_task = asyncio.create_task(stream(mesh, long_prompt, context - long_tokens - 16, started=started))
+        waited = asyncio.create_task(started.wait())
+        await asyncio.wait([long_task, waited], return_when=asyncio.FIRST_COMPLETED)
+        if long_task.done():
+            waited.cancel()
+            raise RuntimeError(f"the long stream ended before its first token: {long_task.result()}")
+        beside.append(await shorts_rate(f"beside{pair}"))
+        long_throughout &= not long_task.done()
+        long_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_task
+        alone.append(await shorts_rate(f"alone{pair + 1}"))
+    mean_alone, mean_beside = statistics.mean(alone), statistics.mean(beside)
+    return {"beside_over_alone": mean_beside / mean_alone, "alone_tok_s": mean_alone, "beside_tok_s": mean_beside,
+            "alone_spread": (max(alone) - min(alone)) / mean_alone, "long_decoding_throughout": float(long_throughout),
+            "alone_phases_tok_s": alone, "beside_phases_tok_s": beside}
 
 
 def multiturn(src: Path, bench_flags: list[str], log_dir: Path) -> dict[str, float]:
