@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable, PoolExhausted
+from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable, KvRoom, PoolExhausted
 
 BT = 4  # positions per block, small for the tests
 
@@ -177,3 +177,55 @@ def test_caching_off_shares_nothing_by_hash() -> None:
     t = computed(m, [1] * 8)
     m.free(t)
     assert not m.cached and m.available == 5
+
+
+class Holder:
+    """A session as KvRoom sees it: preempt() gives its blocks back (session.Connection does more)."""
+
+    def __init__(self, room: KvRoom, name: str) -> None:
+        self.room, self.name, self.table, self.preempted = room, name, BlockTable(), 0
+
+    def preempt(self) -> None:
+        self.preempted += 1
+        self.room.release(self)
+
+
+def test_a_session_that_cannot_grow_preempts_the_most_recently_admitted_never_an_older_one() -> None:
+    async def go() -> None:
+        room = KvRoom(manager(6))
+        old, mid, new = (Holder(room, n) for n in ("old", "mid", "new"))
+        for holder in (old, mid, new):
+            await room.admit(holder, 8, resuming=False)
+            room.grow(holder, 8)
+        room.grow(old, 12)  # the newest gives its blocks back
+        assert (old.preempted, mid.preempted, new.preempted) == (0, 0, 1) and not new.table.blocks
+        room.grow(mid, 12)  # the last free block
+        with pytest.raises(PoolExhausted):  # mid is now the most recent: it yields itself
+            room.grow(mid, 13)
+        assert mid.preempted == 1 and not mid.table.blocks and old.table.blocks
+        assert room.manager.stats.preemptions == 2
+
+    asyncio.run(go())
+
+
+def test_new_sessions_wait_for_blocks_behind_preempted_ones() -> None:
+    async def go() -> None:
+        room = KvRoom(manager(4))
+        running = Holder(room, "running")
+        await room.admit(running, 16, resuming=False)
+        room.grow(running, 16)
+        order: list[str] = []
+
+        async def admitted(holder: Holder, positions: int, resuming: bool) -> None:
+            await room.admit(holder, positions, resuming=resuming)
+            order.append(holder.name)
+
+        resuming = asyncio.ensure_future(admitted(Holder(room, "preempted"), 8, True))
+        arriving = asyncio.ensure_future(admitted(Holder(room, "new"), 4, False))
+        await asyncio.sleep(0.05)
+        assert room.waiting == 2 and not order
+        room.release(running)
+        await asyncio.gather(resuming, arriving)
+        assert order == ["preempted", "new"] and room.waiting == 0
+
+    asyncio.run(go())

@@ -267,7 +267,7 @@ class Holder(Protocol):
 class KvRoom:
     """Running out of blocks is scheduling: the sessions holding blocks in admission order, new
     ones admitted only while the pool can hold their prompt and no preempted session waits, and a
-    session that cannot grow preempts the most recently admitted other one (vLLM's recompute
+    session that cannot grow preempts the most recently admitted one (vLLM's recompute
     preemption: the preempted session recomputes its tokens once blocks are free again)."""
 
     def __init__(self, manager: BlockManager) -> None:
@@ -302,18 +302,20 @@ class KvRoom:
         self.running[holder] = None
 
     def grow(self, holder: Holder, positions: int) -> None:
-        """The holder's table covers `positions`, preempting the most recently admitted others as
-        needed; PoolExhausted when even that cannot make room (the holder then waits its turn)."""
+        """The holder's table covers `positions`; else the most recently admitted session with
+        blocks is preempted, again until it does. That is never an older one: when the holder is
+        the most recent, it is preempted itself (PoolExhausted) and waits its turn, so the oldest
+        session always progresses (vLLM's policy)."""
         while True:
             try:
                 self.manager.grow(holder.table, positions)
                 return
             except PoolExhausted:
-                victim = next((h for h in reversed(self.running) if h is not holder and h.table.blocks), None)
-                if victim is None:
-                    raise
+                victim = next((h for h in reversed(self.running) if h.table.blocks), holder)
                 self.manager.stats.preemptions += 1
                 victim.preempt()
+                if victim is holder:
+                    raise
 
     def release(self, holder: Holder) -> None:
         """The holder's blocks go back (cached by hash where computed); it no longer runs."""

@@ -110,16 +110,15 @@ class Connection:
     def frame(self, kind: pb.FrameKind, *, sampling: pb.Sampling | None = None, **fields: Any) -> pb.Frame:
         """The session's next frame, built fresh: once sent, nothing changes it (the scheduler
         holds it until its batch goes out), so no receiver needs a copy. A compute frame names the
-        session's blocks for [0, pos_start + token_count), allocated here (preempting others when
-        the pool is full: KvRoom.grow)."""
+        session's blocks for [0, pos_start + token_count), allocated here (preempting the most
+        recently admitted session when the pool is full: KvRoom.grow)."""
         if self.session.failure is not None:
             raise self.session.failure  # preempted: nothing more is allocated for it
         if kind in COMPUTE_KINDS:
             end = fields["pos_start"] + fields["token_count"]
             try:
                 self.room.grow(self, end)
-            except PoolExhausted:
-                self.preempt()  # no other session to take blocks from: this one waits its turn
+            except PoolExhausted:  # the most recently admitted: it gave its blocks back, and waits its turn
                 raise Preempted() from None
             fields["kv_blocks"] = self.table.blocks[: self.room.manager.blocks_for(end)]
         self.seq += 1
