@@ -229,3 +229,16 @@ def test_new_sessions_wait_for_blocks_behind_preempted_ones() -> None:
         assert order == ["preempted", "new"] and room.waiting == 0
 
     asyncio.run(go())
+
+
+def test_a_smaller_pool_at_the_stages_retires_the_blocks_beyond_it() -> None:
+    m = manager(8)
+    t = computed(m, list(range(24)))  # blocks 0..5
+    m.free(computed(m, [3] * 8))  # 6, 7 cached
+    m.shrink(5)
+    assert m.available == 0 and not m.cached
+    m.free(t)  # block 5 is retired, 0..4 cached
+    assert m.available == 5 and m.num_blocks == 5
+    u = BlockTable()
+    m.grow(u, 20)
+    assert sorted(u.blocks) == [0, 1, 2, 3, 4]

@@ -260,6 +260,16 @@ def test_more_conversations_than_the_pool_holds_all_finish_exactly_with_preempti
         session.close()
 
 
+def test_the_engine_gives_out_no_more_blocks_than_the_stages_pools_hold(mesh, model) -> None:
+    session = Session(mesh, kv_blocks=100_000)
+    try:
+        assert session.loop.run_until_complete(session.engine.is_ready())
+        assert session.engine.blocks.num_blocks == 16 * CONTEXT // BT  # the stages' default pool
+        assert session.run(SYSTEM, 3, temperature=0.0) == [hf_greedy(model, SYSTEM, 3)]
+    finally:
+        session.close()
+
+
 def test_a_prompt_larger_than_the_pool_is_refused_naming_its_length(mesh) -> None:
     from inferencemesh.frontend.engine.errors import InvalidRequest
 

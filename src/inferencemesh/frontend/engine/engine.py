@@ -12,6 +12,7 @@ sends, and its recovery (preemption included), are session.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -113,6 +114,7 @@ class PipelineEngine(Generic[PipelineT]):
                                     debug_telemetry=options.debug_telemetry, metrics=metrics,
                                     may_speculate=self._may_speculate)
         self._ready_at = 0.0
+        self._pool_checked = False  # the stages' StageInfo.kv_blocks read (the smallest pool is used)
 
     @property
     def recoveries(self) -> int:
@@ -128,6 +130,11 @@ class PipelineEngine(Generic[PipelineT]):
             return True
         ready = await self.pipeline.is_ready()
         self._ready_at = now if ready else 0.0
+        infos = getattr(self.pipeline, "infos", None)
+        if ready and infos is not None and not self._pool_checked:  # the stages' pools, once
+            with contextlib.suppress(Exception):  # an Info that fails is asked again next time
+                self.blocks.shrink(min(info.kv_blocks for info in await infos()))
+                self._pool_checked = True
         return ready
 
     def describe(self) -> dict:
@@ -175,7 +182,8 @@ class PipelineEngine(Generic[PipelineT]):
                                  f"runs at most {self.options.max_sessions} at once: send fewer prompts per request",
                                  param="prompt" if len(requests) > 1 else "n")
         # checked before admission: a refusal holds no slot
-        prompts = [_checked(request, n, self.options) for request in requests]
+        room = min(self.options.token_room, self.blocks.num_blocks * self.blocks.block_tokens)
+        prompts = [_checked(request, n, self.options, room) for request in requests]
         async with self.admission.lease(total, what=f"{len(requests)} prompt(s) with n={n}") as lease:
             starts = [asyncio.ensure_future(self._started(prompt, lease)) for prompt in prompts]
             try:
@@ -266,6 +274,7 @@ class PipelineEngine(Generic[PipelineT]):
 
     def _failed(self, err: PipelineError) -> PipelineFailed:
         self._ready_at = 0.0
+        self._pool_checked = False  # a stage may have restarted with another pool
         return PipelineFailed(f"generation failed in the pipeline: {err}")
 
     def _may_speculate(self) -> bool:
@@ -307,9 +316,10 @@ class PipelineEngine(Generic[PipelineT]):
             raise self._failed(err) from err
 
 
-def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Prompt:
+def _checked(request: GenerationRequest, n: int, options: EngineOptions, room: int) -> _Prompt:
     """The request's n choices, checked and converted for the wire (for a model of
-    options.max_context tokens and options.vocab_size), or InvalidRequest saying why."""
+    options.max_context tokens and options.vocab_size, and a KV pool of `room` positions), or
+    InvalidRequest saying why."""
     prompt = list(request.prompt_ids)
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -317,9 +327,9 @@ def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Pro
         raise ContextLengthExceeded(
             f"the prompt has {len(prompt)} tokens; this model's context is {options.max_context} tokens"
         )
-    if len(prompt) >= options.token_room:  # the prompt and one token decided after it
+    if len(prompt) >= room:  # the prompt and one token decided after it
         raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this server's KV pool holds "
-                             f"{options.token_room} positions in all", param="prompt")
+                             f"{room} positions in all", param="prompt")
     if n < 1:
         raise InvalidRequest(f"n is {n}; it must be at least 1", param="n")
     if request.max_tokens < 0:
@@ -347,7 +357,7 @@ def _checked(request: GenerationRequest, n: int, options: EngineOptions) -> _Pro
                      for r in choices]
     except (ValueError, TypeError, OverflowError) as err:  # anything else the wire refuses
         raise InvalidRequest(f"the sampling parameters cannot be sent to the stages: {err}") from err
-    return _Prompt(base, prompt, StopRule.of(base, options.token_room), choices, samplings,
+    return _Prompt(base, prompt, StopRule.of(base, room), choices, samplings,
                    reproducible=request.seed is not None or base.sampling_params(seed).greedy)
 
 

@@ -107,6 +107,17 @@ class BlockManager:
         held = len(table.blocks) if table is not None else 0
         return self.blocks_for(positions) - held <= self.available
 
+    def shrink(self, num_blocks: int) -> None:
+        """The stages' pools hold only `num_blocks` (StageInfo.kv_blocks, the smallest): blocks from
+        there on are never handed out again (one in use is retired when freed)."""
+        if not 0 < num_blocks < self.num_blocks:
+            return
+        self.num_blocks = num_blocks
+        for block in [b for b in self.cached if b >= num_blocks]:
+            del self.cached[block]
+            self.index.drop_block(block)
+        self._free = {b for b in self._free if b < num_blocks}
+
     # ---- allocation -------------------------------------------------------------------------------
 
     def grow(self, table: BlockTable, positions: int) -> None:
@@ -170,7 +181,9 @@ class BlockManager:
         assert self.refs[block] >= 0, f"block {block} freed more often than taken"
         if self.refs[block]:
             return
-        if self.index.computed(block):
+        if block >= self.num_blocks:  # beyond a shrunk pool
+            self.index.drop_block(block)
+        elif self.index.computed(block):
             self.cached[block] = None
         else:
             self.index.drop_block(block)  # a pending block nobody computes any more

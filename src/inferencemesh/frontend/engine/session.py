@@ -361,7 +361,8 @@ class SessionFrames:
         # computing thread would bring a second OpenMP team, and a draft step is about a millisecond.
         started = time.perf_counter()
         proposal = await proposer.propose_async(history) if proposer is not None and self.may_speculate() else None
-        drafts = proposal.tokens[: max(0, self.max_context - len(history) - 1)] if proposal is not None else []
+        room = min(self.max_context, self.room.manager.num_blocks * self.room.manager.block_tokens)
+        drafts = proposal.tokens[: max(0, room - len(history) - 1)] if proposal is not None else []
         masks, usable = await conn.token_masks(drafts)  # a draft the grammar forbids ends the window
         drafts = drafts[:usable]
         proposed = time.perf_counter()
