@@ -7,7 +7,7 @@ Each scenario runs `PYTHONPATH=TREE python3 -m inferencemesh serve --stages 2` (
 otherwise, each tree its own: the old tree reserves 16 sessions at the full context, the new one
 pools the same memory in blocks) on a fresh server, old, new, old, new... for --rounds rounds, one
 server at a time; its numbers are medians over rounds, the raw rounds kept. Scenarios (kv_blocks_scenarios.py):
-- decode1, decode8, concurrency48: that many short chat streams at once, aggregate decode tok/s and
+- decode1, decode8, concurrency48: that many short streams at once, aggregate decode tok/s and
   the most requests running at once (the frontend's gauge, read every 50 ms);
 - burst16: a cold burst of 16 requests sharing a 1,450-token prefix: prompt tokens computed
   (prefix-cache queries - hits) ÷ (the prefix + the 16 suffixes);

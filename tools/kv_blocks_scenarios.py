@@ -212,20 +212,17 @@ class Stream:
         return (self.completion_tokens - 1) / span if span > 0 and self.completion_tokens > 1 else 0.0
 
 
-async def stream(mesh: Mesh, prompt: str | list[int], max_tokens: int, *, chat: bool = False,
+async def stream(mesh: Mesh, prompt: str | list[int], max_tokens: int,
                  started: asyncio.Event | None = None) -> Stream:
-    """A greedy streamed request (chat when `chat`, else completions of text or token ids) to its end."""
-    client, out = mesh.client(), Stream(time.perf_counter())
-    common: dict[str, Any] = dict(model=mesh.model, max_tokens=max_tokens, temperature=0, stream=True,
-                                  stream_options={"include_usage": True})
-    if chat:
-        message: Any = {"role": "user", "content": prompt}
-        response: Any = await client.chat.completions.create(messages=[message], **common)
-    else:
-        response = await client.completions.create(prompt=prompt, **common)
+    """A greedy streamed completion of text or token ids, to its end (completions, not chat: a
+    random-weight shape has no chat template)."""
+    out = Stream(time.perf_counter())
+    response: Any = await mesh.client().completions.create(
+        model=mesh.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
     async with response:
         async for chunk in response:
-            if chunk.choices and not out.first and _has_token(chunk, chat):
+            if chunk.choices and chunk.choices[0].text and not out.first:
                 out.first = time.perf_counter()
                 if started is not None:
                     started.set()
@@ -235,11 +232,6 @@ async def stream(mesh: Mesh, prompt: str | list[int], max_tokens: int, *, chat: 
                 out.cached_tokens = details.cached_tokens if details is not None else None
     out.done = time.perf_counter()
     return out
-
-
-def _has_token(chunk: Any, chat: bool) -> bool:
-    choice = chunk.choices[0]
-    return bool(choice.delta.content) if chat else bool(choice.text)
 
 
 async def first_token_then_close(mesh: Mesh, prompt: list[int], max_tokens: int) -> float:
@@ -272,21 +264,22 @@ async def tokenize(mesh: Mesh, text: str, special: bool) -> list[int]:
 
 
 def short_prompt(i: int, kind: str = "task") -> str:
+    """A distinct short code prompt (a few dozen tokens)."""
     topic = TOPICS[i % len(TOPICS)]
-    return f"Write a Python function {kind}_{i} that returns the {topic} of a list of {i + 2} numbers."
+    return f"def {kind}_{i}(values):\n    \"\"\"Return the {topic} of a list of {i + 2} numbers.\"\"\"\n"
 
 
 async def warm_up(mesh: Mesh) -> None:
     """A batch of short streams, then one alone: a fresh process pays one-off costs (allocations,
     kernels picked per shape) on its first batched and its first speculative passes."""
-    await asyncio.gather(*(stream(mesh, short_prompt(900 + i, "warmup"), 24, chat=True) for i in range(8)))
-    await stream(mesh, short_prompt(999, "warmup"), 24, chat=True)
+    await asyncio.gather(*(stream(mesh, short_prompt(900 + i, "warmup"), 24) for i in range(8)))
+    await stream(mesh, short_prompt(999, "warmup"), 24)
 
 
 # --- scenarios -----------------------------------------------------------------------------------
 
 async def decode(mesh: Mesh, streams: int, bursts: int = 1, max_tokens: int = 64) -> dict[str, Any]:
-    """`bursts` times `streams` distinct short chat streams at once: completion tokens over the wall
+    """`bursts` times `streams` distinct short streams at once: completion tokens over the wall
     time from each burst's first request to its last done (summed), and the most requests the
     frontend ran at once."""
     await warm_up(mesh)
@@ -296,7 +289,7 @@ async def decode(mesh: Mesh, streams: int, bursts: int = 1, max_tokens: int = 64
     async with GaugePeaks(mesh) as peaks:
         for b in range(bursts):
             start = time.perf_counter()
-            runs += await asyncio.gather(*(stream(mesh, short_prompt(b * streams + i), max_tokens, chat=True)
+            runs += await asyncio.gather(*(stream(mesh, short_prompt(b * streams + i), max_tokens)
                                            for i in range(streams)))
             walls.append(time.perf_counter() - start)
     after = await scrape(mesh)
@@ -361,7 +354,7 @@ async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: i
     long_prompt = await prompt_ids(mesh, long_tokens, "long")
 
     async def shorts_rate(kind: str) -> float:
-        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), 64, chat=True) for i in range(shorts)))
+        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), 64) for i in range(shorts)))
         return sum(r.decode_tok_s for r in runs) / shorts
 
     alone, beside, long_throughout = [await shorts_rate("alone0")], [], True
