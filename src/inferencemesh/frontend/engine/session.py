@@ -20,6 +20,7 @@ Recovery is two named steps, each around one operation:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -205,8 +206,12 @@ class SessionFrames:
         after it, conn computes itself)."""
         manager = self.room.manager
         reuse = manager.match(conn.table, tokens)
-        for index, computed in reuse.waits:
-            if not await computed:
+        for index, computing in reuse.waits:
+            computed = False
+            with contextlib.suppress(TimeoutError):  # a stalled computation: computed here instead
+                async with asyncio.timeout(self.queue_timeout_s):
+                    computed = await asyncio.shield(computing)
+            if not computed:
                 manager.truncate(conn.table, index * manager.block_tokens)
                 return index * manager.block_tokens
         return reuse.tokens
