@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     shape_dir = make_shape(srcs["old"], args.shape, args.dtype) if args.shape else None
     serve_model, bench_model = model_flags(args, shape_dir)
     report: dict[str, Any] = {
-        "issue": 35, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+        "issue": 35, "command": " ".join(["python3", "tools/kv_blocks_bench.py", *(argv or sys.argv[1:])]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
         "trees": {t: tree_facts(srcs[t]) for t in TREES}, "rounds": args.rounds, "order": "old, new per round",
         "model": args.shape or args.model or "bundled default", "log_dir": str(log_dir), "serve_flags": {},
         "results": {}}

@@ -346,7 +346,7 @@ async def cancel_retry(mesh: Mesh, prompt_tokens: int = 1150, trials: int = 3) -
 
 
 async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: int = 4096,
-                pairs: int = 2) -> dict[str, Any]:
+                pairs: int = 2, short_tokens: int = 128) -> dict[str, Any]:
     """`shorts` short streams alone, then beside one stream of a `long_tokens` prompt that is
     decoding (started first, its first token awaited), `pairs` times, then alone once more: their
     mean decode tok/s beside ÷ alone (alone phases bracket the beside ones: the machine drifts)."""
@@ -354,7 +354,7 @@ async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: i
     long_prompt = await prompt_ids(mesh, long_tokens, "long")
 
     async def shorts_rate(kind: str) -> float:
-        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), 64) for i in range(shorts)))
+        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), short_tokens) for i in range(shorts)))
         return sum(r.decode_tok_s for r in runs) / shorts
 
     alone, beside, long_throughout = [await shorts_rate("alone0")], [], True
