@@ -3,19 +3,26 @@
     python tools/kv_blocks_bench.py --old-src OLD/src --new-src NEW/src [--rounds 2]
         [--scenario NAME ...] [--model DIR | --shape llama-150m] [--json OUT]
 
+e.g. (from the repository, the old tree a worktree of main: `git worktree add /tmp/kvbench-old 17193bb`)
+    python tools/kv_blocks_bench.py --old-src /tmp/kvbench-old/src --new-src src \
+        --json docs/benchmarks/kv-blocks-bundled.json
+
 Each scenario runs `PYTHONPATH=TREE python3 -m inferencemesh serve --stages 2` (serve's defaults
 otherwise, each tree its own: the old tree reserves 16 sessions at the full context, the new one
 pools the same memory in blocks) on a fresh server, old, new, old, new... for --rounds rounds, one
-server at a time; its numbers are medians over rounds, the raw rounds kept. Scenarios (kv_blocks_scenarios.py):
-- decode1, decode8, concurrency48: that many short streams at once, aggregate decode tok/s and
-  the most requests running at once (the frontend's gauge, read every 50 ms);
+server at a time; its numbers are medians over rounds, the raw rounds kept. Scenarios (kv_blocks_scenarios.py),
+each after a warm-up batch, greedy completions:
+- decode1, decode8, concurrency48: that many distinct short streams of 64 tokens at once (8, 3, 2
+  bursts of them): completion tokens ÷ the bursts' wall time, and the most requests running at
+  once (the frontend's gauge, read every 50 ms);
 - burst16: a cold burst of 16 requests sharing a 1,450-token prefix: prompt tokens computed
-  (prefix-cache queries - hits) ÷ (the prefix + the 16 suffixes);
-- cancel_retry: a 1,150-token request closed after its first token, the identical one at once:
-  the share of its prompt that hit;
-- mixed (--max-context 4096): 7 short streams' decode tok/s beside one decoding 3,000-token stream ÷ alone;
-- multiturn: each tree's `inferencemesh bench --multi-turn --stages 2`: identical-repeat and turn-6
-  TTFT ratios.
+  (prefix-cache queries - hits) ÷ (the prefix + the 16 suffixes), and stage 0's tokens;
+- cancel_retry: a 1,150-token request closed after its first token, the identical one at once
+  (3 trials): the share of its prompt that hit (usage's cached_tokens);
+- mixed (--max-context 4096): 7 short streams of 128 tokens beside one decoding 3,000-token
+  stream, twice, ÷ alone (before, between and after): their mean decode tok/s;
+- multiturn: each tree's `inferencemesh bench --multi-turn --stages 2 --new-tokens 16`:
+  identical-repeat and turn-6 TTFT ratios.
 The targets are the issue's; a check passes on the new tree's median (or on new ÷ old)."""
 
 from __future__ import annotations
