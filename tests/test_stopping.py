@@ -18,6 +18,7 @@ from inferencemesh.frontend.engine.engine import EngineOptions, PipelineEngine
 from inferencemesh.frontend.engine.errors import InvalidRequest
 from inferencemesh.frontend.engine.stopping import ChoiceStopping, Cut, StopRule, token_budget
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.errors import PipelineError
 
 
 def test_the_budget_is_max_tokens_within_the_room_the_context_leaves() -> None:
@@ -71,19 +72,34 @@ def test_a_zero_budget_ends_at_once_with_length() -> None:
 
 class _ScriptedSession:
     """A pipeline session whose prefill decides one token and every later step `window` tokens,
-    counting up from 100 (a stop token is whichever the request names)."""
+    counting up from 100 (a stop token is whichever the request names). A prompt chunk that wants
+    no prediction is acknowledged at once."""
 
     def __init__(self, session_id: str, window: int, tokens: itertools.count) -> None:
         self.session_id, self.window, self.tokens = session_id, window, tokens
+        self.failure: PipelineError | None = None
+
+    def submit(self, frame: pb.Frame) -> asyncio.Future | None:
+        answer = asyncio.get_running_loop().create_future()
+        if frame.kind == pb.PREFILL and not frame.want_prediction:
+            answer.set_result(None)
+        else:
+            count = 1 if frame.kind == pb.PREFILL else self.window
+            answer.set_result(pb.Prediction(session_id=self.session_id, seq=frame.seq,
+                                            tokens=[next(self.tokens) for _ in range(count)]))
+        return answer
+
+    async def wait(self, answer: asyncio.Future) -> pb.Prediction | None:
+        return await answer
 
     async def send(self, frame: pb.Frame) -> pb.Prediction | None:
-        if frame.kind == pb.PREFILL and not frame.want_prediction:
-            return None
-        count = 1 if frame.kind == pb.PREFILL else self.window
-        return pb.Prediction(session_id=self.session_id, seq=frame.seq,
-                             tokens=[next(self.tokens) for _ in range(count)])
+        answer = self.submit(frame)
+        return None if answer is None else await self.wait(answer)
 
-    async def close(self, retain: bool = False) -> bool:
+    def withdraw(self, err: PipelineError) -> None:
+        self.failure = err
+
+    async def close(self) -> bool:
         return True
 
 

@@ -101,12 +101,8 @@ class PipelineEngine(Generic[PipelineT]):
         self._describe = describe or {}
         self.admission = Admission(options.max_sessions, max_waiting=options.max_waiting,
                                    timeout_s=options.queue_timeout_s)
-        self.blocks = BlockManager(options.pool_blocks, caching=options.prefix_cache,
-                                   salt=options.model_name.encode())
-        self.room = KvRoom(self.blocks)
-        listeners = getattr(pipeline, "new_stream_listeners", None)  # a new stream: every pool is empty
-        if listeners is not None:
-            listeners.append(self.blocks.forget_all)
+        self.room = _pool_room(pipeline, options)
+        self.blocks = self.room.manager
         self.frames = SessionFrames(pipeline, self.room, max_context=options.token_room,
                                     prefill_chunk=options.prefill_chunk,
                                     queue_timeout_s=options.queue_timeout_s,
@@ -251,6 +247,7 @@ class PipelineEngine(Generic[PipelineT]):
     def _connection(self, request_id: str, choice: GenerationRequest) -> Connection:
         """A choice's connection, with its own grammar when the request constrains its output."""
         conn = Connection(self.pipeline, request_id, self.room)
+        conn.table.indexed = self.options.prefix_cache  # the pool may be another engine's too (_pool_room)
         conn.grammar = choice.constrained.start() if choice.constrained is not None else None
         return conn
 
@@ -314,6 +311,23 @@ class PipelineEngine(Generic[PipelineT]):
                 history.extend(prediction.tokens)
         except PipelineError as err:
             raise self._failed(err) from err
+
+
+def _pool_room(pipeline: Pipeline, options: EngineOptions) -> KvRoom:
+    """The pipeline's KV room. The stages' pools belong to the pipeline's stream, so every engine
+    over one pipeline (a benchmark runs several) must give out the same blocks: the first engine
+    makes the room, sized and salted (by the model) by its options, and the pipeline keeps it."""
+    room: KvRoom | None = getattr(pipeline, "kv_room", None)
+    if room is None:
+        # Every engine decides for its own sessions whether they match and publish blocks (their
+        # tables' `indexed`): the room's index is there for those that do.
+        room = KvRoom(BlockManager(options.pool_blocks, salt=options.model_name.encode()))
+        listeners = getattr(pipeline, "new_stream_listeners", None)  # a new stream: every pool is empty
+        if listeners is not None:
+            listeners.append(room.manager.forget_all)
+        with contextlib.suppress(AttributeError):  # a pipeline that cannot keep it (a test's) has one engine
+            pipeline.kv_room = room  # type: ignore[attr-defined]
+    return room
 
 
 def _checked(request: GenerationRequest, n: int, options: EngineOptions, room: int) -> _Prompt:

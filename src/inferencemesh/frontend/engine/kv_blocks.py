@@ -39,6 +39,9 @@ class BlockTable:
     # The chain digests of the leading full blocks whose tokens are known to the index (pending
     # or computed, in this table or matched from another): the parent of the next one is the last.
     digests: list[bytes] = field(default_factory=list)
+    # Whether its computed blocks enter the prefix index: an engine with the prefix cache off shares
+    # a pipeline's pool (a benchmark's engines do) without publishing what it computes.
+    indexed: bool = True
 
 
 @dataclass
@@ -226,7 +229,7 @@ class BlockManager:
         """A frame computing positions below `upto` of `tokens` goes out: its full blocks that the
         index lacks become pending there, each with a reference for the frame (settle ends them)."""
         entries: list[tuple[bytes, int]] = []
-        if not self.caching:
+        if not self.caching or not table.indexed:
             return Pending(entries)
         start = len(table.digests)
         self._chain(table, tokens, upto // self.block_tokens)
@@ -251,7 +254,7 @@ class BlockManager:
     def confirm(self, table: BlockTable, tokens: Sequence[int], upto: int) -> None:
         """Positions below `upto` of `tokens` are computed at every stage (a decode step's answer):
         the full blocks among them enter the index."""
-        if not self.caching:
+        if not self.caching or not table.indexed:
             return
         start = len(table.digests)
         self._chain(table, tokens, min(upto // self.block_tokens, len(table.blocks)))

@@ -22,6 +22,7 @@ from inferencemesh.protocol.streams import RemoteStage
 from inferencemesh.tls import TlsMaterial
 
 if TYPE_CHECKING:
+    from inferencemesh.frontend.engine.kv_blocks import KvRoom
     from inferencemesh.frontend.engine.metrics import FrontendMetrics
 
 
@@ -39,6 +40,9 @@ class HopPipeline:
         self._scheduler: StepScheduler | None = None
         # Told when a new stream replaces a broken one: every stage's KV pool is empty for it.
         self.new_stream_listeners: list[Callable[[], None]] = []
+        # Who gives out the stages' KV blocks on this pipeline's stream, shared by every engine over
+        # it (engine._pool_room makes it).
+        self.kv_room: KvRoom | None = None
 
     @property
     def scheduler(self) -> StepScheduler | None:
