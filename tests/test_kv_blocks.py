@@ -24,21 +24,37 @@ def computed(m: BlockManager, tokens: list[int]) -> BlockTable:
     return table
 
 
-def test_tables_grow_into_consecutive_blocks_and_the_start_of_a_free_run() -> None:
+def test_tables_grow_into_consecutive_blocks_and_new_runs_leave_room_to_grow() -> None:
     m = manager()
     a, b = BlockTable(), BlockTable()
     m.grow(a, 5)
+    assert a.blocks == [0, 1]  # the pool's start: nothing before it needs room
     m.grow(b, 1)
-    assert a.blocks == [0, 1] and b.blocks == [2]
-    m.grow(a, 9)  # block 2 is b's: the start of the next free run
-    assert a.blocks == [0, 1, 3]
+    assert b.blocks == [4]  # the largest free run is 2..7: b starts after half the room it does not need
+    m.grow(a, 9)
     m.grow(a, 13)
-    assert a.blocks == [0, 1, 3, 4]
+    assert a.blocks == [0, 1, 2, 3]  # a grew consecutively into the room left
+    m.grow(a, 17)  # 4 is b's: a new run, in the largest free run (5..7), leaving b room
+    assert a.blocks == [0, 1, 2, 3, 6]
+    m.grow(b, 5)
+    assert b.blocks == [4, 5]
     m.free(b)
     c = BlockTable()
-    m.grow(c, 8)
-    assert c.blocks == [2, 5]
-    assert m.used == 6 and m.usage == 6 / 8
+    m.grow(c, 8)  # two blocks: the largest free run, 4..5, exactly
+    assert c.blocks == [4, 5]
+    assert m.used == 7 and m.usage == 7 / 8
+
+
+def test_many_tables_growing_in_turn_stay_mostly_consecutive() -> None:
+    """Sessions that decode together take blocks in turn: placed runs keep each one's blocks
+    consecutive (a view at the stages) far more than taking the lowest free block would."""
+    m = manager(256)
+    tables = [BlockTable() for _ in range(8)]
+    for positions in range(1, 16 * BT + 1):
+        for table in tables:
+            m.grow(table, positions)
+    runs = sum(1 + sum(b != a + 1 for a, b in zip(t.blocks, t.blocks[1:])) for t in tables)
+    assert runs <= 12, [t.blocks for t in tables]  # 8 would be perfect; first fit gives 8 x 16 = 128
 
 
 def test_an_identical_prompt_shares_its_full_blocks_by_reference_but_the_last_token() -> None:

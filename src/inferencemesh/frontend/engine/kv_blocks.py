@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +69,39 @@ class BlockStats:
     preemptions: int = 0  # sessions preempted for room (counted by the engine)
 
 
+class FreeRuns:
+    """The pool's free blocks as a byte map, to place a table's new run of blocks where it has room
+    to grow consecutively. Concurrent sessions that took blocks in turn (first fit) would interleave
+    theirs, and every session's KV would then be gathered at every stage, every layer, every step.
+    So a new run goes into the largest free run, after half of the room it does not need: the
+    table before it keeps room to grow too (at the pool's start, nothing precedes it)."""
+
+    _FREE = re.compile(rb"\x01+")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._map = bytearray(b"\x01" * num_blocks)
+
+    def take(self, block: int) -> None:
+        self._map[block] = 0
+
+    def give(self, block: int) -> None:
+        if block < len(self._map):
+            self._map[block] = 1
+
+    def retire_from(self, num_blocks: int) -> None:
+        del self._map[num_blocks:]
+
+    def place(self, count: int) -> int | None:
+        """Where a new run of `count` blocks starts, or None when no block is free."""
+        start, length = 0, 0
+        for run in self._FREE.finditer(self._map):  # in C: a scan of the pool's bytes
+            if run.end() - run.start() > length:
+                start, length = run.start(), run.end() - run.start()
+        if not length:
+            return None
+        return start if start == 0 or count >= length else start + (length - count) // 2
+
+
 class BlockManager:
     """The blocks of one pool, for every stage at once (see the module's doc)."""
 
@@ -81,7 +114,7 @@ class BlockManager:
         self.salt = salt
         self.refs = [0] * num_blocks
         self._free = set(range(num_blocks))
-        self._heap = list(range(num_blocks))  # the lowest free block first (lazily pruned): a free run's start
+        self._runs = FreeRuns(num_blocks)  # where a new run of blocks starts (FreeRuns.place)
         self.cached: OrderedDict[int, None] = OrderedDict()  # refcount 0, hashed: oldest use first
         self.index = PrefixIndex()
         self.stats = BlockStats()
@@ -120,6 +153,7 @@ class BlockManager:
             del self.cached[block]
             self.index.drop_block(block)
         self._free = {b for b in self._free if b < num_blocks}
+        self._runs.retire_from(num_blocks)
 
     # ---- allocation -------------------------------------------------------------------------------
 
@@ -130,22 +164,21 @@ class BlockManager:
             return
         if need > self.available:
             raise PoolExhausted(f"{need} more block(s) needed, {self.available} free or reclaimable")
-        for _ in range(need):
-            block = self._take(table.blocks[-1] + 1 if table.blocks else None)
+        for left in range(need, 0, -1):
+            block = self._take(table.blocks[-1] + 1 if table.blocks else None, left)
             self.refs[block] = 1
             table.blocks.append(block)
 
-    def _take(self, after: int | None) -> int:
-        """A free block, `after` when it is free (consecutive blocks are a view at the stages), else
-        the start of a free run; else the least recently used cached block, forgotten."""
-        if after is not None and after in self._free:
+    def _take(self, after: int | None, count: int) -> int:
+        """A block for a table that wants `count` more: `after` when it is free (consecutive blocks
+        are a view at the stages, no gather), else the start of a new run placed to leave room
+        (FreeRuns.place); else the least recently used cached block, forgotten."""
+        if after is None or after not in self._free:
+            after = self._runs.place(count)
+        if after is not None:
             self._free.discard(after)
+            self._runs.take(after)
             return after
-        while self._heap:
-            block = heapq.heappop(self._heap)
-            if block in self._free:
-                self._free.discard(block)
-                return block
         block, _ = self.cached.popitem(last=False)
         self.index.drop_block(block)
         self.stats.evictions += 1
@@ -191,7 +224,7 @@ class BlockManager:
         else:
             self.index.drop_block(block)  # a pending block nobody computes any more
             self._free.add(block)
-            heapq.heappush(self._heap, block)
+            self._runs.give(block)
 
     # ---- the prefix index -------------------------------------------------------------------------
 
@@ -268,7 +301,7 @@ class BlockManager:
         self.index.clear()
         for block in list(self.cached):
             self._free.add(block)
-            heapq.heappush(self._heap, block)
+            self._runs.give(block)
         self.cached.clear()
 
 
