@@ -53,7 +53,7 @@ def test_many_tables_growing_in_turn_stay_mostly_consecutive() -> None:
     for positions in range(1, 16 * BT + 1):
         for table in tables:
             m.grow(table, positions)
-    runs = sum(1 + sum(b != a + 1 for a, b in zip(t.blocks, t.blocks[1:])) for t in tables)
+    runs = sum(1 + sum(b != a + 1 for a, b in zip(t.blocks, t.blocks[1:], strict=False)) for t in tables)
     assert runs <= 12, [t.blocks for t in tables]  # 8 would be perfect; first fit gives 8 x 16 = 128
 
 

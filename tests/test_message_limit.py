@@ -18,9 +18,9 @@ from inferencemesh.frontend.engine.scheduler import _Waiting, draft_rows, next_m
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.transport import (
     FALLBACK_MESSAGE_BYTES,
+    KV_BLOCK_TOKENS,
     MAX_DRAFT_ROWS_PER_BATCH,
     MAX_LOGIT_BIAS_ENTRIES,
-    KV_BLOCK_TOKENS,
     MAX_WINDOW,
     PREFILL_CHUNK_TOKENS,
     message_limit,

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint.read import read_local
-from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS
+from inferencemesh.config import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_CONTEXT
 from inferencemesh.programs.process import ManagedProcess, stop_processes
 from inferencemesh.programs.supervisor import stop_mesh
 from inferencemesh.protocol.health import check
