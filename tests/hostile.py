@@ -41,9 +41,11 @@ def idle_latency(base: str, tries: int = 3) -> float:
 
 def gauges(base: str) -> dict[str, float]:
     """The frontend's request gauges (summed over their labels) from /metrics, parsed by
-    Prometheus' own parser."""
+    Prometheus' own parser, and the share of the KV pool's blocks that requests reference: 0
+    when idle, or blocks leaked (cached blocks nobody references do not count)."""
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    wanted = {"inferencemesh_num_requests_running", "inferencemesh_num_requests_waiting"}
+    wanted = {"inferencemesh_num_requests_running", "inferencemesh_num_requests_waiting",
+              "inferencemesh_kv_cache_usage_perc"}
     found = dict.fromkeys(wanted, 0.0)
     for family in text_string_to_metric_families(text):
         if family.name in wanted:
@@ -52,7 +54,8 @@ def gauges(base: str) -> dict[str, float]:
 
 
 def wait_for_idle(base: str, timeout: float = 10.0) -> dict[str, float]:
-    """Wait until no request is running or waiting; the gauges as last read."""
+    """Wait until no request is running or waiting and no KV block is referenced; the gauges as
+    last read."""
     deadline = time.monotonic() + timeout
     while True:
         now = gauges(base)
@@ -70,7 +73,7 @@ def assert_unharmed(base: str, max_sessions: int, *, idle_timeout: float = 10.0)
     """The server took no harm: no request left running or waiting, an innocent request answered
     within INNOCENT_DEADLINE_S, and a burst of max_sessions requests all answered 200."""
     left = wait_for_idle(base, idle_timeout)
-    assert not any(left.values()), f"requests left running or waiting after the attack: {left}"
+    assert not any(left.values()), f"requests left running or waiting, or KV blocks held, after the attack: {left}"
     latency = innocent_request(base, timeout=INNOCENT_DEADLINE_S * 5)
     assert latency < INNOCENT_DEADLINE_S, f"an innocent request took {latency:.2f}s after the attack"
     responses = asyncio.run(_burst(base, max_sessions, timeout=60))

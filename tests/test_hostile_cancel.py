@@ -346,3 +346,60 @@ def test_a_stream_whose_body_never_started_still_runs_its_release() -> None:
         return ran, released
 
     assert asyncio.run(go()) == ([], ["released"])
+
+
+# ---- KV blocks: nothing held after floods and cancel loops (issue 35) -----------------------------
+
+
+async def _first_token_then_leave(client: httpx.AsyncClient, prompt: str) -> None:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                break  # leaving the block closes the connection: the request is cancelled
+
+
+def test_a_client_cancelling_every_request_after_one_token_leaks_no_block(served) -> None:
+    """A client in a loop that reads one token and leaves, 100 times, its prompts sharing a prefix:
+    every cancelled request gives its blocks back (the pool's usage returns to 0, checked by
+    assert_whole), and what they computed stays cached for the next."""
+    base, _, _ = served
+
+    async def loop() -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            for i in range(100):
+                await _first_token_then_leave(client, f"{PROMPT}    # attempt {i % 7}\n")
+
+    asyncio.run(loop())
+    assert_whole(base)
+
+
+TINY_REQUESTS = 10_000
+
+
+def test_ten_thousand_tiny_requests_are_all_answered_and_leak_nothing(served) -> None:
+    """10,000 one-token requests, 64 at a time: each is answered 200 (or 429 when the queue is
+    full: never a 5xx), and afterwards nothing is left running, waiting or holding a block."""
+    base, _, _ = served
+    statuses: dict[int, int] = {}
+
+    async def flood() -> None:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+            gate = asyncio.Semaphore(64)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    response = await client.post("/v1/completions", json={
+                        "model": MODEL, "prompt": f"x = {i}", "max_tokens": 1, "temperature": 0})
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+            await asyncio.gather(*(one(i) for i in range(TINY_REQUESTS)))
+
+    started = time.monotonic()
+    asyncio.run(flood())
+    print(f"{TINY_REQUESTS} tiny requests in {time.monotonic() - started:.1f}s: {statuses}")
+    assert sum(statuses.values()) == TINY_REQUESTS and set(statuses) <= {200, 429}, statuses
+    assert statuses.get(200, 0) >= TINY_REQUESTS * 0.9, statuses
+    assert_whole(base)
