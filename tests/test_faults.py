@@ -117,7 +117,7 @@ def test_a_vanished_frontend_leaves_no_sessions_behind(tiny) -> None:
         # A frontend that dies mid-request: its stream breaks without RELEASE.
         channel = grpc.insecure_channel(mesh.addresses[0])
         frames = [pb.Frame(session_id="orphan", kind=pb.PREFILL, pos_start=0, token_count=3, token_ids=[1, 2, 3],
-                           want_prediction=True)]
+                           want_prediction=True, kv_blocks=[0])]
         gone = threading.Event()
 
         def batches():  # one batch, then the sender neither sends nor closes: it just vanishes

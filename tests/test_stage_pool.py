@@ -87,6 +87,28 @@ def test_the_pool_serves_one_stream_until_it_ends(one_stage) -> None:
     one_stage.run(go())
 
 
+def test_an_idle_streams_pool_goes_to_the_next_stream_which_cannot_read_its_blocks(one_stage) -> None:
+    """A stream with no live session (another frontend between its requests) does not keep the pool
+    from a stream that wants it: the pool changes hands, and the first stream, back, finds its old
+    blocks unwritten (its frontend then forgets its index and computes again)."""
+    async def go() -> None:
+        async with grpc.aio.insecure_channel(one_stage.addresses[0]) as channel:
+            stub = pb_grpc.StageStub(channel)
+            first, second = RawStream(stub), RawStream(stub)
+            assert not (await first.exchange(frame("a", 0, PROMPT, blocks(32)))).failures
+            (code, _), = failures(await second.exchange(frame("b", 0, PROMPT, blocks(32, lane=1))))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # "a" is live
+            assert not (await first.exchange(pb.Frame(session_id="a", kind=pb.RELEASE))).failures
+            assert not (await second.exchange(frame("b", 0, PROMPT, blocks(32, lane=1)))).failures
+            assert not (await second.exchange(pb.Frame(session_id="b", kind=pb.RELEASE))).failures
+            (code, message), = failures(await first.exchange(frame("a2", 32, [7], blocks(33))))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "never wrote" in message
+            await first.close()
+            await second.close()
+
+    one_stage.run(go())
+
+
 def test_a_session_on_another_sessions_blocks_decides_as_alone_penalties_included(one_stage) -> None:
     """The second session computes only its last two tokens over the first's two full blocks; its
     penalties read its history from the pool's token slots. Token 11 is made the favourite (a bias)

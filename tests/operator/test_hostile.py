@@ -30,7 +30,7 @@ def hostile_specs(tiny: str) -> dict[str, tuple[dict, str, str | None]]:
                          "stages": {"count": 64, "memory": ["80Gi"]}}, "False", "PlanFailed"),
         "auto-one-byte": ({"model": model, "stages": {"count": "auto", "memory": ["1"]}}, "False", "PlanFailed"),
         "zero-memory": ({"model": model, "stages": {"count": 2, "memory": ["0"]}}, "False", "PlanFailed"),
-        "max-context": ({"model": model, "contextLength": 1048576, "maxSessions": 4096,
+        "max-context": ({"model": model, "contextLength": 1048576, "maxSessions": 4096, "kvCacheTokens": 2**30,
                          "stages": {"count": 2, "memory": ["80Gi"]}}, "False", "PlanFailed"),
         "bundled-escape": ({"model": {"name": "bundled://../../etc/passwd"}}, "False", "ModelUnreadable"),
         "proc-dir": ({"model": {"name": "/proc/self"}}, "False", "ModelUnreadable"),

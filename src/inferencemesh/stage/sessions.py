@@ -123,7 +123,14 @@ class PoolLedger:
             raise Fault(grpc.StatusCode.INVALID_ARGUMENT,
                         f"block {outside} is outside the stage's KV pool of {self.num_blocks} blocks")
         if self.holder is not None and self.holder is not owner:
-            raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, "the KV pool is held by another stream; retry when it ends")
+            if self.holder.sessions:
+                raise Fault(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "the KV pool is held by another stream with live sessions; retry when they end")
+            # The holder is idle (another frontend between requests, or a stream that is ending):
+            # the pool changes hands, and the blocks it wrote are no longer its (a frame of it that
+            # reads them is refused as unwritten: its frontend forgets its index and computes again).
+            self.holder.written.clear()
+            self.holder = None
         unwritten = [b for b in table[known:read] if b not in owner.written]
         if unwritten:
             raise Fault(grpc.StatusCode.FAILED_PRECONDITION,
