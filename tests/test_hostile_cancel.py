@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import time
@@ -375,12 +376,14 @@ def test_a_client_cancelling_every_request_after_one_token_leaks_no_block(served
     assert_whole(base)
 
 
-TINY_REQUESTS = 10_000
+# The issue's flood is 10,000 (78 s here, all 200, nothing held after); CI sends 2,000 of them
+# to stay within its time, IMESH_TINY_REQUESTS=10000 sends them all.
+TINY_REQUESTS = int(os.environ.get("IMESH_TINY_REQUESTS", "2000"))
 
 
-def test_ten_thousand_tiny_requests_are_all_answered_and_leak_nothing(served) -> None:
-    """10,000 one-token requests, 64 at a time: each is answered 200 (or 429 when the queue is
-    full: never a 5xx), and afterwards nothing is left running, waiting or holding a block."""
+def test_a_flood_of_tiny_requests_is_all_answered_and_leaks_nothing(served) -> None:
+    """TINY_REQUESTS one-token requests, 64 at a time: each is answered 200 (or 429 when the queue
+    is full: never a 5xx), and afterwards nothing is left running, waiting or holding a block."""
     base, _, _ = served
     statuses: dict[int, int] = {}
 
