@@ -206,29 +206,6 @@ def test_every_endpoint_and_ending_once(served) -> None:
     assert_whole(base)
 
 
-def test_a_drain_after_a_storm_is_not_held_by_cancelled_streams(served) -> None:
-    """SIGTERM after cancelled n = 2 streams: the drain finishes with the stream still running, at
-    once, not at its 30 s timeout (the cancelled streams' requests never ended). Last: it stops
-    the module's server."""
-    base, proc, lines = served
-    asyncio.run(storm(base, [Case("chat", 2, True, "disconnect", events=3) for _ in range(3)]))
-    assert_unharmed(base, MAX_SESSIONS)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=base, timeout=60) as client, client.stream("POST", "/v1/completions",
-                                                                          json=body) as running:
-        events = running.iter_lines()
-        assert next(line for line in events if line.startswith("data:"))
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        rest = [line for line in events if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]", rest[-3:]  # the stream in flight finished
-    proc.wait(60)
-    took = time.monotonic() - started
-    log = "".join(lines)
-    assert "drained in" in log and "drain timed out" not in log, log[-3000:]
-    assert took < 25, f"serve took {took:.1f}s to stop after SIGTERM"
-
-
 # ---- merged(): its close never waits forever ------------------------------------------------------
 
 
@@ -406,3 +383,29 @@ def test_a_flood_of_tiny_requests_is_all_answered_and_leaks_nothing(served) -> N
     assert sum(statuses.values()) == TINY_REQUESTS and set(statuses) <= {200, 429}, statuses
     assert statuses.get(200, 0) >= TINY_REQUESTS * 0.9, statuses
     assert_whole(base)
+
+
+# ---- last: the drain stops the module's server ------------------------------------------------
+
+
+def test_a_drain_after_a_storm_is_not_held_by_cancelled_streams(served) -> None:
+    """SIGTERM after cancelled n = 2 streams: the drain finishes with the stream still running, at
+    once, not at its 30 s timeout (the cancelled streams' requests never ended). Last: it stops
+    the module's server."""
+    base, proc, lines = served
+    asyncio.run(storm(base, [Case("chat", 2, True, "disconnect", events=3) for _ in range(3)]))
+    assert_unharmed(base, MAX_SESSIONS)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=base, timeout=60) as client, client.stream("POST", "/v1/completions",
+                                                                          json=body) as running:
+        events = running.iter_lines()
+        assert next(line for line in events if line.startswith("data:"))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in events if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]", rest[-3:]  # the stream in flight finished
+    proc.wait(60)
+    took = time.monotonic() - started
+    log = "".join(lines)
+    assert "drained in" in log and "drain timed out" not in log, log[-3000:]
+    assert took < 25, f"serve took {took:.1f}s to stop after SIGTERM"
