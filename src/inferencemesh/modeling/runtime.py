@@ -28,7 +28,7 @@ from torch import nn
 from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
 from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
-from inferencemesh.modeling.kv_pool import KVPool
+from inferencemesh.modeling.kv_pool import KVPool, PassWrites
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
@@ -339,17 +339,24 @@ class _PackedCache:
     def __init__(self, runtime: StageRuntime, segments: list[Segment], counts: list[int]) -> None:
         self.runtime, self.segments, self.counts = runtime, segments, counts
         self._masks: dict[tuple[int, int | None], torch.Tensor | None] = {}  # per (segment, window)
+        caches = [seg.kv for seg in segments]
+        # Frames over a stage's pool: one write per layer for every session (else each its own).
+        self._writes = PassWrites(caches) if PassWrites.over_one_pool(caches) else None  # type: ignore[arg-type]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
                **kwargs: object) -> tuple[PackedAttention, None]:
         rt = self.runtime
         window = rt._windows[layer_idx - rt.layer_start]
-        # Keys and values stacked and converted to the cache's dtype once for every session: one
-        # copy per session then writes both (the per-session cost is what this path is about).
+        # Keys and values stacked and converted to the cache's dtype once for every session.
         rows = torch.stack((key_states[0], value_states[0])).to(rt._kv_dtype)
+        if self._writes is not None:
+            layer = self._writes.write(rows, layer_idx)
+            kvs = [seg.kv.read(layer) for seg in self.segments]  # type: ignore[attr-defined]
+        else:
+            kvs = [seg.kv.write(part, layer_idx)
+                   for seg, part in zip(self.segments, rows.split(self.counts, dim=2), strict=True)]
         parts = []
-        for i, (seg, part) in enumerate(zip(self.segments, rows.split(self.counts, dim=2), strict=True)):
-            keys, values = seg.kv.write(part, layer_idx)
+        for i, (seg, (keys, values)) in enumerate(zip(self.segments, kvs, strict=True)):
             if (i, window) not in self._masks:
                 self._masks[i, window] = attention_mask(seg.pos_start, self.counts[i], window, rt.device)
             parts.append((keys, values, self._masks[i, window]))
