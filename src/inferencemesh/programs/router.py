@@ -7,6 +7,7 @@ signal stops it at once.
 
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,18 @@ if TYPE_CHECKING:
 
 # Within a pod's default 30 s termination grace period.
 GRACEFUL_SHUTDOWN_S = 25
+
+
+def prompt_tokenizer(source: str) -> Callable[[str, bytes], list[int] | None]:
+    """A request's prompt ids as the replicas compute them, with their tokenizer (`source`: the
+    model directory or hub id their KV events name), for the router to score replicas by the KV
+    blocks they hold. Loaded on the first replica's events, off the event loop: importing
+    transformers costs seconds and torch's memory, which a router that cannot use it never pays."""
+    from inferencemesh.checkpoint.tokenizer import load_tokenizer
+    from inferencemesh.frontend.openai.prompt_ids import prompt_ids
+
+    tokenizer = load_tokenizer(source)
+    return functools.partial(prompt_ids, tokenizer)
 
 
 class RouterServer(uvicorn.Server):
@@ -41,7 +54,8 @@ def router_server(config: RouterConfig, *, transport: Callable[[], Any] | None =
     from inferencemesh.http_server import server_config
     from inferencemesh.router.app import create_router
 
-    app = create_router(config) if transport is None else create_router(config, transport=transport)
+    app = (create_router(config, prompt_tokenizer=prompt_tokenizer) if transport is None else
+           create_router(config, transport=transport, prompt_tokenizer=prompt_tokenizer))
     # The replicas' Date and Server headers pass through: none of uvicorn's own beside them. No
     # access log: one line per request is the router's largest cost (the replicas log theirs); no
     # X-Forwarded-* rewriting (the router never reads the client's address).

@@ -3,8 +3,15 @@
     GET /health            200: the process runs
     GET /ready             200 once at least one replica is known ready, else 503
     GET /metrics           the router's Prometheus series (router/metrics.py)
-    GET /router/replicas   each replica: url, in flight, reported waiting, routed (JSON, for debugging)
+    GET /router/replicas   each replica: url, in flight, reported waiting, routed, KV blocks held (JSON,
+                           for debugging), and the scorer in use
     anything else          relayed to the replica policy.choose picks
+
+A prompt is scored by the KV blocks each replica's cache holds (kv_view.py: the replicas' KV events,
+the prompt tokenized as the frontend does by `prompt_tokenizer`, which the router's program gives
+it), or, where the router cannot tokenize (no tokenizer loader, or the replicas' tokenizer not
+readable here, or a request it cannot tokenize), by the characters it sent each replica before
+(policy.PrefixAffinity). The metric label `scorer` and the log say which.
 
 A relayed request's body is read once (at most max_body_bytes: 413 beyond, from its declared
 Content-Length before any byte of it is read; whole within body_timeout seconds: 408 after, both
@@ -38,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferencemesh.config import RouterConfig
 from inferencemesh.router.asgi import BodyRefused, Message, Receive, Scope, Send, read_body, send_error, send_whole
+from inferencemesh.router.kv_view import KvViews, digests_of
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixAffinity, RouteChoice, block_hashes, choose, key_seed, routing_key
 from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
@@ -49,6 +57,12 @@ log = logging.getLogger("inferencemesh.router")
 CONNECT_TIMEOUT_S = 2.0
 OWN_PATHS = ("/health", "/ready", "/metrics", "/router/replicas")
 TransportFactory = Callable[[], httpx.AsyncBaseTransport]
+# A request's prompt as token ids (path, body -> ids, None if it has none the router can tokenize),
+# and what makes one from the replicas' tokenizer source (a model directory or hub id; raises if it
+# cannot be loaded here). Given by the router's program: the router imports no tokenizer of its own.
+PromptTokens = Callable[[str, bytes], list[int] | None]
+PromptTokenizer = Callable[[str], PromptTokens]
+BLOCKS, CHARACTERS = "blocks", "characters"
 
 
 def replica_transport() -> httpx.AsyncBaseTransport:
@@ -59,7 +73,8 @@ class RouterApp:
     """The router (an ASGI app, lifespan included: it starts the replica source and the load poller)."""
 
     def __init__(self, config: RouterConfig, *, api_client: Any = None,
-                 transport: TransportFactory = replica_transport) -> None:
+                 transport: TransportFactory = replica_transport,
+                 prompt_tokenizer: PromptTokenizer | None = None) -> None:
         self.config = config
         self.make_transport = transport  # the replicas' HTTP client (the latency bench compares others)
         self.header_timeout_s = config.header_timeout  # http_server.server_config's, for the request head
@@ -69,6 +84,11 @@ class RouterApp:
             EndpointSliceWatch(self.replicas, config.frontends_service or "", config.namespace,
                                config.frontend_port, api_client=api_client))
         self.affinity = PrefixAffinity(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
+        self.kv = KvViews()
+        self.prompt_tokenizer = prompt_tokenizer
+        self.tokens: PromptTokens | None = None  # loaded from the replicas' tokenizer: scoring by blocks
+        self._tokenizer_tried = ""  # the source last tried
+        self._loading: asyncio.Task | None = None
         self.metrics = RouterMetrics()
         self.metrics.ready_replicas.set_function(lambda: len(self.replicas.up()))
         self.client: httpx.AsyncClient | None = None  # the load poller's
@@ -92,11 +112,15 @@ class RouterApp:
             del self.client.headers[name]
         self.replicas.on_removed.append(self._removed_elsewhere)
         self.source.start()
-        self.poller = LoadPoller(self.replicas, self.client, self.config.load_poll_interval)
+        self.poller = LoadPoller(self.replicas, self.client, self.config.load_poll_interval, kv=self.kv,
+                                 after_round=self._tokenizer_check)
         self._poll_task = asyncio.create_task(self.poller.run())
+        if self.prompt_tokenizer is None:
+            log.info("routing by characters: this router has no tokenizer to score prompts by KV blocks")
 
     async def shutdown(self) -> None:
         await cancel(self._poll_task)
+        await cancel(self._loading)
         self.source.stop()
         if self.client is not None:
             await self.client.aclose()
@@ -108,8 +132,32 @@ class RouterApp:
 
     def _removed(self, name: str) -> None:
         self.affinity.forget(name)  # gone, or back as a new pod: its cache is not the one we knew
+        self.kv.forget(name)
         if name not in self.replicas.current():
             self.metrics.remove_replica(name)
+
+    @property
+    def scorer(self) -> str:
+        return BLOCKS if self.tokens is not None else CHARACTERS
+
+    def _tokenizer_check(self) -> None:
+        """After a poll round: load the tokenizer the replicas publish, once per source they name."""
+        source = self.kv.tokenizer()
+        if self.prompt_tokenizer is None or not source or source == self._tokenizer_tried:
+            return
+        if self._loading is not None and not self._loading.done():
+            return
+        self._tokenizer_tried = source
+        self._loading = asyncio.create_task(self._load_tokenizer(self.prompt_tokenizer, source))
+
+    async def _load_tokenizer(self, loader: PromptTokenizer, source: str) -> None:
+        try:
+            self.tokens = await asyncio.to_thread(loader, source)
+        except Exception as err:  # noqa: BLE001 - whatever the loader raises: the fallback holds
+            self.tokens = None
+            log.warning("routing by characters: the replicas' tokenizer %s cannot be loaded here (%s)", source, err)
+            return
+        log.info("routing by KV blocks: prompts tokenized with %s, as the replicas do", source)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -153,13 +201,15 @@ class RouterApp:
             for name, replica in replicas.items():
                 self.metrics.in_flight.labels(name).set(replica.in_flight)
                 self.metrics.replica_waiting.labels(name).set(replica.waiting)
+                self.metrics.kv_blocks.labels(name).set(self.kv.held(name))
             await send_whole(send, 200, generate_latest(self.metrics.registry),
                              content_type=CONTENT_TYPE_LATEST.encode())
         else:
             body = {"replicas": [{"name": r.name, "url": r.url, "in_flight": r.in_flight, "waiting": r.waiting,
-                                  "routed": r.routed, "up": r.down is None, "down": r.down}
+                                  "routed": r.routed, "up": r.down is None, "down": r.down,
+                                  "kv_blocks": self.kv.held(r.name)}
                                  for r in replicas.values()],
-                    "prefix_blocks": len(self.affinity)}
+                    "prefix_blocks": len(self.affinity), "scorer": self.scorer}
             await send_whole(send, 200, json.dumps(body).encode())
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -205,13 +255,33 @@ class RouterApp:
             watcher.cancel()
 
 
-    def _choose(self, replicas: dict[str, Replica], key: str | None, blocks: list[int]) -> RouteChoice:
-        matches = self.affinity.match(blocks) if blocks else {}
+    async def _kv_matches(self, path: str, body: bytes) -> dict[str, int] | None:
+        """replica -> the prompt's leading KV blocks its cache holds; None where the router cannot
+        score by blocks (no tokenizer, or a prompt it cannot tokenize)."""
+        tokens, params = self.tokens, self.kv.params()
+        if tokens is None or not params:
+            return None
+        if not self.kv.holding():
+            return {}  # nothing cached anywhere: no tokenizing
+
+        def digests() -> dict[tuple[bytes, int], list[bytes]] | None:
+            ids = tokens(path, body)
+            return None if ids is None else digests_of(ids, params)
+
+        found = await asyncio.to_thread(digests)  # tokenizing a long prompt takes milliseconds
+        return None if found is None else self.kv.match(found)
+
+    async def _choose(self, replicas: dict[str, Replica], scope: Scope, body: bytes, key: str | None,
+                      blocks: list[int]) -> RouteChoice:
+        matches = await self._kv_matches(scope["path"], body) if key is not None else None
+        scorer = BLOCKS if matches is not None else CHARACTERS
+        if matches is None:
+            matches = self.affinity.match(blocks) if blocks else {}
         choice = choose({name: r.load for name, r in replicas.items()}, matches, seed=key_seed(key),
                         balance_abs=self.config.balance_abs, balance_rel=self.config.balance_rel)
         if blocks and choice.order:
             (self.metrics.affinity_hits if choice.matched_blocks else self.metrics.affinity_misses).labels(
-                choice.order[0]).inc()
+                choice.order[0], scorer).inc()
         return choice
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, state: dict[str, bool]) -> None:
@@ -221,7 +291,7 @@ class RouterApp:
         blocks = block_hashes(key, self.config.block_chars)
         # Down replicas only when none is up: they may be back before the poller has seen it.
         replicas = self.replicas.up() or self.replicas.current()
-        choice = self._choose(replicas, key, blocks)
+        choice = await self._choose(replicas, scope, body, key, blocks)
         if not choice.order:
             self.metrics.no_replica.inc()
             await send_error(send, 503, "No replica is ready to serve this request.", "service_unavailable",
@@ -284,6 +354,6 @@ class RouterApp:
             replica.in_flight -= 1
 
 
-def create_router(config: RouterConfig, *, api_client: Any = None,
-                  transport: TransportFactory = replica_transport) -> RouterApp:
-    return RouterApp(config.check(), api_client=api_client, transport=transport)
+def create_router(config: RouterConfig, *, api_client: Any = None, transport: TransportFactory = replica_transport,
+                  prompt_tokenizer: PromptTokenizer | None = None) -> RouterApp:
+    return RouterApp(config.check(), api_client=api_client, transport=transport, prompt_tokenizer=prompt_tokenizer)

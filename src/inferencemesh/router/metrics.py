@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "inferencemesh_router_"
 REPLICA = "replica"
+SCORER = "scorer"  # blocks (KV events) or characters (the fallback: no tokenizer in the router)
 # The router's own work before a request leaves for its replica: tens of microseconds to a millisecond.
 OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 RETRY_REASONS = ("429", "502", "503", "connect", "disconnected")
@@ -21,9 +22,14 @@ class RouterMetrics:
                                "failed and why (its status, or connect / disconnected).", [REPLICA, "reason"],
                                registry=registry)
         self.affinity_hits = Counter(PREFIX + "prefix_affinity_hits", "Prompted requests sent first to a replica "
-                                     "that was sent part of their prefix before.", [REPLICA], registry=registry)
+                                     "holding part of their prefix: by scorer, blocks (its KV cache holds the "
+                                     "prompt's leading blocks) or characters (it was sent the prompt's leading "
+                                     "characters before: the fallback).", [REPLICA, SCORER], registry=registry)
         self.affinity_misses = Counter(PREFIX + "prefix_affinity_misses", "Prompted requests sent first to a "
-                                       "replica with no known part of their prefix.", [REPLICA], registry=registry)
+                                       "replica with no known part of their prefix, by scorer.", [REPLICA, SCORER],
+                                       registry=registry)
+        self.kv_blocks = Gauge(PREFIX + "replica_kv_blocks", "KV blocks the replica's cache holds, as its "
+                               "KV events said last.", [REPLICA], registry=registry)
         self.in_flight = Gauge(PREFIX + "requests_in_flight", "Requests sent to a replica and not finished.",
                                [REPLICA], registry=registry)
         self.replica_waiting = Gauge(PREFIX + "replica_requests_waiting", "The replica's "
@@ -35,7 +41,7 @@ class RouterMetrics:
                                   "sending it upstream (choosing a replica included).", buckets=OVERHEAD_BUCKETS,
                                   registry=registry)
         self._labelled = (self.requests, self.retries, self.affinity_hits, self.affinity_misses, self.in_flight,
-                          self.replica_waiting)
+                          self.replica_waiting, self.kv_blocks)
 
     def remove_replica(self, name: str) -> None:
         """Drop every series of a replica that went away."""

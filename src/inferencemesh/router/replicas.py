@@ -6,9 +6,9 @@
   (list, then watch from the list's resourceVersion; relist on any error or expiry), through
   discovery.k8s.io/v1 where the server has it, else v1beta1 (Kubernetes 1.20 has only that).
 - LoadPoller: every replica's /metrics, read every `interval` seconds by one task, for
-  inferencemesh_num_requests_waiting; a replica whose /metrics fails keeps its last value. A
-  replica that is down (it refused or dropped a connection: Replica.mark_down) is asked its /ready
-  instead, and is up again once that answers 200.
+  inferencemesh_num_requests_waiting, and then its KV events (GET /kv/events: kv_view.py); a
+  replica whose /metrics fails keeps its last value. A replica that is down (it refused or dropped
+  a connection: Replica.mark_down) is asked its /ready instead, and is up again once that answers 200.
 
 ReplicaSet holds the current replicas: the watch thread replaces them, the router's event loop
 reads them and counts its requests in flight on them.
@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferencemesh.flags import ConfigError
 from inferencemesh.kube_config import load_api_client
+from inferencemesh.router.kv_view import KvViews
 
 log = logging.getLogger("inferencemesh.router")
 
@@ -311,10 +312,13 @@ def waiting_of(text: str) -> float:
 
 
 class LoadPoller:
-    """Reads every replica's /metrics every `interval` seconds (one task, all replicas at once)."""
+    """Reads every replica's /metrics (and, with `kv`, its KV events) every `interval` seconds (one
+    task, all replicas at once); `after_round` runs after each round."""
 
-    def __init__(self, replicas: ReplicaSet, client: httpx.AsyncClient, interval: float) -> None:
+    def __init__(self, replicas: ReplicaSet, client: httpx.AsyncClient, interval: float, *,
+                 kv: KvViews | None = None, after_round: Callable[[], None] | None = None) -> None:
         self.replicas, self.client, self.interval = replicas, client, interval
+        self.kv, self.after_round = kv, after_round
         self.polls = 0  # rounds done (tests wait on it)
 
     async def _poll(self, replica: Replica) -> None:
@@ -327,15 +331,19 @@ class LoadPoller:
                 response = await self.client.get(replica.url + "/metrics")
                 response.raise_for_status()
                 replica.waiting = waiting_of(response.text)
+                if self.kv is not None:
+                    await self.kv.poll(self.client, replica.name, replica.url)
         except httpx.ConnectError as err:  # refused: nothing listens (a slow answer is only slow)
             replica.mark_down(str(err) or type(err).__name__)
         except (httpx.HTTPError, ValueError, TimeoutError) as err:
-            log.debug("load of %s not read: %s", replica.name, err)
+            log.debug("load or KV events of %s not read: %s", replica.name, err)
 
     async def run(self) -> None:
         while True:
             started = time.monotonic()
             await asyncio.gather(*(self._poll(r) for r in list(self.replicas.current().values())))
+            if self.after_round is not None:
+                self.after_round()
             self.polls += 1
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 

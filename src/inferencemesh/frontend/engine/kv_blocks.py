@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from inferencemesh.frontend.engine.kv_index import PrefixIndex, block_digest
+from inferencemesh.protocol.kv_events import KvEventPage, reusable_blocks
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 
@@ -244,7 +245,7 @@ class BlockManager:
         if not self.caching:
             return Reuse(0, [])
         waits = []
-        self._chain(table, prompt, (len(prompt) - 1) // self.block_tokens)
+        self._chain(table, prompt, reusable_blocks(len(prompt), self.block_tokens))
         for i, digest in enumerate(table.digests):
             entry = self.index.get(digest)
             if entry is None:
@@ -269,7 +270,8 @@ class BlockManager:
         for i in range(start, len(table.digests)):
             digest, block = table.digests[i], table.blocks[i]
             if self.index.get(digest) is None and not self.index.known(block):
-                self.index.add_pending(digest, block, asyncio.get_running_loop().create_future())
+                self.index.add_pending(digest, block, asyncio.get_running_loop().create_future(),
+                                       table.digests[i - 1] if i else b"")
                 self._ref(block)
                 entries.append((digest, block))
         return Pending(entries)
@@ -293,7 +295,12 @@ class BlockManager:
         self._chain(table, tokens, min(upto // self.block_tokens, len(table.blocks)))
         for i in range(start, len(table.digests)):
             if self.index.get(table.digests[i]) is None and not self.index.known(table.blocks[i]):
-                self.index.add_computed(table.digests[i], table.blocks[i])
+                self.index.add_computed(table.digests[i], table.blocks[i], table.digests[i - 1] if i else b"")
+
+    def event_page(self, after: int | None, epoch: str | None, tokenizer: str = "") -> KvEventPage:
+        """What the index published after `after` (or a snapshot of it: KvEventLog.page)."""
+        return self.index.events.page(after, epoch, self.index.held, block_tokens=self.block_tokens,
+                                      salt=self.salt, tokenizer=tokenizer)
 
     def forget_all(self) -> None:
         """A new stream: every stage's pool is empty for it. The index is emptied (pending

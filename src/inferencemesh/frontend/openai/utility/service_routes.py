@@ -1,12 +1,13 @@
 """The routes about the server itself: GET /health (liveness), GET /ready (the engine ready and
-this replica not draining), GET /metrics (Prometheus) and GET /v1/models[/{id}] (the model it
-serves, listed once it is ready)."""
+this replica not draining), GET /metrics (Prometheus), GET /kv/events (what its KV cache holds,
+for the router: protocol/kv_events.py) and GET /v1/models[/{id}] (the model it serves, listed
+once it is ready)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from inferencemesh.frontend.openai.drain import draining_error
@@ -51,6 +52,19 @@ async def ready(request: Request) -> Response:
 async def metrics_endpoint(request: Request) -> Response:
     data, content_type = serving(request).metrics.render()
     return Response(data, media_type=content_type)
+
+
+@router.get("/kv/events", responses={404: GENERATION_ERRORS[404], **COMMON_ERRORS})
+async def kv_events(request: Request, after: int | None = Query(None, description="the last sequence number seen"),
+                    epoch: str | None = Query(None, description="the epoch it was seen in")) -> Response:
+    """The KV blocks this frontend's cache stored and removed after `after` (a snapshot of every
+    block held when `after` or `epoch` is not one it can answer from its log)."""
+    front = serving(request)
+    blocks = getattr(front.engine, "blocks", None)  # a PipelineEngine's block manager
+    if blocks is None:
+        raise APIError(404, "This frontend publishes no KV events.", code="not_found")
+    page = blocks.event_page(after, epoch, tokenizer=str(getattr(front.tokenizer, "name_or_path", "") or ""))
+    return JSONResponse(page.to_json())  # as it is: a snapshot's thousands of digests skip FastAPI's encoder
 
 
 # The model is listed once it is ready, as /ready says (a draining replica still lists it, see

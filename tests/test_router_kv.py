@@ -1,0 +1,138 @@
+"""KV events from the frontend's block manager to the router's view of each replica
+(frontend/engine/kv_events.py, protocol/kv_events.py, router/kv_view.py): the event log's numbers
+and snapshots, eviction and a new stream published, the page's JSON both ways, and the router's
+view scoring the digests the frontend itself computed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable
+from inferencemesh.frontend.engine.kv_events import KvEventLog
+from inferencemesh.protocol.kv_events import CLEARED, REMOVED, STORED, KvEventPage, prompt_digests
+from inferencemesh.router.kv_view import KvViews, ReplicaBlocks, digests_of
+
+BT = 4
+SALT = b"model"
+
+
+def computed(m: BlockManager, tokens: list[int]) -> BlockTable:
+    table = BlockTable()
+    m.grow(table, len(tokens))
+    m.confirm(table, tokens, len(tokens))
+    return table
+
+
+def page_json(m: BlockManager, after: int | None = None, epoch: str | None = None) -> KvEventPage:
+    """A page as the route sends it and the router reads it (through its JSON)."""
+    return KvEventPage.from_json(m.event_page(after, epoch, tokenizer="/models/x").to_json())
+
+
+def test_the_log_numbers_events_and_answers_a_number_it_cannot_with_a_snapshot() -> None:
+    log = KvEventLog(capacity=3)
+    held = [b"a" * 16]
+    first = log.page(None, None, lambda: held, block_tokens=BT, salt=SALT)
+    assert first.snapshot and first.blocks == held and first.seq == 0
+    log.stored(b"b" * 16, b"a" * 16)
+    log.removed(b"a" * 16)
+    page = log.page(0, log.epoch, lambda: held, block_tokens=BT, salt=SALT)
+    assert not page.snapshot and page.seq == 2
+    assert page.events == [(STORED, b"b" * 16, b"a" * 16), (REMOVED, b"a" * 16, b"")]
+    assert log.page(1, log.epoch, lambda: held, block_tokens=BT, salt=SALT).events == [(REMOVED, b"a" * 16, b"")]
+    assert log.page(2, log.epoch, lambda: held, block_tokens=BT, salt=SALT).events == []
+    for after, epoch in ((3, log.epoch), (1, "another"), (-1, log.epoch)):  # ahead, another epoch, before any
+        assert log.page(after, epoch, lambda: held, block_tokens=BT, salt=SALT).snapshot, (after, epoch)
+    log.cleared()
+    log.stored(b"c" * 16, b"")
+    assert log.page(0, log.epoch, lambda: held, block_tokens=BT, salt=SALT).snapshot  # event 1 was dropped
+    assert [e[0] for e in log.page(1, log.epoch, lambda: held, block_tokens=BT, salt=SALT).events] == [
+        REMOVED, CLEARED, STORED]
+    assert KvEventLog().epoch != log.epoch  # a restarted frontend is another epoch
+
+
+def test_the_block_manager_publishes_computed_evicted_and_cleared_blocks() -> None:
+    m = BlockManager(4, BT, salt=SALT)
+    epoch = m.index.events.epoch
+    prompt = list(range(9))  # two full blocks and one position
+    table = computed(m, prompt)
+    page = page_json(m, 0, epoch)
+    digests = prompt_digests(prompt + [0], SALT, BT, 10)  # the frontend's own digests, as the router computes them
+    assert page.events == [(STORED, digests[0], b""), (STORED, digests[1], digests[0])]
+    assert page.salt == SALT and page.block_tokens == BT and page.tokenizer == "/models/x"
+    snapshot = page_json(m)
+    assert snapshot.snapshot and sorted(snapshot.blocks) == sorted(digests[:2])
+    m.free(table)  # cached, still held: nothing published
+    assert page_json(m, page.seq, epoch).events == []
+    other = BlockTable()
+    m.grow(other, 4 * BT)  # the whole pool: both cached blocks are reclaimed
+    assert sorted(page_json(m, page.seq, epoch).events) == sorted((REMOVED, d, b"") for d in digests[:2])
+    m.free(other)
+    computed(m, prompt)
+    seq = m.index.events.seq
+    m.forget_all()  # a new stream: every stage's pool is empty
+    assert page_json(m, seq, epoch).events == [(CLEARED, b"", b"")]
+    assert page_json(m).blocks == []
+
+
+def test_a_pending_block_is_published_when_its_computation_succeeds_only() -> None:
+    async def run() -> None:
+        m = BlockManager(8, BT, salt=SALT)
+        ok, failed = BlockTable(), BlockTable()
+        m.grow(ok, 8)
+        m.grow(failed, 8)
+        good = m.begin(ok, list(range(8)), 8)
+        bad = m.begin(failed, list(range(100, 108)), 8)
+        assert page_json(m).blocks == []  # pending: not held yet
+        m.settle(bad, computed=False)
+        m.settle(good, computed=True)
+        page = page_json(m, 0, m.index.events.epoch)
+        assert [e[0] for e in page.events] == [STORED, STORED]
+        assert page.events[1][2] == page.events[0][1]  # the parent digest is the block before it
+    asyncio.run(run())
+
+
+def test_a_page_that_is_not_one_is_refused() -> None:
+    for body in ([], {"epoch": "e"}, {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "zz", "snapshot": True,
+                                     "blocks": []},
+                 {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "", "snapshot": False, "events": [["moved"]]}):
+        with pytest.raises(ValueError, match="not a KV event page"):
+            KvEventPage.from_json(body)
+
+
+def test_the_view_applies_events_and_starts_again_on_a_snapshot_or_a_new_epoch() -> None:
+    m = BlockManager(8, BT, salt=SALT)
+    view = ReplicaBlocks()
+    assert not view.known
+    view.apply(page_json(m))
+    computed(m, list(range(13)))
+    view.apply(page_json(m, view.seq, view.epoch))
+    assert len(view.blocks) == 3 and view.seq == m.index.events.seq
+    restarted = BlockManager(8, BT, salt=SALT)  # a restarted frontend: another epoch, an empty cache
+    computed(restarted, list(range(50, 55)))
+    page = restarted.event_page(view.seq, view.epoch)
+    assert page.snapshot  # it cannot answer another epoch's number
+    view.apply(page)
+    assert view.blocks == set(prompt_digests(list(range(50, 56)), SALT, BT, 10))
+    view.apply(KvEventPage(view.epoch, view.seq + 1, BT, SALT, events=[(CLEARED, b"", b"")]))
+    assert view.blocks == set()
+
+
+def test_views_score_the_longest_run_of_leading_blocks_each_replica_holds() -> None:
+    views = KvViews()
+    managers = {"a": BlockManager(16, BT, salt=SALT), "b": BlockManager(16, BT, salt=SALT)}
+    prompt = list(range(20))
+    computed(managers["a"], prompt[:13])  # three leading blocks
+    computed(managers["b"], prompt[:5] + [99] * 8)  # the first block only, then another conversation
+    for name, m in managers.items():
+        views.views[name] = ReplicaBlocks()
+        views.views[name].apply(page_json(m))
+    assert views.params() == [(SALT, BT)] and views.tokenizer() == "/models/x" and views.holding()
+    assert views.match(digests_of(prompt, views.params())) == {"a": 3, "b": 1}
+    assert views.match(digests_of(prompt[:9], views.params())) == {"a": 2, "b": 1}  # its last token is computed
+    assert views.match(digests_of([7] * 20, views.params())) == {}
+    other_model = digests_of(prompt, [(b"another model", BT)])
+    assert views.match(other_model) == {}  # another salt: another model's blocks never match
+    views.forget("a")
+    assert views.held("a") == 0 and views.match(digests_of(prompt, views.params())) == {"b": 1}
