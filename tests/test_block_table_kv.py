@@ -1,15 +1,20 @@
 """The stage's KV pool: a session computed over a block table (kv_pool.BlockTableKV) gives the
 logits it gets over a cache of its own (kv.SessionKV), whether its blocks are consecutive (a view
-of the pool) or scattered (one gather), alone or batched, and a session that starts over another's
-full blocks computes what it would alone."""
+of the pool), scattered (one gather) or, long, in a few runs (a view per run, attended span by
+span), alone or batched, and a session that starts over another's full blocks computes what it
+would alone."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
-from inferencemesh.modeling.kv_pool import NO_TOKEN, BlockTableKV, KVPool
+from inferencemesh.modeling.attention import KVSpans, split_kv_attention
+from inferencemesh.modeling.kv_pool import MAX_SPLIT_RUNS, NO_TOKEN, SPLIT_MIN_POSITIONS, BlockTableKV, KVPool
+from inferencemesh.modeling.positions import attention_mask
 from inferencemesh.modeling.runtime import PositionError, Segment, StageRuntime
 
 B = 16
@@ -105,3 +110,82 @@ def test_the_pool_keeps_each_slots_token_and_refuses_positions_past_the_table(ru
     with pytest.raises(PositionError, match="block table"):
         runtime.check_positions(BlockTableKV(pool, [1], 10, 7), 10, 7)
     assert pool.nbytes() == 8 * 2 * 2 * 4 * B * 64 * 4  # layers x K,V x kv heads x slots x head_dim x float32
+
+
+# ---- a long table in a few runs: read run by run, attended span by span (attention.KVSpans) ----
+
+
+@pytest.fixture(scope="module")
+def long_runtime() -> StageRuntime:
+    return StageRuntime(bundled_path(DEFAULT_MODEL), 0, 8, dtype="float32", max_context=1024)
+
+
+LONG = torch.randint(0, 4096, (600,), generator=torch.Generator().manual_seed(3))
+RUNS = list(range(0, 20)) + list(range(50, 60)) + list(range(30, 40))  # 3 runs, 640 positions
+
+
+def test_a_long_table_in_a_few_runs_is_read_as_spans_not_gathered(long_runtime) -> None:
+    pool = long_runtime.new_pool(64)
+    layer = pool.store[0]
+    kv = BlockTableKV(pool, RUNS, 0, SPLIT_MIN_POSITIONS)
+    kv.begin(0, SPLIT_MIN_POSITIONS)
+    spans, none = kv.read(layer)
+    assert isinstance(spans, KVSpans) and none is None
+    assert spans.starts == [0, 20 * B, 30 * B]  # the third run is cut at the frame's end (512)
+    assert [k.shape[2] for k in spans.keys] == [20 * B, 10 * B, SPLIT_MIN_POSITIONS - 30 * B]
+    assert spans.keys[1].data_ptr() == layer[0, :, 50 * B].data_ptr()  # views of the pool
+    short = BlockTableKV(pool, RUNS, 0, 100)  # below the threshold: one gather
+    short.begin(0, 100)
+    assert isinstance(short.read(layer)[0], torch.Tensor)
+    many = list(range(63, 25, -1))  # 38 runs of one block: more than MAX_SPLIT_RUNS, gathered
+    assert MAX_SPLIT_RUNS < 38
+    scattered = BlockTableKV(pool, many, 0, 600)
+    scattered.begin(0, 600)
+    assert isinstance(scattered.read(layer)[0], torch.Tensor)
+
+
+def test_a_session_over_a_long_table_in_runs_computes_what_it_does_alone(long_runtime) -> None:
+    pool = long_runtime.new_pool(64)
+    pool.store.fill_(float("nan"))
+    chunks = [256, 256, 88, 1, 3, 1]  # prefill chunks past the split threshold, decode, a verify window
+    tokens = torch.cat([LONG, torch.tensor([7, 8, 9, 10, 11])])
+    for got, want in zip(over_table(long_runtime, pool, RUNS, tokens, chunks), alone(long_runtime, tokens, chunks),
+                         strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_batched_pass_mixing_spans_views_and_gathers_equals_each_alone(long_runtime) -> None:
+    pool = long_runtime.new_pool(128)
+    tables = [RUNS, list(range(70, 110)), [120, 121, 64, 66]]  # runs, consecutive, scattered (short)
+    prompts = [LONG, LONG.flip(0), LONG[:40]]
+    for table, prompt in zip(tables, prompts, strict=True):
+        over_table(long_runtime, pool, table, prompt, [len(piece) for piece in prompt.split(256)])
+    steps = [torch.tensor([2, 3, 4]), torch.tensor([5]), torch.tensor([6, 7])]
+    segments = [Segment(BlockTableKV(pool, table, len(prompt), len(x)), len(prompt), x, "all")
+                for table, prompt, x in zip(tables, prompts, steps, strict=True)]
+    for prompt, x, got in zip(prompts, steps, long_runtime.forward_batch(segments), strict=True):
+        kv = long_runtime.new_session()
+        long_runtime.forward(kv, 0, token_ids=prompt)
+        torch.testing.assert_close(got, long_runtime.forward(kv, len(prompt), token_ids=x, logits="all"), **TOL)
+
+
+class _Grouped(torch.nn.Module):
+    num_key_value_groups = 3
+
+
+@pytest.mark.parametrize("window", [None, 200], ids=["causal", "sliding-window"])
+def test_split_kv_attention_equals_one_pass_over_the_joined_keys(window) -> None:
+    """GQA (6 query heads over 2), a window of 4 queries at the end of 700 positions in 3 spans;
+    with a 200-position window the first span is masked for every query (skipped) and the second
+    for some rows only."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 700, 64, generator=g), torch.randn(1, 2, 700, 64, generator=g)
+    query = torch.randn(1, 6, 4, 64, generator=g)
+    mask = attention_mask(696, 4, window, torch.device("cpu"))
+    cuts = [0, 300, 498, 700]
+    spans = KVSpans([keys[:, :, a:b] for a, b in itertools.pairwise(cuts)],
+                    [values[:, :, a:b] for a, b in itertools.pairwise(cuts)], cuts[:-1])
+    got = split_kv_attention(_Grouped(), query, spans, mask, 0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
+                                                            enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

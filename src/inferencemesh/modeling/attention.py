@@ -28,31 +28,49 @@ NAME = "inferencemesh_sdpa"
 
 
 @dataclass
+class KVSpans:
+    """One session's keys and values as a few spans (views of the pool's runs of blocks), span i
+    holding positions [starts[i], starts[i] + len): attended span by span and merged by their
+    log-sum-exp (split-KV, as flash-decoding and paged kernels do), never copied into one."""
+
+    keys: list[torch.Tensor]  # [1, kv_heads, len, head_dim] each
+    values: list[torch.Tensor]
+    starts: list[int]
+
+
+@dataclass
 class PackedAttention:
     """Keys, values and mask per segment of a batched pass (several sessions' tokens packed in
     one sequence): what the runtime's packed cache hands attention in place of the keys."""
 
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    parts: list[tuple[torch.Tensor | KVSpans, torch.Tensor | None, torch.Tensor | None]]
     counts: list[int]
 
 
 def stage_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor | PackedAttention,
+    key: torch.Tensor | PackedAttention | KVSpans,
     value: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     if isinstance(key, PackedAttention):  # each session's queries over its own cache
-        cache_dtype = key.parts[0][0].dtype  # converted once for the pass, not per session
+        cache_dtype = _dtype_of(key.parts[0][0])  # converted once for the pass, not per session
         queries = query.to(cache_dtype).split(key.counts, dim=2)
         if _needs_eager(kwargs) or kwargs.get("position_bias") is not None:
             attend = eager_attention if _needs_eager(kwargs) else sdpa_attention_forward
-            outs = [attend(module, q, k, v, mask, **kwargs)[0]
+            outs = [attend(module, q, *_joined(k, v), mask, **kwargs)[0]
                     for q, (k, v, mask) in zip(queries, key.parts, strict=True)]
             return torch.cat(outs, dim=1).to(query.dtype), None
         return _packed_sdpa(module, queries, key.parts, kwargs.get("scaling")).to(query.dtype), None
+    if isinstance(key, KVSpans):
+        if _needs_eager(kwargs) or kwargs.get("position_bias") is not None:
+            key, value = _joined(key, value)
+        else:
+            q = query.to(key.keys[0].dtype)
+            out = split_kv_attention(module, q, key, attention_mask, kwargs.get("scaling"))
+            return out.transpose(1, 2).to(query.dtype), None
     if _needs_eager(kwargs):
         return eager_attention(module, query.to(key.dtype), key, value, attention_mask,
                                **kwargs)[0].to(query.dtype), None
@@ -65,18 +83,72 @@ def stage_attention(
 
 
 def _packed_sdpa(module: torch.nn.Module, queries: Sequence[torch.Tensor],
-                 parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], scaling: float | None
-                 ) -> torch.Tensor:
+                 parts: list[tuple[torch.Tensor | KVSpans, torch.Tensor | None, torch.Tensor | None]],
+                 scaling: float | None) -> torch.Tensor:
     """Each session's queries [1, heads, T, D] over its keys and values, straight to torch's sdpa:
     what transformers' sdpa_attention_forward does for these inputs, less its per-call work (at 48
     sessions a batched pass calls it 48 times a layer), and grouped-query attention through sdpa's
     enable_gqa even under a mask (transformers copies the keys per group there: 1.8x slower).
     A mask of None means causal for several queries (a prefill from position 0: keys = queries)."""
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scaling, is_causal=mask is None and q.shape[2] > 1, enable_gqa=gqa)
-            for q, (k, v, mask) in zip(queries, parts, strict=True)]
+    outs = []
+    for q, (k, v, mask) in zip(queries, parts, strict=True):
+        if isinstance(k, KVSpans):
+            outs.append(split_kv_attention(module, q, k, mask, scaling))
+            continue
+        assert v is not None
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scaling, is_causal=mask is None and q.shape[2] > 1, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)  # [1, T, heads, D], as transformers' attention returns
+
+
+def split_kv_attention(module: torch.nn.Module, query: torch.Tensor, spans: KVSpans, mask: torch.Tensor | None,
+                       scaling: float | None) -> torch.Tensor:
+    """Queries [1, heads, T, D] (the last T positions) over keys and values in spans: each span
+    attended by torch's CPU flash kernel, which also returns its log-sum-exp, and the spans' outputs
+    merged by it. Equal to one pass over the joined keys up to float rounding (about 1e-7). Grouped
+    queries are packed per key head (rows g T + t), so no key is copied per group. Returns
+    [1, heads, T, D]."""
+    _, heads, count, dim = query.shape
+    kv_heads = spans.keys[0].shape[1]
+    groups = heads // kv_heads
+    packed = query.reshape(1, kv_heads, groups * count, dim)
+    stop = spans.starts[-1] + spans.keys[-1].shape[2]
+    if mask is None and count > 1:  # causal, spelled out: the spans split the keys
+        mask = (torch.arange(stop, device=query.device)[None, :]
+                <= torch.arange(stop - count, stop, device=query.device)[:, None])[None, None]
+    outs, lses = [], []
+    for keys, values, start in zip(spans.keys, spans.values, spans.starts, strict=True):
+        additive = None
+        if mask is not None:
+            allowed = mask[..., start:start + keys.shape[2]]
+            if not bool(allowed.any()):
+                continue  # a span every query is masked from (a sliding window's past)
+            additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+            additive.masked_fill_(~allowed, torch.finfo(query.dtype).min)  # finite: a row masked here has lse ~ min
+            additive = additive.expand(1, 1, count, keys.shape[2]).repeat(1, 1, groups, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            packed, keys, values, 0.0, False, attn_mask=additive, scale=scaling)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].reshape(1, heads, count, dim)
+    stacked = torch.stack(lses)
+    weights = (stacked - stacked.logsumexp(0)).exp().unsqueeze(-1)
+    merged = (torch.stack(outs) * weights).sum(0)
+    return merged.reshape(1, heads, count, dim)
+
+
+def _dtype_of(keys: torch.Tensor | KVSpans) -> torch.dtype:
+    return keys.keys[0].dtype if isinstance(keys, KVSpans) else keys.dtype
+
+
+def _joined(keys: torch.Tensor | KVSpans, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as one tensor each (spans concatenated: the eager path needs them whole)."""
+    if isinstance(keys, KVSpans):
+        return torch.cat(keys.keys, dim=2), torch.cat(keys.values, dim=2)
+    assert values is not None
+    return keys, values
 
 
 def _needs_eager(kwargs: dict[str, Any]) -> bool:
