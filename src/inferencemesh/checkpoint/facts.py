@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+if TYPE_CHECKING:
+    from inferencemesh.checkpoint.quantization import QuantizedModule
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1}
 TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -86,16 +91,27 @@ class CheckpointFacts:
         """The torch dtype name the config declares (float32 when it declares none)."""
         return str(self.config.get("dtype") or self.config.get("torch_dtype") or "float32")
 
+    def quantized_modules(self) -> dict[str, QuantizedModule]:
+        """The linear layers the checkpoint holds quantized (checkpoint/quantization.py), by module name."""
+        from inferencemesh.checkpoint.quantization import quantized_modules
+
+        return quantized_modules(self.config, self.tensors)
+
     def layer_bytes(self, dtype_bytes: int | None = None) -> list[int]:
+        """Bytes per layer: as stored (dtype_bytes None), or as a stage computing in dtype_bytes-wide
+        floats holds them (a quantized linear layer as modeling/quantized.py lays it out)."""
         sizes = [0] * self.num_layers
+        quantized = self.quantized_modules() if dtype_bytes is not None else {}
         for info in self.tensors.values():
             group = classify(info.name)
             if group.kind == "layer" and group.layer < self.num_layers:
-                sizes[group.layer] += self._scaled(info, dtype_bytes)
+                sizes[group.layer] += self._held(info, dtype_bytes, quantized)
         return sizes
 
     def group_bytes(self, kind: str, dtype_bytes: int | None = None) -> int:
-        return sum(self._scaled(t, dtype_bytes) for t in self.tensors.values() if classify(t.name).kind == kind)
+        quantized = self.quantized_modules() if dtype_bytes is not None else {}
+        return sum(self._held(t, dtype_bytes, quantized) for t in self.tensors.values()
+                   if classify(t.name).kind == kind)
 
     def head_bytes(self, dtype_bytes: int | None = None) -> int:
         """Bytes the last stage holds for the LM head: a tied head reuses the embedding matrix."""
@@ -118,6 +134,18 @@ class CheckpointFacts:
             ):
                 keep.append(name)
         return sorted(keep)
+
+    @classmethod
+    def _held(cls, info: TensorInfo, dtype_bytes: int | None, quantized: dict[str, QuantizedModule]) -> int:
+        """A tensor's bytes in a stage: a quantized layer's all counted on its weight, its other tensors 0."""
+        from inferencemesh.checkpoint.quantization import held_bytes, module_of
+
+        module = module_of(info.name) if quantized else None
+        if dtype_bytes is None or module not in quantized:
+            return cls._scaled(info, dtype_bytes)
+        q = quantized[module]  # type: ignore[index]
+        is_weight = info.name.endswith((".weight_packed", ".weight"))
+        return held_bytes(q.quant, q.out_features, q.in_features, dtype_bytes) if is_weight else 0
 
     @staticmethod
     def _scaled(info: TensorInfo, dtype_bytes: int | None) -> int:

@@ -15,9 +15,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_SAFETENSORS = "model.safetensors"
 # The most a safetensors header may take (the safetensors library's own limit).
 MAX_HEADER_BYTES = 100 * 1000 * 1000
-# Safetensors dtypes a checkpoint may carry that no stage loads yet (8-bit floats, packed
-# quantized formats): refused by name, "not supported yet", never a KeyError.
-UNSUPPORTED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64", "C64")
+# Safetensors dtypes a checkpoint may carry that no stage loads yet (other 8-bit floats, 4- and
+# 6-bit floats): refused by name, "not supported yet", never a KeyError. F8_E4M3 is served
+# inside a quantized checkpoint (checkpoint/quantization.py).
+UNSUPPORTED_DTYPES = ("F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64", "C64")
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -64,7 +65,7 @@ def tensor_info(name: str, meta: object, shard: str, where: str | Path) -> tuple
         known = isinstance(dtype, str) and dtype in UNSUPPORTED_DTYPES
         raise CheckpointError(
             f"{where}: tensor {shown(name)} has dtype {shown(dtype, 24)}, which "
-            + ("InferenceMesh cannot load yet (8-bit float and quantized checkpoints are not supported yet)"
+            + ("InferenceMesh cannot load yet (of 8-bit floats only F8_E4M3 is served, in FP8 checkpoints)"
                if known else "is not a safetensors dtype InferenceMesh knows")
             + f"; supported: {', '.join(DTYPE_BYTES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
@@ -148,6 +149,11 @@ def read_index(path: Path) -> dict[str, str]:
 def refuse_without_safetensors(where: str | Path, files: list[str]) -> None:
     if not any(f.endswith(".safetensors") for f in files):
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+        gguf = sorted(f for f in files if f.endswith(".gguf"))
+        if gguf:
+            raise CheckpointError(f"{where}: GGUF files ({', '.join(gguf[:2])}) are not served: give the Hugging "
+                                  "Face safetensors checkpoint they were converted from (16-bit, or a "
+                                  "compressed-tensors W4A16/W8A16/FP8 export)")
         detail = f" (found only pickle-based weights: {', '.join(sorted(pickled)[:3])})" if pickled else ""
         raise CheckpointError(
             f"{where}: no safetensors weights{detail}. InferenceMesh loads safetensors only and never "

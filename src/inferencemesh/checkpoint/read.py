@@ -10,7 +10,7 @@ from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.headers import refuse_without_safetensors, safetensors_tensors, tensor_info, weight_map
 from inferencemesh.checkpoint.hub import CONFIG_FILES, hub_errors
 from inferencemesh.checkpoint.tokenizer import check_tokenizer_files
-from inferencemesh.checkpoint.validate import check_supported, check_tensor_names, config_of
+from inferencemesh.checkpoint.validate import check_quantized, check_supported, check_tensor_names, config_of
 
 
 def is_local(source: str | Path) -> bool:
@@ -46,6 +46,7 @@ def read_local(model_dir: str | Path, *, headers_of: list[str] | None = None) ->
         facts.tensors.update(safetensors_tensors(model_dir / shard, shard))
     if headers_of is None:
         check_tensor_names(facts, model_dir)
+    check_quantized(facts, model_dir)
     return facts
 
 
@@ -70,6 +71,7 @@ def read_hub(repo_id: str, *, revision: str | None = None, token: str | None = N
             entry = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": list(tensor.data_offsets)}
             facts.tensors[name] = tensor_info(name, entry, shard, f"{repo_id}/{shard}")[0]
     check_tensor_names(facts, repo_id)
+    check_quantized(facts, repo_id)
     return facts
 
 

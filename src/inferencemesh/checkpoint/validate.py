@@ -1,6 +1,6 @@
 """Whether a checkpoint can be served: its config (a JSON object, a family that can be split into
-stages, unquantized) and its tensor names (the standard layout's, by which layers are counted and
-selected)."""
+stages, unquantized or in a served quantized format: checkpoint/quantization.py) and its tensor
+names (the standard layout's, by which layers are counted and selected)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from inferencemesh.checkpoint.errors import CheckpointError, shown
 from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.quantization import module_of, refusal
 
 
 def config_of(text: str, where: str | Path) -> dict:
@@ -28,11 +29,9 @@ def check_supported(config: dict, where: str | Path) -> None:
     standard embed -> layers -> norm -> head layout is served)."""
     from inferencemesh.modeling import families  # transformers and torch, only when a config is checked
 
-    quantization = config.get("quantization_config")
-    if quantization is not None:  # its tensors are not the layers' weights (qweight, scales): no stage finds them
-        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
-        raise CheckpointError(f"{where}: a quantized checkpoint (quantization_config: {shown(method, 40)}) "
-                              "cannot be served yet; give its unquantized (float16, bfloat16 or float32) version")
+    why_not = refusal(config)
+    if why_not is not None:
+        raise CheckpointError(f"{where}: {why_not}")
     why = families.refusal(config)
     if why is not None:
         model_type = config.get("model_type", "")
@@ -55,3 +54,17 @@ def check_tensor_names(facts: CheckpointFacts, where: str | Path) -> None:
         raise CheckpointError(f"{where}: model_type {facts.model_type!r} cannot be served: its checkpoint has no "
                               f"tensors named {' or '.join(missing)} (it names them e.g. {some}), which is how a "
                               "plan counts and a stage selects its layers")
+
+
+def check_quantized(facts: CheckpointFacts, where: str | Path) -> None:
+    """Refuse quantized tensors the config does not explain (8-bit floats without a
+    quantization_config, a scale of the wrong shape or missing), in one line."""
+    try:
+        quantized = facts.quantized_modules()
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    for info in facts.tensors.values():
+        if info.dtype == "F8_E4M3" and module_of(info.name) not in quantized:
+            raise CheckpointError(f"{where}: tensor {shown(info.name)} is F8_E4M3, but config.json has no "
+                                  "quantization_config saying how it is scaled (an FP8 checkpoint names its format "
+                                  "there: compressed-tensors or fp8)")

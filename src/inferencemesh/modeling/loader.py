@@ -4,7 +4,9 @@ Only what the stage runs is ever read: from a hub repo, only the config/tokenize
 safetensors shards holding this stage's tensors are downloaded (found through
 model.safetensors.index.json); the modules are built on the meta device and the tensors,
 read with safetensors.safe_open from those shards only, are assigned into them. The whole
-model is never materialised. Pickle-based weights are refused.
+model is never materialised. Pickle-based weights are refused. A quantized checkpoint's linear
+layers are read as they are stored and swapped for QuantizedLinear (modeling/quantized.py):
+they stay quantized in memory.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from inferencemesh.checkpoint.read import check_source, is_local, read_local
 from inferencemesh.checkpoint.validate import check_supported, config_of
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling import attention, families
+from inferencemesh.modeling.quantized import from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +225,11 @@ def load_stage(
     log.info("layers %d:%d compute in %s on %s", layer_start, layer_end, choice, torch_device)
     torch_dtype = resolve_dtype(choice.name, facts.checkpoint_dtype)
     model = _build_on_meta(config, torch_dtype, facts, source)
-    tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress)
+    quantized = [m for m in facts.quantized_modules() if _in_stage(m + ".weight", layer_start, layer_end,
+                                                                    facts.num_layers)]
+    tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress,
+                            keep_dtype=tuple(m + "." for m in quantized))
+    _swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)
     tied_head = _take_tied_head(tensors, facts, layer_start, layer_end, source)
     _assign(model, tensors, torch_dtype, source)
     _tie_head(model, facts, layer_start, layer_end, tied_head)
@@ -314,6 +321,31 @@ def _in_stage(name: str, layer_start: int, layer_end: int, num_layers: int) -> b
             or (group.kind in ("norm", "head") and layer_end == num_layers))
 
 
+def _swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: CheckpointFacts, modules: list[str],
+                    dtype: torch.dtype, device: torch.device, source: str | Path) -> None:
+    """Replace each quantized linear layer (by its checkpoint name, which is its module path) with a
+    QuantizedLinear built from its tensors, taken out of `tensors`."""
+    described = facts.quantized_modules()
+    for name in modules:
+        parent_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            parent = None
+        linear = getattr(parent, child, None)
+        spec = described[name]
+        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != \
+                (spec.out_features, spec.in_features):
+            raise CheckpointError(f"{source}: quantized tensors of {name} ({spec.out_features}x{spec.in_features}) "
+                                  "match no linear layer of that shape in the model (only linear layers named as "
+                                  "the model names them are served quantized)")
+        own = {key.removeprefix(name + "."): tensors.pop(key) for key in [k for k in tensors
+                                                                          if k.startswith(name + ".")]}
+        if "bias" in own:
+            own["bias"] = own["bias"].to(dtype)
+        setattr(parent, child, from_checkpoint(spec.quant, spec.out_features, spec.in_features, own, dtype, device))
+
+
 def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: str | Path) -> None:
     """Assign checkpoint tensors into the meta-built model, keys converted as transformers'
     from_pretrained converts them (renamings, per-expert tensors merged into fused ones)."""
@@ -357,8 +389,10 @@ def _read_tensors(
     dtype: torch.dtype,
     device: torch.device,
     on_progress: Progress,
+    keep_dtype: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """Read this stage's tensors, shard by shard, converted to dtype and placed on device."""
+    """Read this stage's tensors, shard by shard, converted to dtype and placed on device; those
+    named with a keep_dtype prefix (quantized layers' weights and scales) keep theirs."""
     names = facts.stage_tensor_names(layer_start, layer_end)
     total = sum(facts.tensors[n].nbytes for n in names) or 1
     done, reported = 0, 0.0
@@ -376,7 +410,7 @@ def _read_tensors(
             except Exception as err:  # noqa: BLE001 - the file changed under us, or the library refuses it
                 raise CheckpointError(f"{model_dir / shard}: tensor {name} cannot be read "
                                       f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
-            target = dtype if tensor.is_floating_point() else tensor.dtype
+            target = dtype if tensor.is_floating_point() and not name.startswith(keep_dtype) else tensor.dtype
             out[name] = tensor.to(device=device, dtype=target, copy=True)
             del tensor
             done += facts.tensors[name].nbytes

@@ -1,0 +1,220 @@
+"""Linear layers that keep their weights quantized in memory: INT4, INT8 and FP8 (e4m3).
+
+The loader builds a QuantizedLinear from a quantized checkpoint's tensors (the format is
+checkpoint/quantization.py's; compressed-tensors' own unpacking reads its packed words) and
+swaps it into transformers' decoder layers where the nn.Linear was, as packed.py swaps
+PackedLinear in: the layers' forward code stays theirs. What a layer holds is what
+quantization.held_bytes counts, so the plan's bytes are the stage's.
+
+How each format computes, chosen by device and compute dtype (measured on this machine's CPU,
+an AVX-512 EPYC with bfloat16 units, one thread, a [5632, 2048] weight; ms per call, decode
+row / 64-row prefill):
+
+    bfloat16 nn.Linear (the baseline)          2.3 / 8.9     float32 nn.Linear    3.4 / 25.3
+    INT8 _weight_int8pack_mm, bf16 activations 1.5 / 25.7    float32 activations  9.6 / 674
+    INT4 _weight_int4pack_mm_for_cpu, bf16     0.95 / 21.3   float32 activations  20.5 / 1285
+    INT8 -> bf16 scratch, then bf16 matmul     1.5 + 3.3 / 1.5 + 10.6
+    FP8 -> float by torch's own conversion     57 (per call: unusable); by bits (_fp8_to): ~4
+
+So: INT4 runs PyTorch's CPU kernel in 16-bit compute, and dequantizes into a scratch buffer in
+float32 compute (where the kernel is 6-10x slower than the float matmul); INT8 per channel runs
+_weight_int8pack_mm for decode rows in 16-bit compute and dequantizes otherwise (grouped INT8 has
+no CPU kernel); FP8 always dequantizes into scratch, converted by its bits. The scratch buffer
+is one per thread, sized to the largest layer, so at most one layer is ever held in float.
+
+On CUDA: FP8 per tensor or channel runs torch._scaled_mm (activations quantized per token,
+dynamically, as vLLM does on H100), FP8 blocks dequantize; INT4 runs tinygemm
+(torch._weight_int4pack_mm, bfloat16); INT8 dequantizes into scratch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from inferencemesh.checkpoint.quantization import WeightQuant
+
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
+INT8_KERNEL_ROWS = 4  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
+_FP8_TO_FLOAT32 = 2.0 ** 120  # e4m3's bits placed in float32's fields are the value times 2^-120
+_local = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This thread's scratch buffer of at least numel elements (grown, never shrunk)."""
+    key = (dtype, device)
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
+            buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel]
+
+
+def fp8_to_float32(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """e4m3fn values as float32 times 2^-120, into `out` (same shape): sign, exponent and mantissa
+    moved into float32's fields by integer ops, which run ~15x faster than torch's conversion on a
+    CPU (normals and subnormals both exact; multiply by 2^120, folded into the scale, after)."""
+    bits = out.view(torch.int32)
+    bits.copy_(q.view(torch.uint8))
+    sign = (bits & 0x80) << 24
+    bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
+    return out
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W held quantized (see the module docstring for how it computes)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    scale_zeros: torch.Tensor
+    offset: torch.Tensor | None
+
+    def __init__(self, quant: WeightQuant, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        """weight: [out, in] int8 values (INT4's in [-8, 7]) or float8_e4m3fn; scale: [rows, cols]
+        as quant.scale_shape; zero: the integer zero points [rows, cols] of an asymmetric format."""
+        super().__init__()
+        self.quant = quant
+        self.out_features, self.in_features = weight.shape
+        self.compute_dtype = dtype
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        scale = scale.to(torch.float32).reshape(quant.scale_shape(self.out_features, self.in_features))
+        if quant.kind == "float":
+            self.path = "scaled_mm" if device.type == "cuda" and quant.strategy != "block" else "fp8_dequant"
+            self.register_buffer("weight", weight.to(device))
+            self.register_buffer("scale", scale.to(device, dtype))
+        elif quant.bits == 4:
+            self._init_int4(weight, scale, zero, dtype, device)
+        else:
+            self._init_int8(weight, scale, zero, dtype, device)
+
+    def _init_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        """Unsigned nibbles u = q + 8 and (scale, -zero x scale) pairs: w = (u - 8) x scale + offset,
+        the int4 kernels' own formula."""
+        groups = scale.shape[1]
+        self.group_size = self.in_features // groups
+        offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.float32) * scale
+        self.register_buffer("scale_zeros", torch.stack([scale.t(), offset.t()], -1).to(device, dtype).contiguous())
+        unsigned = (q.to(torch.int32) + 8)
+        kernel = self.group_size in INT4_KERNEL_GROUPS and dtype != torch.float32
+        if kernel and device.type == "cpu":
+            self.path = "int4_cpu"
+            self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+        elif kernel and device.type == "cuda" and dtype == torch.bfloat16:
+            self.path = "int4_cuda"  # tinygemm: high nibble first
+            nibbles = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
+            self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, 8))
+        else:
+            self.path = "int4_dequant"
+            self.register_buffer("weight", (unsigned[:, ::2] | unsigned[:, 1::2] << 4).to(torch.uint8).to(device))
+
+    def _init_int8(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
+                   device: torch.device) -> None:
+        self.register_buffer("weight", q.to(device, torch.int8))
+        self.register_buffer("scale", scale.to(device, dtype))
+        self.register_buffer("offset", None if zero is None else (-zero.to(torch.float32) * scale).to(device, dtype))
+        self.int8_kernel = device.type == "cpu" and dtype != torch.float32 and zero is None and scale.shape[1] == 1
+        self.path = "int8"
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.path == "int4_cpu":
+            y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scale_zeros)
+        elif self.path == "int4_cuda":
+            y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scale_zeros)
+        elif self.path == "int8" and self.int8_kernel and rows.shape[0] <= INT8_KERNEL_ROWS:
+            y = torch._weight_int8pack_mm(rows, self.weight, self.scale.reshape(-1))
+        elif self.path == "scaled_mm":
+            y = self._scaled_mm(rows)
+        else:
+            y = functional.linear(rows, self.dequantized(), None)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in the compute dtype, [out, in], in this thread's scratch buffer (valid until
+        the next layer's call)."""
+        n, k = self.out_features, self.in_features
+        if self.path in ("int4_cpu", "int4_cuda"):  # the kernel's own layout: its product with I (not per call)
+            eye = torch.eye(k, dtype=self.compute_dtype, device=self.weight.device)
+            if self.path == "int4_cpu":
+                return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scale_zeros).t()
+            return torch._weight_int4pack_mm(eye, self.weight, self.group_size, self.scale_zeros).t()
+        if self.quant.kind == "float":
+            out = fp8_to_float32(self.weight, _scratch(n * k, torch.float32, self.weight.device).view(n, k))
+            out = self._scaled(out, self.scale.to(torch.float32) * _FP8_TO_FLOAT32)
+            return out if self.compute_dtype == torch.float32 else out.to(self.compute_dtype)
+        out = _scratch(n * k, self.compute_dtype, self.weight.device).view(n, k)
+        if self.quant.bits == 4:
+            pairs = out.view(n, k // 2, 2)
+            pairs[..., 0].copy_(self.weight & 0x0F)
+            pairs[..., 1].copy_(self.weight >> 4)
+            out.sub_(8)
+            groups = out.view(n, -1, self.group_size)
+            groups.mul_(self.scale_zeros[..., 0].t()[..., None]).add_(self.scale_zeros[..., 1].t()[..., None])
+            return out
+        out.copy_(self.weight)
+        groups = out.view(n, self.scale.shape[1], -1)
+        groups.mul_(self.scale[..., None])
+        if self.offset is not None:
+            groups.add_(self.offset[..., None])
+        return out
+
+    def _scaled(self, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """out x scale, in place, scale broadcast over its blocks (a block at an edge may be partial)."""
+        n, k = out.shape
+        rows, cols = scale.shape
+        b0, b1 = self.quant.block if self.quant.strategy == "block" else (n // rows, k // cols)
+        if rows * b0 == n and cols * b1 == k:
+            return out.view(rows, b0, cols, b1).mul_(scale[:, None, :, None]).view(n, k)
+        return out.mul_(scale.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k])
+
+    def _scaled_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """FP8 on CUDA: activations quantized per row (dynamic), both scales applied by the GEMM."""
+        finfo = torch.finfo(torch.float8_e4m3fn)
+        x_scale = rows.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / finfo.max
+        x_fp8 = (rows / x_scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
+        w_scale = self.scale.float().expand(self.out_features, 1).reshape(1, -1)
+        return torch._scaled_mm(x_fp8, self.weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight and its scales (the bias is counted as the float tensor it is)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        q = self.quant
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {q.name} {q.strategy}, "
+                f"bias={self.bias is not None}, {self.path}")
+
+
+def from_checkpoint(quant: WeightQuant, out_features: int, in_features: int, tensors: dict[str, torch.Tensor],
+                    dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+    """A QuantizedLinear from one module's checkpoint tensors, by suffix (weight or weight_packed,
+    the scale, the zero point, the bias): packed words unpacked by compressed-tensors' own
+    unpack_from_int32, the format's owner."""
+    scale = tensors[quant.scale_name]
+    rows, cols = quant.scale_shape(out_features, in_features)
+    zero = tensors.get("weight_zero_point")
+    if quant.packed:
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        weight = unpack_from_int32(tensors["weight_packed"], quant.bits, torch.Size([out_features, in_features]))
+        if zero is not None and not quant.symmetric:
+            zero = unpack_from_int32(zero, quant.bits, torch.Size([rows, cols]), packed_dim=0)
+    else:
+        weight = tensors["weight"]
+    if quant.symmetric:
+        zero = None
+    elif zero is not None:
+        zero = zero.reshape(rows, cols)
+    return QuantizedLinear(quant, weight, scale, zero, tensors.get("bias"), dtype, device)
