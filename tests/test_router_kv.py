@@ -6,6 +6,7 @@ view scoring the digests the frontend itself computed."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -136,3 +137,24 @@ def test_views_score_the_longest_run_of_leading_blocks_each_replica_holds() -> N
     assert views.match(other_model) == {}  # another salt: another model's blocks never match
     views.forget("a")
     assert views.held("a") == 0 and views.match(digests_of(prompt, views.params())) == {"b": 1}
+
+
+def test_blocks_sent_to_a_replica_count_as_held_until_its_events_say_so_or_for_a_while() -> None:
+    views, m = KvViews(), BlockManager(16, BT, salt=SALT)
+    views.views["a"] = view = ReplicaBlocks()
+    view.apply(page_json(m))
+    prompt = list(range(13))
+    digests = digests_of(prompt, views.params())
+    assert views.match(digests) == {}
+    views.expect("a", digests)  # the router sent it there: its events will say so within a poll
+    assert views.match(digests) == {"a": 3} and views.holding()
+    computed(m, prompt)
+    view.apply(page_json(m, view.seq, view.epoch))
+    assert view.expected == {} and views.match(digests) == {"a": 3}  # now held by its events
+    other = digests_of(list(range(50, 60)), views.params())
+    views.expect("a", other)
+    for digest in view.expected:  # long past: a request that failed never computed them
+        view.expected[digest] = time.monotonic() - 1
+    assert views.match(other) == {}
+    view.apply(page_json(m, view.seq, view.epoch))
+    assert view.expected == {}

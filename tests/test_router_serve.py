@@ -15,12 +15,73 @@ import httpx
 import pytest
 from mesh_helpers import serving_replicas
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from inferencemesh.protocol.kv_events import KvEventPage, prompt_digests
 
 pytestmark = pytest.mark.slow
 
 
 def routed(base: str) -> dict[str, int]:
     return {r["name"]: r["routed"] for r in httpx.get(f"{base}/router/replicas", timeout=5).json()["replicas"]}
+
+
+def replicas(base: str) -> dict[str, dict]:
+    return {r["name"]: r for r in httpx.get(f"{base}/router/replicas", timeout=5).json()["replicas"]}
+
+
+def affinity(base: str, outcome: str, scorer: str) -> dict[str, float]:
+    """replica -> the router's prefix_affinity_{outcome} for this scorer."""
+    name = f"inferencemesh_router_prefix_affinity_{outcome}"
+    return {sample.labels["replica"]: sample.value
+            for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=5).text)
+            if family.name == name for sample in family.samples
+            if sample.name == name + "_total" and sample.labels["scorer"] == scorer}
+
+
+def cached_blocks(frontend: str, prompt: str) -> tuple[set[bytes], set[bytes]]:
+    """(the prompt's reusable blocks' digests, every block the frontend's cache holds), from its own
+    /tokenize and KV events: the digests the router computes are the ones it publishes."""
+    ids = httpx.post(f"{frontend}/tokenize", json={"prompt": prompt}, timeout=10).json()["tokens"]
+    page = KvEventPage.from_json(httpx.get(f"{frontend}/kv/events", timeout=10).json())
+    assert page.snapshot
+    return set(prompt_digests(ids, page.salt, page.block_tokens, 10_000)), set(page.blocks)
+
+
+def wait_for(what: str, check: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _blocks_route_where_the_cache_holds_them(client: OpenAI, model: str, base: str, frontends: dict[str, str]) -> None:
+    """A prompt computed on one replica behind the router's back (sent to its frontend directly): its
+    longer continuation is routed there by the replica's KV events alone, counted as a hit by
+    blocks; once that replica's cache evicted the blocks, no replica is preferred (a miss)."""
+    wait_for("the router never scored by blocks", lambda: httpx.get(f"{base}/router/replicas").json()["scorer"]
+             == "blocks")
+    holder, url = "p1", frontends["1"]
+    prompt = "".join(f"def kv_route_{i}(x):\n    return x + {i * 31}\n\n" for i in range(10))
+    direct = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    direct.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    digests, held = cached_blocks(url, prompt)
+    assert len(digests) >= 4 and digests <= held
+    wait_for("the router never read p1's blocks", lambda: replicas(base)[holder]["kv_blocks"] >= len(held))
+    hits, before = affinity(base, "hits", "blocks"), routed(base)
+    client.completions.create(model=model, prompt=prompt + "def kv_route_main(", max_tokens=2, temperature=0)
+    after = routed(base)
+    assert after[holder] == before[holder] + 1, (before, after)
+    assert affinity(base, "hits", "blocks").get(holder, 0) == hits.get(holder, 0) + 1
+    for i in range(4):  # past the pool's 1,024 positions: the prompt's blocks are reclaimed (LRU)
+        filler = "".join(f"class Filler{i}_{j}:\n    size = {j * 977 + i}\n\n" for j in range(24))
+        direct.completions.create(model=model, prompt=filler, max_tokens=1, temperature=0)
+    digests, held = cached_blocks(url, prompt)
+    assert not digests & held
+    wait_for("the router never read p1's evictions", lambda: replicas(base)[holder]["kv_blocks"] == len(held))
+    misses = sum(affinity(base, "misses", "blocks").values())
+    client.completions.create(model=model, prompt=prompt + "def kv_route_main(", max_tokens=2, temperature=0)
+    assert sum(affinity(base, "misses", "blocks").values()) == misses + 1
 
 
 def descendants(pid: int) -> list[int]:
@@ -82,7 +143,8 @@ def _ctrl_c_twice_during_a_stream(client: OpenAI, model: str, proc: subprocess.P
 
 
 def test_two_replicas_behind_the_router() -> None:
-    with serving_replicas() as (base, proc, lines, frontends):
+    # a small pool (64 blocks): a few prompts sent to one replica evict what its cache held
+    with serving_replicas("--kv-cache-tokens", "1024") as (base, proc, lines, frontends):
         text = "".join(lines)
         assert sorted(frontends) == ["0", "1"] and "router over 2 pipelines" in text, text
         children = descendants(proc.pid)
@@ -93,6 +155,7 @@ def test_two_replicas_behind_the_router() -> None:
         assert set(routed(base)) == {"p0", "p1"}
         _a_shared_prefix_lands_on_one_replica(client, model, base)
         _a_burst_is_answered_by_both(client, model, base)
+        _blocks_route_where_the_cache_holds_them(client, model, base, frontends)
         metrics = httpx.get(f"{base}/metrics").text
         assert 'inferencemesh_router_prefix_affinity_hits_total{replica=' in metrics
         # each pipeline's frontend answers on its own port too

@@ -63,6 +63,7 @@ TransportFactory = Callable[[], httpx.AsyncBaseTransport]
 PromptTokens = Callable[[str, bytes], list[int] | None]
 PromptTokenizer = Callable[[str], PromptTokens]
 BLOCKS, CHARACTERS = "blocks", "characters"
+KvDigests = dict[tuple[bytes, int], list[bytes]]  # (salt, block size) -> a prompt's digests (kv_view.digests_of)
 
 
 def replica_transport() -> httpx.AsyncBaseTransport:
@@ -255,34 +256,33 @@ class RouterApp:
             watcher.cancel()
 
 
-    async def _kv_matches(self, path: str, body: bytes) -> dict[str, int] | None:
-        """replica -> the prompt's leading KV blocks its cache holds; None where the router cannot
-        score by blocks (no tokenizer, or a prompt it cannot tokenize)."""
+    async def _kv_digests(self, path: str, body: bytes) -> KvDigests | None:
+        """The prompt's reusable blocks' digests under each replica's salt and block size; None
+        where the router cannot score by blocks (no tokenizer, or a prompt it cannot tokenize)."""
         tokens, params = self.tokens, self.kv.params()
         if tokens is None or not params:
             return None
-        if not self.kv.holding():
-            return {}  # nothing cached anywhere: no tokenizing
 
-        def digests() -> dict[tuple[bytes, int], list[bytes]] | None:
+        def digests() -> KvDigests | None:
             ids = tokens(path, body)
             return None if ids is None else digests_of(ids, params)
 
-        found = await asyncio.to_thread(digests)  # tokenizing a long prompt takes milliseconds
-        return None if found is None else self.kv.match(found)
+        return await asyncio.to_thread(digests)  # tokenizing a long prompt takes milliseconds
 
     async def _choose(self, replicas: dict[str, Replica], scope: Scope, body: bytes, key: str | None,
-                      blocks: list[int]) -> RouteChoice:
-        matches = await self._kv_matches(scope["path"], body) if key is not None else None
-        scorer = BLOCKS if matches is not None else CHARACTERS
-        if matches is None:
+                      blocks: list[int]) -> tuple[RouteChoice, KvDigests | None]:
+        digests = await self._kv_digests(scope["path"], body) if key is not None else None
+        scorer = BLOCKS if digests is not None else CHARACTERS
+        if digests is not None:
+            matches = self.kv.match(digests)
+        else:
             matches = self.affinity.match(blocks) if blocks else {}
         choice = choose({name: r.load for name, r in replicas.items()}, matches, seed=key_seed(key),
                         balance_abs=self.config.balance_abs, balance_rel=self.config.balance_rel)
         if blocks and choice.order:
             (self.metrics.affinity_hits if choice.matched_blocks else self.metrics.affinity_misses).labels(
                 choice.order[0], scorer).inc()
-        return choice
+        return choice, digests
 
     async def _forward(self, scope: Scope, body: bytes, send: Send, state: dict[str, bool]) -> None:
         """The request to the replicas in the policy's order until one answers (each tried once)."""
@@ -291,7 +291,7 @@ class RouterApp:
         blocks = block_hashes(key, self.config.block_chars)
         # Down replicas only when none is up: they may be back before the poller has seen it.
         replicas = self.replicas.up() or self.replicas.current()
-        choice = await self._choose(replicas, scope, body, key, blocks)
+        choice, digests = await self._choose(replicas, scope, body, key, blocks)
         if not choice.order:
             self.metrics.no_replica.inc()
             await send_error(send, 503, "No replica is ready to serve this request.", "service_unavailable",
@@ -304,7 +304,7 @@ class RouterApp:
             request = outgoing.to(replicas[name])
             if tried == 0:
                 self.metrics.overhead.observe(time.perf_counter() - started)
-            outcome = await self._try(replicas[name], request, blocks, send, state,
+            outcome = await self._try(replicas[name], request, (blocks, digests), send, state,
                                       retry=tried + 1 < len(choice.order))
             if outcome is None:
                 return
@@ -320,8 +320,8 @@ class RouterApp:
         await send_error(send, 503, "No replica could be reached: " + "; ".join(failed), "service_unavailable",
                          "no_replica", retry_after=True)
 
-    async def _try(self, replica: Replica, request: httpx.Request, blocks: list[int], send: Send,
-                   state: dict[str, bool], *, retry: bool) -> Refusal | str | None:
+    async def _try(self, replica: Replica, request: httpx.Request, prefix: tuple[list[int], KvDigests | None],
+                   send: Send, state: dict[str, bool], *, retry: bool) -> Refusal | str | None:
         """One replica: None once the client was answered (by it, or by the router's 502); its
         Refusal, for the next replica to do better; or why it failed before its first bytes."""
         name = replica.name
@@ -342,8 +342,11 @@ class RouterApp:
                 self.metrics.retries.labels(name, str(answer.status)).inc()
                 return answer
             try:
+                blocks, digests = prefix
                 if blocks:
                     self.affinity.record(blocks, name)
+                if digests:
+                    self.kv.expect(name, digests)
                 replica.routed += 1
                 self.metrics.requests.labels(name, f"{answer[0].status_code // 100}xx").inc()
                 await relay(replica, answer, send, state)

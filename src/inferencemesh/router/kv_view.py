@@ -7,11 +7,17 @@ last sequence number it saw, or a snapshot when the frontend cannot give them (a
 restarted frontend: another epoch, or events its bounded log dropped). A view is dropped with its
 replica. To score, the router tokenizes the prompt as the frontend does and computes the same chain
 digests (protocol/kv_events.prompt_digests) with the salt and block size the replica published.
+
+Events lag by up to a poll interval: a conversation's next request may arrive before its replica
+said it holds the previous one's blocks. So the blocks of a prompt the router sent a replica count
+as held by it (**expected**) until its events say they are stored, or EXPECTED_S later (a request
+that failed, or is still computing a long prompt).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +31,7 @@ log = logging.getLogger("inferencemesh.router")
 EVENTS_PATH = "/kv/events"
 # Blocks of a prompt the router hashes (64k tokens of blocks of 16): its work per request is bounded.
 MAX_ROUTE_BLOCKS = 4096
+EXPECTED_S = 10.0  # how long a block sent to a replica counts as held before its events say so
 
 
 @dataclass
@@ -37,6 +44,7 @@ class ReplicaBlocks:
     salt: bytes = b""
     tokenizer: str = ""
     blocks: set[bytes] = field(default_factory=set)
+    expected: dict[bytes, float] = field(default_factory=dict)  # sent, not yet published: digest -> until
 
     @property
     def known(self) -> bool:
@@ -49,23 +57,34 @@ class ReplicaBlocks:
             if self.epoch and page.epoch != self.epoch:
                 log.info("KV events: a new epoch (the frontend restarted): its view starts again")
             self.blocks = set(page.blocks)
-        blocks = self.blocks
+        blocks, expected = self.blocks, self.expected
         for kind, digest, _ in page.events:
             if kind == STORED:
                 blocks.add(digest)
+                expected.pop(digest, None)
             elif kind == REMOVED:
                 blocks.discard(digest)
             elif kind == CLEARED:
                 blocks.clear()
+        now = time.monotonic()
+        self.expected = {digest: until for digest, until in expected.items() if until > now and digest not in blocks}
         self.epoch, self.seq = page.epoch, page.seq
         self.block_tokens, self.salt, self.tokenizer = page.block_tokens, page.salt, page.tokenizer
 
-    def leading(self, digests: Sequence[bytes]) -> int:
-        """How many of `digests`, from the first, this replica holds (a chain: none past a miss)."""
+    def leading(self, digests: Sequence[bytes], now: float) -> int:
+        """How many of `digests`, from the first, this replica holds or is expected to (a chain:
+        none past a miss)."""
         for i, digest in enumerate(digests):
-            if digest not in self.blocks:
+            if digest not in self.blocks and self.expected.get(digest, 0.0) <= now:
                 return i
         return len(digests)
+
+    def expect(self, digests: Sequence[bytes], now: float) -> None:
+        """A prompt with these blocks was sent to the replica: held, for now."""
+        until = now + EXPECTED_S
+        for digest in digests:
+            if digest not in self.blocks:
+                self.expected[digest] = until
 
 
 class KvViews:
@@ -101,15 +120,22 @@ class KvViews:
         return sorted({(v.salt, v.block_tokens) for v in self.views.values() if v.known and v.block_tokens > 0})
 
     def holding(self) -> bool:
-        """Whether any replica holds a block (else no prompt can score)."""
-        return any(view.blocks for view in self.views.values())
+        """Whether any replica holds (or is expected to hold) a block (else no prompt can score)."""
+        return any(view.blocks or view.expected for view in self.views.values())
+
+    def expect(self, name: str, digests: Mapping[tuple[bytes, int], Sequence[bytes]]) -> None:
+        """A prompt whose digests (digests_of) are these was sent to replica `name`."""
+        view = self.views.get(name)
+        if view is not None and view.known:
+            view.expect(digests.get((view.salt, view.block_tokens), ()), time.monotonic())
 
     def match(self, digests: Mapping[tuple[bytes, int], Sequence[bytes]]) -> dict[str, int]:
         """replica -> its leading blocks of a prompt whose digests (digests_of) are given (only
         replicas holding one or more)."""
         found: dict[str, int] = {}
+        now = time.monotonic()
         for name, view in self.views.items():
-            held = view.leading(digests.get((view.salt, view.block_tokens), ()))
+            held = view.leading(digests.get((view.salt, view.block_tokens), ()), now)
             if held:
                 found[name] = held
         return found
