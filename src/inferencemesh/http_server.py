@@ -34,9 +34,9 @@ from inferencemesh.config import HTTP_HEADER_TIMEOUT_S as HEADER_TIMEOUT_S
 KEEP_ALIVE_S = 75
 LIMIT_CONCURRENCY = 1024  # connections plus running requests; beyond it uvicorn answers 503
 MAX_INCOMPLETE_EVENT_BYTES = 64 * 1024  # the largest request head h11 buffers (uvicorn's 16 KiB is tight for tokens)
-# Scraped every second or so (the router's load poller reads each frontend's /metrics; Prometheus
-# and the kubelet's probes the rest): their successful answers are not worth an access-log line.
-QUIET_PATHS = frozenset({"/metrics", "/health", "/ready"})
+# Scraped every second or so (the router's load poller reads each frontend's /metrics and /kv/events;
+# Prometheus and the kubelet's probes the rest): their successful answers are not worth an access-log line.
+QUIET_PATHS = frozenset({"/metrics", "/health", "/ready", "/kv/events"})
 
 
 def timeout_answer(message: str) -> bytes:
