@@ -54,7 +54,8 @@ async def metrics_endpoint(request: Request) -> Response:
     return Response(data, media_type=content_type)
 
 
-@router.get("/kv/events", responses={404: GENERATION_ERRORS[404], **COMMON_ERRORS})
+@router.get("/kv/events", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+                                     400: GENERATION_ERRORS[400], 404: GENERATION_ERRORS[404], **COMMON_ERRORS})
 async def kv_events(request: Request, after: int | None = Query(None, description="the last sequence number seen"),
                     epoch: str | None = Query(None, description="the epoch it was seen in")) -> Response:
     """The KV blocks this frontend's cache stored and removed after `after` (a snapshot of every
