@@ -13,7 +13,14 @@ import torch
 
 from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
 from inferencemesh.modeling.attention import KVSpans, split_kv_attention
-from inferencemesh.modeling.kv_pool import MAX_SPLIT_RUNS, NO_TOKEN, SPLIT_MIN_POSITIONS, BlockTableKV, KVPool
+from inferencemesh.modeling.kv_pool import (
+    MAX_SPLIT_RUNS,
+    NO_TOKEN,
+    SPLIT_MAX_QUERIES,
+    SPLIT_MIN_POSITIONS,
+    BlockTableKV,
+    KVPool,
+)
 from inferencemesh.modeling.positions import attention_mask
 from inferencemesh.modeling.runtime import PositionError, Segment, StageRuntime
 
@@ -127,20 +134,23 @@ RUNS = list(range(0, 20)) + list(range(50, 60)) + list(range(30, 40))  # 3 runs,
 def test_a_long_table_in_a_few_runs_is_read_as_spans_not_gathered(long_runtime) -> None:
     pool = long_runtime.new_pool(64)
     layer = pool.store[0]
-    kv = BlockTableKV(pool, RUNS, 0, SPLIT_MIN_POSITIONS)
-    kv.begin(0, SPLIT_MIN_POSITIONS)
+    kv = BlockTableKV(pool, RUNS, SPLIT_MIN_POSITIONS - 4, 4)  # a verify window ending at 512
+    kv.begin(SPLIT_MIN_POSITIONS - 4, 4)
     spans, none = kv.read(layer)
     assert isinstance(spans, KVSpans) and none is None
     assert spans.starts == [0, 20 * B, 30 * B]  # the third run is cut at the frame's end (512)
     assert [k.shape[2] for k in spans.keys] == [20 * B, 10 * B, SPLIT_MIN_POSITIONS - 30 * B]
     assert spans.keys[1].data_ptr() == layer[0, :, 50 * B].data_ptr()  # views of the pool
-    short = BlockTableKV(pool, RUNS, 0, 100)  # below the threshold: one gather
-    short.begin(0, 100)
+    short = BlockTableKV(pool, RUNS, 99, 1)  # below the threshold: one gather
+    short.begin(99, 1)
     assert isinstance(short.read(layer)[0], torch.Tensor)
+    chunk = BlockTableKV(pool, RUNS, 600 - 2 * SPLIT_MAX_QUERIES, 2 * SPLIT_MAX_QUERIES)  # a prefill chunk
+    chunk.begin(600 - 2 * SPLIT_MAX_QUERIES, 2 * SPLIT_MAX_QUERIES)
+    assert isinstance(chunk.read(layer)[0], torch.Tensor)
     many = list(range(63, 25, -1))  # 38 runs of one block: more than MAX_SPLIT_RUNS, gathered
     assert MAX_SPLIT_RUNS < 38
-    scattered = BlockTableKV(pool, many, 0, 600)
-    scattered.begin(0, 600)
+    scattered = BlockTableKV(pool, many, 599, 1)
+    scattered.begin(599, 1)
     assert isinstance(scattered.read(layer)[0], torch.Tensor)
 
 

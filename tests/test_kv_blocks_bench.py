@@ -4,6 +4,7 @@ rounds, new ÷ old, the issue's targets passed or failed)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,20 @@ def test_serves_defaults_are_read_from_its_help_wrapped_or_not() -> None:
     found = bench.help_defaults(parser.format_help(), ("max-context", "max-sessions", "kv-cache-tokens",
                                                        "prefix-cache-tokens"))
     assert found == {"max-context": "2048", "max-sessions": "256", "kv-cache-tokens": "0"}
+
+
+def test_the_hit_cost_tool_measures_every_stage_of_a_split_and_writes_its_json(tmp_path) -> None:
+    """tools/kv_hit_cost.py on the tiny shape: a row per stage (own blocks, shared blocks, the old
+    FORK's copy), the frontend's match, and the report it printed written as JSON."""
+    import kv_hit_cost
+
+    out = tmp_path / "hit.json"
+    assert kv_hit_cost.main(["--shape", "llama-tiny", "--dtype", "float32", "--rounds", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [s["layers"] for s in report["stages"]] == [[0, 1], [1, 2]]
+    for stage in report["stages"]:
+        assert stage["frame_over_own_blocks_ms"] > 0 and stage["frame_over_shared_blocks_ms"] > 0
+        assert stage["old_fork_copy_ms"] > 0
+        assert stage["hit_cost_ms"] == pytest.approx(stage["frame_over_shared_blocks_ms"]
+                                                     - stage["frame_over_own_blocks_ms"], abs=1e-3)
+    assert report["frontend_match_ms"] > 0 and report["cached_positions"] == kv_hit_cost.CACHED

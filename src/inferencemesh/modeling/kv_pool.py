@@ -24,11 +24,14 @@ from inferencemesh.modeling.attention import KVSpans
 
 NO_TOKEN = -1  # a token slot written by a frame that carried no token ids
 # A table in a few runs of consecutive blocks (a shared prefix's, then the session's own) is read
-# as one view per run, attended run by run and merged (KVSpans), instead of gathered into one
-# copy, from this many positions on. Below it the copy is cheaper than a pass per run; above it,
-# one layer of the bundled model's shape, one query, 2 runs: 600 positions 118 us against 187,
-# 3,000 positions 299 us against 759 (fp32, one thread).
+# as one view per run, attended where it lies (attention.KVSpans), instead of gathered into one
+# copy, for frames of a few queries (decode steps, verify windows) from this many positions on.
+# One layer, fp32, one thread, 2 runs, against the gather: bundled shape (6 heads over 2), one query:
+# 600 positions 92 us against 110, 1,508: 158 against 289, 3,000: 253 against 520; llama-150m's
+# (12 heads) 1,508 positions: 1 query 293 against 2,715, 4 queries 1,457 against 3,680. With more
+# queries (a prefill chunk) the gather wins: 16 queries of the bundled shape, 1,289 against 926.
 SPLIT_MIN_POSITIONS = 512
+SPLIT_MAX_QUERIES = 8
 MAX_SPLIT_RUNS = 4
 
 
@@ -151,7 +154,7 @@ class BlockTableKV:
         if consecutive(self.blocks, used):
             self._base = self.blocks[0] * size if self.blocks else 0
             return
-        if stop >= SPLIT_MIN_POSITIONS:
+        if stop >= SPLIT_MIN_POSITIONS and count <= SPLIT_MAX_QUERIES:
             self._runs = runs_of(self.blocks, used, MAX_SPLIT_RUNS)
         if self._runs is not None:
             self._write = self.pool.slot_index(self.blocks, start, stop)
