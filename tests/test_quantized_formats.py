@@ -9,7 +9,9 @@ The reference is the same checkpoint with its linear layers dequantized by the f
 here, through transformers' own forward. transformers 5.24 with compressed-tensors 0.20 cannot
 load these checkpoints itself (its loader rejects the packed zero points and runs FP8 weights
 undequantized). Both sides then run the same float32 weights, so greedy tokens must be equal and
-logprobs within 1e-4 (float32 summation-order noise on logits of magnitude ~10)."""
+logprobs within 1e-4, or twice the reference's own float32 noise where that is larger (its
+step-by-step logprobs against one forward of the same tokens: the stages' tiled matmuls sum in
+another order), plus float32's relative noise on logprobs of magnitude ~10 (rtol 1e-5)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.loader import load_stage
-from inferencemesh.modeling.quantized import QuantizedLinear, fp8_to_float32
+from inferencemesh.modeling.quantized import QuantizedLinear, fp8_bits_as_bfloat16
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 
@@ -184,6 +186,9 @@ def test_greedy_tokens_at_1_2_3_stages_equal_the_dequantized_reference(base, roo
             expected_lp.append(torch.log_softmax(logits, -1))
             expected.append(int(logits.argmax()))
             ids.append(expected[-1])
+        # the reference's own float32 noise: its step-by-step logprobs against one forward of all tokens
+        whole = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, PROMPT - 1:], -1)
+    tolerance = max(1e-4, 2 * float((whole - torch.stack(expected_lp)).abs().max()))
     for n, bounds in SPLITS.items():
         stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64)
                   for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -196,7 +201,7 @@ def test_greedy_tokens_at_1_2_3_stages_equal_the_dequantized_reference(base, roo
             logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
             pos += 1
         assert got == expected, (name, n)
-        assert torch.allclose(torch.stack(lps), torch.stack(expected_lp), atol=1e-4, rtol=1e-5), (name, n)
+        assert torch.allclose(torch.stack(lps), torch.stack(expected_lp), atol=tolerance, rtol=1e-5), (name, n)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -233,7 +238,7 @@ def test_the_cpu_kernels_agree_with_the_dequantized_weight(base, root):
 def test_fp8_bits_convert_as_torch_converts():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = ~codes.float().isnan()
-    got = fp8_to_float32(codes, torch.empty(256)) * 2.0 ** 120
+    got = fp8_bits_as_bfloat16(codes, torch.empty(256, dtype=torch.int16)).float() * 2.0 ** 120
     assert torch.equal(got[finite], codes.float()[finite])
 
 

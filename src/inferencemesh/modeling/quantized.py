@@ -38,8 +38,9 @@ from torch.nn import functional
 from inferencemesh.checkpoint.quantization import WeightQuant
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
+TILE_ELEMENTS = 256 * 1024  # weights dequantized at a time: 1 MiB in float32, within a core's L2
 INT8_KERNEL_ROWS = 4  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
-_FP8_TO_FLOAT32 = 2.0 ** 120  # e4m3's bits placed in float32's fields are the value times 2^-120
+_FP8_SCALE = 2.0 ** 120  # fp8_bits_as_bfloat16's values are the weights times 2^-120
 _local = threading.local()
 
 
@@ -54,15 +55,17 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return buffer[:numel]
 
 
-def fp8_to_float32(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """e4m3fn values as float32 times 2^-120, into `out` (same shape): sign, exponent and mantissa
-    moved into float32's fields by integer ops, which run ~15x faster than torch's conversion on a
-    CPU (normals and subnormals both exact; multiply by 2^120, folded into the scale, after)."""
-    bits = out.view(torch.int32)
-    bits.copy_(q.view(torch.uint8))
-    sign = (bits & 0x80) << 24
-    bits.bitwise_and_(0x7F).bitwise_left_shift_(20).bitwise_or_(sign)
-    return out
+def fp8_bits_as_bfloat16(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """e4m3fn values x 2^-120 as bfloat16, written into `out` (int16 or bfloat16, q's shape) by
+    three in-place integer passes: the byte sign-extended to 16 bits and shifted left by 4 puts
+    e4m3's exponent and mantissa in bfloat16's fields (e4m3's bias 7, bfloat16's 127: the value is
+    scaled by 2^-120, normals and subnormals alike), and masking with 0x87FF clears the sign's
+    extension. No temporary is allocated (a fresh 46 MB tensor costs more in page faults than the
+    passes); torch's own float8 conversion takes ~15x as long on a CPU."""
+    bits = out.view(torch.int16)
+    bits.copy_(q.view(torch.int8))
+    bits.bitwise_left_shift_(4).bitwise_and_(0x87FF - 0x10000)
+    return bits.view(torch.bfloat16)
 
 
 class QuantizedLinear(nn.Module):
@@ -135,38 +138,70 @@ class QuantizedLinear(nn.Module):
         elif self.path == "scaled_mm":
             y = self._scaled_mm(rows)
         else:
-            y = functional.linear(rows, self.dequantized(), None)
+            y = self._dequantized_matmul(rows)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight in the compute dtype, [out, in], in this thread's scratch buffer (valid until
-        the next layer's call)."""
-        n, k = self.out_features, self.in_features
-        if self.path in ("int4_cpu", "int4_cuda"):  # the kernel's own layout: its product with I (not per call)
+        """The whole weight in the compute dtype, [out, in] (a new tensor: for checks, never per call)."""
+        k = self.in_features
+        if self.path in ("int4_cpu", "int4_cuda"):  # the kernel's own layout: its product with I
             eye = torch.eye(k, dtype=self.compute_dtype, device=self.weight.device)
             if self.path == "int4_cpu":
                 return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scale_zeros).t()
             return torch._weight_int4pack_mm(eye, self.weight, self.group_size, self.scale_zeros).t()
+        return torch.cat([self._dequantize_rows(a, b).clone() for a, b in self._tiles()])
+
+    def _tiles(self) -> list[tuple[int, int]]:
+        """Row ranges of about TILE_ELEMENTS weights (whole scale blocks), dequantized one at a time."""
+        tile = max(1, TILE_ELEMENTS // self.in_features)
+        if self.quant.strategy == "block":
+            tile = max(self.quant.block[0], tile // self.quant.block[0] * self.quant.block[0])
+        return [(a, min(a + tile, self.out_features)) for a in range(0, self.out_features, tile)]
+
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """x W^T a tile of W's rows at a time: each tile dequantized into a scratch buffer that stays
+        in the CPU's cache while the matmul reads it (the whole weight's passes would go to memory)."""
+        tiles = self._tiles()
+        if len(tiles) == 1:
+            return functional.linear(rows, self._dequantize_rows(0, self.out_features))
+        out = torch.empty(rows.shape[0], self.out_features, dtype=self.compute_dtype, device=rows.device)
+        for a, b in tiles:
+            out[:, a:b] = functional.linear(rows, self._dequantize_rows(a, b))
+        return out
+
+    def _dequantize_rows(self, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of the weight in the compute dtype, in this thread's scratch buffer (valid
+        until the next call)."""
+        n, k = b - a, self.in_features
+        device = self.weight.device
+        out = _scratch(n * k, self.compute_dtype, device).view(n, k)
         if self.quant.kind == "float":
-            out = fp8_to_float32(self.weight, _scratch(n * k, torch.float32, self.weight.device).view(n, k))
-            out = self._scaled(out, self.scale.to(torch.float32) * _FP8_TO_FLOAT32)
-            return out if self.compute_dtype == torch.float32 else out.to(self.compute_dtype)
-        out = _scratch(n * k, self.compute_dtype, self.weight.device).view(n, k)
+            bits = out if self.compute_dtype == torch.bfloat16 else _scratch(n * k, torch.int16, device).view(n, k)
+            weights = fp8_bits_as_bfloat16(self.weight[a:b], bits)
+            if weights.data_ptr() != out.data_ptr():
+                out.copy_(weights)
+            scale = self.scale
+            if self.quant.strategy == "block":
+                scale = scale[a // self.quant.block[0]:-(-b // self.quant.block[0])]
+            elif self.quant.strategy == "channel":
+                scale = scale[a:b]
+            return self._scaled(out, scale * _FP8_SCALE)
         if self.quant.bits == 4:
-            pairs = out.view(n, k // 2, 2)
-            pairs[..., 0].copy_(self.weight & 0x0F)
-            pairs[..., 1].copy_(self.weight >> 4)
+            nibbles = _scratch(n * k, torch.uint8, device).view(n, k // 2, 2)
+            torch.bitwise_and(self.weight[a:b], 0x0F, out=nibbles[..., 0])
+            torch.bitwise_right_shift(self.weight[a:b], 4, out=nibbles[..., 1])
+            out.copy_(nibbles.view(n, k))
             out.sub_(8)
-            groups = out.view(n, -1, self.group_size)
-            groups.mul_(self.scale_zeros[..., 0].t()[..., None]).add_(self.scale_zeros[..., 1].t()[..., None])
+            pairs = self.scale_zeros[:, a:b]
+            out.view(n, -1, self.group_size).mul_(pairs[..., 0].t()[..., None]).add_(pairs[..., 1].t()[..., None])
             return out
-        out.copy_(self.weight)
+        out.copy_(self.weight[a:b])
         groups = out.view(n, self.scale.shape[1], -1)
-        groups.mul_(self.scale[..., None])
+        groups.mul_(self.scale[a:b, :, None])
         if self.offset is not None:
-            groups.add_(self.offset[..., None])
+            groups.add_(self.offset[a:b, :, None])
         return out
 
     def _scaled(self, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
