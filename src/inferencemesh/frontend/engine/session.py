@@ -96,6 +96,7 @@ class Connection:
     def __init__(self, pipeline: Pipeline, request_id: str, room: KvRoom) -> None:
         self.pipeline, self.request_id, self.room = pipeline, request_id, room
         self.table = BlockTable()  # the session's KV blocks, for every stage (kv_blocks.py)
+        self.positions = 0  # the furthest position a frame of it has computed over: its live KV
         # Structured output: the choice's grammar, advanced by the engine as tokens are decided;
         # every frame that decides tokens carries its masks (token_masks).
         self.grammar: SessionGrammar | None = None
@@ -122,6 +123,7 @@ class Connection:
             except PoolExhausted:  # the most recently admitted: it gave its blocks back, and waits its turn
                 raise Preempted() from None
             fields["kv_blocks"] = self.table.blocks[: self.room.manager.blocks_for(end)]
+            self.positions = end
         self.seq += 1
         carried, self.sampling = sampling or self.sampling, None
         return pb.Frame(session_id=self.session.session_id, request_id=self.request_id, seq=self.seq, kind=kind,
