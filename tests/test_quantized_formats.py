@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.loader import load_stage
-from inferencemesh.modeling.quantized import QuantizedLinear, fp8_bits_as_bfloat16
+from inferencemesh.modeling.quantized import QuantizedLinear, fp8_bits_as_float
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 
@@ -238,8 +238,9 @@ def test_the_cpu_kernels_agree_with_the_dequantized_weight(base, root):
 def test_fp8_bits_convert_as_torch_converts():
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = ~codes.float().isnan()
-    got = fp8_bits_as_bfloat16(codes, torch.empty(256, dtype=torch.int16)).float() * 2.0 ** 120
-    assert torch.equal(got[finite], codes.float()[finite])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fp8_bits_as_float(codes, torch.empty(256, dtype=dtype)).float() * 2.0 ** 120
+        assert torch.equal(got[finite], codes.float()[finite]), dtype
 
 
 def _edit_config(path: Path, **quantization) -> None:

@@ -6,21 +6,29 @@ swaps it into transformers' decoder layers where the nn.Linear was, as packed.py
 PackedLinear in: the layers' forward code stays theirs. What a layer holds is what
 quantization.held_bytes counts, so the plan's bytes are the stage's.
 
-How each format computes, chosen by device and compute dtype (measured on this machine's CPU,
-an AVX-512 EPYC with bfloat16 units, one thread, a [5632, 2048] weight; ms per call, decode
-row / 64-row prefill):
+How each format computes, chosen by device and compute dtype. Measured on this machine's CPU (an
+AVX-512 EPYC with bfloat16 units, one thread, a [5632, 2048] weight, the best of 5 interleaved
+rounds; ms per call, a decode row / a 64-row prefill):
 
-    bfloat16 nn.Linear (the baseline)          2.3 / 8.9     float32 nn.Linear    3.4 / 25.3
-    INT8 _weight_int8pack_mm, bf16 activations 1.5 / 25.7    float32 activations  9.6 / 674
-    INT4 _weight_int4pack_mm_for_cpu, bf16     0.95 / 21.3   float32 activations  20.5 / 1285
-    INT8 -> bf16 scratch, then bf16 matmul     1.5 + 3.3 / 1.5 + 10.6
-    FP8 -> float by torch's own conversion     57 (per call: unusable); by bits (_fp8_to): ~4
+    compute in bfloat16                         decode  prefill    compute in float32      decode  prefill
+    16-bit weight, PackedLinear (the baseline)   1.32    7.55      PackedLinear              2.38    21.6
+    INT8 per channel (_weight_int8pack_mm)       1.16    14.1      INT8 (scratch)            3.67    23.4
+    INT8 grouped (scratch)                       4.86    13.8      INT8 grouped (scratch)    3.63    23.7
+    INT4 grouped (_weight_int4pack_mm_for_cpu)   0.62    17.5      INT4 (scratch)            8.15    29.5
+    FP8 per channel (scratch)                    5.56    15.8      FP8 (scratch)             5.41    26.4
+    FP8 128x128 blocks (scratch)                 6.00    17.6      FP8 blocks (scratch)      6.05    23.9
 
-So: INT4 runs PyTorch's CPU kernel in 16-bit compute, and dequantizes into a scratch buffer in
-float32 compute (where the kernel is 6-10x slower than the float matmul); INT8 per channel runs
-_weight_int8pack_mm for decode rows in 16-bit compute and dequantizes otherwise (grouped INT8 has
-no CPU kernel); FP8 always dequantizes into scratch, converted by its bits. The scratch buffer
-is one per thread, sized to the largest layer, so at most one layer is ever held in float.
+and the kernels where they lost: _weight_int8pack_mm with float32 activations 9.6 / 674 ms,
+_weight_int4pack_mm_for_cpu with float32 activations 20.5 / 1285 ms, torch's own float8 -> float
+conversion 57 ms per call. So INT4 runs PyTorch's CPU kernel in 16-bit compute (twice as fast as
+the 16-bit weight for a decode row, 2.3x slower for a prefill) and dequantizes otherwise; INT8
+per channel runs _weight_int8pack_mm for decode rows (at most INT8_KERNEL_ROWS) in 16-bit
+compute; everything else dequantizes ("scratch"): a cache-sized tile of rows at a time
+(TILE_ELEMENTS) into a per-thread scratch buffer, then a matmul of that tile, so no layer is
+ever held in float, and a few rows multiply in float32 (oneDNN would reorder a 16-bit tile on
+every call). FP8 is converted by its bits (fp8_bits_as_float). Weight-only dequantization reads
+fewer bytes but does more work per byte, so on a CPU only the INT4 and INT8 kernels beat the
+16-bit weight's decode; the others save memory (and stages), not time.
 
 On CUDA: FP8 per tensor or channel runs torch._scaled_mm (activations quantized per token,
 dynamically, as vLLM does on H100), FP8 blocks dequantize; INT4 runs tinygemm
@@ -40,7 +48,8 @@ from inferencemesh.checkpoint.quantization import WeightQuant
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
 TILE_ELEMENTS = 256 * 1024  # weights dequantized at a time: 1 MiB in float32, within a core's L2
 INT8_KERNEL_ROWS = 4  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
-_FP8_SCALE = 2.0 ** 120  # fp8_bits_as_bfloat16's values are the weights times 2^-120
+SMALL_ROWS = 16  # up to this many rows, a 16-bit layer's dequantized tiles multiply in float32 on a CPU
+_FP8_SCALE = 2.0 ** 120  # fp8_bits_as_float's values are the weights times 2^-120
 _local = threading.local()
 
 
@@ -55,17 +64,21 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return buffer[:numel]
 
 
-def fp8_bits_as_bfloat16(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """e4m3fn values x 2^-120 as bfloat16, written into `out` (int16 or bfloat16, q's shape) by
-    three in-place integer passes: the byte sign-extended to 16 bits and shifted left by 4 puts
-    e4m3's exponent and mantissa in bfloat16's fields (e4m3's bias 7, bfloat16's 127: the value is
-    scaled by 2^-120, normals and subnormals alike), and masking with 0x87FF clears the sign's
-    extension. No temporary is allocated (a fresh 46 MB tensor costs more in page faults than the
-    passes); torch's own float8 conversion takes ~15x as long on a CPU."""
-    bits = out.view(torch.int16)
+def fp8_bits_as_float(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """e4m3fn values x 2^-120, written into `out` (float32 or bfloat16, q's shape) by three in-place
+    integer passes: the byte sign-extended to 32 (16) bits and shifted left by 20 (4) puts e4m3's
+    exponent and mantissa in float32's (bfloat16's) fields (e4m3's bias 7, theirs 127: the value is
+    scaled by 2^-120, normals and subnormals alike), and a mask clears the sign's extension. No
+    temporary is allocated (a fresh 46 MB tensor costs more in page faults than the passes);
+    torch's own float8 conversion takes ~15x as long on a CPU."""
+    wide = out.dtype == torch.float32
+    bits = out.view(torch.int32 if wide else torch.int16)
     bits.copy_(q.view(torch.int8))
-    bits.bitwise_left_shift_(4).bitwise_and_(0x87FF - 0x10000)
-    return bits.view(torch.bfloat16)
+    if wide:
+        bits.bitwise_left_shift_(20).bitwise_and_(0x87F00000 - (1 << 32))
+    else:
+        bits.bitwise_left_shift_(4).bitwise_and_(0x87FF - (1 << 16))
+    return out
 
 
 class QuantizedLinear(nn.Module):
@@ -113,8 +126,9 @@ class QuantizedLinear(nn.Module):
             nibbles = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
             self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, 8))
         else:
-            self.path = "int4_dequant"
-            self.register_buffer("weight", (unsigned[:, ::2] | unsigned[:, 1::2] << 4).to(torch.uint8).to(device))
+            self.path = "int4_dequant"  # a row's first half in the low nibbles, its second in the high ones
+            half = self.in_features // 2
+            self.register_buffer("weight", (unsigned[:, :half] | unsigned[:, half:] << 4).to(torch.uint8).to(device))
 
     def _init_int8(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                    device: torch.device) -> None:
@@ -138,7 +152,7 @@ class QuantizedLinear(nn.Module):
         elif self.path == "scaled_mm":
             y = self._scaled_mm(rows)
         else:
-            y = self._dequantized_matmul(rows)
+            y = self._dequantized_matmul(rows).to(self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
@@ -151,7 +165,7 @@ class QuantizedLinear(nn.Module):
             if self.path == "int4_cpu":
                 return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scale_zeros).t()
             return torch._weight_int4pack_mm(eye, self.weight, self.group_size, self.scale_zeros).t()
-        return torch.cat([self._dequantize_rows(a, b).clone() for a, b in self._tiles()])
+        return torch.cat([self._dequantize_rows(a, b, self.compute_dtype).clone() for a, b in self._tiles()])
 
     def _tiles(self) -> list[tuple[int, int]]:
         """Row ranges of about TILE_ELEMENTS weights (whole scale blocks), dequantized one at a time."""
@@ -163,25 +177,29 @@ class QuantizedLinear(nn.Module):
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of W's rows at a time: each tile dequantized into a scratch buffer that stays
         in the CPU's cache while the matmul reads it (the whole weight's passes would go to memory)."""
+        # A few 16-bit rows multiply faster in float32 on a CPU: oneDNN reorders a plain 16-bit weight
+        # on every call (packed.py), which a tile dequantized per call cannot avoid.
+        dtype = torch.float32 if rows.device.type == "cpu" and rows.shape[0] <= SMALL_ROWS else self.compute_dtype
+        rows = rows.to(dtype)
         tiles = self._tiles()
         if len(tiles) == 1:
-            return functional.linear(rows, self._dequantize_rows(0, self.out_features))
-        out = torch.empty(rows.shape[0], self.out_features, dtype=self.compute_dtype, device=rows.device)
+            return functional.linear(rows, self._dequantize_rows(0, self.out_features, dtype))
+        out = torch.empty(rows.shape[0], self.out_features, dtype=dtype, device=rows.device)
         for a, b in tiles:
-            out[:, a:b] = functional.linear(rows, self._dequantize_rows(a, b))
+            out[:, a:b] = functional.linear(rows, self._dequantize_rows(a, b, dtype))
         return out
 
-    def _dequantize_rows(self, a: int, b: int) -> torch.Tensor:
-        """Rows [a, b) of the weight in the compute dtype, in this thread's scratch buffer (valid
-        until the next call)."""
+    def _dequantize_rows(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [a, b) of the weight in `dtype`, in this thread's scratch buffer (valid until the
+        next call)."""
         n, k = b - a, self.in_features
         device = self.weight.device
-        out = _scratch(n * k, self.compute_dtype, device).view(n, k)
+        out = _scratch(n * k, dtype, device).view(n, k)
         if self.quant.kind == "float":
-            bits = out if self.compute_dtype == torch.bfloat16 else _scratch(n * k, torch.int16, device).view(n, k)
-            weights = fp8_bits_as_bfloat16(self.weight[a:b], bits)
-            if weights.data_ptr() != out.data_ptr():
-                out.copy_(weights)
+            if dtype in (torch.float32, torch.bfloat16):
+                fp8_bits_as_float(self.weight[a:b], out)
+            else:  # float16: through bfloat16's fields
+                out.copy_(fp8_bits_as_float(self.weight[a:b], _scratch(n * k, torch.bfloat16, device).view(n, k)))
             scale = self.scale
             if self.quant.strategy == "block":
                 scale = scale[a // self.quant.block[0]:-(-b // self.quant.block[0])]
@@ -189,9 +207,9 @@ class QuantizedLinear(nn.Module):
                 scale = scale[a:b]
             return self._scaled(out, scale * _FP8_SCALE)
         if self.quant.bits == 4:
-            nibbles = _scratch(n * k, torch.uint8, device).view(n, k // 2, 2)
-            torch.bitwise_and(self.weight[a:b], 0x0F, out=nibbles[..., 0])
-            torch.bitwise_right_shift(self.weight[a:b], 4, out=nibbles[..., 1])
+            nibbles = _scratch(n * k, torch.uint8, device).view(n, 2, k // 2)
+            torch.bitwise_and(self.weight[a:b], 0x0F, out=nibbles[:, 0])
+            torch.bitwise_right_shift(self.weight[a:b], 4, out=nibbles[:, 1])
             out.copy_(nibbles.view(n, k))
             out.sub_(8)
             pairs = self.scale_zeros[:, a:b]
