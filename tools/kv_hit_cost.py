@@ -108,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
               "target": f"a hit's cost at each stage <= {TARGET_MS} ms for {CACHED} cached positions",
               "stages": stages, "frontend_match_ms": match_cost(vocab, args.rounds),
               "pass": all(s["pass"] for s in stages), "torch": torch.__version__}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return emit(report, args.json)
+
+
+def emit(report: dict, path: Path | None) -> int:
+    """Print the report, and write it as JSON when asked (tools/kv_memory.py's too)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if path is not None:
+        path.write_text(text + "\n")
     return 0
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+from kv_hit_cost import emit  # tools/ is not a package: run from the repository as tools/kv_memory.py
 
 from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.mesh import meshes, start_mesh
@@ -81,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
               "reservation_over_live_mean": round(statistics.mean(n * CONTEXT / live for _, live, n in samples), 2),
               "target": f"KV held / KV the live tokens need <= {TARGET}",
               "pass": max(ratios) <= TARGET, "torch": torch.__version__}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    return emit(report, args.json)
 
 
 if __name__ == "__main__":
