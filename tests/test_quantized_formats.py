@@ -300,3 +300,57 @@ def test_gguf_and_bad_scales_are_refused_in_one_line(base, root, tmp_path):
     (plain / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="F8_E4M3, but config.json has no quantization_config"):
         read_local(plain)
+
+
+def _fake_quantized(weight: torch.Tensor, method: str) -> torch.Tensor:
+    """compressed-tensors' own quantize-dequantize of a weight with the scheme --quantization uses."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from inferencemesh.checkpoint.quantization import quantized_at_load
+
+    quant = quantized_at_load("model.layers.0.mlp.up_proj.weight", tuple(weight.shape), method)
+    assert quant is not None
+    args = QuantizationArgs(num_bits=quant.bits, type=quant.kind, strategy=quant.strategy, symmetric=True,
+                            group_size=quant.group_size or None)
+    w = weight.float()
+    view = w.reshape(w.shape[0], -1, quant.group_size) if quant.strategy == "group" else w
+    keep = quant.strategy == "channel"  # a scale per row: [out, 1]
+    scale, zero = calculate_qparams(view.amin(-1, keepdim=keep), view.amax(-1, keepdim=keep), args)
+    return fake_quantize(w, scale, zero, args)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
+    """load_stage(quantization=...) quantizes each dense linear weight as it is read: greedy tokens
+    at 1 and 2 stages through the stage runtime equal transformers' forward of the same checkpoint
+    with compressed-tensors' own quantize-dequantize of those weights, and the plan counts the
+    bytes each stage then holds."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            module.weight.data = _fake_quantized(module.weight.data, method)
+    prompt = torch.randint(3, 256, (PROMPT,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model.generate(prompt[None], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, PROMPT:]
+    inputs = PlanInputs.from_checkpoint(read_local(base), dtype="float32", quantization=method)
+    for n in (1, 2):
+        bounds = SPLITS[n]
+        modules = [load_stage(base, a, b, dtype="float32", device="cpu", quantization=method)
+                   for a, b in zip(bounds, bounds[1:], strict=False)]
+        for (a, b), stage in zip(zip(bounds, bounds[1:], strict=False), modules, strict=True):
+            assert isinstance(stage.layers[0].self_attn.o_proj, QuantizedLinear)
+            held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm,
+                                                                    stage.lm_head)
+                    if m is not None for t in [*m.parameters(), *m.buffers()]}
+            assert sum(held.values()) == inputs.stage_bytes(a, b, 4)[0], (method, a, b)
+        stages = [StageRuntime(base, a, b, dtype="float32", device="cpu", max_context=64, modules=m)
+                  for (a, b), m in zip(zip(bounds, bounds[1:], strict=False), modules, strict=True)]
+        sessions = [s.new_session() for s in stages]
+        logits, got, pos = chain(stages, sessions, 0, prompt), [], PROMPT
+        for _ in range(NEW):
+            got.append(int(logits[-1].argmax()))
+            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
+            pos += 1
+        assert got == expected.tolist(), (method, n)

@@ -85,11 +85,13 @@ class PlanInputs:
         first_stage_reserved_bytes: int = 0,
         on_cpu: bool = False,
         cpu_flags: frozenset[str] | None = None,
+        quantization: str | None = None,
     ) -> PlanInputs:
         """dtype: as asked (auto / None: compute_dtype.choose_dtype's choice for a stage on_cpu or
         not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
         float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve is the
-        pool: kv_tokens positions (config.kv_pool_tokens) per layer."""
+        pool: kv_tokens positions (config.kv_pool_tokens) per layer. quantization: the 16-bit
+        checkpoint's linear layers quantized as the stages read them (int8, int4, fp8)."""
         dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
@@ -97,7 +99,7 @@ class PlanInputs:
         kv_width = TORCH_DTYPE_BYTES["float32"] if on_cpu else width
         kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * kv_tokens
         return cls(
-            layer_bytes=tuple(facts.layer_bytes(width)),
+            layer_bytes=tuple(facts.layer_bytes(width, quantize=quantization)),
             embed_bytes=facts.group_bytes("embed", width),
             tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width),
             kv_bytes_per_layer=kv,

@@ -97,15 +97,22 @@ class CheckpointFacts:
 
         return quantized_modules(self.config, self.tensors)
 
-    def layer_bytes(self, dtype_bytes: int | None = None) -> list[int]:
+    def layer_bytes(self, dtype_bytes: int | None = None, quantize: str | None = None) -> list[int]:
         """Bytes per layer: as stored (dtype_bytes None), or as a stage computing in dtype_bytes-wide
-        floats holds them (a quantized linear layer as modeling/quantized.py lays it out)."""
+        floats holds them (a quantized linear layer as modeling/quantized.py lays it out; with
+        quantize, a 16-bit checkpoint's linear layers quantized so as they are read)."""
+        from inferencemesh.checkpoint.quantization import held_bytes, quantized_at_load
+
         sizes = [0] * self.num_layers
         quantized = self.quantized_modules() if dtype_bytes is not None else {}
         for info in self.tensors.values():
             group = classify(info.name)
             if group.kind == "layer" and group.layer < self.num_layers:
-                sizes[group.layer] += self._held(info, dtype_bytes, quantized)
+                at_load = quantized_at_load(info.name, info.shape, quantize) if quantize and dtype_bytes else None
+                if at_load and dtype_bytes:
+                    sizes[group.layer] += held_bytes(at_load, info.shape[0], info.shape[1], dtype_bytes)
+                else:
+                    sizes[group.layer] += self._held(info, dtype_bytes, quantized)
         return sizes
 
     def group_bytes(self, kind: str, dtype_bytes: int | None = None) -> int:

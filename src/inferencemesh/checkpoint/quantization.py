@@ -239,3 +239,24 @@ def module_of(name: str) -> str | None:
     """The linear layer a quantized tensor's name belongs to, by its suffix (None: not one)."""
     head, _, suffix = name.rpartition(".")
     return head if suffix in QUANT_SUFFIXES or suffix == "weight" else None
+
+
+LOAD_METHODS = ("int8", "int4", "fp8")  # a 16-bit checkpoint quantized as it is read (load_stage's quantization)
+_ROUTERS = ("gate", "router", "wg")  # MoE routers stay in float, as vLLM keeps them
+
+
+def quantized_at_load(name: str, shape: tuple[int, ...], method: str) -> WeightQuant | None:
+    """How a 16-bit tensor is quantized as a stage reads it with quantization `method` (int8: per
+    channel; int4: groups of 128, 64 or 32 inputs; fp8: e4m3 per channel, FP8_DYNAMIC's weights),
+    or None: it stays as it is (not a layer's dense linear weight: norms, embeddings, the head,
+    fused experts, MoE routers, or inputs no int4 group divides)."""
+    parts = name.split(".")
+    if not (name.startswith("model.layers.") and parts[-1] == "weight" and len(shape) == 2) or \
+            parts[-2] in _ROUTERS or "experts" in parts:
+        return None
+    if method == "int8":
+        return WeightQuant("int", 8, "channel")
+    if method == "fp8":
+        return WeightQuant("float", 8, "channel")
+    group = next((g for g in (128, 64, 32) if shape[1] % g == 0), 0)
+    return WeightQuant("int", 4, "group", group) if group else None

@@ -34,7 +34,7 @@ from inferencemesh.checkpoint.read import check_source, is_local, read_local
 from inferencemesh.checkpoint.validate import check_supported, config_of
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling import attention, families
-from inferencemesh.modeling.quantized import from_checkpoint
+from inferencemesh.modeling.quantized_load import quantizer, swap_quantized
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,12 @@ def load_stage(
     device: str = "auto",
     cache_dir: str | None = None,
     on_progress: Progress | None = None,
+    quantization: str | None = None,
 ) -> StageModules:
-    """Locate (download if needed) and load the modules of the stage holding layers [layer_start, layer_end)."""
+    """Locate (download if needed) and load the modules of the stage holding layers [layer_start, layer_end).
+
+    quantization (int8, int4, fp8): a 16-bit checkpoint's dense linear layers quantized weight-only
+    one by one as they are read (checkpoint.quantization.quantized_at_load says which and how)."""
     from transformers import AutoConfig
 
     on_progress = on_progress or _noop
@@ -227,9 +231,10 @@ def load_stage(
     model = _build_on_meta(config, torch_dtype, facts, source)
     quantized = [m for m in facts.quantized_modules() if _in_stage(m + ".weight", layer_start, layer_end,
                                                                     facts.num_layers)]
+    at_load = quantizer(model, facts, quantization, torch_dtype, torch_device, source)
     tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress,
-                            keep_dtype=tuple(m + "." for m in quantized))
-    _swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)
+                            keep_dtype=tuple(m + "." for m in quantized), consume=at_load)
+    swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)
     tied_head = _take_tied_head(tensors, facts, layer_start, layer_end, source)
     _assign(model, tensors, torch_dtype, source)
     _tie_head(model, facts, layer_start, layer_end, tied_head)
@@ -321,31 +326,6 @@ def _in_stage(name: str, layer_start: int, layer_end: int, num_layers: int) -> b
             or (group.kind in ("norm", "head") and layer_end == num_layers))
 
 
-def _swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: CheckpointFacts, modules: list[str],
-                    dtype: torch.dtype, device: torch.device, source: str | Path) -> None:
-    """Replace each quantized linear layer (by its checkpoint name, which is its module path) with a
-    QuantizedLinear built from its tensors, taken out of `tensors`."""
-    described = facts.quantized_modules()
-    for name in modules:
-        parent_name, _, child = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-        except AttributeError:
-            parent = None
-        linear = getattr(parent, child, None)
-        spec = described[name]
-        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != \
-                (spec.out_features, spec.in_features):
-            raise CheckpointError(f"{source}: quantized tensors of {name} ({spec.out_features}x{spec.in_features}) "
-                                  "match no linear layer of that shape in the model (only linear layers named as "
-                                  "the model names them are served quantized)")
-        own = {key.removeprefix(name + "."): tensors.pop(key) for key in [k for k in tensors
-                                                                          if k.startswith(name + ".")]}
-        if "bias" in own:
-            own["bias"] = own["bias"].to(dtype)
-        setattr(parent, child, from_checkpoint(spec.quant, spec.out_features, spec.in_features, own, dtype, device))
-
-
 def _assign(model: nn.Module, tensors: dict[str, torch.Tensor], dtype: torch.dtype, source: str | Path) -> None:
     """Assign checkpoint tensors into the meta-built model, keys converted as transformers'
     from_pretrained converts them (renamings, per-expert tensors merged into fused ones)."""
@@ -390,9 +370,11 @@ def _read_tensors(
     device: torch.device,
     on_progress: Progress,
     keep_dtype: tuple[str, ...] = (),
+    consume: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read this stage's tensors, shard by shard, converted to dtype and placed on device; those
-    named with a keep_dtype prefix (quantized layers' weights and scales) keep theirs."""
+    named with a keep_dtype prefix (quantized layers' weights and scales) keep theirs, and those
+    `consume` takes (quantized as they are read) are not returned."""
     names = facts.stage_tensor_names(layer_start, layer_end)
     total = sum(facts.tensors[n].nbytes for n in names) or 1
     done, reported = 0, 0.0
@@ -411,7 +393,8 @@ def _read_tensors(
                 raise CheckpointError(f"{model_dir / shard}: tensor {name} cannot be read "
                                       f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
             target = dtype if tensor.is_floating_point() and not name.startswith(keep_dtype) else tensor.dtype
-            out[name] = tensor.to(device=device, dtype=target, copy=True)
+            if consume is None or not consume(name, tensor):
+                out[name] = tensor.to(device=device, dtype=target, copy=True)
             del tensor
             done += facts.tensors[name].nbytes
             if done / total - reported >= 0.05 or done == total:  # a few updates, not one per tensor

@@ -271,3 +271,19 @@ def from_checkpoint(quant: WeightQuant, out_features: int, in_features: int, ten
     elif zero is not None:
         zero = zero.reshape(rows, cols)
     return QuantizedLinear(quant, weight, scale, zero, tensors.get("bias"), dtype, device)
+
+
+def quantize(quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
+    """A 16-bit (or float32) weight [out, in] quantized weight-only, symmetric, round to nearest:
+    the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5 for INT4,
+    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says."""
+    w = weight.to(torch.float32)
+    groups = w.view(w.shape[0], -1, quant.group_size) if quant.strategy == "group" else w.unsqueeze(1)
+    top = {"float": torch.finfo(torch.float8_e4m3fn).max, "int": (2 ** quant.bits - 1) / 2}[quant.kind]
+    scale = (groups.abs().amax(-1) / top).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = groups / scale[..., None]
+    if quant.kind == "float":
+        q = scaled.clamp(-top, top).to(torch.float8_e4m3fn).view(w.shape)
+    else:
+        q = scaled.round().clamp(-(2 ** (quant.bits - 1)), 2 ** (quant.bits - 1) - 1).to(torch.int8).view(w.shape)
+    return QuantizedLinear(quant, q, scale, None, None, dtype, device)

@@ -1,0 +1,73 @@
+"""A stage's quantized linear layers, put in place as its tensors are read (modeling/loader.py
+calls these): a quantized checkpoint's layers built from their tensors (swap_quantized), or a
+16-bit checkpoint's dense linear layers quantized one by one as they are read (quantizer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inferencemesh.checkpoint.errors import CheckpointError
+from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.quantization import LOAD_METHODS, quant_method, quantized_at_load
+from inferencemesh.modeling.quantized import from_checkpoint, quantize
+
+
+def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtype: torch.dtype,
+               device: torch.device, source: str | Path) -> Callable[[str, torch.Tensor], bool] | None:
+    """With a quantization method: a function that takes a tensor just read and, when it is a dense
+    linear layer's weight, swaps a QuantizedLinear of it into the model (True: consumed, so the
+    float tensor is dropped at once and the stage never holds its layers in float)."""
+    if method is None:
+        return None
+    if method not in LOAD_METHODS:
+        raise CheckpointError(f"quantization {method!r} is not one of {', '.join(LOAD_METHODS)}")
+    if facts.quantized_modules() or quant_method(facts.config):
+        raise CheckpointError(f"{source}: the checkpoint is quantized already ({quant_method(facts.config)}); "
+                              f"serve it without --quantization")
+
+    def consume(name: str, tensor: torch.Tensor) -> bool:
+        quant = quantized_at_load(name, tuple(tensor.shape), method)
+        parent_name, _, child = name.removesuffix(".weight").rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name) if quant else None
+        except AttributeError:  # a name transformers renames as it loads: stays as it is, as planned
+            parent = None
+        linear = getattr(parent, child, None)
+        if quant is None or not isinstance(linear, nn.Linear):
+            return False
+        q = quantize(quant, tensor, dtype, device)
+        if linear.bias is not None:  # its bias, read before or after it, is assigned into it later
+            q.bias = linear.bias
+        setattr(parent, child, q)
+        return True
+
+    return consume
+
+
+def swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: CheckpointFacts, modules: list[str],
+                    dtype: torch.dtype, device: torch.device, source: str | Path) -> None:
+    """Replace each quantized linear layer (by its checkpoint name, which is its module path) with a
+    QuantizedLinear built from its tensors, taken out of `tensors`."""
+    described = facts.quantized_modules()
+    for name in modules:
+        parent_name, _, child = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+        except AttributeError:
+            parent = None
+        linear = getattr(parent, child, None)
+        spec = described[name]
+        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != \
+                (spec.out_features, spec.in_features):
+            raise CheckpointError(f"{source}: quantized tensors of {name} ({spec.out_features}x{spec.in_features}) "
+                                  "match no linear layer of that shape in the model (only linear layers named as "
+                                  "the model names them are served quantized)")
+        own = {key.removeprefix(name + "."): tensors.pop(key) for key in [k for k in tensors
+                                                                          if k.startswith(name + ".")]}
+        if "bias" in own:
+            own["bias"] = own["bias"].to(dtype)
+        setattr(parent, child, from_checkpoint(spec.quant, spec.out_features, spec.in_features, own, dtype, device))
