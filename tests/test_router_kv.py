@@ -13,7 +13,7 @@ import pytest
 from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable
 from inferencemesh.frontend.engine.kv_events import KvEventLog
 from inferencemesh.protocol.kv_events import CLEARED, REMOVED, STORED, KvEventPage, prompt_digests
-from inferencemesh.router.kv_view import KvViews, ReplicaBlocks, digests_of
+from inferencemesh.router.kv_view import BlockScorer, KvViews, PromptTokens, ReplicaBlocks, digests_of
 
 BT = 4
 SALT = b"model"
@@ -95,9 +95,11 @@ def test_a_pending_block_is_published_when_its_computation_succeeds_only() -> No
 
 
 def test_a_page_that_is_not_one_is_refused() -> None:
-    for body in ([], {"epoch": "e"}, {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "zz", "snapshot": True,
-                                     "blocks": []},
-                 {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "", "snapshot": False, "events": [["moved"]]}):
+    bodies: list[object] = [[], {"epoch": "e"},
+                            {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "zz", "snapshot": True, "blocks": []},
+                            {"epoch": "e", "seq": 1, "block_tokens": 16, "salt": "", "snapshot": False,
+                             "events": [["moved"]]}]
+    for body in bodies:
         with pytest.raises(ValueError, match="not a KV event page"):
             KvEventPage.from_json(body)
 
@@ -158,3 +160,30 @@ def test_blocks_sent_to_a_replica_count_as_held_until_its_events_say_so_or_for_a
     assert views.match(other) == {}
     view.apply(page_json(m, view.seq, view.epoch))
     assert view.expected == {}
+
+
+def test_the_scorer_loads_the_tokenizer_the_replicas_name_once_and_falls_back_where_it_cannot() -> None:
+    async def run() -> None:
+        views = KvViews()
+        views.views["a"] = ReplicaBlocks()
+        views.views["a"].apply(page_json(BlockManager(8, BT, salt=SALT)))  # names /models/x
+        asked: list[str] = []
+
+        def unreadable(source: str) -> PromptTokens:
+            asked.append(source)
+            raise OSError(f"{source}: no such directory")
+
+        scorer = BlockScorer(views, unreadable)
+        scorer.check()
+        assert scorer.loading is not None
+        await scorer.loading
+        scorer.check()  # the same source: not tried again
+        assert asked == ["/models/x"] and scorer.scorer == "characters"
+        assert await scorer.digests("/v1/completions", b"{}") is None
+        scorer = BlockScorer(views, lambda source: lambda path, body: list(range(13)))
+        scorer.check()
+        assert scorer.loading is not None
+        await scorer.loading
+        assert scorer.scorer == "blocks"
+        assert await scorer.digests("/v1/completions", b"{}") == digests_of(list(range(13)), [(SALT, BT)])
+    asyncio.run(run())

@@ -45,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferencemesh.config import RouterConfig
 from inferencemesh.router.asgi import BodyRefused, Message, Receive, Scope, Send, read_body, send_error, send_whole
-from inferencemesh.router.kv_view import KvViews, digests_of
+from inferencemesh.router.kv_view import BLOCKS, CHARACTERS, BlockScorer, KvDigests, KvViews, PromptTokenizer
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixAffinity, RouteChoice, block_hashes, choose, key_seed, routing_key
 from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
@@ -57,13 +57,6 @@ log = logging.getLogger("inferencemesh.router")
 CONNECT_TIMEOUT_S = 2.0
 OWN_PATHS = ("/health", "/ready", "/metrics", "/router/replicas")
 TransportFactory = Callable[[], httpx.AsyncBaseTransport]
-# A request's prompt as token ids (path, body -> ids, None if it has none the router can tokenize),
-# and what makes one from the replicas' tokenizer source (a model directory or hub id; raises if it
-# cannot be loaded here). Given by the router's program: the router imports no tokenizer of its own.
-PromptTokens = Callable[[str, bytes], list[int] | None]
-PromptTokenizer = Callable[[str], PromptTokens]
-BLOCKS, CHARACTERS = "blocks", "characters"
-KvDigests = dict[tuple[bytes, int], list[bytes]]  # (salt, block size) -> a prompt's digests (kv_view.digests_of)
 
 
 def replica_transport() -> httpx.AsyncBaseTransport:
@@ -86,10 +79,7 @@ class RouterApp:
                                config.frontend_port, api_client=api_client))
         self.affinity = PrefixAffinity(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
         self.kv = KvViews()
-        self.prompt_tokenizer = prompt_tokenizer
-        self.tokens: PromptTokens | None = None  # loaded from the replicas' tokenizer: scoring by blocks
-        self._tokenizer_tried = ""  # the source last tried
-        self._loading: asyncio.Task | None = None
+        self.blocks = BlockScorer(self.kv, prompt_tokenizer)
         self.metrics = RouterMetrics()
         self.metrics.ready_replicas.set_function(lambda: len(self.replicas.up()))
         self.client: httpx.AsyncClient | None = None  # the load poller's
@@ -114,14 +104,14 @@ class RouterApp:
         self.replicas.on_removed.append(self._removed_elsewhere)
         self.source.start()
         self.poller = LoadPoller(self.replicas, self.client, self.config.load_poll_interval, kv=self.kv,
-                                 after_round=self._tokenizer_check)
+                                 after_round=self.blocks.check)
         self._poll_task = asyncio.create_task(self.poller.run())
-        if self.prompt_tokenizer is None:
+        if self.blocks.prompt_tokenizer is None:
             log.info("routing by characters: this router has no tokenizer to score prompts by KV blocks")
 
     async def shutdown(self) -> None:
         await cancel(self._poll_task)
-        await cancel(self._loading)
+        await cancel(self.blocks.loading)
         self.source.stop()
         if self.client is not None:
             await self.client.aclose()
@@ -136,29 +126,6 @@ class RouterApp:
         self.kv.forget(name)
         if name not in self.replicas.current():
             self.metrics.remove_replica(name)
-
-    @property
-    def scorer(self) -> str:
-        return BLOCKS if self.tokens is not None else CHARACTERS
-
-    def _tokenizer_check(self) -> None:
-        """After a poll round: load the tokenizer the replicas publish, once per source they name."""
-        source = self.kv.tokenizer()
-        if self.prompt_tokenizer is None or not source or source == self._tokenizer_tried:
-            return
-        if self._loading is not None and not self._loading.done():
-            return
-        self._tokenizer_tried = source
-        self._loading = asyncio.create_task(self._load_tokenizer(self.prompt_tokenizer, source))
-
-    async def _load_tokenizer(self, loader: PromptTokenizer, source: str) -> None:
-        try:
-            self.tokens = await asyncio.to_thread(loader, source)
-        except Exception as err:  # noqa: BLE001 - whatever the loader raises: the fallback holds
-            self.tokens = None
-            log.warning("routing by characters: the replicas' tokenizer %s cannot be loaded here (%s)", source, err)
-            return
-        log.info("routing by KV blocks: prompts tokenized with %s, as the replicas do", source)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -210,7 +177,7 @@ class RouterApp:
                                   "routed": r.routed, "up": r.down is None, "down": r.down,
                                   "kv_blocks": self.kv.held(r.name)}
                                  for r in replicas.values()],
-                    "prefix_blocks": len(self.affinity), "scorer": self.scorer}
+                    "prefix_blocks": len(self.affinity), "scorer": self.blocks.scorer}
             await send_whole(send, 200, json.dumps(body).encode())
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,22 +223,9 @@ class RouterApp:
             watcher.cancel()
 
 
-    async def _kv_digests(self, path: str, body: bytes) -> KvDigests | None:
-        """The prompt's reusable blocks' digests under each replica's salt and block size; None
-        where the router cannot score by blocks (no tokenizer, or a prompt it cannot tokenize)."""
-        tokens, params = self.tokens, self.kv.params()
-        if tokens is None or not params:
-            return None
-
-        def digests() -> KvDigests | None:
-            ids = tokens(path, body)
-            return None if ids is None else digests_of(ids, params)
-
-        return await asyncio.to_thread(digests)  # tokenizing a long prompt takes milliseconds
-
     async def _choose(self, replicas: dict[str, Replica], scope: Scope, body: bytes, key: str | None,
                       blocks: list[int]) -> tuple[RouteChoice, KvDigests | None]:
-        digests = await self._kv_digests(scope["path"], body) if key is not None else None
+        digests = await self.blocks.digests(scope["path"], body) if key is not None else None
         scorer = BLOCKS if digests is not None else CHARACTERS
         if digests is not None:
             matches = self.kv.match(digests)

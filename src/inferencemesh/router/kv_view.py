@@ -16,9 +16,10 @@ that failed, or is still computing a long prompt).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,13 @@ EVENTS_PATH = "/kv/events"
 # Blocks of a prompt the router hashes (64k tokens of blocks of 16): its work per request is bounded.
 MAX_ROUTE_BLOCKS = 4096
 EXPECTED_S = 10.0  # how long a block sent to a replica counts as held before its events say so
+BLOCKS, CHARACTERS = "blocks", "characters"  # the scorers (the metrics' label): KV blocks, or the fallback
+# A request's prompt as token ids (path, body -> ids, None if it has none the router can tokenize),
+# and what makes one from the replicas' tokenizer source (a model directory or hub id; raises if it
+# cannot be loaded here). Given by the router's program: the router imports no tokenizer of its own.
+PromptTokens = Callable[[str, bytes], list[int] | None]
+PromptTokenizer = Callable[[str], PromptTokens]
+KvDigests = dict[tuple[bytes, int], list[bytes]]  # (salt, block size) -> a prompt's digests (digests_of)
 
 
 @dataclass
@@ -141,7 +149,55 @@ class KvViews:
         return found
 
 
-def digests_of(prompt: Sequence[int], params: Sequence[tuple[bytes, int]]) -> dict[tuple[bytes, int], list[bytes]]:
+def digests_of(prompt: Sequence[int], params: Sequence[tuple[bytes, int]]) -> KvDigests:
     """The prompt's reusable blocks' digests under each (salt, block size) (KvViews.params): pure,
     for a worker thread."""
     return {(salt, size): prompt_digests(prompt, salt, size, MAX_ROUTE_BLOCKS) for salt, size in params}
+
+
+class BlockScorer:
+    """A prompt's digests for KvViews.match, once the tokenizer the replicas name is loaded (with
+    `prompt_tokenizer`, off the event loop, once per source they name); until then, or where it
+    cannot be loaded, None: the router scores by characters."""
+
+    def __init__(self, views: KvViews, prompt_tokenizer: PromptTokenizer | None) -> None:
+        self.views, self.prompt_tokenizer = views, prompt_tokenizer
+        self.tokens: PromptTokens | None = None
+        self.tried = ""  # the source last tried
+        self.loading: asyncio.Task | None = None
+
+    @property
+    def scorer(self) -> str:
+        return BLOCKS if self.tokens is not None else CHARACTERS
+
+    def check(self) -> None:
+        """After a poll round: load the tokenizer the replicas name, if it is a new one."""
+        source = self.views.tokenizer()
+        if self.prompt_tokenizer is None or not source or source == self.tried:
+            return
+        if self.loading is not None and not self.loading.done():
+            return
+        self.tried = source
+        self.loading = asyncio.create_task(self._load(self.prompt_tokenizer, source))
+
+    async def _load(self, loader: PromptTokenizer, source: str) -> None:
+        try:
+            self.tokens = await asyncio.to_thread(loader, source)
+        except Exception as err:  # noqa: BLE001 - whatever the loader raises: the fallback holds
+            self.tokens = None
+            log.warning("routing by characters: the replicas' tokenizer %s cannot be loaded here (%s)", source, err)
+            return
+        log.info("routing by KV blocks: prompts tokenized with %s, as the replicas do", source)
+
+    async def digests(self, path: str, body: bytes) -> KvDigests | None:
+        """The prompt's reusable blocks' digests under each replica's salt and block size; None
+        where the router cannot score by blocks (no tokenizer, or a prompt it cannot tokenize)."""
+        tokens, params = self.tokens, self.views.params()
+        if tokens is None or not params:
+            return None
+
+        def compute() -> KvDigests | None:
+            ids = tokens(path, body)
+            return None if ids is None else digests_of(ids, params)
+
+        return await asyncio.to_thread(compute)  # tokenizing a long prompt takes milliseconds
