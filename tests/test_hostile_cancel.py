@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from hostile import MODEL, assert_unharmed, wait_for_idle
+from hostile import MODEL, assert_unharmed, gauges, wait_for_idle
 from mesh_helpers import serving
 
 from inferencemesh.frontend.openai import sse
@@ -350,6 +350,23 @@ def test_a_client_cancelling_every_request_after_one_token_leaks_no_block(served
                 await _first_token_then_leave(client, f"{PROMPT}    # attempt {i % 7}\n")
 
     asyncio.run(loop())
+    assert_whole(base)
+
+
+def test_the_kv_usage_gauge_follows_a_decoding_request_between_scrapes(served) -> None:
+    """The pool's usage is read when /metrics is scraped: it grows while a long stream decodes
+    (its table takes a block every 16 tokens), not only when a request starts or ends."""
+    base, _, _ = served
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    usage = "inferencemesh_kv_cache_usage_perc"
+    with httpx.Client(base_url=base, timeout=60) as client, client.stream("POST", "/v1/completions",
+                                                                          json=body) as running:
+        readings = [gauges(base)[usage] for line in running.iter_lines()
+                    if line.startswith("data:") and line != "data: [DONE]"]
+    # 200 tokens take 12 more blocks than the first event's table (events carry several tokens
+    # each when speculation is on, so read at every event).
+    assert readings[0] > 0 and max(readings) > readings[0], readings
     assert_whole(base)
 
 

@@ -103,6 +103,8 @@ class PipelineEngine(Generic[PipelineT]):
                                    timeout_s=options.queue_timeout_s)
         self.room = _pool_room(pipeline, options)
         self.blocks = self.room.manager
+        if metrics is not None:
+            metrics.watch_kv_usage(lambda: self.blocks.usage)
         self.frames = SessionFrames(pipeline, self.room, max_context=options.token_room,
                                     prefill_chunk=options.prefill_chunk,
                                     queue_timeout_s=options.queue_timeout_s,
@@ -254,7 +256,7 @@ class PipelineEngine(Generic[PipelineT]):
     def _record_pool(self) -> None:
         if self.metrics is not None:
             stats = self.blocks.stats
-            self.metrics.record_kv_pool(self.blocks.usage, stats.preemptions, stats.evictions)
+            self.metrics.record_kv_pool(stats.preemptions, stats.evictions)
 
     async def _release(self, conn: Connection, proposer: Proposer | None, slot: Slot) -> None:
         """A choice is over: its pipeline session, blocks (cached by hash where computed),

@@ -209,10 +209,14 @@ class FrontendMetrics:
         self.prefix_cache_queries.labels(self.model).inc(prompt_tokens)
         self.prefix_cache_hits.labels(self.model).inc(reused)
 
-    def record_kv_pool(self, usage: float, preemptions: int, evictions: int) -> None:
-        """The block manager's state: its usage now, and its running totals of preemptions and
-        evictions (the counters take what they have not counted yet)."""
-        self.kv_cache_usage.labels(self.model).set(usage)
+    def watch_kv_usage(self, usage: Callable[[], float]) -> None:
+        """The pool's usage is read when /metrics is scraped: current between requests too (a
+        long decode grows its table), at no cost per step."""
+        self.kv_cache_usage.labels(self.model).set_function(usage)
+
+    def record_kv_pool(self, preemptions: int, evictions: int) -> None:
+        """The block manager's running totals of preemptions and evictions (the counters take
+        what they have not counted yet)."""
         counted_preemptions, counted_evictions = self._kv_counted
         self.num_preemptions.labels(self.model).inc(max(0, preemptions - counted_preemptions))
         self.kv_cache_evictions.labels(self.model).inc(max(0, evictions - counted_evictions))
