@@ -21,14 +21,25 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from inferencemesh.checkpoint.errors import CheckpointError, first_line, shown
-from inferencemesh.checkpoint.facts import TensorInfo
 
 T = TypeVar("T")
+
+
+class TensorInfo(Protocol):
+    """What is read of a tensor here (facts.TensorInfo; not imported: facts counts bytes with this module)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
 SERVED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 # Suffixes of a quantized linear's tensors; "weight_shape" is metadata a stage does not keep.
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape")
@@ -179,7 +190,7 @@ def _matches(targets: list[str], module: str) -> bool:
     return False
 
 
-def quantized_modules(config: dict, tensors: dict[str, TensorInfo]) -> dict[str, QuantizedModule]:
+def quantized_modules(config: dict, tensors: Mapping[str, TensorInfo]) -> dict[str, QuantizedModule]:
     """module name -> how it is quantized and its shape, for every linear layer whose tensors
     carry scales, checked against the config: scales present and of the right shape, the
     weight's dtype the format's. Raises CheckpointError in one line."""
@@ -209,7 +220,7 @@ def _fp8_quant(qc: dict) -> WeightQuant:
                        scale_name="weight_scale_inv")
 
 
-def _checked(module: str, quant: WeightQuant, tensors: dict[str, TensorInfo]) -> QuantizedModule:
+def _checked(module: str, quant: WeightQuant, tensors: Mapping[str, TensorInfo]) -> QuantizedModule:
     """The module's shape from its weight, its tensors checked against `quant`."""
     weight = tensors.get(f"{module}.weight_packed" if quant.packed else f"{module}.weight")
     want = "I32" if quant.packed else ("F8_E4M3" if quant.kind == "float" else "I8")
