@@ -53,8 +53,38 @@ def test_many_tables_growing_in_turn_stay_mostly_consecutive() -> None:
     for positions in range(1, 16 * BT + 1):
         for table in tables:
             m.grow(table, positions)
-    runs = sum(1 + sum(b != a + 1 for a, b in zip(t.blocks, t.blocks[1:], strict=False)) for t in tables)
-    assert runs <= 12, [t.blocks for t in tables]  # 8 would be perfect; first fit gives 8 x 16 = 128
+    assert _runs(tables) <= 12, [t.blocks for t in tables]  # 8 would be perfect; first fit gives 8 x 16 = 128
+
+
+def _runs(tables: list[BlockTable]) -> int:
+    return sum(1 + sum(b != a + 1 for a, b in zip(t.blocks, t.blocks[1:], strict=False)) for t in tables)
+
+
+def test_tables_growing_together_over_a_pool_full_of_cached_blocks_stay_mostly_consecutive() -> None:
+    """Once every block is cached (a busy server's steady state), new tables still grow in runs:
+    the block after a table's last is taken even when cached, and the least recently used cached
+    blocks are reclaimed a batch at a time, so new runs are placed in free room. Taking the LRU
+    block one at a time, 8 tables growing in turn interleaved block by block (8 x 12 = 96 runs)."""
+    m = manager(256)
+    for r in range(16):  # 16 finished requests of 16 blocks: every block cached
+        m.free(computed(m, [r + 1] * (16 * BT)))
+    assert m.available == 256 and len(m.cached) == 256
+    tables = [BlockTable() for _ in range(8)]
+    for positions in range(1, 12 * BT + 1):
+        for table in tables:
+            m.grow(table, positions)
+    assert _runs(tables) <= 28, [t.blocks for t in tables]
+    assert m.used == 8 * 12 and 8 * 12 <= m.stats.evictions <= 8 * 12 + 256 // 8  # at most a batch ahead
+
+
+def test_a_table_grows_into_the_cached_block_after_its_last() -> None:
+    m = manager(8)
+    m.free(computed(m, [5] * (8 * BT)))  # blocks 0..7 cached, 0 the least recently used
+    table = BlockTable()
+    m.grow(table, BT)
+    m.grow(table, 3 * BT)
+    assert _runs([table]) == 1 and m.stats.evictions == 3
+    assert m.match(BlockTable(), [5] * (8 * BT) + [0]).tokens == 0  # the chain lost its first block
 
 
 def test_an_identical_prompt_shares_its_full_blocks_by_reference_but_the_last_token() -> None:

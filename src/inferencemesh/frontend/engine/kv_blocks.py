@@ -27,6 +27,10 @@ from inferencemesh.frontend.engine.kv_index import PrefixIndex, block_digest
 from inferencemesh.protocol.kv_events import KvEventPage, reusable_blocks
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
+# When no block is free, this share of the pool's cached blocks (the least recently used) is
+# reclaimed at once: free room for new runs, at the cost of caching a little less.
+RECLAIM_SHARE = 8
+
 
 class PoolExhausted(Exception):
     """No free or reclaimable block is left for a table to grow: the engine preempts a session."""
@@ -171,19 +175,34 @@ class BlockManager:
             table.blocks.append(block)
 
     def _take(self, after: int | None, count: int) -> int:
-        """A block for a table that wants `count` more: `after` when it is free (consecutive blocks
-        are a view at the stages, no gather), else the start of a new run placed to leave room
-        (FreeRuns.place); else the least recently used cached block, forgotten."""
-        if after is None or after not in self._free:
+        """A block for a table that wants `count` more. `after` (the block after its last) when it
+        is free, or cached and unreferenced: consecutive blocks are a view at the stages, worth
+        more than keeping that one cached block (it is reclaimed early, out of LRU order). Else the
+        start of a new run placed to leave room (FreeRuns.place); when no block is free, the least
+        recently used cached blocks are reclaimed first, a batch at a time, so that there is free
+        room to place runs in (reclaimed one by one, sessions growing together would take them in
+        turn and interleave: every table then gathered at every stage, layer and step)."""
+        if after is not None and after in self.cached:
+            self._reclaim(after)
+            self._free.add(after)
+        elif after is None or after not in self._free:
+            if not self._free:
+                for _ in range(min(len(self.cached), max(count, self.num_blocks // RECLAIM_SHARE))):
+                    block = next(iter(self.cached))
+                    self._reclaim(block)
+                    self._free.add(block)
+                    self._runs.give(block)
             after = self._runs.place(count)
-        if after is not None:
-            self._free.discard(after)
-            self._runs.take(after)
-            return after
-        block, _ = self.cached.popitem(last=False)
+        assert after is not None, "a table grows only while blocks are available"
+        self._free.discard(after)
+        self._runs.take(after)
+        return after
+
+    def _reclaim(self, block: int) -> None:
+        """A cached block nobody references is forgotten by the index, to be used again."""
+        del self.cached[block]
         self.index.drop_block(block)
         self.stats.evictions += 1
-        return block
 
     def share(self, source: BlockTable, table: BlockTable, count: int) -> None:
         """`table` starts with `source`'s first `count` blocks, by reference (n > 1's choices)."""
