@@ -11,8 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from tiny_models import write_tiny_model
-from wire import RawStream, StageServers, blocks, exchange, failures
+from wire import RawStream, blocks, exchange, failures, serving_one_stage, tiny_two_layer_model
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -29,15 +28,12 @@ def table(session: str, stop: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("iso") / "m", "llama", num_layers=2, shards=1,
-                            hidden_size=32, intermediate_size=64)
+    return tiny_two_layer_model(tmp_path_factory.mktemp("iso") / "m")
 
 
 @pytest.fixture(scope="module")
 def one_stage(model):
-    servers = StageServers(model, [(0, 2)])
-    yield servers
-    servers.close()
+    yield from serving_one_stage(model)
 
 
 def prefill(session: str, **sampling) -> pb.Frame:

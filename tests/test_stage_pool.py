@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from tiny_models import write_tiny_model
-from wire import RawStream, StageServers, blocks, exchange, failures, hidden_batch
+from wire import (
+    RawStream,
+    StageServers,
+    blocks,
+    exchange,
+    failures,
+    hidden_batch,
+    serving_one_stage,
+    tiny_two_layer_model,
+)
 
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
@@ -18,15 +26,12 @@ PROMPT = list(range(40, 72))  # 32 tokens: two full blocks
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("pool") / "m", "llama", num_layers=2, shards=1,
-                            hidden_size=32, intermediate_size=64)
+    return tiny_two_layer_model(tmp_path_factory.mktemp("pool") / "m")
 
 
 @pytest.fixture(scope="module")
 def one_stage(model):
-    servers = StageServers(model, [(0, 2)], max_context=128)
-    yield servers
-    servers.close()
+    yield from serving_one_stage(model, max_context=128)
 
 
 def frame(session: str, pos_start: int, token_ids: list[int], table: list[int], **fields) -> pb.Frame:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -112,3 +113,19 @@ class StageServers:
             self.run(server.stop(0), 10)
             self.run(service.close(), 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def tiny_two_layer_model(folder: Path) -> Path:
+    """The stage tests' smallest Llama: 2 layers of width 32, in one shard."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(folder, "llama", num_layers=2, shards=1, hidden_size=32, intermediate_size=64)
+
+
+def serving_one_stage(model: Path, **settings) -> Iterator[StageServers]:
+    """One stage of both layers, for a module-scoped fixture to yield from; closed after."""
+    servers = StageServers(model, [(0, 2)], **settings)
+    try:
+        yield servers
+    finally:
+        servers.close()
