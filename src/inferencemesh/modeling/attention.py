@@ -38,6 +38,10 @@ class KVSpans:
     starts: list[int]
 
 
+# What a cache gives a layer's attention: the session's keys and values, whole or in spans.
+KeysValues = tuple[torch.Tensor, torch.Tensor] | tuple[KVSpans, None]
+
+
 @dataclass
 class PackedAttention:
     """Keys, values and mask per segment of a batched pass (several sessions' tokens packed in

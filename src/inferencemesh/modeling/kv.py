@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from inferencemesh.modeling.attention import KeysValues
+
 INITIAL_CAPACITY = 256
 
 
@@ -40,10 +42,10 @@ class CacheKV(Protocol):
 
     def end(self) -> None: ...
 
-    def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write(self, rows: torch.Tensor, layer_idx: int) -> KeysValues: ...
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]: ...
+               **kwargs: object) -> KeysValues: ...
 
 
 class SessionKV:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from inferencemesh.modeling.attention import KVSpans
+from inferencemesh.modeling.attention import KeysValues, KVSpans
 
 NO_TOKEN = -1  # a token slot written by a frame that carried no token ids
 # A table in a few runs of consecutive blocks (a shared prefix's, then the session's own) is read
@@ -172,7 +172,7 @@ class BlockTableKV:
         assert self._write is not None, "write_slots() before begin()"
         return self._write
 
-    def read(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | tuple[KVSpans, None]:
+    def read(self, layer: torch.Tensor) -> KeysValues:
         """The keys and values of positions [0, stop) in `layer` (the pool's [2, kv_heads, slots,
         head_dim] for one layer), each [1, kv_heads, stop, head_dim]: a view, or one gather; or,
         for a long table in a few runs, a view per run (KVSpans, which attention merges)."""
@@ -192,7 +192,7 @@ class BlockTableKV:
         gathered = layer.index_select(2, self._read)
         return gathered[0:1], gathered[1:2]
 
-    def write(self, rows: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[KVSpans, None]:
+    def write(self, rows: torch.Tensor, layer_idx: int) -> KeysValues:
         """This layer's new keys and values [2, kv_heads, T, head_dim] (in the pool's dtype) into their
         slots; returns the keys and values of positions [0, stop) (see read)."""
         layer = self.pool.store[layer_idx - self.pool.layer_offset]
@@ -204,7 +204,7 @@ class BlockTableKV:
         return self.read(layer)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object,
-               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor] | tuple[KVSpans, None]:
+               **kwargs: object) -> KeysValues:
         """The transformers Cache protocol (a single-frame pass): new rows [1, kv_heads, T, head_dim] each."""
         return self.write(torch.cat((key_states, value_states)).to(self.pool.dtype), layer_idx)
 
