@@ -354,3 +354,15 @@ def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
             logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
             pos += 1
         assert got == expected.tolist(), (method, n)
+
+
+def test_quantized_experts_are_refused_at_plan_time(base, root, tmp_path):
+    """A quantized layer with no dense linear layer to hold it (transformers fuses MoE experts into
+    one tensor) is refused when the checkpoint is read, not when a stage loads it."""
+    path = Path(__import__("shutil").copytree(write_quantized(base, root, "w8a16-group"), tmp_path / "experts"))
+    state = load_file(path / "model.safetensors")
+    for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+        state[f"model.layers.0.mlp.experts.0.up_proj.{suffix}"] = state[f"model.layers.0.mlp.up_proj.{suffix}"].clone()
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="quantized MoE experts and embeddings are not served yet"):
+        read_local(path)

@@ -204,6 +204,10 @@ def quantized_modules(config: dict, tensors: Mapping[str, TensorInfo]) -> dict[s
         [(["Linear"], _parsed(_fp8_quant, qc))]
     out: dict[str, QuantizedModule] = {}
     for module in sorted(weights):
+        if "experts" in module.split(".") or not (module.startswith("model.layers.") or module == "lm_head"):
+            raise CheckpointError(f"{shown(module)} is quantized, but quantized MoE experts and embeddings are not "
+                                  "served yet: give a checkpoint that quantizes only dense linear layers (its "
+                                  "ignore list naming them) or the 16-bit checkpoint")
         quant = next((q for targets, q in groups if _matches(targets, module)), None)
         if quant is None:
             raise CheckpointError(f"quantized tensors of {shown(module)} match no config_groups target")
