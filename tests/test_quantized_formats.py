@@ -1,8 +1,9 @@
 """Quantized checkpoints served as stage slices, kept quantized: compressed-tensors W4A16 (symmetric
-and not), W8A16 grouped, INT8 per channel (int-quantized), FP8_DYNAMIC's per-channel and FP8 per
-tensor weights, each written by compressed-tensors' own compressor (ModelCompressor) from the
-tests' tiny Llama; and transformers' `fp8` block-wise format, written by its specification
-(weight F8_E4M3, weight_scale_inv per block; transformers cannot load it on a CPU).
+and not), W8A16 grouped, INT8 per channel (int-quantized; once with the LM head quantized too),
+FP8_DYNAMIC's per-channel and FP8 per tensor weights, each written by compressed-tensors' own
+compressor (ModelCompressor) from the tests' tiny Llama; and transformers' `fp8` block-wise
+format, written by its specification (weight F8_E4M3, weight_scale_inv per block; transformers
+cannot load it on a CPU).
 
 The reference is the same checkpoint with its linear layers dequantized by the format's owner
 (compressed-tensors' decompress; the fp8 spec's q x scale_inv), in float32 as the stages compute
@@ -42,6 +43,7 @@ FORMATS = {
     "w4a16-asym": ("W4A16_ASYM", "pack-quantized", {"group_size": 32}),
     "w8a16-group": ("W8A16", "pack-quantized", {"group_size": 32}),
     "int8-channel": ("W8A16", "int-quantized", {"strategy": "channel", "group_size": None}),
+    "int8-channel-head": ("W8A16", "int-quantized", {"strategy": "channel", "group_size": None, "ignore": []}),
     "fp8-dynamic": ("FP8_DYNAMIC", "float-quantized", {}),
     "fp8-tensor": ("FP8_DYNAMIC", "float-quantized", {"strategy": "tensor"}),
     "fp8-block": (None, "fp8", {"block": [32, 32]}),
@@ -63,10 +65,12 @@ def _quantize_with_compressed_tensors(model, preset: str, fmt: str, overrides: d
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
+    overrides = dict(overrides)
+    ignore = overrides.pop("ignore", ["lm_head"])  # the LM head quantized too where it is []
     scheme = dict(PRESET_SCHEMES[preset])
     scheme["weights"] = scheme["weights"].model_copy(update=overrides)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
-                                ignore=["lm_head"])
+                                ignore=ignore)
     apply_quantization_config(model, config)
     for module in model.modules():
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)

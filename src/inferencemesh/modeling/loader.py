@@ -235,9 +235,11 @@ def load_stage(
     tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress,
                             keep_dtype=tuple(m + "." for m in quantized), consume=at_load)
     swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)
-    tied_head = _take_tied_head(tensors, facts, layer_start, layer_end, source)
+    head_quantized = "lm_head" in quantized  # its own (quantized) matrix, never the embedding's
+    tied_head = None if head_quantized else _take_tied_head(tensors, facts, layer_start, layer_end, source)
     _assign(model, tensors, torch_dtype, source)
-    _tie_head(model, facts, layer_start, layer_end, tied_head)
+    if not head_quantized:
+        _tie_head(model, facts, layer_start, layer_end, tied_head)
     _check_loaded(model, facts, layer_start, layer_end, source)
     return _stage_modules(model, facts, config, model_dir, layer_start, layer_end, torch_dtype, torch_device)
 
