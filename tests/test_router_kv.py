@@ -6,8 +6,10 @@ view scoring the digests the frontend itself computed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import httpx
 import pytest
 
 from inferencemesh.frontend.engine.kv_blocks import BlockManager, BlockTable
@@ -186,4 +188,56 @@ def test_the_scorer_loads_the_tokenizer_the_replicas_name_once_and_falls_back_wh
         await scorer.loading
         assert scorer.scorer == "blocks"
         assert await scorer.digests("/v1/completions", b"{}") == digests_of(list(range(13)), [(SALT, BT)])
+    asyncio.run(run())
+
+
+def test_the_router_fetches_the_tokenizer_from_a_replica_and_computes_its_digests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that cannot read the source the replicas name (a pod's model folder) fetches the
+    tokenizer's files from one (GET /kv/tokenizer, with the frontends' API key) and tokenizes
+    completions and chats as that frontend does: the same digests."""
+    from fixture_engine import build_fixture_model
+
+    from inferencemesh.config import API_KEY_ENV, RouterConfig
+    from inferencemesh.frontend.openai.app import create_app
+    from inferencemesh.frontend.openai.prompt_ids import prompt_ids
+    from inferencemesh.programs.router import prompt_tokenizer
+    from inferencemesh.router.app import RouterApp
+
+    fm = build_fixture_model()
+    source = str(fm.tokenizer.name_or_path)
+    frontend = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name, api_key="fetch-key")
+    bodies = {"/v1/completions": {"model": fm.name, "prompt": "def fibonacci(n):\n    " * 12},
+              "/v1/chat/completions": {"model": fm.name, "messages": [
+                  {"role": "system", "content": "You write Python. " * 10}, {"role": "user", "content": "Sort it."}]}}
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=frontend)
+        async with httpx.AsyncClient(transport=transport, base_url="http://a") as anonymous:
+            for path in ("/kv/events", "/kv/tokenizer", "/kv/tokenizer/tokenizer.json"):
+                assert (await anonymous.get(path)).status_code == 401, path  # authenticated, as the API is
+        monkeypatch.setenv(API_KEY_ENV, "fetch-key")
+        router = RouterApp(RouterConfig(frontends=("a=http://a",), load_poll_interval=60).check(),
+                           transport=lambda: transport, prompt_tokenizer=prompt_tokenizer)
+        router.blocks.local = lambda where: False  # the replicas' folder is not readable here
+        await router.startup()
+        try:
+            router.kv.views["a"] = view = ReplicaBlocks()
+            view.apply(KvEventPage.from_json(BlockManager(8, BT, salt=SALT).event_page(
+                None, None, tokenizer=source).to_json()))
+            router.blocks.check()
+            assert router.blocks.loading is not None
+            await router.blocks.loading
+            assert router.blocks.scorer == "blocks"
+            [folder] = router.tokenizer_folders.folders
+            assert sorted(p.name for p in folder.iterdir()) == ["chat_template.jinja", "tokenizer.json",
+                                                               "tokenizer_config.json"]  # no weights, no config
+            for path, body in bodies.items():
+                raw = json.dumps(body).encode()
+                ids = prompt_ids(fm.tokenizer, path, raw)  # the frontend's own, from its own folder
+                assert ids is not None and len(ids) > 4 * BT
+                assert await router.blocks.digests(path, raw) == digests_of(ids, [(SALT, BT)]), path
+        finally:
+            await router.shutdown()
+        assert not folder.exists()  # removed when the router stops
     asyncio.run(run())

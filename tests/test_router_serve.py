@@ -1,5 +1,6 @@
 """`inferencemesh serve --replicas 2`: two whole pipelines of the bundled model behind the router,
-as a user runs it, with the official openai client."""
+as a user runs it, with the official openai client, and an API key (the router presents it on its own
+requests to the frontends: their KV events are authenticated)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from mesh_helpers import serving_replicas
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferencemesh.config import API_KEY_ENV
 from inferencemesh.protocol.kv_events import KvEventPage, prompt_digests
 
 pytestmark = pytest.mark.slow
+KEY = "serve-router-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def routed(base: str) -> dict[str, int]:
@@ -42,8 +46,8 @@ def affinity(base: str, outcome: str, scorer: str) -> dict[str, float]:
 def cached_blocks(frontend: str, prompt: str) -> tuple[set[bytes], set[bytes]]:
     """(the prompt's reusable blocks' digests, every block the frontend's cache holds), from its own
     /tokenize and KV events: the digests the router computes are the ones it publishes."""
-    ids = httpx.post(f"{frontend}/tokenize", json={"prompt": prompt}, timeout=10).json()["tokens"]
-    page = KvEventPage.from_json(httpx.get(f"{frontend}/kv/events", timeout=10).json())
+    ids = httpx.post(f"{frontend}/tokenize", json={"prompt": prompt}, headers=AUTH, timeout=10).json()["tokens"]
+    page = KvEventPage.from_json(httpx.get(f"{frontend}/kv/events", headers=AUTH, timeout=10).json())
     assert page.snapshot
     return set(prompt_digests(ids, page.salt, page.block_tokens, 10_000)), set(page.blocks)
 
@@ -63,7 +67,8 @@ def _blocks_route_where_the_cache_holds_them(client: OpenAI, model: str, base: s
              == "blocks")
     holder, url = "p1", frontends["1"]
     prompt = "".join(f"def kv_route_{i}(x):\n    return x + {i * 31}\n\n" for i in range(10))
-    direct = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert httpx.get(f"{url}/kv/events", timeout=10).status_code == 401  # the router presents the key
+    direct = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     direct.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
     digests, held = cached_blocks(url, prompt)
     assert len(digests) >= 4 and digests <= held
@@ -142,7 +147,8 @@ def _ctrl_c_twice_during_a_stream(client: OpenAI, model: str, proc: subprocess.P
     assert "length" not in finished  # cut, not run to its 400 tokens
 
 
-def test_two_replicas_behind_the_router() -> None:
+def test_two_replicas_behind_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, KEY)  # serve's environment: its frontends and its router inherit it
     # a small pool (64 blocks): a few prompts sent to one replica evict what its cache held
     with serving_replicas("--kv-cache-tokens", "1024") as (base, proc, lines, frontends):
         text = "".join(lines)
@@ -150,7 +156,7 @@ def test_two_replicas_behind_the_router() -> None:
         children = descendants(proc.pid)
         commands = sorted(Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[3].decode() for c in children)
         assert commands == ["frontend", "frontend", "router"], commands
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
         model = client.models.list().data[0].id
         assert set(routed(base)) == {"p0", "p1"}
         _a_shared_prefix_lands_on_one_replica(client, model, base)
@@ -163,6 +169,7 @@ def test_two_replicas_behind_the_router() -> None:
         _ctrl_c_twice_during_a_stream(client, model, proc, lines)
     # nothing serve started is left
     assert proc.returncode is not None
+    assert KEY not in "".join(lines)  # nothing secret in the output of serve, its frontends or its router
     deadline = time.monotonic() + 10
     while any(os.path.exists(f"/proc/{c}") for c in children):
         assert time.monotonic() < deadline, [c for c in children if os.path.exists(f"/proc/{c}")]

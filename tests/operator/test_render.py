@@ -180,6 +180,10 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     assert front["spec"]["replicas"] == 1  # one frontend per pipeline
     env = {e["name"]: e for e in container(front)["env"]}
     assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    # the router presents the same key on its own requests to the frontends (their /kv/* routes)
+    router_env = {e["name"]: e for e in container(objs[("Deployment", "code-router")])["env"]}
+    assert router_env[API_KEY_ENV] == env[API_KEY_ENV]
+    assert API_KEY_ENV not in {e["name"] for e in container(children()[("Deployment", "code-router")])["env"]}
     svc = objs[("Service", "code-frontend")]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 443
     assert N.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"

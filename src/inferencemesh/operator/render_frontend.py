@@ -55,12 +55,18 @@ def frontend_args(spec: MeshSpec, plan: Plan, pipe: PipelineRef) -> list[str]:
     return ["frontend", *to_argv(config)]
 
 
+def api_key_env(spec: MeshSpec) -> list[dict[str, Any]]:
+    """API_KEY_ENV from spec.frontend.apiKeySecret (none without one): the frontends check the key,
+    the router presents it on its own requests to them (their /kv/* routes are authenticated)."""
+    if not spec.frontend.api_key_secret:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+        "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}}]
+
+
 def _frontend_container(spec: MeshSpec, plan: Plan, pipe: PipelineRef, opts: RenderOptions,
                         mounts: list[dict]) -> dict:
-    env: list[dict[str, Any]] = copy.deepcopy(POD_ENV)
-    if spec.frontend.api_key_secret:
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
-            "name": spec.frontend.api_key_secret, "key": spec.frontend.api_key_key}}})
+    env: list[dict[str, Any]] = [*copy.deepcopy(POD_ENV), *api_key_env(spec)]
     embedded = plan.embedded_first_stage
     health = {"httpGet": {"path": "/health", "port": "http"}}
     container = {

@@ -26,6 +26,7 @@ from inferencemesh.operator.names import (
     tls_secret_name,
 )
 from inferencemesh.operator.planning import Plan
+from inferencemesh.operator.render_frontend import api_key_env
 from inferencemesh.operator.render_pod import (
     CONTAINER_SECURITY,
     RenderOptions,
@@ -80,7 +81,8 @@ def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions
         "image": spec.images.frontend or opts.frontend_image,
         "imagePullPolicy": spec.images.pull_policy,
         "args": ["router", *to_argv(config)],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        # the frontends' API key, which the router presents on its own requests to them
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}, *api_key_env(spec)],
         "ports": [{"name": "http", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "resources": copy.deepcopy(spec.router.resources),

@@ -36,7 +36,7 @@ from types import FrameType
 
 import yaml
 
-from inferencemesh.config import RouterConfig, ServeConfig
+from inferencemesh.config import API_KEY_ENV, RouterConfig, ServeConfig
 from inferencemesh.cpus import share_of_cpus
 from inferencemesh.flags import to_argv
 from inferencemesh.planner import StagePlan, render_plan
@@ -140,7 +140,10 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
     threads = config.stage_threads or share_of_cpus(config.replicas * len(plan))
     pipelines = [build_pipeline(config, model, plan, max_message_bytes, certificates[r], replica=r, threads=threads)
                  for r in range(config.replicas)]
-    router = (ManagedProcess("router", CLI + ["router", *to_argv(router_config(config, pipelines))])
+    # The router presents the frontends' key (API_KEY_ENV, whatever --api-key-env names) on its own
+    # requests to them: their /kv/* routes are authenticated.
+    router = (ManagedProcess("router", CLI + ["router", *to_argv(router_config(config, pipelines))],
+                             {API_KEY_ENV: os.environ.get(config.api_key_env, "")})
               if config.replicas > 1 else None)
     signals = StopSignals()
     on_stop_signals(signals.receive)

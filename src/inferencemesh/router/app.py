@@ -9,9 +9,11 @@
 
 A prompt is scored by the KV blocks each replica's cache holds (kv_view.py: the replicas' KV events,
 the prompt tokenized as the frontend does by `prompt_tokenizer`, which the router's program gives
-it), or, where the router cannot tokenize (no tokenizer loader, or the replicas' tokenizer not
-readable here, or a request it cannot tokenize), by the characters it sent each replica before
-(policy.PrefixAffinity). The metric label `scorer` and the log say which.
+it; where the source the replicas name is not readable here, its files fetched from a replica:
+tokenizer_files.py), or, where the router cannot tokenize (no tokenizer loader, a tokenizer neither
+readable nor fetched, or a request it cannot tokenize), by the characters it sent each replica
+before (policy.PrefixAffinity). The metric label `scorer` and the log say which. The router's own
+requests to the replicas present their API key (tokenizer_files.api_key_headers).
 
 A relayed request's body is read once (at most max_body_bytes: 413 beyond, from its declared
 Content-Length before any byte of it is read; whole within body_timeout seconds: 408 after, both
@@ -49,6 +51,7 @@ from inferencemesh.router.kv_view import BLOCKS, CHARACTERS, BlockScorer, KvDige
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixAffinity, RouteChoice, block_hashes, choose, key_seed, routing_key
 from inferencemesh.router.replicas import EndpointSliceWatch, LoadPoller, Replica, ReplicaSet, StaticReplicas, cancel
+from inferencemesh.router.tokenizer_files import TokenizerFolders, api_key_headers
 from inferencemesh.router.transport import ReplicaTransport
 from inferencemesh.router.upstream import Outgoing, Refusal, UpstreamFailed, attempt, relay
 
@@ -79,7 +82,8 @@ class RouterApp:
                                config.frontend_port, api_client=api_client))
         self.affinity = PrefixAffinity(ttl=config.affinity_ttl, max_entries=config.affinity_entries)
         self.kv = KvViews()
-        self.blocks = BlockScorer(self.kv, prompt_tokenizer)
+        self.tokenizer_folders = TokenizerFolders()
+        self.blocks = BlockScorer(self.kv, prompt_tokenizer, fetch=self._fetch_tokenizer)
         self.metrics = RouterMetrics()
         self.metrics.ready_replicas.set_function(lambda: len(self.replicas.up()))
         self.client: httpx.AsyncClient | None = None  # the load poller's
@@ -101,6 +105,9 @@ class RouterApp:
                                         follow_redirects=False)
         for name in list(self.client.headers):  # no Accept/User-Agent/... of its own: the client's pass
             del self.client.headers[name]
+        # Its own requests (/metrics, /ready, /kv/*) present the frontends' API key; relayed requests
+        # go to the transport, with the client's own headers.
+        self.client.headers.update(api_key_headers())
         self.replicas.on_removed.append(self._removed_elsewhere)
         self.source.start()
         self.poller = LoadPoller(self.replicas, self.client, self.config.load_poll_interval, kv=self.kv,
@@ -115,6 +122,14 @@ class RouterApp:
         self.source.stop()
         if self.client is not None:
             await self.client.aclose()
+        self.tokenizer_folders.close()
+
+    async def _fetch_tokenizer(self, source: str) -> str:
+        """A folder holding the tokenizer files of a replica whose KV events name `source`."""
+        assert self.client is not None
+        views = self.kv.views
+        urls = [r.url for name, r in self.replicas.up().items() if name in views and views[name].tokenizer == source]
+        return await self.tokenizer_folders.fetch(self.client, urls)
 
     def _removed_elsewhere(self, name: str) -> None:
         """From the watch thread (or the loop): forget a replica that left, on the loop."""

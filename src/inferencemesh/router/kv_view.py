@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from inferencemesh.config import API_KEY_ENV
 from inferencemesh.protocol.kv_events import CLEARED, REMOVED, STORED, KvEventPage, prompt_digests
 
 log = logging.getLogger("inferencemesh.router")
@@ -39,6 +41,9 @@ BLOCKS, CHARACTERS = "blocks", "characters"  # the scorers (the metrics' label):
 # cannot be loaded here). Given by the router's program: the router imports no tokenizer of its own.
 PromptTokens = Callable[[str, bytes], list[int] | None]
 PromptTokenizer = Callable[[str], PromptTokens]
+# The replicas' tokenizer files fetched from one of them (source -> a local folder holding them: the
+# router's tokenizer_files.TokenizerFolders), for a source the router cannot read itself.
+FetchTokenizer = Callable[[str], Awaitable[str]]
 KvDigests = dict[tuple[bytes, int], list[bytes]]  # (salt, block size) -> a prompt's digests (digests_of)
 
 
@@ -100,6 +105,7 @@ class KvViews:
 
     def __init__(self) -> None:
         self.views: dict[str, ReplicaBlocks] = {}
+        self.refused = False  # a replica answered 401 (said once in the log)
 
     def forget(self, name: str) -> None:
         self.views.pop(name, None)
@@ -118,6 +124,10 @@ class KvViews:
         view = self.views.setdefault(name, ReplicaBlocks())
         params: dict[str, Any] = {"after": view.seq, "epoch": view.epoch} if view.known else {}
         response = await client.get(url + EVENTS_PATH, params=params)
+        if response.status_code == 401 and not self.refused:
+            self.refused = True
+            log.warning("KV events of %s refused (401): the router needs the frontends' API key in %s to score "
+                        "by KV blocks", name, API_KEY_ENV)
         response.raise_for_status()
         page = KvEventPage.from_json(response.json())
         if self.views.get(name) is view:  # not forgotten meanwhile
@@ -158,10 +168,12 @@ def digests_of(prompt: Sequence[int], params: Sequence[tuple[bytes, int]]) -> Kv
 class BlockScorer:
     """A prompt's digests for KvViews.match, once the tokenizer the replicas name is loaded (with
     `prompt_tokenizer`, off the event loop, once per source they name); until then, or where it
-    cannot be loaded, None: the router scores by characters."""
+    cannot be loaded, None: the router scores by characters. A source that is not a folder here
+    (`local`: a replica pod's path, a hub id) is loaded from the files `fetch` gets from a replica."""
 
-    def __init__(self, views: KvViews, prompt_tokenizer: PromptTokenizer | None) -> None:
-        self.views, self.prompt_tokenizer = views, prompt_tokenizer
+    def __init__(self, views: KvViews, prompt_tokenizer: PromptTokenizer | None, *,
+                 fetch: FetchTokenizer | None = None, local: Callable[[str], bool] = os.path.isdir) -> None:
+        self.views, self.prompt_tokenizer, self.fetch, self.local = views, prompt_tokenizer, fetch, local
         self.tokens: PromptTokens | None = None
         self.tried = ""  # the source last tried
         self.loading: asyncio.Task | None = None
@@ -181,13 +193,17 @@ class BlockScorer:
         self.loading = asyncio.create_task(self._load(self.prompt_tokenizer, source))
 
     async def _load(self, loader: PromptTokenizer, source: str) -> None:
+        fetched = self.fetch is not None and not self.local(source)
         try:
-            self.tokens = await asyncio.to_thread(loader, source)
-        except Exception as err:  # noqa: BLE001 - whatever the loader raises: the fallback holds
+            folder = await self.fetch(source) if self.fetch is not None and fetched else source
+            self.tokens = await asyncio.to_thread(loader, folder)
+        except Exception as err:  # noqa: BLE001 - whatever the loader or the fetch raises: the fallback holds
             self.tokens = None
-            log.warning("routing by characters: the replicas' tokenizer %s cannot be loaded here (%s)", source, err)
+            log.warning("routing by characters: the replicas' tokenizer %s cannot be loaded here%s (%s)", source,
+                        ", nor fetched from a replica" if fetched else "", err)
             return
-        log.info("routing by KV blocks: prompts tokenized with %s, as the replicas do", source)
+        log.info("routing by KV blocks: prompts tokenized with %s%s, as the replicas do", source,
+                 " (its files fetched from a replica)" if fetched else "")
 
     async def digests(self, path: str, body: bytes) -> KvDigests | None:
         """The prompt's reusable blocks' digests under each replica's salt and block size; None

@@ -1,14 +1,19 @@
 """The routes about the server itself: GET /health (liveness), GET /ready (the engine ready and
 this replica not draining), GET /metrics (Prometheus), GET /kv/events (what its KV cache holds,
-for the router: protocol/kv_events.py) and GET /v1/models[/{id}] (the model it serves, listed
-once it is ready)."""
+for the router: protocol/kv_events.py), GET /kv/tokenizer[/{file}] (its tokenizer's files, for a
+router that cannot read the model folder: it tokenizes prompts as this frontend does) and
+GET /v1/models[/{id}] (the model it serves, listed once it is ready).
+
+/kv/events and /kv/tokenizer are authenticated as the API is (a block's digest of a known prompt
+tells whether that prompt was sent): the router presents the same key."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from inferencemesh.frontend.openai.drain import draining_error
 from inferencemesh.frontend.openai.errors import APIError
@@ -22,6 +27,11 @@ from inferencemesh.frontend.openai.response_bodies import (
 )
 from inferencemesh.frontend.openai.serving import Serving, serving
 
+# The files a tokenizer is loaded from (transformers' names): never weights, never code.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt")
+TOKENIZER_MAX_BYTES = 128 * 1024 * 1024  # all of them together (a large vocabulary's tokenizer.json: ~30 MB)
 NOT_READY = {"model": ErrorResponse, "description": "The model is not ready yet, or this replica is draining"}
 
 router = APIRouter()
@@ -66,6 +76,38 @@ async def kv_events(request: Request, after: int | None = Query(None, descriptio
         raise APIError(404, "This frontend publishes no KV events.", code="not_found")
     page = blocks.event_page(after, epoch, tokenizer=str(getattr(front.tokenizer, "name_or_path", "") or ""))
     return JSONResponse(page.to_json())  # as it is: a snapshot's thousands of digests skip FastAPI's encoder
+
+
+def tokenizer_files(front: Serving) -> tuple[Path, dict[str, int]]:
+    """The folder this frontend's tokenizer was loaded from, and its tokenizer files' sizes (404 when
+    it was not loaded from a folder, 413 when they exceed TOKENIZER_MAX_BYTES together)."""
+    folder = Path(str(getattr(front.tokenizer, "name_or_path", "") or ""))
+    if not str(folder) or not folder.is_dir():
+        raise APIError(404, "This frontend's tokenizer was not loaded from a folder.", code="not_found")
+    files = {name: (folder / name).stat().st_size for name in TOKENIZER_FILES if (folder / name).is_file()}
+    if sum(files.values()) > TOKENIZER_MAX_BYTES:
+        raise APIError(413, f"This frontend's tokenizer files exceed {TOKENIZER_MAX_BYTES} bytes.",
+                       code="tokenizer_too_large")
+    return folder, files
+
+
+@router.get("/kv/tokenizer", responses={200: {"content": {"application/json": {"schema": {"type": "object"}}}},
+                                        404: GENERATION_ERRORS[404], **COMMON_ERRORS})
+async def tokenizer_listing(request: Request) -> dict[str, Any]:
+    """The tokenizer's files (name -> bytes) and its source, as /kv/events names it."""
+    front = serving(request)
+    folder, files = tokenizer_files(front)
+    return {"tokenizer": str(folder), "files": files}
+
+
+@router.get("/kv/tokenizer/{name}", responses={200: {"content": {"application/octet-stream": {}}},
+                                               404: GENERATION_ERRORS[404], **COMMON_ERRORS})
+async def tokenizer_file(name: str, request: Request) -> Response:
+    """One of the tokenizer's files, as it is on disk (only the names /kv/tokenizer lists)."""
+    folder, files = tokenizer_files(serving(request))
+    if name not in files:
+        raise APIError(404, f"No tokenizer file `{name}` here.", code="not_found")
+    return FileResponse(folder / name, media_type="application/octet-stream")
 
 
 # The model is listed once it is ready, as /ready says (a draining replica still lists it, see
