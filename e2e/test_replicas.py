@@ -210,7 +210,8 @@ def test_two_pipelines_are_ready_and_every_pod_runs(settings: dict, replicated: 
 
 # ---- routing through the Service ----------------------------------------------------------------
 
-# About 600 characters (the router hashes prompts in blocks of 128): every request below starts so.
+# About 600 characters (well over a few 16-token KV blocks, which the router scores by, and over its
+# 128-character fallback blocks): every request below starts so.
 SHARED_PREFIX = "".join(f"def helper_{i}(value):\n    return value * {i} + {i}\n\n" for i in range(14))
 
 
