@@ -194,9 +194,10 @@ def test_the_scorer_loads_the_tokenizer_the_replicas_name_once_and_falls_back_wh
 def test_the_router_fetches_the_tokenizer_from_a_replica_and_computes_its_digests(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A router that cannot read the source the replicas name (a pod's model folder) fetches the
-    tokenizer's files from one (GET /kv/tokenizer, with the frontends' API key) and tokenizes
-    completions and chats as that frontend does: the same digests."""
-    from fixture_engine import build_fixture_model
+    tokenizer's files from one over HTTP (GET /kv/tokenizer, with the frontends' API key; again
+    later when no replica could answer) and tokenizes completions and chats as that frontend does:
+    the same digests."""
+    from fixture_engine import build_fixture_model, serve
 
     from inferencemesh.config import API_KEY_ENV, RouterConfig
     from inferencemesh.frontend.openai.app import create_app
@@ -206,27 +207,30 @@ def test_the_router_fetches_the_tokenizer_from_a_replica_and_computes_its_digest
 
     fm = build_fixture_model()
     source = str(fm.tokenizer.name_or_path)
-    frontend = create_app(fm.engine, fm.tokenizer, served_model_name=fm.name, api_key="fetch-key")
     bodies = {"/v1/completions": {"model": fm.name, "prompt": "def fibonacci(n):\n    " * 12},
               "/v1/chat/completions": {"model": fm.name, "messages": [
                   {"role": "system", "content": "You write Python. " * 10}, {"role": "user", "content": "Sort it."}]}}
 
-    async def run() -> None:
-        transport = httpx.ASGITransport(app=frontend)
-        async with httpx.AsyncClient(transport=transport, base_url="http://a") as anonymous:
-            for path in ("/kv/events", "/kv/tokenizer", "/kv/tokenizer/tokenizer.json"):
-                assert (await anonymous.get(path)).status_code == 401, path  # authenticated, as the API is
+    async def run(url: str) -> None:
         monkeypatch.setenv(API_KEY_ENV, "fetch-key")
-        router = RouterApp(RouterConfig(frontends=("a=http://a",), load_poll_interval=60).check(),
-                           transport=lambda: transport, prompt_tokenizer=prompt_tokenizer)
+        router = RouterApp(RouterConfig(frontends=(f"a={url}",), load_poll_interval=60).check(),
+                           prompt_tokenizer=prompt_tokenizer)
         router.blocks.local = lambda where: False  # the replicas' folder is not readable here
         await router.startup()
         try:
             router.kv.views["a"] = view = ReplicaBlocks()
             view.apply(KvEventPage.from_json(BlockManager(8, BT, salt=SALT).event_page(
                 None, None, tokenizer=source).to_json()))
+            replica = router.replicas.get("a")
+            assert replica is not None
+            replica.mark_down("not ready yet")  # no replica to fetch from: characters, for now
             router.blocks.check()
             assert router.blocks.loading is not None
+            await router.blocks.loading
+            assert router.blocks.scorer == "characters" and router.blocks.retry_at > 0
+            replica.mark_up()
+            router.blocks.retry_at = time.monotonic() - 1  # FETCH_RETRY_S later
+            router.blocks.check()
             await router.blocks.loading
             assert router.blocks.scorer == "blocks"
             [folder] = router.tokenizer_folders.folders
@@ -240,4 +244,10 @@ def test_the_router_fetches_the_tokenizer_from_a_replica_and_computes_its_digest
         finally:
             await router.shutdown()
         assert not folder.exists()  # removed when the router stops
-    asyncio.run(run())
+
+    with serve(create_app(fm.engine, fm.tokenizer, served_model_name=fm.name, api_key="fetch-key")) as url:
+        for path in ("/kv/events", "/kv/tokenizer", "/kv/tokenizer/tokenizer.json"):
+            assert httpx.get(url + path).status_code == 401, path  # authenticated, as the API is
+        assert httpx.get(url + "/kv/tokenizer/config.json", headers={"Authorization": "Bearer fetch-key"}
+                         ).status_code == 404  # only the tokenizer's files
+        asyncio.run(run(url))

@@ -35,6 +35,7 @@ EVENTS_PATH = "/kv/events"
 # Blocks of a prompt the router hashes (64k tokens of blocks of 16): its work per request is bounded.
 MAX_ROUTE_BLOCKS = 4096
 EXPECTED_S = 10.0  # how long a block sent to a replica counts as held before its events say so
+FETCH_RETRY_S = 30.0  # after a failed fetch of the replicas' tokenizer (none ready, a refusal), the next try
 BLOCKS, CHARACTERS = "blocks", "characters"  # the scorers (the metrics' label): KV blocks, or the fallback
 # A request's prompt as token ids (path, body -> ids, None if it has none the router can tokenize),
 # and what makes one from the replicas' tokenizer source (a model directory or hub id; raises if it
@@ -169,13 +170,15 @@ class BlockScorer:
     """A prompt's digests for KvViews.match, once the tokenizer the replicas name is loaded (with
     `prompt_tokenizer`, off the event loop, once per source they name); until then, or where it
     cannot be loaded, None: the router scores by characters. A source that is not a folder here
-    (`local`: a replica pod's path, a hub id) is loaded from the files `fetch` gets from a replica."""
+    (`local`: a replica pod's path, a hub id) is loaded from the files `fetch` gets from a replica,
+    tried again FETCH_RETRY_S after a failure (a loader's failure on files it has is final)."""
 
     def __init__(self, views: KvViews, prompt_tokenizer: PromptTokenizer | None, *,
                  fetch: FetchTokenizer | None = None, local: Callable[[str], bool] = os.path.isdir) -> None:
         self.views, self.prompt_tokenizer, self.fetch, self.local = views, prompt_tokenizer, fetch, local
         self.tokens: PromptTokens | None = None
         self.tried = ""  # the source last tried
+        self.retry_at = 0.0  # a failed fetch of it: when to try again (0: never)
         self.loading: asyncio.Task | None = None
 
     @property
@@ -185,17 +188,23 @@ class BlockScorer:
     def check(self) -> None:
         """After a poll round: load the tokenizer the replicas name, if it is a new one."""
         source = self.views.tokenizer()
-        if self.prompt_tokenizer is None or not source or source == self.tried:
+        if self.prompt_tokenizer is None or not source:
+            return
+        if source == self.tried and not (self.retry_at and time.monotonic() >= self.retry_at):
             return
         if self.loading is not None and not self.loading.done():
             return
-        self.tried = source
+        self.tried, self.retry_at = source, 0.0
         self.loading = asyncio.create_task(self._load(self.prompt_tokenizer, source))
 
     async def _load(self, loader: PromptTokenizer, source: str) -> None:
         fetched = self.fetch is not None and not self.local(source)
         try:
-            folder = await self.fetch(source) if self.fetch is not None and fetched else source
+            folder = source
+            if self.fetch is not None and fetched:
+                self.retry_at = time.monotonic() + FETCH_RETRY_S  # until the files are here
+                folder = await self.fetch(source)
+                self.retry_at = 0.0
             self.tokens = await asyncio.to_thread(loader, folder)
         except Exception as err:  # noqa: BLE001 - whatever the loader or the fetch raises: the fallback holds
             self.tokens = None
