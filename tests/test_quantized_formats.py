@@ -370,3 +370,16 @@ def test_quantized_experts_are_refused_at_plan_time(base, root, tmp_path):
     save_file(state, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="quantized MoE experts and embeddings are not served yet"):
         read_local(path)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "int8-channel", "fp8-dynamic"])
+def test_a_quantized_draft_takes_the_stage_runtime_and_refuses_the_lean_form(base, root, name):
+    """The draft's lean forward reads plain Linear weights: a quantized draft takes the stage
+    runtime (which computes QuantizedLinear), and refuses the lean form by name."""
+    from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
+
+    path = write_quantized(base, root, name)
+    draft = DraftModel(str(path), dtype="float32", device="cpu", max_context=128)
+    assert draft.form == "stage"
+    with pytest.raises(ValueError, match="quantized"):
+        DraftModel(str(path), dtype="float32", device="cpu", max_context=128, form="lean")

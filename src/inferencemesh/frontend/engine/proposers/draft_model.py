@@ -34,6 +34,7 @@ from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import SessionKV
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
+from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.speculation import draft_dtype
 
@@ -261,6 +262,8 @@ class _LeanForward:
         hooks = forward_hooks(config)
         if hooks != type(hooks)(None, None, None, False) or getattr(config, "attn_logit_softcapping", None):
             raise NotLean("the family's forward adds hooks around the layers (modeling/families.py)")
+        if any(isinstance(m, QuantizedLinear) for m in stage.layers.modules()):
+            raise NotLean("its layers are quantized (the stage runtime computes them)")
         facts = stage.facts
         self.dtype, self.device = stage.dtype, stage.device
         self.max_context = max_context
