@@ -46,7 +46,17 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from inferencemesh.config import RouterConfig
-from inferencemesh.router.asgi import BodyRefused, Message, Receive, Scope, Send, read_body, send_error, send_whole
+from inferencemesh.router.asgi import (
+    BodyRefused,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    lifespan,
+    read_body,
+    send_error,
+    send_whole,
+)
 from inferencemesh.router.kv_view import BLOCKS, CHARACTERS, BlockScorer, KvDigests, KvViews, PromptTokenizer
 from inferencemesh.router.metrics import RouterMetrics
 from inferencemesh.router.policy import PrefixAffinity, RouteChoice, block_hashes, choose, key_seed, routing_key
@@ -142,26 +152,11 @@ class RouterApp:
         if name not in self.replicas.current():
             self.metrics.remove_replica(name)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as err:  # noqa: BLE001 - reported to the server, which exits
-                    await send({"type": "lifespan.startup.failed", "message": str(err)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
     # ---- requests -------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send, self.startup, self.shutdown)
             return
         if scope["type"] != "http":
             return  # websockets are not served

@@ -79,3 +79,22 @@ async def read_body(scope: Scope, receive: Receive, *, limit: int, timeout_s: fl
                     return b"".join(chunks)
     except TimeoutError:
         raise BodyRefused(408, f"The request body did not arrive within {timeout_s:g} s.", "request_timeout") from None
+
+
+async def lifespan(receive: Receive, send: Send, startup: Callable[[], Awaitable[None]],
+                   shutdown: Callable[[], Awaitable[None]]) -> None:
+    """An app's ASGI lifespan: `startup` (a failure is reported to the server, which exits), then
+    `shutdown` when the server stops."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await startup()
+            except Exception as err:  # noqa: BLE001 - reported to the server, which exits
+                await send({"type": "lifespan.startup.failed", "message": str(err)})
+                return
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
