@@ -218,6 +218,17 @@ def wait_router_replicas(base_url: str, count: int, timeout: float = 60) -> dict
     return found  # type: ignore[return-value]
 
 
+def wait_router_scorer(base_url: str, scorer: str = "blocks", timeout: float = 120) -> None:
+    """Until the router scores prompts by `scorer` (GET /router/replicas): it routes by characters
+    until it has loaded the tokenizer the replicas name, and a request routed then records no
+    blocks for the next."""
+    def current() -> str:
+        with urllib.request.urlopen(f"{base_url}/router/replicas", timeout=30) as reply:
+            return str(json.load(reply).get("scorer"))
+
+    wait_for(lambda: current() == scorer, timeout, f"the router to score by {scorer}")
+
+
 def delete_mesh(ns: str, name: str) -> None:
     kubectl("delete", "inferencemesh", name, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=120s",
             check=False)

@@ -53,6 +53,7 @@ from imesh_e2e import (
     stage_pod,
     wait_for,
     wait_router_replicas,
+    wait_router_scorer,
     wait_settled,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -217,14 +218,16 @@ SHARED_PREFIX = "".join(f"def helper_{i}(value):\n    return value * {i} + {i}\n
 
 def test_requests_sharing_a_long_prefix_land_on_one_replica(settings: dict, replicated: dict) -> None:
     """Sequential requests (no load to balance) that share a long prefix and differ at their ends all
-    go to the replica the first went to: the router counts them there (and as prefix-affinity hits),
-    and that replica's frontend forks the prefix from its prefix cache; the other sees none."""
+    go to the replica the first went to: the router counts them there (and as prefix-affinity hits,
+    scored by the KV blocks the replicas publish), and that replica's frontend reuses the prefix's
+    cached blocks; the other sees none."""
     ns = replicated["namespace"]
     wait_settled(ns, NAME, settings["timeout"])
     prompts = [SHARED_PREFIX + f"def task_{j}(items):\n" for j in range(6)]
     hits_before = {k: frontend_counter(ns, k, "inferencemesh_prefix_cache_hits_total") for k in (0, 1)}
     with port_forward(ns, *endpoint(replicated)) as base:
         wait_router_replicas(base, 2)
+        wait_router_scorer(base)
         client = openai_client(base)
         before = routed(base)
         affinity_before = router_metric(base, "inferencemesh_router_prefix_affinity_hits_total")
