@@ -251,3 +251,18 @@ def test_the_router_fetches_the_tokenizer_from_a_replica_and_computes_its_digest
         assert httpx.get(url + "/kv/tokenizer/config.json", headers={"Authorization": "Bearer fetch-key"}
                          ).status_code == 404  # only the tokenizer's files
         asyncio.run(run(url))
+
+
+@pytest.mark.parametrize("prompt", [[10**23, 1, 2], [-5, 1], [1, 10**6]], ids=["huge", "negative", "beyond-vocab"])
+def test_token_ids_the_frontend_refuses_are_not_scored(prompt) -> None:
+    """A completion's token ids out of the vocabulary get no digests (the frontend answers them
+    400; a 10**23 id would overflow the hash's 64-bit packing): the router routes by characters."""
+    from transformers import AutoTokenizer
+
+    from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
+    from inferencemesh.frontend.openai.prompt_ids import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_path(DEFAULT_MODEL))
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    assert prompt_ids(tokenizer, "/v1/completions", body) is None
+    assert prompt_ids(tokenizer, "/v1/completions", json.dumps({"model": "m", "prompt": [1, 2]}).encode()) == [1, 2]

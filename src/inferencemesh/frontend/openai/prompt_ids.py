@@ -37,7 +37,9 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, path: str, body: bytes) -> li
             prompt = completion.prompts()[0]
             if isinstance(prompt, str):
                 return text_ids(tokenizer, prompt, add_special_tokens=completion.add_special_tokens is not False)
-            return list(prompt)
+            ids = list(prompt)
+            # ids the frontend refuses (400) are not scored: an int of any size would reach the hash
+            return ids if all(0 <= i < len(tokenizer) for i in ids) else None
     except (ValueError, RecursionError, ValidationError, APIError, ConstraintError, IndexError):
         return None
     return None
