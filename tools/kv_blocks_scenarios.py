@@ -213,16 +213,17 @@ class Stream:
 
 
 async def stream(mesh: Mesh, prompt: str | list[int], max_tokens: int,
-                 started: asyncio.Event | None = None) -> Stream:
+                 started: asyncio.Event | None = None, logprobs: int | None = None) -> Stream:
     """A greedy streamed completion of text or token ids, to its end (completions, not chat: a
-    random-weight shape has no chat template)."""
+    random-weight shape has no chat template). With `logprobs`, every token is seen as it comes,
+    also one that decodes to no text yet (a random-weight shape's tokens often do)."""
     out = Stream(time.perf_counter())
     response: Any = await mesh.client().completions.create(
         model=mesh.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        logprobs=logprobs, stream_options={"include_usage": True})
     async with response:
         async for chunk in response:
-            if chunk.choices and chunk.choices[0].text and not out.first:
+            if chunk.choices and (chunk.choices[0].text or chunk.choices[0].logprobs) and not out.first:
                 out.first = time.perf_counter()
                 if started is not None:
                     started.set()
@@ -349,18 +350,21 @@ async def mixed(mesh: Mesh, shorts: int = 7, long_tokens: int = 3000, context: i
                 pairs: int = 2, short_tokens: int = 128) -> dict[str, Any]:
     """`shorts` short streams alone, then beside one stream of a `long_tokens` prompt that is
     decoding (started first, its first token awaited), `pairs` times, then alone once more: their
-    mean decode tok/s beside ÷ alone (alone phases bracket the beside ones: the machine drifts)."""
+    mean decode tok/s beside ÷ alone (alone phases bracket the beside ones: the machine drifts).
+    Every stream asks for logprobs, so its first token is seen whatever its text (random weights)."""
     await warm_up(mesh)
     long_prompt = await prompt_ids(mesh, long_tokens, "long")
 
     async def shorts_rate(kind: str) -> float:
-        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), short_tokens) for i in range(shorts)))
+        runs = await asyncio.gather(*(stream(mesh, short_prompt(i, kind), short_tokens, logprobs=1)
+                                      for i in range(shorts)))
         return sum(r.decode_tok_s for r in runs) / shorts
 
     alone, beside, long_throughout = [await shorts_rate("alone0")], [], True
     for pair in range(pairs):
         started = asyncio.Event()
-        long_task = asyncio.create_task(stream(mesh, long_prompt, context - long_tokens - 16, started=started))
+        long_task = asyncio.create_task(stream(mesh, long_prompt, context - long_tokens - 16, started=started,
+                                                logprobs=1))
         waited = asyncio.create_task(started.wait())
         await asyncio.wait([long_task, waited], return_when=asyncio.FIRST_COMPLETED)
         if long_task.done():
