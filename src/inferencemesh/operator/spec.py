@@ -66,6 +66,7 @@ class ModelSpec(_Spec):
     name: str
     revision: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    quantization: Literal["int8", "int4", "fp8"] | None = None
     served_model_name: str | None = None
     pvc: PvcSource | None = None
     layout: Layout | None = None
@@ -165,7 +166,7 @@ class SpeculativeSpec(_Spec):
 
 
 class RouterSpec(_Spec):
-    replicas: int = Field(default=1, ge=1, le=16)
+    replicas: int = Field(default=2, ge=1, le=16)
     resources: dict[str, Any] = {}
     node_selector: dict[str, str] = {}
     tolerations: tuple[dict[str, Any], ...] = ()
@@ -173,6 +174,7 @@ class RouterSpec(_Spec):
 
 class RolloutSpec(_Spec):
     max_surge: int = Field(default=1, ge=0, le=1)  # pipelines beyond spec.replicas while replacing them
+    max_unavailable: int = Field(default=0, ge=0, le=16)  # serving pipelines below spec.replicas while replacing
 
 
 class RestartBudgetSpec(_Spec):
