@@ -299,7 +299,8 @@ async def decode(mesh: Mesh, streams: int, bursts: int = 1, max_tokens: int = 64
             "max_running": peaks.peaks["inferencemesh_num_requests_running"],
             "max_waiting": peaks.peaks["inferencemesh_num_requests_waiting"],
             "max_kv_cache_usage_perc": peaks.peaks["inferencemesh_kv_cache_usage_perc"],
-            "ttft_s_median": statistics.median(r.first - r.sent for r in runs),
+            # None where no first token showed text (a random-weight shape's often decode to none)
+            "ttft_s_median": statistics.median(r.first - r.sent for r in runs) if all(r.first for r in runs) else None,
             "preemptions": delta(after, before, "inferencemesh_num_preemptions_total")}
 
 
