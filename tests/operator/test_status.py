@@ -15,7 +15,7 @@ from inferencemesh.operator.observe import (
 )
 from inferencemesh.operator.pipelines import Decision
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
-from inferencemesh.operator.reconcile import transition_events
+from inferencemesh.operator.events import Announcer, transition_events
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.operator.status import PlanOutcome
 from inferencemesh.operator.status import compute_status as _compute_status
@@ -88,7 +88,8 @@ def test_fresh_mesh_is_progressing() -> None:
     assert st["phase"] == "Progressing" and st["stagesSummary"] == "0/2"
     assert conds(st) == {"Planned": ("True", "Planned"), "StagesReady": ("False", "StagesNotReady"),
                          "FrontendReady": ("False", "FrontendNotReady"), "Ready": ("False", "StagesNotReady"),
-                         "Degraded": ("False", "AsExpected")}
+                         "Available": ("False", "PipelinesUnavailable"), "Progressing": ("True", "PipelinesStarting"),
+                         "Degraded": ("False", "AsExpected")}  # a first start is not a degradation
     assert [s["layers"] for s in st["stages"]] == ["0:2", "2:4"] and st["stages"][0]["pod"] == "p0"
     assert "pod" not in st["stages"][1]  # absent, never "": see status.py
     assert st["stages"][1]["memoryBytes"] == 2**30 and "memoryBytes" not in st["stages"][0]
@@ -114,24 +115,29 @@ def test_a_crash_looping_pod_degrades_and_recovery_clears_it() -> None:
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert "p1: CrashLoopBackOff (restarts 4)" in degraded["message"]
     assert conds(st)["Ready"] == ("False", "StagesNotReady")
-    events = transition_events(ready, st)
-    assert ("Degraded", "Warning") in [(r, k) for r, k, _ in events]
+    announcer = Announcer()
+    assert [r for r, _, _ in announcer.events("ml/code", {}, ready, "T1")[0]] == ["Ready"]
+    events, _ = announcer.events("ml/code", ready, st, "T2")  # a crash is no blink: at once
+    assert [(r, k) for r, k, _ in events] == [("Degraded", "Warning")]
     back = compute_status(mesh(st), SPEC, PLANNED, ALL_READY, [], "T3")
     assert back["phase"] == "Ready" and conds(back)["Degraded"] == ("False", "AsExpected")
-    reasons = [r for r, _, _ in transition_events(st, back)]
-    assert "Recovered" in reasons and "Ready" in reasons
+    assert [r for r, _, _ in announcer.events("ml/code", st, back, "T3")[0]] == ["Recovered"]
 
 
-def test_lost_readiness_without_spec_change_is_degraded_until_ready_again() -> None:
+def test_a_pipeline_that_served_and_stopped_degrades_the_mesh_until_it_serves_again() -> None:
     ready = compute_status(mesh(), SPEC, PLANNED, ALL_READY, [], "T1")
-    lost = {**ALL_READY, "code-p0-stage-0": deployment("code-p0-stage-0", 0)}
+    lost = {**ALL_READY, "code-p0-frontend": deployment("code-p0-frontend", 0)}
     st = compute_status(mesh(ready), SPEC, PLANNED, lost, [], "T2")
-    assert conds(st)["Degraded"] == ("True", "ReadinessLost")
+    assert conds(st)["Degraded"] == ("True", "CapacityBelowDesired") and st["phase"] == "Degraded"
+    assert conds(st)["Available"] == ("False", "PipelinesUnavailable")
+    assert st["pipelines"][0]["state"] == "Degraded" and not st["pipelines"][0]["ready"]
     st2 = compute_status(mesh(st), SPEC, PLANNED, lost, [], "T3")
-    assert conds(st2)["Degraded"] == ("True", "ReadinessLost") and st2 == st  # sticky, and stable
-    # a spec change (new generation) is a rollout, not degradation
-    st3 = compute_status(mesh(ready, generation=2), SPEC, PLANNED, lost, [], "T4")
-    assert conds(st3)["Degraded"] == ("False", "AsExpected") and st3["phase"] == "Progressing"
+    assert st2 == st  # sticky (the entry remembers it served), and stable
+    # a spec change does not excuse it: it served, so it is not starting
+    st3 = compute_status(mesh(st, generation=2), SPEC, PLANNED, lost, [], "T4")
+    assert conds(st3)["Degraded"] == ("True", "CapacityBelowDesired")
+    back = compute_status(mesh(st), SPEC, PLANNED, ALL_READY, [], "T5")
+    assert conds(back)["Degraded"][0] == "False" and conds(back)["Available"] == ("True", "PipelinesServing")
 
 
 def test_plan_failure_is_terminal_failed_with_reason() -> None:
@@ -328,7 +334,9 @@ def test_a_failed_pipeline_is_degraded_quoting_the_head_of_the_termination_messa
     assert conds(st)["StagesReady"][0] == "True" and conds(st)["FrontendReady"][0] == "True"
     assert conds(st)["Ready"] == ("False", "PipelinesNotReady")
     assert st["replicas"] == 1 and st["pipelinesSummary"] == "1/2 (1 failed)"
-    assert ("Degraded", "Warning") in [(r, k) for r, k, _ in transition_events({}, st)]
+    assert ("RestartBudgetExhausted", "Warning") in [(r, k) for r, k, _ in transition_events({}, st)]
+    assert transition_events(st, st) == []  # said once
+    assert [(r, k) for r, k, _ in Announcer().events("ml/code", {}, st, "T1")[0]] == [("Degraded", "Warning")]
 
 
 def test_two_ready_pipelines_are_ready_and_the_summary_counts_them() -> None:

@@ -122,6 +122,9 @@ async def mesh_event(type: str | None, namespace: str, name: str, memo: kopf.Mem
     if type == "DELETED":
         if worker is not None:
             worker.stop()  # owner references let the garbage collector remove the children
+        announcer = getattr(memo.get("reconciler"), "announcer", None)
+        if announcer is not None:  # a mesh made again under this name starts unannounced
+            announcer.forget(f"{namespace}/{name}")
     elif worker is None or worker.task.done():
         memo.worker = MeshWorker(memo.reconciler, namespace, name)
     else:

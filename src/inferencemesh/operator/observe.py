@@ -42,6 +42,41 @@ def deployment_ready(dep: dict | None) -> bool:
     )
 
 
+def not_ready_reason(pod: dict, probe_messages: dict[str, str] | None = None) -> str:
+    """Why a pod is not ready, as its kubelet says: the last readiness probe failure (an Unhealthy
+    event's message, from `probe_messages` by pod name), a waiting container's reason, a container
+    that ended, an unschedulable pod; else its Ready condition's message or its phase."""
+    st = pod.get("status") or {}
+    name = pod["metadata"]["name"]
+    problem = pod_problem(pod)
+    if problem:
+        return problem
+    if probe_messages and probe_messages.get(name):
+        return f"pod {name}: {probe_messages[name][:MESSAGE_HEAD]}"
+    for cs in st.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if state.get("waiting"):
+            waiting = state["waiting"]
+            text = str(waiting.get("reason") or "waiting")
+            text += f": {waiting['message']}" if waiting.get("message") else ""
+            return f"pod {name} container {cs.get('name', '?')}: {text[:MESSAGE_HEAD]}"
+        if state.get("terminated"):
+            return f"pod {name} container {cs.get('name', '?')} exited {state['terminated'].get('exitCode', '?')}"
+    conditions = {c.get("type"): c for c in st.get("conditions") or []}
+    scheduled = conditions.get("PodScheduled") or {}
+    if scheduled.get("status") == "False":
+        return f"pod {name} unschedulable: {scheduled.get('message') or scheduled.get('reason')}"
+    ready = conditions.get("Ready") or {}
+    if ready.get("status") == "False" and (ready.get("message") or ready.get("reason")):
+        return f"pod {name} not ready: {ready.get('message') or ready.get('reason')}"
+    return f"pod {name} is {st.get('phase', 'Pending')}" + (" and not ready" if st.get("phase") == "Running" else "")
+
+
+def pod_is_ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def pod_problem(pod: dict) -> str | None:
     """Why a pod is failing, or None: what Degraded reports."""
     st = pod.get("status") or {}
@@ -80,6 +115,35 @@ class PipelineObserved:
     @property
     def frontend_ready(self) -> bool:
         return deployment_ready(self._frontend_deployment())
+
+    @property
+    def serving(self) -> bool:
+        """Its frontend is ready: whose /ready needs every stage SERVING, so the router routes to it.
+        What a rollout counts (a stage pod's own probe blinking does not stop it serving)."""
+        return self.has_frontend and self.frontend_ready
+
+    @property
+    def created(self) -> str:
+        """When its frontend Deployment was created ("" when it has none)."""
+        dep = self._frontend_deployment()
+        return str(dep["metadata"].get("creationTimestamp") or "") if dep else ""
+
+    def not_serving_for(self, now: str) -> float:
+        """Seconds since its frontend last stopped serving (0 while it serves): since its frontend pod's
+        Ready condition last turned False (the kubelet keeps that time), else since the pod or the
+        Deployment was created; unknown times count as now (a pipeline is never presumed dead)."""
+        if self.serving:
+            return 0.0
+        live = [p for p in self.frontend_pods if not p["metadata"].get("deletionTimestamp")]
+        times = []
+        for pod in live:
+            ready = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                         None)
+            times.append(str((ready or {}).get("lastTransitionTime") or pod["metadata"].get("creationTimestamp") or ""))
+        if not live:
+            times.append(self.created)
+        seconds = [seconds_between(t, now) for t in times if t]
+        return max(0.0, min((s for s in seconds if s != float("inf")), default=0.0))
 
     @property
     def ready(self) -> bool:
@@ -184,12 +248,12 @@ def restart_window(previous: dict | None, restarts: int, now: str, window_second
         return RestartWindow(start, at_start, True)
     if restarts < at_start:  # a pod was replaced: its count started again
         at_start = restarts
-    if _seconds_between(start, now) > window_seconds:
+    if seconds_between(start, now) > window_seconds:
         return RestartWindow(now, restarts, False)
     return RestartWindow(start, at_start, restarts - at_start > budget)
 
 
-def _seconds_between(earlier: str, later: str) -> float:
+def seconds_between(earlier: str, later: str) -> float:
     parse = lambda t: datetime.datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731 - one use
     try:
         return (parse(later) - parse(earlier)).total_seconds()

@@ -3,14 +3,23 @@ pipelines that exist -> the pipelines to keep, to start, to drain and to remove.
 
 A pipeline is the unit of scale: a frontend and its own stages, identified by an index (its
 objects' prefix `<base>-p<k>`) and the revision it runs (a hash of its rendered objects: a new
-model, image or plan is a new revision). The rules, each a guarantee a user can see:
+model, image or plan is a new revision). A pipeline **serves** while its frontend is ready (the
+frontend's /ready needs every stage SERVING, so the router routes to it). The rules, each a
+guarantee a user can see:
 
-- **Never fewer ready than asked while replacing.** A rollout starts one pipeline of the new
-  revision beside the old ones (a surge of one) and drains an old one only while the ready
-  pipelines outnumber spec.replicas; so a new one is Ready before an old one drains. Where no
-  spare capacity exists for a surge (every GPU taken), spec.rollout.maxSurge 0 drains one old
-  pipeline first and starts its replacement in its place: one pipeline fewer while it loads.
-- **Scale-down drains the least useful first:** failed, then not ready, then the highest index.
+- **A floor while replacing.** A rollout keeps at least `replicas - maxUnavailable` pipelines
+  serving (maxUnavailable: spec.rollout, 0 by default; at least 1 with maxSurge 0, else nothing
+  could start) and at most `replicas + maxSurge` with a frontend. An old pipeline drains only
+  while the serving pipelines without it still reach the floor: with the defaults a new pipeline
+  serves before an old one drains, one at a time. The last serving pipeline never drains while a
+  surge could replace it first.
+- **A blink drains nothing.** An old pipeline that does not serve now (a probe timed out, a
+  stage restarted) is kept as long as it served within GRACE_SECONDS (the caller says which are
+  `stale`); only a Failed or stale one drains without regard to the floor (it serves nothing).
+- **A stuck rollout stops where it is:** a new pipeline that never serves holds the surge, so no
+  further old pipeline drains and the old ones keep serving (the status says why after
+  PROGRESS_DEADLINE_SECONDS).
+- **Scale-down drains the least useful first:** failed, then not serving, then the highest index.
 - **Drain, never drop.** A drained pipeline loses its frontend first (its pod turns unready, the
   router stops choosing it, it finishes what it serves: the frontend's own drain); its stages are
   removed only once no frontend pod of it is left, so in-flight requests can finish.
@@ -25,6 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_SURGE = 1  # spec.rollout.maxSurge's default
+# An old pipeline not serving for this long is dead, not blinking: it may drain regardless of the floor.
+GRACE_SECONDS = 60.0
+# A new pipeline not serving this long after its creation stops the rollout (Progressing=False).
+PROGRESS_DEADLINE_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -35,8 +48,13 @@ class Live:
     revision: str
     has_frontend: bool  # its frontend Deployment exists (not being deleted)
     frontend_pods: int  # frontend pods still there (terminating ones included)
-    ready: bool
+    ready: bool  # serving: its frontend is ready
     failed: bool = False
+    stale: bool = False  # not serving, and not for GRACE_SECONDS (or never served)
+
+    @property
+    def serving(self) -> bool:
+        return self.ready and not self.failed
 
 
 @dataclass
@@ -56,44 +74,42 @@ class Decision:
         return sorted(self.drain)
 
 
-def _drain_order(p: Live) -> tuple[bool, bool, int]:
-    return (not p.failed, p.ready, -p.index)  # failed first, then not ready, then the highest index
+def _drain_order(p: Live) -> tuple[bool, bool, bool, int]:
+    # failed first, then stale, then not serving, then the highest index
+    return (not p.failed, not p.stale, p.serving, -p.index)
 
 
-def decide(replicas: int, revision: str, live: list[Live], max_surge: int = MAX_SURGE) -> Decision:
+def floor_of(replicas: int, max_surge: int, max_unavailable: int) -> int:
+    """The fewest serving pipelines a rollout may leave: replicas - maxUnavailable, where maxUnavailable
+    is at least 1 without a surge (else no old pipeline could make room for a new one)."""
+    unavailable = max(max_unavailable, 0 if max_surge else 1)
+    return max(0, replicas - unavailable)
+
+
+def decide(replicas: int, revision: str, live: list[Live], max_surge: int = MAX_SURGE,
+           max_unavailable: int = 0) -> Decision:
     """The pipelines to run for `replicas` pipelines of `revision`, given the `live` ones; at most
-    `max_surge` (0 or 1) pipelines beyond `replicas` while old ones are replaced."""
+    `max_surge` pipelines beyond `replicas` and at most `max_unavailable` serving fewer while old
+    ones are replaced (see the module docstring)."""
     decision = Decision()
     going = [p for p in live if not p.has_frontend]  # drained already: remove once the frontend pods are gone
     decision.remove = sorted(p.index for p in going if p.frontend_pods == 0)
     decision.drain = [p.index for p in going if p.frontend_pods > 0]
-    serving = [p for p in live if p.has_frontend]
-    current = sorted((p for p in serving if p.revision == revision), key=_drain_order)
-    old = sorted((p for p in serving if p.revision != revision), key=_drain_order)
+    fronted = [p for p in live if p.has_frontend]
+    current = sorted((p for p in fronted if p.revision == revision), key=_drain_order)
+    old = sorted((p for p in fronted if p.revision != revision), key=_drain_order)
 
     # Scale-down: the current pipelines beyond `replicas`, least useful first.
     while len(current) > replicas:
         decision.drain.append(current.pop(0).index)
-    ready = sum(p.ready and not p.failed for p in current + old)
-    current_ready = sum(p.ready and not p.failed for p in current)
-    # Old pipelines go while the ready ones outnumber `replicas` (without a surge: while they
-    # reach it; a failed or unready old one serves nothing: it goes at once).
-    keep_old = []
-    for p in old:
-        if p.failed or not p.ready or replicas == 0:
-            decision.drain.append(p.index)
-        elif ready > replicas - 1 + max_surge and (current_ready > 0 or not max_surge):
-            decision.drain.append(p.index)
-            ready -= 1
-        else:
-            keep_old.append(p)
-    decision.old = sorted(p.index for p in keep_old)
+    decision.old = _drain_old(replicas, current, old, max_surge, max_unavailable, decision.drain)
+    keep_old = len(decision.old)
 
-    # Start what is missing: all of it without old pipelines, else one at a time (a surge of one).
+    # Start what is missing: all of it without old pipelines, else within the surge.
     taken = {p.index for p in live}
     missing = replicas - len(current)
     if keep_old:
-        missing = min(missing, max(0, replicas + max_surge - len(current) - len(keep_old)))
+        missing = min(missing, max(0, replicas + max_surge - len(current) - keep_old))
     # A pipeline of this revision without a frontend and without frontend pods is either drained or
     # not finished yet (a reconcile stopped between its stages and its frontend: a refused child, an
     # API error). Where one is missing it is taken up again, not removed and replaced under another
@@ -111,3 +127,22 @@ def decide(replicas: int, revision: str, live: list[Live], max_surge: int = MAX_
     decision.keep.update({k: True for k in new})
     decision.drain = sorted(decision.drain)
     return decision
+
+
+def _drain_old(replicas: int, current: list[Live], old: list[Live], max_surge: int, max_unavailable: int,
+               drain: list[int]) -> list[int]:
+    """Append to `drain` the old pipelines that go now; the old ones kept."""
+    floor = floor_of(replicas, max_surge, max_unavailable)
+    if max_surge and replicas:
+        floor = max(floor, 1)  # never the last serving pipeline while a surge can replace it first
+    serving = sum(p.serving for p in current + old)
+    kept = []
+    for p in old:
+        if replicas == 0 or p.failed or (p.stale and not p.serving):
+            drain.append(p.index)  # serves nothing, and not for a while
+        elif p.serving and serving - 1 >= floor:
+            drain.append(p.index)
+            serving -= 1
+        else:
+            kept.append(p.index)  # serving and needed, or blinking: it may serve again
+    return sorted(kept)

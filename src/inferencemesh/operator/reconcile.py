@@ -22,6 +22,7 @@ from kubernetes.client.rest import ApiException
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.config import FRONTEND_PORT
 from inferencemesh.operator import metrics
+from inferencemesh.operator.events import Announcer, Event, action_events, transition_events
 from inferencemesh.operator.frontend_probe import observed_strategy
 from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.kube import Kube, Write
@@ -36,8 +37,8 @@ from inferencemesh.operator.names import (
     pipeline_prefix,
     tls_secret_name,
 )
-from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows
-from inferencemesh.operator.pipelines import Decision, Live, decide
+from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows, pod_is_ready
+from inferencemesh.operator.pipelines import GRACE_SECONDS, PROGRESS_DEADLINE_SECONDS, Decision, Live, decide
 from inferencemesh.operator.planning import Plan, make_plan
 from inferencemesh.operator.render import (
     RenderOptions,
@@ -47,7 +48,7 @@ from inferencemesh.operator.render import (
     render_children,
 )
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
-from inferencemesh.operator.status import CONDITION_TYPES, PlanOutcome, compute_status
+from inferencemesh.operator.status import PlanOutcome, compute_status
 from inferencemesh.operator.teardown import owner_references
 from inferencemesh.planner import PlanError
 
@@ -145,6 +146,7 @@ class Reconciler:
         self.facts = facts or ModelFacts()
         self.options = options or RenderOptions()
         self.observe = observe  # metrics URL -> the frontend's (strategy, reason)
+        self.announcer = Announcer()  # the Ready/Degraded state each mesh was last announced in
 
     def reconcile(self, namespace: str, name: str) -> Result:
         """Converge one mesh; safe to call any number of times (blocking: API calls)."""
@@ -181,8 +183,10 @@ class Reconciler:
         pods = self.kube.list("Pod", namespace, selector)
         decision: Decision | None = None
         windows: dict[int, RestartWindow] | None = None
+        revision = ""
         if spec is not None and outcome.plan is not None:
-            decision, windows, refused = self._run_pipelines(mesh, spec, outcome.plan, live, pods, result)
+            revision = pipeline_revision(mesh, spec, outcome.plan, self.options)
+            decision, windows, refused = self._run_pipelines(mesh, spec, outcome.plan, revision, live, pods, result)
             if refused is not None:
                 outcome = refused
             else:
@@ -195,24 +199,40 @@ class Reconciler:
             address = _ready_frontend_address(pods, decision)
             if address is not None:
                 speculative = self.observe(f"http://{address}:{FRONTEND_PORT}/metrics")
-        status = compute_status(mesh, spec, outcome, deployments, pods, _now(), observed_speculative=speculative,
-                                decision=decision if outcome.plan is not None else None, windows=windows)
+        now = _now()
+        status = compute_status(mesh, spec, outcome, deployments, pods, now, observed_speculative=speculative,
+                                decision=decision if outcome.plan is not None else None, windows=windows,
+                                revision=revision, probe_messages=self._probe_messages(namespace, pods))
         self._write_status(mesh, status, result)
+        announced, due_in = self.announcer.events(f"{namespace}/{name}", mesh.get("status") or {}, status, now)
+        for event in announced:
+            self._post(mesh, event, result)
+        if due_in is not None:
+            result.again_within(due_in)
         result.phase = status["phase"]
         return result
 
-    def _run_pipelines(self, mesh: dict, spec: MeshSpec, plan: Plan, live: dict[str, list[dict]], pods: list[dict],
-                       result: Result) -> tuple[Decision, dict[int, RestartWindow], PlanOutcome | None]:
+    def _run_pipelines(self, mesh: dict, spec: MeshSpec, plan: Plan, revision: str, live: dict[str, list[dict]],
+                       pods: list[dict], result: Result
+                       ) -> tuple[Decision, dict[int, RestartWindow], PlanOutcome | None]:
         """Observe the pipelines, decide which run, converge the children: the decision, each pipeline
         against its restart budget, and the outcome that replaces the plan's when a child is refused."""
         base = base_name(mesh["metadata"]["name"])
         owned = {d["metadata"]["name"]: d for d in live["Deployment"] if _owned_by(d, mesh["metadata"]["uid"])}
         observed = Observed.of(mesh, owned, pods)
-        windows = pipeline_windows(mesh, spec, observed, _now())
-        revision = pipeline_revision(mesh, spec, plan, self.options)
-        decision = decide(spec.replicas, revision, [
-            Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.ready, windows[i].failed)
-            for i, p in observed.pipelines.items()], spec.rollout.max_surge)
+        now = _now()
+        windows = pipeline_windows(mesh, spec, observed, now)
+        lives = []
+        for i, p in observed.pipelines.items():
+            quiet = p.not_serving_for(now)
+            lives.append(Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.serving, windows[i].failed,
+                              stale=not p.serving and quiet >= GRACE_SECONDS))
+            if p.has_frontend and not p.serving:  # look again when it turns stale, or its start runs late
+                limit = GRACE_SECONDS if p.revision != revision else PROGRESS_DEADLINE_SECONDS
+                if quiet < limit:
+                    result.again_within(limit - quiet + 1)
+        decision = decide(spec.replicas, revision, lives, spec.rollout.max_surge, spec.rollout.max_unavailable)
+        actions = action_events(observed, decision, revision, spec.replicas)
         protected, leaving_components = _left_alone(base, decision, owned, live)
         components = [c for i in decision.keep for c in pipeline_components(plan, pipeline_prefix(base, i))]
         certificates = self._certificates(mesh, spec, list(dict.fromkeys(components + leaving_components)),
@@ -226,7 +246,33 @@ class Reconciler:
             return decision, windows, PlanOutcome(None, "False", "ChildConflict", str(exc))
         except ChildRejected as exc:
             return decision, windows, PlanOutcome(None, "False", "InvalidChild", str(exc))
+        for event in actions:
+            self._post(mesh, event, result)
         return decision, windows, None
+
+    def _probe_messages(self, namespace: str, pods: list[dict]) -> dict[str, str]:
+        """The last readiness probe failure of each pod that is not ready, from its Unhealthy Events
+        (best effort: {} where the operator may not list Events)."""
+        waiting = {p["metadata"]["name"] for p in pods
+                   if not pod_is_ready(p) and not p["metadata"].get("deletionTimestamp")}
+        if not waiting:
+            return {}
+        try:
+            events = self.kube.list("Event", namespace)
+        except ApiException as exc:
+            log.debug("no probe messages: Events not listed (%s)", exc.status)
+            return {}
+        found: dict[str, tuple[str, str]] = {}
+        for ev in events:
+            obj = ev.get("involvedObject") or {}
+            message = str(ev.get("message") or "")
+            if ev.get("reason") != "Unhealthy" or obj.get("kind") != "Pod" or obj.get("name") not in waiting \
+                    or not message.startswith("Readiness probe"):
+                continue
+            when = str(ev.get("lastTimestamp") or ev.get("eventTime") or "")
+            if obj["name"] not in found or when >= found[obj["name"]][0]:
+                found[obj["name"]] = (when, message.strip())
+        return {name: message for name, (_, message) in found.items()}
 
     def _plan(self, spec: MeshSpec, result: Result) -> PlanOutcome:
         errors = validate(spec)
@@ -340,9 +386,13 @@ class Reconciler:
             log.error("status patch of %s/%s refused; patch was %s", meta["namespace"], meta["name"], json.dumps(patch))
             raise
         result.writes.append(Write("patch-status", "InferenceMesh", meta["name"]))
-        for reason, kind, message in transition_events(old, status):
-            self._event(mesh, reason, kind, message)
-            result.writes.append(Write("event", "Event", reason))
+        for event in transition_events(old, status):
+            self._post(mesh, event, result)
+
+    def _post(self, mesh: dict, event: Event, result: Result) -> None:
+        reason, kind, message = event
+        self._event(mesh, reason, kind, message)
+        result.writes.append(Write("event", "Event", reason))
 
     def _event(self, mesh: dict, reason: str, kind: str, message: str) -> None:
         meta = mesh["metadata"]
@@ -364,31 +414,3 @@ class Reconciler:
         except ApiException as exc:  # events are best effort
             log.warning("could not post event %s: %s", reason, exc.reason)
 
-
-def transition_events(old: dict, new: dict) -> list[tuple[str, str, str]]:
-    """(reason, Normal|Warning, message) for the key transitions between two statuses."""
-    def conds(status: dict) -> dict[str, dict]:
-        return {c["type"]: c for c in status.get("conditions") or [] if isinstance(c, dict) and "type" in c}
-
-    before, after = conds(old), conds(new)
-    events = []
-    for ctype in CONDITION_TYPES:
-        b, a = before.get(ctype, {}), after.get(ctype, {})
-        if a.get("status") == b.get("status") and a.get("reason") == b.get("reason"):
-            continue
-        status, reason, message = a.get("status"), a.get("reason", ""), a.get("message", "")
-        if ctype == "Planned" and status == "True":
-            events.append(("Planned", "Normal", message))
-        elif ctype == "Planned" and status == "False":
-            events.append((reason or "PlanFailed", "Warning", message))
-        elif ctype == "Planned" and status == "Unknown" and reason:  # e.g. the hub is unreachable: retried
-            events.append((reason, "Warning", message))
-        elif ctype == "Ready" and status == "True":
-            events.append(("Ready", "Normal", message))
-        elif ctype == "Degraded" and status == "True":
-            events.append(("Degraded", "Warning", message))
-        elif ctype == "Degraded" and b.get("status") == "True":
-            events.append(("Recovered", "Normal", message))
-    if old.get("planHash") and new.get("planHash") and old["planHash"] != new["planHash"]:
-        events.append(("Replanned", "Normal", after.get("Planned", {}).get("message", "")))
-    return events

@@ -1,30 +1,38 @@
 """Pure status computation: plan outcome + observed children -> the InferenceMesh status.
 
-Conditions (each with reason and message), over the pipelines of the current revision:
+Conditions (each with reason and message), over the pipelines of the current revision unless said:
   Planned        True once layer ranges exist; False for an impossible spec (terminal until edited);
                  Unknown while the model cannot be read yet (retried).
   StagesReady    every stage Deployment of every pipeline has its up-to-date pod ready (a first stage
-                 embedded in the frontend is ready when the frontend is: it has no Deployment of its own).
+                 embedded in the frontend is ready when the frontend is: it has no Deployment of its own);
+                 a stage that is not says why (its readiness probe's last failure, a waiting container).
   FrontendReady  every pipeline's frontend is ready (its /ready needs every stage SERVING) and so is
                  the router.
+  Available      serving capacity against spec.replicas: pipelines of any revision whose frontend
+                 serves ("2/2 pipelines serving").
+  Progressing    the rollout: True while it replaces or starts pipelines ("rolling to revision abc: 1/2
+                 pipelines replaced"), False with ProgressDeadlineExceeded when a new pipeline has not
+                 served PROGRESS_DEADLINE_SECONDS after it started (and why), False/Complete when done.
   Ready          Planned and StagesReady and FrontendReady, with spec.replicas pipelines serving.
   Degraded       a pipeline Failed (its pods restarted beyond the budget: the head of the crash's
                  termination message), a pod of the mesh is failing (crash loop, image pull, OOM,
-                 failed), or readiness was lost without a spec change; clears when the pods are back.
-status.pipelines has one entry per pipeline (Ready, Progressing, Degraded, Failed, Outdated,
-Draining) with its restart window; status.replicas and status.selector serve the /scale subresource.
-lastTransitionTime only moves when a condition's status changes, so recomputing an unchanged
-world yields an identical status and the operator writes nothing.
+                 failed), or fewer pipelines serve than spec.replicas beyond those starting for the
+                 first time (a pipeline that served and stopped, a start past its deadline).
+status.pipelines has one entry per pipeline (Ready: serving; Progressing: never served yet; Degraded:
+served and stopped, or failing pods; Failed, Outdated, Draining) with its restart window;
+status.replicas and status.selector serve the /scale subresource. lastTransitionTime only moves when
+a condition's status changes, so recomputing an unchanged world yields an identical status and the
+operator writes nothing. Conditions follow the world at once; the Events that announce a change
+wait until it has lasted (events.py).
 
 Each condition is decided by one function (planned_condition, stages_condition, frontend_condition,
-ready_condition, degraded_condition) from the plan outcome and the children as observe.py sees
-them; compute_status puts them together with the phase and the other fields.
+ready_condition, degraded_condition; rollout.py: available_condition, progressing_condition) from the
+plan outcome and the children as observe.py sees them; compute_status puts them together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from inferencemesh.operator.names import (
     endpoint_url,
@@ -40,15 +48,27 @@ from inferencemesh.operator.observe import (
     PipelineObserved,
     RestartWindow,
     deployment_ready,
+    not_ready_reason,
+    pod_is_ready,
     pod_problem,
     reset_value,
 )
 from inferencemesh.operator.pipelines import Decision
 from inferencemesh.operator.planning import Plan
+from inferencemesh.operator.rollout import (
+    Capacity,
+    Verdict,
+    available_condition,
+    capacity,
+    capacity_problem,
+    progressing_condition,
+    served_before,
+    why_not_serving,
+)
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.speculation import SpeculativeChoice
 
-CONDITION_TYPES = ("Planned", "StagesReady", "FrontendReady", "Ready", "Degraded")
+CONDITION_TYPES = ("Planned", "StagesReady", "FrontendReady", "Available", "Progressing", "Ready", "Degraded")
 
 
 @dataclass(frozen=True)
@@ -59,26 +79,16 @@ class PlanOutcome:
     message: str = ""
 
 
-def _pending_reason(pods: list[dict]) -> str:
-    for pod in pods:
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False":
-                return f"pod {pod['metadata']['name']} unschedulable: {c.get('message') or c.get('reason')}"
-    if pods:
-        return f"pod {pods[0]['metadata']['name']} is {(pods[0].get('status') or {}).get('phase', 'Pending')}"
-    return "no pod yet"
+def _pending_reason(pods: list[dict], probe_messages: dict[str, str] | None = None) -> str:
+    """Why the pods of a component are not ready: the newest one that is not, in its kubelet's words."""
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")] or pods
+    waiting = [p for p in live if not pod_is_ready(p)] or live
+    pod = _newest(waiting)
+    return not_ready_reason(pod, probe_messages) if pod else "no pod yet"
 
 
 def _newest(pods: list[dict]) -> dict | None:
     return max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "", default=None)
-
-
-class Verdict(NamedTuple):
-    """One condition's status, reason and message."""
-
-    status: str  # "True" | "False" | "Unknown"
-    reason: str
-    message: str
 
 
 def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str, dict], now: str) -> dict:
@@ -95,7 +105,8 @@ def _condition(ctype: str, verdict: Verdict, generation: int, previous: dict[str
     }
 
 
-def stage_entries(obs: Observed, plan: Plan, current: list[PipelineObserved]) -> tuple[list[dict], list[str]]:
+def stage_entries(obs: Observed, plan: Plan, current: list[PipelineObserved],
+                  probe_messages: dict[str, str] | None = None) -> tuple[list[dict], list[str]]:
     """status.stages for a plan (ready: in every current pipeline; pod and address: the first one's),
     and a short account of each stage that is not ready somewhere."""
     entries, not_ready = [], []
@@ -112,7 +123,8 @@ def stage_entries(obs: Observed, plan: Plan, current: list[PipelineObserved]) ->
             pods.append(mine)
             if not ready:
                 where = "in the frontend: " if embedded else ""
-                not_ready.append(f"pipeline {pipeline.index} stage {s.index} ({where}{_pending_reason(mine)})")
+                not_ready.append(f"pipeline {pipeline.index} stage {s.index} ({where}"
+                                 f"{_pending_reason(mine, probe_messages)})")
         first = current[0] if current else None
         newest = _newest(pods[0]) if pods else None
         entry = {
@@ -148,7 +160,8 @@ def stages_condition(outcome: PlanOutcome, entries: list[dict], not_ready: list[
     return Verdict("False", "StagesNotReady", "; ".join(not_ready[:4]) or "no pipeline yet")
 
 
-def frontend_condition(obs: Observed, current: list[PipelineObserved], replicas: int) -> Verdict:
+def frontend_condition(obs: Observed, current: list[PipelineObserved], replicas: int,
+                       probe_messages: dict[str, str] | None = None) -> Verdict:
     if replicas == 0:
         return Verdict("False", "ScaledToZero", "spec.replicas is 0")
     missing = [p for p in current if not p.frontend_ready]
@@ -157,7 +170,7 @@ def frontend_condition(obs: Observed, current: list[PipelineObserved], replicas:
     if missing:
         p = missing[0]
         return Verdict("False", "FrontendNotReady",
-                       f"pipeline {p.index}'s frontend not ready: " + _pending_reason(p.frontend_pods))
+                       f"pipeline {p.index}'s frontend not ready: " + _pending_reason(p.frontend_pods, probe_messages))
     if not deployment_ready(obs.router):
         return Verdict("False", "RouterNotReady", "the router is not ready")
     return Verdict("True", "FrontendReady", "every pipeline's frontend answers /ready, and the router routes to them")
@@ -173,19 +186,18 @@ def ready_condition(planned: Verdict, stages: Verdict, frontend: Verdict, ready:
     return Verdict("True", "Ready", f"the OpenAI endpoint is serving ({ready} pipelines)")
 
 
-def degraded_condition(obs: Observed, outcome: PlanOutcome, ready: Verdict, previous: dict[str, dict],
-                       same_generation: bool, failed: list[str]) -> Verdict:
-    """A pipeline failed, a pod failing, or readiness lost without a spec change (kept until the mesh is
-    ready again)."""
+def degraded_condition(obs: Observed, failed: list[str], cap: Capacity | None) -> Verdict:
+    """A pipeline failed, a pod failing, or fewer pipelines serving than asked beyond those starting
+    for the first time (cap: None without a plan)."""
     if failed:
         return Verdict("True", "PipelineFailed", "; ".join(failed[:2]))
     if obs.problems:
         return Verdict("True", "PodsFailing", "; ".join(obs.problems[:4]))
-    was_ready = previous.get("Ready", {}).get("status") == "True"
-    was_lost = previous.get("Degraded", {}).get("reason") == "ReadinessLost"
-    if ready.status != "True" and outcome.plan is not None and same_generation and (was_ready or was_lost):
-        return Verdict("True", "ReadinessLost", "the mesh was ready and is not any more: " + ready.message)
-    return Verdict("False", "AsExpected", "no pod of the mesh is failing")
+    short = capacity_problem(cap) if cap is not None else None
+    if short:
+        return Verdict("True", "CapacityBelowDesired", short)
+    return Verdict("False", "AsExpected", "no pod of the mesh is failing and every pipeline asked for serves "
+                                          "or is starting")
 
 
 def phase_of(outcome: PlanOutcome, ready: Verdict, degraded: Verdict) -> str:
@@ -210,7 +222,7 @@ def speculative_status(planned: SpeculativeChoice, observed: tuple[str, str] | N
 
 
 def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: RestartWindow | None,
-                    budget_text: str) -> dict:
+                    budget_text: str, previous: dict | None, probe_messages: dict[str, str] | None) -> dict:
     p = obs.pipelines.get(index) or PipelineObserved(index, "", {}, [], {})
     problems = [m for m in (pod_problem(pod) for pod in p.pods) if m]
     if window is not None and window.failed:
@@ -219,18 +231,21 @@ def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: Resta
     elif index in decision.drain or (index in obs.pipelines and not p.has_frontend and index not in decision.keep):
         state, message = "Draining", "its frontend finishes its requests; its stages go after it"
     elif index in decision.old:
-        state, message = "Outdated", "an older revision, serving until a new pipeline is ready"
-    elif p.ready:
+        state, message = "Outdated", "an older revision, serving until a new pipeline serves" if p.serving \
+            else "an older revision, not serving: " + why_not_serving(p, probe_messages)
+    elif p.serving:
         state, message = "Ready", "serving"
     elif problems:
         state, message = "Degraded", "; ".join(problems[:2])
+    elif served_before(previous):
+        state, message = "Degraded", "served, and does not now: " + why_not_serving(p, probe_messages)
     else:
-        state, message = "Progressing", _pending_reason(p.pods) if p.pods else "starting"
+        state, message = "Progressing", why_not_serving(p, probe_messages) if p.deployments else "starting"
     entry = {"index": index, "name": pipeline_prefix(obs.base, index),
              # A pipeline with no object yet has no revision: leave the key out, never "" (kube-apiserver
              # 1.20's merge patch stores "" as null and refuses the whole status: see stage_entries).
              **({"revision": p.revision} if p.revision else {}),
-             "state": state, "ready": p.ready and state not in ("Failed", "Draining"),
+             "state": state, "ready": p.serving and state not in ("Failed", "Draining"),
              "message": message, "restarts": p.restarts}
     if window is not None:
         entry |= {"windowStart": window.start, "windowRestarts": window.restarts_at_start}
@@ -239,11 +254,13 @@ def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: Resta
 
 def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
                    pods: list[dict], now: str, observed_speculative: tuple[str, str] | None = None,
-                   decision: Decision | None = None, windows: dict[int, RestartWindow] | None = None) -> dict:
+                   decision: Decision | None = None, windows: dict[int, RestartWindow] | None = None,
+                   revision: str = "", probe_messages: dict[str, str] | None = None) -> dict:
     """The whole status object. deployments: by name; pods: every pod carrying the mesh label;
     spec: None when it does not parse (then outcome says why and there is no plan);
     decision: the pipelines the reconciler runs (pipelines.decide; default: the existing ones);
-    windows: each pipeline against its restart budget (pipeline_windows);
+    windows: each pipeline against its restart budget (pipeline_windows); revision: the current one;
+    probe_messages: the last readiness probe failure of each pod that has one, by pod name;
     observed_speculative: the (strategy, reason) a running frontend reports, if it could be read."""
     obs = Observed.of(mesh, deployments, pods)
     windows = windows or {}
@@ -252,12 +269,14 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     generation = int(mesh["metadata"].get("generation", 0))
     old_status = mesh.get("status") or {}
     previous = {str(c.get("type")): c for c in old_status.get("conditions") or [] if isinstance(c, dict)}
+    before = {int(e.get("index", -1)): e for e in old_status.get("pipelines") or [] if isinstance(e, dict)}
     plan = outcome.plan
     replicas = spec.replicas if spec is not None else len(decision.keep)
 
     current = [obs.pipelines.get(i) or PipelineObserved(i, "", {}, [], {})
                for i, running in sorted(decision.keep.items()) if running and not (i in windows and windows[i].failed)]
-    entries, not_ready = stage_entries(obs, plan, current) if plan is not None else (old_status.get("stages") or [], [])
+    entries, not_ready = stage_entries(obs, plan, current, probe_messages) if plan is not None \
+        else (old_status.get("stages") or [], [])
     status: dict = {"observedGeneration": generation, "stages": entries}
     if plan is not None:
         n = len(plan.stages)
@@ -267,22 +286,29 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     budget_text = "" if spec is None else \
         f"in {spec.restart_budget.window_seconds}s (budget {spec.restart_budget.restarts})"
     indexes = sorted((set(obs.pipelines) | set(decision.keep)) - set(decision.remove))
-    status["pipelines"] = [_pipeline_entry(obs, i, decision, windows.get(i), budget_text) for i in indexes]
+    status["pipelines"] = [_pipeline_entry(obs, i, decision, windows.get(i), budget_text, before.get(i),
+                                           probe_messages) for i in indexes]
     failed = [f"pipeline {e['index']} failed: {e['message']}" for e in status["pipelines"] if e["state"] == "Failed"]
-    ready_count = sum(p.ready for p in current)
+    ready_count = sum(p.serving for p in current)
     status["replicas"] = ready_count
     status["selector"] = selector_text(frontends_selector(obs.base))
     status["pipelinesSummary"] = f"{ready_count}/{replicas}" + (f" ({len(failed)} failed)" if failed else "")
     if reset_value(mesh):  # never "": kube-apiserver 1.20's merge patch stores it as null (see stage_entries)
         status["restartsReset"] = reset_value(mesh)
 
+    cap = capacity(obs, decision, windows, before, replicas, revision or "?", now, probe_messages) \
+        if plan is not None else None
     planned = planned_condition(outcome)
     stages = stages_condition(outcome, entries, not_ready, replicas)
-    frontend = frontend_condition(obs, current, replicas)
+    frontend = frontend_condition(obs, current, replicas, probe_messages)
+    unplanned = Verdict("Unknown" if outcome.planned_status == "Unknown" else "False", "NotPlanned",
+                        "no plan: " + outcome.message)
+    available = available_condition(cap) if cap is not None else unplanned
+    progressing = progressing_condition(cap, obs, decision) if cap is not None else unplanned
     ready = ready_condition(planned, stages, frontend, ready_count, replicas)
-    same_generation = int(old_status.get("observedGeneration", -1)) == generation
-    degraded = degraded_condition(obs, outcome, ready, previous, same_generation, failed)
-    verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, ready, degraded), strict=True))
+    degraded = degraded_condition(obs, failed, cap)
+    verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, available, progressing, ready, degraded),
+                        strict=True))
     status["conditions"] = [_condition(t, v, generation, previous, now) for t, v in verdicts.items()]
     status["phase"] = phase_of(outcome, ready, degraded)
 
