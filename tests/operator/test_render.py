@@ -58,8 +58,8 @@ def test_stage_arguments_carry_the_range_and_the_downstream_and_parse_with_the_r
         want_downstream = None if i == 2 else f"code-p0-stage-{i + 1}.ml.svc:{STAGE_GRPC_PORT}"
         assert parsed.downstream == want_downstream
         assert not hasattr(parsed, "max_batch_tokens")  # the frontend's microbatch budget, not a stage's
-        assert parsed.tls_dir == P.TLS_MOUNT  # mutual TLS by default: the kubelet's gRPC probe cannot present a cert
-        assert c["readinessProbe"]["exec"]["command"][-2:] == ["--server-name", f"code-p0-stage-{i}.ml.svc"]
+        assert parsed.tls_dir == P.TLS_MOUNT  # mutual TLS by default: the probes do not speak gRPC
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert objs[("Deployment", f"code-p0-stage-{i}")]["spec"]["strategy"] == {"type": "Recreate"}
 
@@ -118,11 +118,16 @@ def test_network_policy_admits_only_the_frontend_and_the_previous_stage() -> Non
         assert sources == expected
         assert grpc_rule["ports"] == [{"protocol": "TCP", "port": STAGE_GRPC_PORT}]
         assert "from" not in metrics_rule and metrics_rule["ports"][0]["port"] == STAGE_METRICS_PORT
-    # metrics off: no open metrics port, no metrics container port, metrics flag 0
+    # metrics off: nothing advertises or opens /metrics, but the port answers the kubelet's probes
     off = children({"model": {"name": "org/m"}, "telemetry": {"metrics": False}})
     assert len(off[("NetworkPolicy", "code-p0-stage-1")]["spec"]["ingress"]) == 1
     stage = container(off[("Deployment", "code-p0-stage-1")])
-    assert arg(stage["args"], "--metrics-port") == "0" and [p["name"] for p in stage["ports"]] == ["grpc"]
+    assert arg(stage["args"], "--metrics-port") == str(STAGE_METRICS_PORT)
+    assert [p["name"] for p in stage["ports"]] == ["grpc", "metrics"]
+    assert stage["readinessProbe"]["httpGet"]["port"] == "metrics"
+    assert [p["name"] for p in off[("Service", "code-p0-stage-1")]["spec"]["ports"]] == ["grpc"]
+    template = off[("Deployment", "code-p0-stage-1")]["spec"]["template"]["metadata"]["annotations"]
+    assert "prometheus.io/scrape" not in template
 
 
 def test_services_select_their_own_pods() -> None:
@@ -189,9 +194,22 @@ def test_pvc_api_key_placement_and_image_options() -> None:
     assert N.endpoint_url("code", "ml", parse_spec(spec)) == "http://code-frontend.ml.svc:443/v1"
 
 
-def test_old_clusters_get_an_exec_health_probe() -> None:
-    c = container(children(opts=P.RenderOptions(grpc_probes=False))[("Deployment", "code-p0-stage-0")])
-    assert c["readinessProbe"]["exec"]["command"][:3] == ["python", "-m", "inferencemesh.stage.healthprobe"]
+def test_stage_probes_are_the_stages_own_http_answers_on_every_cluster_and_with_or_without_tls() -> None:
+    """No exec probe (an interpreter per probe) and no gRPC probe (no client certificate): the stage
+    answers /ready and /live in-process, so old clusters, mutual TLS and plaintext probe alike."""
+    kinds = [children(opts=P.RenderOptions(grpc_probes=False)), children(),
+             children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})]
+    probes = [{k: container(objs[("Deployment", "code-p0-stage-1")])[k]
+               for k in ("startupProbe", "livenessProbe", "readinessProbe")} for objs in kinds]
+    assert probes[0] == probes[1] == probes[2]
+    ready, live, startup = probes[0]["readinessProbe"], probes[0]["livenessProbe"], probes[0]["startupProbe"]
+    assert ready["httpGet"] == {"path": "/ready", "port": "metrics"}
+    assert live["httpGet"] == startup["httpGet"] == {"path": "/live", "port": "metrics"}
+    # A loaded 2-core node answers a probe in up to ~2 s: no probe times out sooner, a blink is not a
+    # failure, and liveness restarts only a stage silent for minutes.
+    assert min(p["timeoutSeconds"] for p in (ready, live, startup)) >= 3
+    assert ready["failureThreshold"] >= 3
+    assert live["periodSeconds"] * live["failureThreshold"] >= 120
 
 
 def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate() -> None:
@@ -205,13 +223,12 @@ def test_mutual_tls_mounts_the_secret_everywhere_and_probes_with_a_certificate()
         c = container(deployment)
         assert {"name": "tls", "mountPath": P.TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
         assert parser.parse_args(c["args"]).tls_dir == P.TLS_MOUNT
-    probe = container(objs[("Deployment", "code-p0-stage-1")])["readinessProbe"]["exec"]["command"]
-    assert probe[3:] == ["127.0.0.1:50051", "--tls-dir", P.TLS_MOUNT, "--server-name", "code-p0-stage-1.ml.svc"]
+    assert "httpGet" in container(objs[("Deployment", "code-p0-stage-1")])["readinessProbe"]  # no certificate needed
     assert not [key for key in objs if key[0] == "Secret"]  # the user's Secret wins: the operator issues none
     plain = children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})
     assert not [key for key in plain if key[0] == "Secret"]
     assert "--tls-dir" not in container(plain[("Deployment", "code-p0-frontend")])["args"]
-    assert "grpc" in container(plain[("Deployment", "code-p0-stage-1")])["readinessProbe"]
+    assert "httpGet" in container(plain[("Deployment", "code-p0-stage-1")])["readinessProbe"]
 
 
 def test_operator_issued_certificates_one_secret_per_pod_mounted_and_hashed() -> None:

@@ -35,7 +35,7 @@ def test_the_routers_arguments_parse_back_with_the_routers_own_config() -> None:
     config = from_args(RouterConfig, build_parser().parse_args(args))
     assert config == RouterConfig(frontends_service="code-pipelines", namespace="ml", port=8000, frontend_port=8000)
     assert config.check() == config
-    assert router["spec"]["replicas"] == 1
+    assert router["spec"]["replicas"] == 2  # never alone by default: a router pod's loss is no outage
     c = container(router)
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["ports"][0]["name"] == "http"
     assert c["image"] == P.DEFAULT_FRONTEND_IMAGE  # the router runs from the frontend image

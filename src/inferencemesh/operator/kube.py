@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from kubernetes.dynamic.resource import Resource
 
 # The kinds the operator touches, by apiVersion (discovery needs both to pick one resource).
@@ -29,8 +29,12 @@ API_VERSIONS = {
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
+    "PodDisruptionBudget": "policy/v1",
     "InferenceMesh": "inferencemesh.io/v1alpha1",
 }
+# Where a server predates API_VERSIONS' version of a kind: the older one it serves instead, with the
+# same fields for what the renderer writes (policy/v1 PodDisruptionBudgets came with Kubernetes 1.21).
+OLDER_VERSIONS = {"PodDisruptionBudget": ("policy/v1beta1",)}
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,32 @@ class Kube:
         self.dynamic = DynamicClient(api)  # discovers the server's API groups now (network)
         self.timeout = timeout
         self._discovery = threading.Lock()  # the client's lazy discovery cache is not thread-safe
+        self._versions: dict[str, str] = {}  # kind -> the version this server serves (once found)
 
     def _resource(self, kind: str) -> Resource:
         with self._discovery:
-            return self.dynamic.resources.get(api_version=API_VERSIONS[kind], kind=kind)
+            known = self._versions.get(kind)
+            if known is not None:
+                return self.dynamic.resources.get(api_version=known, kind=kind)
+            # A miss re-reads the whole discovery: ask each version once, then remember the answer.
+            versions = [API_VERSIONS[kind], *OLDER_VERSIONS.get(kind, ())]
+            while True:
+                version = versions.pop(0)
+                try:
+                    resource = self.dynamic.resources.get(api_version=version, kind=kind)
+                except ResourceNotFoundError:
+                    if not versions:
+                        raise
+                    continue
+                self._versions[kind] = version
+                return resource
+
+    def _body(self, obj: dict) -> tuple[Resource, dict]:
+        """The object's resource, and the object in the version the server serves it in."""
+        resource = self._resource(obj["kind"])
+        if obj.get("apiVersion") != resource.group_version:
+            obj = {**obj, "apiVersion": resource.group_version}
+        return resource, obj
 
     def _call(self, verb: str, resource: Resource, **kwargs: Any) -> dict:
         method = getattr(self.dynamic, verb)
@@ -73,11 +99,13 @@ class Kube:
         return found.get("items") or []
 
     def create(self, obj: dict) -> dict:
-        return self._call("create", self._resource(obj["kind"]), body=obj, namespace=obj["metadata"]["namespace"])
+        resource, body = self._body(obj)
+        return self._call("create", resource, body=body, namespace=obj["metadata"]["namespace"])
 
     def replace(self, obj: dict) -> dict:
         """PUT: the whole object, guarded by the metadata.resourceVersion it carries."""
-        return self._call("replace", self._resource(obj["kind"]), body=obj, namespace=obj["metadata"]["namespace"])
+        resource, body = self._body(obj)
+        return self._call("replace", resource, body=body, namespace=obj["metadata"]["namespace"])
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
         try:

@@ -81,12 +81,14 @@ def _frontend_container(spec: MeshSpec, plan: Plan, pipe: PipelineRef, opts: Ren
         "resources": (sum_resources(stage_resources(spec), spec.frontend.resources) if embedded
                       else copy.deepcopy(spec.frontend.resources)),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-        "startupProbe": {**health, **(LAYERS_STARTUP_PROBE if embedded else {"periodSeconds": 5,
-                                                                            "failureThreshold": 120})},
-        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
-        # /ready is true only while every stage answers SERVING, and false once the pod drains. A
-        # busy node answers slowly: 3 s before a probe counts as failed, two failures to turn unready.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2,
+        # A loaded 2-core node answers slowly (a probe's default 1 s timeout is short there), and the
+        # embedded stage's work shares the process: liveness restarts only a frontend silent for 2 minutes.
+        "startupProbe": {**health, "timeoutSeconds": 5,
+                         **(LAYERS_STARTUP_PROBE if embedded else {"periodSeconds": 5, "failureThreshold": 120})},
+        "livenessProbe": {**health, "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 6},
+        # /ready is true only while every stage answers SERVING, and false once the pod drains: 3 s
+        # before a probe counts as failed, three failures in a row to turn unready.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3,
                            "timeoutSeconds": 3},
     }
     if spec.frontend.pre_stop_seconds:

@@ -1,6 +1,19 @@
-"""The mesh-wide objects: the plan's ConfigMap, the router (its Deployment and the least privilege
-it needs), the endpoint Service, the headless Service over every pipeline's frontend, and the
-Secrets of the certificates the operator issues. Pure: no API calls.
+"""The mesh-wide objects: the plan's ConfigMap, the router (its Deployment, the least privilege
+it needs and its disruption budget), the endpoint Service, the headless Service over every
+pipeline's frontend, the pipelines' disruption budget, and the Secrets of the certificates the
+operator issues. Pure: no API calls.
+
+Disruption budgets bound voluntary evictions (a node drain, the cluster autoscaler), which no
+rollout logic sees coming: the operator never takes the last serving pipeline down, and neither
+may an eviction. The mesh's pipeline pods (every frontend and stage, all pipelines) share one
+budget: a pipeline is down when any one of its pods is, and two budgets (frontends, stages) would
+let an eviction each take two pipelines down at once. With N pods unavailable at most N pipelines
+are down, so the budget allows max(1, spec.rollout.maxUnavailable) evictions, never more than
+spec.replicas - 1: with one pipeline, none (scale to two to drain its node). A pod counts only
+while it is Ready, so after an eviction the next waits until the evicted pod's pipeline serves
+again; a pod that is not Ready serves nothing and may always be evicted (unhealthyPodEvictionPolicy,
+Kubernetes 1.26+; older servers drop the field and count it against the budget). The router keeps
+one replica available the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from inferencemesh.flags import to_argv
 from inferencemesh.operator.issuing import MeshCertificates
 from inferencemesh.operator.names import (
     LABEL_COMPONENT,
+    LABEL_MESH,
     base_name,
     ca_secret_name,
     endpoint_service_name,
@@ -36,6 +50,9 @@ from inferencemesh.operator.render_pod import (
 )
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.planner import render_plan
+
+# The router's preStop wait: endpoints and kube-proxy forget a leaving router pod before it stops.
+ROUTER_PRE_STOP_SECONDS = 5
 
 
 def render_endpoint_service(base: str, namespace: str, spec: MeshSpec) -> dict:
@@ -69,8 +86,9 @@ def render_pipelines_service(base: str, namespace: str) -> dict:
 
 
 def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions) -> list[dict]:
-    """The router's Deployment and the least privilege it needs: its own ServiceAccount, allowed to
-    read and watch EndpointSlices in the mesh's namespace, nothing else."""
+    """The router's Deployment, the least privilege it needs (its own ServiceAccount, allowed to
+    read and watch EndpointSlices in the mesh's namespace, nothing else) and its disruption budget
+    (one router pod stays up through evictions)."""
     name = router_name(base)
     labels = {**mesh_labels(base), **router_selector(base)}
     config = RouterConfig(frontends_service=pipelines_service_name(base), namespace=namespace,
@@ -94,6 +112,7 @@ def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions
         # Ready once a pipeline is: before that the endpoint has nothing to serve with.
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2,
                            "timeoutSeconds": 3},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRE_STOP_SECONDS)]}}},
     }
     pod = pod_spec(spec, container, [{"name": "tmp", "emptyDir": {}}], node_selector=spec.router.node_selector,
                     tolerations=spec.router.tolerations, affinity=None)
@@ -121,7 +140,24 @@ def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions
                              "spec": pod},
             },
         },
+        _disruption_budget(copy.deepcopy(meta), {"matchLabels": router_selector(base)}, min_available=1),
     ]
+
+
+def _disruption_budget(meta: dict, selector: dict, *, min_available: int | None = None,
+                       max_unavailable: int | None = None) -> dict:
+    limit = {"minAvailable": min_available} if min_available is not None else {"maxUnavailable": max_unavailable}
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
+            "spec": {**limit, "selector": selector, "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+
+
+def render_pipelines_budget(base: str, namespace: str, spec: MeshSpec) -> dict:
+    """One disruption budget over every pipeline's pods, frontends and stages (see the module's doc)."""
+    allowed = max(0, min(max(1, spec.rollout.max_unavailable), spec.replicas - 1))
+    selector = {"matchLabels": {LABEL_MESH: base},
+                "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": ["frontend", "stage"]}]}
+    meta = object_meta(pipelines_service_name(base), namespace, {**mesh_labels(base), LABEL_COMPONENT: "pipelines"})
+    return _disruption_budget(meta, selector, max_unavailable=allowed)
 
 
 def render_plan_configmap(mesh: dict, spec: MeshSpec, plan: Plan) -> dict:

@@ -22,7 +22,6 @@ from inferencemesh.operator.render_pod import (
     CONTAINER_SECURITY,
     LAYERS_STARTUP_PROBE,
     POD_ENV,
-    TLS_MOUNT,
     PipelineRef,
     RenderOptions,
     metrics_annotations,
@@ -37,16 +36,15 @@ from inferencemesh.operator.resources import stage_resources
 from inferencemesh.operator.spec import MeshSpec
 from inferencemesh.tls import stage_peers
 
-
-def _grpc_probe(spec: MeshSpec, opts: RenderOptions, server_name: str, **timing: int) -> dict:
-    if opts.grpc_probes and not spec.tls:
-        return {"grpc": {"port": STAGE_GRPC_PORT}, **timing}
-    # Older clusters, or mutual TLS (the kubelet's gRPC probe presents no client certificate):
-    # the same grpc.health.v1 check from inside the container.
-    command = ["python", "-m", "inferencemesh.stage.healthprobe", f"127.0.0.1:{STAGE_GRPC_PORT}"]
-    if spec.tls:  # the certificate names the stage's Service, not 127.0.0.1
-        command += ["--tls-dir", TLS_MOUNT, "--server-name", server_name]
-    return {"exec": {"command": command}, **timing}
+# The stage answers its probes in-process on its HTTP (metrics) port, the same with mutual TLS
+# (stage/metrics_http.py): no interpreter per probe, no client certificate. Timeouts and thresholds
+# hold on a loaded 2-core node, where a Python answer can take a second or two.
+READINESS_PROBE = {"httpGet": {"path": "/ready", "port": "metrics"}, "periodSeconds": 5, "timeoutSeconds": 5,
+                   "failureThreshold": 3, "successThreshold": 1}
+# /live only asks the event loop, which never computes: a stage busy with a long prefill still
+# answers. A restart is the last resort: 3 minutes without one answer (6 probes, 10 s each).
+LIVENESS_PROBE = {"httpGet": {"path": "/live", "port": "metrics"}, "periodSeconds": 30, "timeoutSeconds": 10,
+                  "failureThreshold": 6}
 
 
 def render_stage_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, index: int, opts: RenderOptions,
@@ -56,7 +54,8 @@ def render_stage_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, index
     name = stage_name(pipe.prefix, index)
     config = StageConfig(
         **shared_options(spec, plan), layers=(stage.layer_start, stage.layer_end), stage_index=index, num_stages=n,
-        port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT if spec.metrics else 0,
+        # The metrics port always: it answers the probes too (spec.metrics only advertises /metrics).
+        port=STAGE_GRPC_PORT, metrics_port=STAGE_METRICS_PORT,
         downstream=stage_address(pipe.prefix, pipe.namespace, index + 1) if index + 1 < n else None,
         **stage_compute(spec),
         # Certificates the operator issues name their component: only its pipeline's frontend and
@@ -66,9 +65,8 @@ def render_stage_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, index
     ).check()
     args = ["stage", *to_argv(config)]
     resources = stage_resources(spec)
-    ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"}]
-    if spec.metrics:
-        ports.append({"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"})
+    ports = [{"name": "grpc", "containerPort": STAGE_GRPC_PORT, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": STAGE_METRICS_PORT, "protocol": "TCP"}]
     volumes, mounts = pod_volumes(spec, name)
     container = {
         "name": "stage",
@@ -80,10 +78,11 @@ def render_stage_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, index
         "volumeMounts": mounts,
         "resources": resources,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-        "startupProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, **LAYERS_STARTUP_PROBE},
-        "livenessProbe": {"tcpSocket": {"port": STAGE_GRPC_PORT}, "periodSeconds": 20, "failureThreshold": 3},
-        "readinessProbe": _grpc_probe(spec, opts, stage_address(pipe.prefix, pipe.namespace, index).rsplit(":", 1)[0],
-                                      periodSeconds=5, failureThreshold=2),
+        # Liveness waits for the process to answer at all (the loop starts before the layers load).
+        "startupProbe": {"httpGet": {"path": "/live", "port": "metrics"}, "timeoutSeconds": 5,
+                         **LAYERS_STARTUP_PROBE},
+        "livenessProbe": copy.deepcopy(LIVENESS_PROBE),
+        "readinessProbe": copy.deepcopy(READINESS_PROBE),
     }
     selector = stage_selector(pipe.base, pipe.index, index)
     labels = pipe.labels(selector)
