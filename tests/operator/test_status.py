@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from inferencemesh.operator import names as N
+from inferencemesh.operator.events import Announcer, transition_events
 from inferencemesh.operator.observe import (
     MESSAGE_HEAD,
     RestartWindow,
@@ -15,7 +16,6 @@ from inferencemesh.operator.observe import (
 )
 from inferencemesh.operator.pipelines import Decision
 from inferencemesh.operator.planning import Plan, SpeculativeChoice
-from inferencemesh.operator.events import Announcer, transition_events
 from inferencemesh.operator.spec import parse_spec
 from inferencemesh.operator.status import PlanOutcome
 from inferencemesh.operator.status import compute_status as _compute_status
