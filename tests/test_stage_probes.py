@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
+from tiny_models import write_tiny_model
 
+from inferencemesh.config import StageConfig
+from inferencemesh.protocol.health import check
 from inferencemesh.stage.metrics_http import MetricsEndpoint
+from inferencemesh.stage.server import start_stage_server
 
 
 async def get(host: str, port: int, path: str, method: str = "GET") -> tuple[int, str]:
@@ -51,7 +56,33 @@ def test_ready_says_why_not_live_answers_and_a_probe_costs_little() -> None:
     asyncio.run(go())
 
 
-def test_an_endpoint_without_a_health_source_is_never_ready() -> None:
+def test_a_real_stage_is_ready_over_http_once_its_layers_are_loaded(tmp_path: Path) -> None:
+    """Without a health source of its own the endpoint reads the lifecycle state the stage publishes:
+    503 naming it while the layers load, 200 once they are (when grpc.health.v1 turns SERVING)."""
+    model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, hidden_size=32, intermediate_size=64)
+
+    async def go() -> None:
+        options = StageConfig(model=str(model), layers=(0, 2), stage_index=0, num_stages=1, host="127.0.0.1",
+                              port=0, max_context=64)
+        server, service, port = await start_stage_server(options)  # loads on a thread of its own
+        try:
+            host, http_port = service.metrics.serve(0)
+            answers = []
+            while not answers or answers[-1][0] != 200:
+                answers.append(await get(host, http_port, "/ready"))
+                await asyncio.sleep(0.02)
+            assert all(body.startswith("NOT_SERVING: ") and status == 503 for status, body in answers[:-1])
+            assert answers[-1] == (200, "SERVING\n")
+            assert await asyncio.to_thread(check, f"127.0.0.1:{port}")  # grpc.health.v1 agrees
+            assert await get(host, http_port, "/live") == (200, "alive\n")
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_an_endpoint_with_no_stage_state_is_never_ready() -> None:
     async def go() -> None:
         endpoint = MetricsEndpoint(CollectorRegistry())
         host, port = endpoint.listen("127.0.0.1", 0)

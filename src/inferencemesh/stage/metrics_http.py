@@ -29,6 +29,19 @@ TEXT = b"text/plain; charset=utf-8"
 
 # Why the stage does not serve now, "" while it does (what /ready answers). Called on the event loop.
 Readiness = Callable[[], str]
+STATE_FAMILY = "inferencemesh_stage_state"  # stage/metrics.py: 1 for the stage's lifecycle state
+
+
+def published_state(registry: CollectorRegistry) -> Readiness:
+    """Readiness from the lifecycle state the stage publishes in its registry (ready once its layers
+    are loaded, as grpc.health.v1 turns SERVING): for an endpoint given no health source."""
+    def why_not() -> str:
+        for family in registry.collect():
+            if family.name == STATE_FAMILY:
+                states = [s.labels.get("state", "") for s in family.samples if s.value == 1.0]
+                return "" if states == ["ready"] else ", ".join(states) or "no state yet"
+        return "no health is reported here"
+    return why_not
 
 
 class MetricsEndpoint:
@@ -37,7 +50,7 @@ class MetricsEndpoint:
         self.registry = registry
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
-        self.readiness = readiness  # None: no health to report, /ready answers 503 saying so
+        self.readiness = readiness or published_state(registry)
         self.open_connections = 0
         self.server: asyncio.Server | None = None
 
@@ -70,7 +83,7 @@ class MetricsEndpoint:
         if path == b"/live":
             return b"200 OK", TEXT, b"alive\n"
         if path == b"/ready":
-            reason = "no health is reported here" if self.readiness is None else self.readiness()
+            reason = self.readiness()
             if not reason:
                 return b"200 OK", TEXT, b"SERVING\n"
             return b"503 Service Unavailable", TEXT, f"NOT_SERVING: {reason}\n".encode()
