@@ -67,7 +67,7 @@ def test_a_real_stage_is_ready_over_http_once_its_layers_are_loaded(tmp_path: Pa
         server, service, port = await start_stage_server(options)  # loads on a thread of its own
         try:
             host, http_port = service.metrics.serve(0)
-            answers = []
+            answers: list[tuple[int, str]] = []
             while not answers or answers[-1][0] != 200:
                 answers.append(await get(host, http_port, "/ready"))
                 await asyncio.sleep(0.02)

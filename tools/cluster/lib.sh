@@ -27,6 +27,17 @@ KUBERNETES_SVC_IP=10.96.0.1
 CLUSTER_DOMAIN=cluster.local
 DNS_IP="$NODE_IP"      # the CoreDNS stand-in (dnsmasq) listens on the node address
 API_PORT=6443
+# The cluster's address ranges, unreachable beyond this machine (up.sh adds the routes, down.sh
+# removes them): traffic to an address of theirs that nothing here holds (a deleted Service's
+# ClusterIP, a pod that is gone) fails here instead of leaving through the default route. The
+# metric keeps the pod bridge's own route for POD_CIDR (metric 0) first while the bridge exists.
+CLUSTER_CIDRS=("$SERVICE_CIDR" "$POD_CIDR")
+UNREACHABLE_METRIC=4242
+# What else up.sh (and tools/k8s/ensure_binaries.sh, which it runs) leaves outside $STATE and the caches.
+APT_SOURCE=/etc/apt/sources.list.d/inferencemesh-bookworm-src.sources
+CNI_LOCK=/etc/cni/net.d/cni.lock
+LEGACY_TABLES_4=/proc/net/ip_tables_names
+LEGACY_TABLES_6=/proc/net/ip6_tables_names
 ETCD_PORT=12379        # not etcd's default 2379: tests/operator start their own etcd on loopback
 ETCD_PEER_PORT=12380
 
@@ -152,5 +163,32 @@ remove_netns() {
   for ns in "${NETNS_PATHS[@]}"; do
     [ -e "$ns" ] || continue
     umount "$ns" 2>/dev/null; rm -f "$ns"
+  done
+}
+
+# ---- the cluster's ranges: unreachable beyond this machine ----------------------------------
+# Pods reach a live ClusterIP as before (kube-proxy's DNAT happens before their packets are
+# routed); this machine's own connections are routed before that DNAT, so it reaches the cluster
+# through port-forward, the API server's proxy or pod IPs, never a ClusterIP.
+
+add_unreachable_routes() {
+  local cidr
+  for cidr in "${CLUSTER_CIDRS[@]}"; do
+    ip route replace unreachable "$cidr" metric "$UNREACHABLE_METRIC"
+  done
+}
+
+remove_unreachable_routes() {
+  local cidr
+  for cidr in "${CLUSTER_CIDRS[@]}"; do
+    while ip route del unreachable "$cidr" metric "$UNREACHABLE_METRIC" 2>/dev/null; do :; done
+  done
+}
+
+# The ranges whose unreachable route is missing, one a line (nothing: all there).
+missing_unreachable_routes() {
+  local cidr
+  for cidr in "${CLUSTER_CIDRS[@]}"; do
+    ip route show type unreachable "$cidr" 2>/dev/null | grep -qw "metric $UNREACHABLE_METRIC" || echo "$cidr"
   done
 }

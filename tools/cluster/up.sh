@@ -15,7 +15,7 @@
 #   dnsmasq fed from the API: the stand-in for CoreDNS (dns_standin.sh)
 # Kubernetes binaries come from tools/k8s/ensure_binaries.sh (built once from Debian's source).
 set -euo pipefail
-source "$(dirname "$0")/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 PKI="$STATE/pki"
 KCFG="$STATE/kubeconfig"
@@ -65,6 +65,9 @@ setup_node_network() {
     iptables -w -A IMESH-ISOLATE -i "$POD_BRIDGE" ! -o "$POD_BRIDGE" -j REJECT
     iptables -w -I FORWARD 1 -j IMESH-ISOLATE
   fi
+  # Nor may anything send the cluster's addresses elsewhere: unreachable routes for its ranges (lib.sh).
+  add_unreachable_routes
+  say "unreachable beyond this machine: ${CLUSTER_CIDRS[*]}"
 }
 
 # CNI: one bridge, host-local addresses from POD_CIDR, state in $STATE (not /var/lib/cni).
@@ -211,7 +214,8 @@ start_containerd() {
   install -m 0755 "$HERE/runc-oom-clamp" "$STATE/bin/runc-oom-clamp"
   # Fixed paths of containerd 1.6 outside its root/state: shim sockets (/run/containerd/s),
   # pod network namespaces (/run/netns), CNI result cache (/var/lib/cni).
-  note_made_dirs /run/containerd /run/netns /var/lib/cni
+  # (and containerd's CNI lock, /etc/cni/net.d/cni.lock, whatever conf_dir says).
+  note_made_dirs /run/containerd /run/netns /var/lib/cni /etc/cni /etc/cni/net.d
   mkdir -p "$RUN/containerd" "$CONTAINERD_ROOT"
   # The CRI plugin: $SNAPSHOTTER (see lib.sh), our pause image as sandbox, runc through the
   # OOM-score clamp, CNI config and plugins from the places above.
@@ -379,4 +383,5 @@ main() {
   print_exports
 }
 
-main "$@"
+# Run, not sourced (tests/test_cluster_tools.py sources the functions).
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then main "$@"; fi
