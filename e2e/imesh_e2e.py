@@ -203,6 +203,54 @@ def router_pod(ns: str, base: str) -> dict:
     return sorted(found, key=lambda p: not pod_ready(p))[0]
 
 
+# ---- probes and the node ------------------------------------------------------------------
+
+def probe_failures(ns: str, selector: str) -> dict[str, dict[str, int]]:
+    """Failed kubelet probes per pod of `selector`, by probe ("Readiness", "Liveness", "Startup"),
+    from the kubelet's Unhealthy events (their count: repeats are folded into one event). With the
+    pods' age and each probe's period, the false-negative rate of a healthy pod's probe."""
+    found: dict[str, dict[str, int]] = {p["metadata"]["name"]: {} for p in pods(ns, selector)}
+    for event in get_json("events", "-n", ns, "--field-selector", "reason=Unhealthy")["items"]:
+        counts = found.get(event["involvedObject"]["name"])
+        if counts is None:
+            continue
+        probe = (event.get("message") or "").split(" ", 1)[0]  # "Readiness probe failed: ..."
+        counts[probe] = counts.get(probe, 0) + int(event.get("count") or 1)
+    return found
+
+
+# Inside the pod, as the kubelet asks: a connection and one GET per probe, whatever the answer.
+PROBE_TIMING = r"""
+import sys, time, urllib.error, urllib.request
+url, n, took = sys.argv[1], int(sys.argv[2]), []
+for _ in range(n):
+    start = time.perf_counter()
+    try:
+        urllib.request.urlopen(url, timeout=10).read()
+    except urllib.error.HTTPError:
+        pass
+    took.append(time.perf_counter() - start)
+print(" ".join(f"{t:.6f}" for t in took))
+"""
+
+
+def probe_seconds(ns: str, pod: str, path: str = "/ready", port: int = 9090, n: int = 20) -> list[float]:
+    """What one probe of `pod` costs (a stage's probes: its HTTP port 9090), asked n times from
+    inside the pod; seconds each."""
+    proc = exec_python(ns, pod, PROBE_TIMING, f"http://127.0.0.1:{port}{path}", str(n), timeout=60 + 10 * n)
+    assert proc.returncode == 0, proc.stderr
+    return [float(t) for t in proc.stdout.split()]
+
+
+def cluster_routes_missing() -> list[str]:
+    """The cluster ranges (tools/cluster/lib.sh) that lack their unreachable route on this machine:
+    [] while a cluster tools/cluster/up.sh brought up runs; both after tools/cluster/down.sh."""
+    script = f"source {REPO / 'tools' / 'cluster' / 'lib.sh'} && missing_unreachable_routes"
+    env = {**os.environ, "IMESH_CLUSTER_SNAPSHOTTER": os.environ.get("IMESH_CLUSTER_SNAPSHOTTER", "native")}
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env, check=True)
+    return proc.stdout.split()
+
+
 def router_replicas(base_url: str) -> dict[str, dict]:
     """The router's GET /router/replicas (through the endpoint Service): replica name -> its entry
     (name: the frontend Deployment's, e.g. <mesh>-p0-frontend)."""
