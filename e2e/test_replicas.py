@@ -36,6 +36,7 @@ from imesh_e2e import (
     MODEL,
     PROMPTS,
     REPO,
+    ConditionWatcher,
     apply,
     conditions,
     delete_mesh,
@@ -50,12 +51,14 @@ from imesh_e2e import (
     pods,
     port_forward,
     prefix,
+    running_pods,
     stage_pod,
     wait_for,
     wait_router_replicas,
     wait_router_scorer,
     wait_settled,
 )
+from load_client import LoadClient
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
@@ -565,6 +568,79 @@ def test_scaling_down_under_load_drains_a_pipeline_frontend_first_and_scaling_up
             if delta(routed(base), before).get(replica(1), 0) > 0:
                 break
         assert delta(routed(base), before).get(replica(1), 0) > 0, f"the new pipeline 1 served nothing: {routed(base)}"
+
+
+# ---- changes under load: a rollout, a router pod deleted ----------------------------------------
+
+LOAD_PROMPTS = [f"# load {i}\n{PROMPTS[i % len(PROMPTS)]}" for i in range(6)]
+LOAD_TOKENS = 16
+
+
+def expected_answers(m: dict) -> dict[str, str]:
+    """The greedy streamed answers the load client must see, asked through the router now."""
+    with port_forward(m["namespace"], *endpoint(m)) as base:
+        client = openai_client(base)
+        answers = {p: stream(client, p, LOAD_TOKENS) for p in LOAD_PROMPTS}
+    assert all(finish in ("length", "stop") for _, finish in answers.values()), answers
+    return {p: text for p, (text, _) in answers.items()}
+
+
+def load_client(settings: dict, m: dict, name: str, expected: dict[str, str]) -> LoadClient:
+    ns = m["namespace"]
+    image = settings["frontend_image"] or frontend_pod(ns, NAME)["spec"]["containers"][0]["image"]
+    return LoadClient(ns, name, image, settings["pull_policy"], mesh(ns, NAME)["status"]["endpoint"], expected,
+                      max_tokens=LOAD_TOKENS)
+
+
+def test_a_spec_change_rolls_every_pipeline_under_load_without_a_failed_request(
+        settings: dict, replicated: dict) -> None:
+    """frontend.maxBatchTokens changed while 4 clients stream through the Service from inside the
+    cluster: every pipeline is replaced by one of the new revision, one at a time (a new one serves
+    before an old one drains), and not one request fails or answers differently. The status shows
+    the rollout (Progressing True with the revision) and ends Available with both pipelines."""
+    ns = replicated["namespace"]
+    wait_settled(ns, NAME, settings["timeout"])
+    old = {e["index"] for e in pipelines(ns, NAME)}
+    expected = expected_answers(replicated)
+    patch = {"spec": {"frontend": {"maxBatchTokens": 192}}}
+    with load_client(settings, replicated, "imesh-e2e-rollout-load", expected) as load, \
+            ConditionWatcher(ns, NAME) as watch:
+        time.sleep(5)
+        kubectl("patch", "inferencemesh", NAME, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+        wait_for(lambda: ("Progressing", "True") in watch.seen, 60, "the rollout to show as Progressing")
+        status = wait_settled(ns, NAME, settings["timeout"])["status"]
+        load.progress()
+        time.sleep(5)
+    print(f"rollout under load: {load.summary()}")  # shown with pytest -rA
+    assert not load.result["failed"] and not load.result["mismatched"], load.summary()
+    assert load.result["requests"] >= 50, load.summary()
+    now = {e["index"] for e in status["pipelines"]}
+    assert len(now) == REPLICAS and not now & old, f"not every pipeline was replaced: {old} -> {now}"
+    available = conditions(ns, NAME)["Available"]
+    assert available["status"] == "True" and f"{REPLICAS}/{REPLICAS}" in available["message"], available
+    # never fewer serving than asked: Available stayed True throughout (maxUnavailable 0)
+    assert ("Available", "False") not in watch.seen, watch.history[-20:]
+
+
+def test_deleting_a_router_pod_under_load_fails_no_request(settings: dict, replicated: dict) -> None:
+    """The router runs 2 pods by default: one deleted while 4 clients stream through the Service
+    from inside the cluster, and not one request fails (the other pod serves; the deleted one
+    finishes what it holds after its endpoint is gone)."""
+    ns = replicated["namespace"]
+    wait_settled(ns, NAME, settings["timeout"])
+    routers = running_pods(ns, f"{LABEL_MESH}={NAME},{LABEL_COMPONENT}=router")
+    assert len(routers) == 2 and all(pod_ready(p) for p in routers), [p["metadata"]["name"] for p in routers]
+    expected = expected_answers(replicated)
+    with load_client(settings, replicated, "imesh-e2e-router-load", expected) as load:
+        time.sleep(5)
+        kubectl("delete", "pod", routers[0]["metadata"]["name"], "-n", ns, "--wait=true", timeout=180)
+        wait_for(lambda: sum(pod_ready(p) for p in running_pods(
+            ns, f"{LABEL_MESH}={NAME},{LABEL_COMPONENT}=router")) == 2, 180, "a second router pod ready again")
+        load.progress()
+        time.sleep(5)
+    print(f"router pod deleted under load: {load.summary()}")
+    assert not load.result["failed"] and not load.result["mismatched"], load.summary()
+    assert load.result["requests"] >= 20, load.summary()
 
 
 # ---- a crash loop -------------------------------------------------------------------------------
