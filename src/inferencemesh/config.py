@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from inferencemesh.checkpoint.quantization import LOAD_METHODS
 from inferencemesh.flags import LAYER_RANGE, NAMES, ConfigError, derive, flag_name, option, switch
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -65,6 +66,15 @@ class ModelOptions:
     dtype: str = option("auto", "compute dtype (auto: the checkpoint's; on a CPU without native units for "
                                 "a 16-bit checkpoint, float32)", choices=DTYPES)
     cache_dir: str | None = option(None, "where hub downloads go (HF_HUB_CACHE by default)")
+    # One flag for every program that loads or plans the layers: the stages quantize as they read
+    # (modeling/quantized_load.py), the plan counts the bytes they then hold (checkpoint/facts.py).
+    quantization: str | None = option(None, "quantize a 16-bit checkpoint's layers as the stages load them, "
+                                            "weight-only (activations stay in the compute dtype): int8 per "
+                                            "channel, int4 in groups of 128 (or 64, 32), fp8 e4m3 per channel; "
+                                            "the embedding, the LM head and the draft model stay as they are, "
+                                            "and the plan counts the quantized bytes. A checkpoint quantized "
+                                            "already is refused: serve it as it is, without this flag",
+                                   choices=LOAD_METHODS)
     served_model_name: str | None = option(None, "the model name clients use and metrics carry (default: "
                                                  "a hub id as given, a bundled or local model's folder name)")
 

@@ -37,6 +37,19 @@ VERIFIED = (
     "hyperclovax",
 )
 
+# The quantized weights served (checkpoint/quantization.py decides; `inferencemesh models` prints
+# these, tests/test_quantization_flag.py checks they name every format it serves): format, weights.
+QUANTIZED_FORMATS = (
+    ("compressed-tensors pack-quantized", "INT4 or INT8, per channel or in groups, symmetric or with zero "
+                                          "points (llm-compressor's W4A16, W4A16_ASYM, W8A16)"),
+    ("compressed-tensors int-quantized", "INT8, per channel or in groups (W8A16)"),
+    ("compressed-tensors float-quantized", "FP8 e4m3, per tensor, channel or block (FP8_DYNAMIC, FP8_BLOCK)"),
+    ("compressed-tensors naive-quantized", "INT8 or FP8 unpacked, as float- and int-quantized"),
+    ("transformers fp8", "FP8 e4m3, weight_scale_inv per block (DeepSeek-V3 style), dynamic activations"),
+    ("--quantization int8, int4, fp8", "a 16-bit checkpoint quantized as the stages load it (spec.model."
+                                       "quantization): INT8 per channel, INT4 in groups of 128, FP8 per channel"),
+)
+
 # Layer kinds a stage's KV cache and masks implement (config.layer_types).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 

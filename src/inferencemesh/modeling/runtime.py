@@ -49,6 +49,13 @@ class Segment:
     logits: str = "last"  # on the last stage: "last", "all" or "none" (see StageRuntime.forward)
 
 
+def held_bytes(stage: StageModules) -> int:
+    """The bytes of a loaded stage's weights and buffers, each tensor once (a tied head is the embedding)."""
+    modules = [m for m in (stage.embed, stage.layers, stage.norm, stage.lm_head) if m is not None]
+    unique = {id(t): t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()]}
+    return sum(unique.values())
+
+
 class StageRuntime:
     """Layers [layer_start, layer_end) of a model, plus embeddings (first stage) or norm + head (last)."""
 
@@ -65,11 +72,17 @@ class StageRuntime:
         max_context: int = 2048,
         on_progress: Callable[[str, float], None] | None = None,
         modules: StageModules | None = None,
+        quantization: str | None = None,
     ) -> None:
         """modules: layers [layer_start, layer_end) already loaded (load_stage) from source,
-        used as they are (the draft model, which loads once and may run its own forward)."""
+        used as they are (the draft model, which loads once and may run its own forward).
+        quantization: int8, int4 or fp8, a 16-bit checkpoint's layers quantized as they are read
+        (load_stage's, config.ModelOptions.quantization)."""
         stage = modules or load_stage(source, layer_start, layer_end, revision=revision, dtype=dtype, device=device,
-                                      cache_dir=cache_dir, on_progress=on_progress)
+                                      cache_dir=cache_dir, on_progress=on_progress, quantization=quantization)
+        # What the stage's weights hold, as loaded (the plan's weight_bytes counts the same), before
+        # the CPU packing below lays some of them out again.
+        self.weight_bytes = held_bytes(stage)
         self.facts = stage.facts
         self.config = stage.config
         self.num_layers = stage.facts.num_layers

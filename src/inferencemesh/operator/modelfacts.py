@@ -22,6 +22,7 @@ from inferencemesh.bundled import SCHEME, resolve_model
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.hub import hub_errors
+from inferencemesh.checkpoint.quantization import quant_method
 from inferencemesh.checkpoint.read import read_hub, read_local
 from inferencemesh.operator.spec import Layout, MeshSpec
 from inferencemesh.planner import DEFAULT_OVERHEAD_BYTES, PlanError, PlanInputs
@@ -43,12 +44,24 @@ class ModelInfo:
     facts: CheckpointFacts | None = None  # None: known only by spec.model.layout
 
 
-def layout_of(facts: CheckpointFacts, *, dtype: str | None, on_cpu: bool) -> Layout:
+def check_quantization(facts: CheckpointFacts, method: str | None, where: str) -> None:
+    """Refuse quantizing at load (`method`: spec.model.quantization, and `plan`'s and `serve`'s
+    --quantization, which call this) a checkpoint that is quantized already, in one line, at plan
+    time: the plan would count its layers as if they were 16-bit, and the stages' loader refuses it
+    (modeling/quantized_load.quantizer)."""
+    if method is not None and (quant_method(facts.config) or facts.quantized_modules()):
+        raise CheckpointError(f"{where}: the checkpoint is quantized already ({quant_method(facts.config)}), so it "
+                              f"cannot be quantized again as {method} at load: serve it as it is, without "
+                              "--quantization (spec.model.quantization)")
+
+
+def layout_of(facts: CheckpointFacts, *, dtype: str | None, on_cpu: bool, quantization: str | None = None) -> Layout:
     """spec.model.layout for a checkpoint the operator cannot read (spec.model.pvc), in the
-    planner's own terms (inputs_from_layout reads it back): its sizes in the compute dtype, the KV
-    bytes per token and layer, and one size for every layer, the largest (an uneven MoE is then
-    planned as if every layer were its heaviest: never short of memory)."""
-    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, kv_tokens=1, on_cpu=on_cpu)
+    planner's own terms (inputs_from_layout reads it back): its sizes in the compute dtype (its
+    layers quantized at load with `quantization`), the KV bytes per token and layer, and one size
+    for every layer, the largest (an uneven MoE is then planned as if every layer were its
+    heaviest: never short of memory)."""
+    inputs = PlanInputs.from_checkpoint(facts, dtype=dtype, kv_tokens=1, on_cpu=on_cpu, quantization=quantization)
     return Layout(num_layers=facts.num_layers, layer_bytes=max(inputs.layer_bytes), embed_bytes=inputs.embed_bytes,
                   head_bytes=inputs.tail_bytes, kv_bytes_per_token=inputs.kv_bytes_per_layer)
 
@@ -112,11 +125,13 @@ class ModelFacts:
     def _inputs(facts: CheckpointFacts, spec: MeshSpec) -> PlanInputs:
         if facts.num_layers < 1:
             raise PlanError(f"the model declares {facts.num_layers} layers: at least one is needed")
+        check_quantization(facts, spec.model.quantization, spec.model.name)
         # The stage chooses auto's dtype on its node, whose CPU the operator cannot see: CPU stages
-        # are planned for float32 (the larger; a stage with native bf16 units holds less).
+        # are planned for float32 (the larger; a stage with native bf16 units holds less). With
+        # spec.model.quantization the stages quantize their layers as they load them: planned so.
         return PlanInputs.from_checkpoint(
             facts, dtype=spec.model.dtype, kv_tokens=spec.kv_pool_tokens, on_cpu=spec.stages.on_cpu,
-            cpu_flags=frozenset())
+            cpu_flags=frozenset(), quantization=spec.model.quantization)
 
     def _hub_facts(self, repo_id: str, revision: str | None) -> CheckpointFacts:
         key = (repo_id, revision)

@@ -59,6 +59,7 @@ def shared_options(spec: MeshSpec, plan: Plan) -> dict:
         source, revision = model.name, model.revision or None
     options = {
         "model": source, "revision": revision, "dtype": model.dtype, "cache_dir": f"{CACHE_MOUNT}/hub",
+        "quantization": model.quantization,  # every stage, the embedded one too, quantizes as the plan counted
         "served_model_name": served_model_name(spec),  # every pod's metrics carry the name clients use
         "max_context": spec.context_length, "max_sessions": spec.max_sessions,
         "kv_cache_tokens": spec.kv_cache_tokens, "wire_dtype": spec.wire_dtype or None,

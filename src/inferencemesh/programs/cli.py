@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command, (config_type, help_text) in PROGRAMS.items():
         add_arguments(config_type, sub.add_parser(command, help=help_text, description=help_text,
                                                   epilog=EPILOGS.get(command), formatter_class=DefaultsShown))
-    sub.add_parser("models", help="list the model families served (from modeling/families.py)")
+    sub.add_parser("models", help="list the model families and quantized formats served (from "
+                                  "modeling/families.py)")
     return parser
 
 
@@ -123,7 +124,20 @@ def print_models() -> int:
     print("Per-family differences:")
     for hook in families.HOOKS:
         print(f"  {hook.name:<24} {hook.example:<30} {hook.what} [{hook.where}]")
+    print("Quantized weights, kept quantized in every stage and planned by their bytes (the dense linear "
+          "layers of any family above; checked on Llama):")
+    for name, weights in families.QUANTIZED_FORMATS:
+        print(textwrap.fill(weights, 100, initial_indent=f"  {name:<36} ", subsequent_indent=" " * 39))
+    print(f"Refused at plan with what to give instead: {', '.join(not_served())}; quantized MoE experts "
+          "and embeddings, activation and KV cache quantization.")
     return 0
+
+
+def not_served() -> list[str]:
+    """The quantized formats refused by name (checkpoint/quantization.py's own list)."""
+    from inferencemesh.checkpoint.quantization import _NOT_SERVED
+
+    return list(dict.fromkeys(_NOT_SERVED.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,9 +51,13 @@ def plan_from_settings(settings: ServeConfig | PlanConfig) -> tuple[str, Checkpo
     model = resolve_model(settings.model)
     try:
         facts = read_checkpoint(model, revision=settings.revision)
+        if settings.quantization:
+            from inferencemesh.operator.modelfacts import check_quantization  # the operator plans by the same rule
+
+            check_quantization(facts, settings.quantization, model)
         request = plan_request(settings)
         inputs = PlanInputs.from_checkpoint(facts, dtype=request.dtype, kv_tokens=request.kv_tokens,
-                                            on_cpu=request.on_cpu)
+                                            on_cpu=request.on_cpu, quantization=settings.quantization)
         plan = assemble_plan(inputs, request, model_dir=Path(model) if Path(model).is_dir() else None,
                              read_draft=lambda draft: read_checkpoint(resolve_model(draft)))
     except (PlanError, CheckpointError) as err:
@@ -72,12 +76,14 @@ def run_plan(config: PlanConfig) -> int:
 
         on_cpu = _on_cpu(config.device)
         dtype = choose_dtype(config.dtype, facts.checkpoint_dtype, on_cpu=on_cpu).name
-        layout = {"layout": layout_of(facts, dtype=dtype, on_cpu=on_cpu).model_dump(by_alias=True)}
+        layout = {"layout": layout_of(facts, dtype=dtype, on_cpu=on_cpu, quantization=config.quantization)
+                  .model_dump(by_alias=True)}
         print(json.dumps(layout, indent=2) if config.json else yaml.safe_dump(layout, sort_keys=False).rstrip("\n"))
         return 0
     if config.json:
-        print(json.dumps({"model": model, "stages": [s.to_dict() for s in plan]}, indent=2))
+        print(json.dumps({"model": model, "quantization": config.quantization, "stages": [s.to_dict() for s in plan]},
+                         indent=2))
     else:
-        print(f"model: {model}")
+        print(f"model: {model}" + (f" ({config.quantization}, quantized at load)" if config.quantization else ""))
         print(render_plan(plan))
     return 0

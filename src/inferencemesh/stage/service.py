@@ -84,6 +84,7 @@ class StageService:
             runtime = StageRuntime(
                 resolve_model(o.model), o.layer_start, o.layer_end, revision=o.revision, dtype=o.dtype, device=o.device,
                 cache_dir=o.cache_dir, max_context=o.max_context, on_progress=self._on_progress,
+                quantization=o.quantization,
             )
         except CheckpointError as err:  # the model cannot be had: say so in one line
             log.error("stage %d cannot load its layers: %s", o.stage_index, err)
@@ -106,8 +107,10 @@ class StageService:
         o = self._adopt(runtime).options
         for listener in self.on_serving:
             await listener(True)
-        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads)", o.stage_index, o.layer_start,
-                 o.layer_end, runtime.num_layers, runtime.device, runtime.dtype, torch.get_num_threads())
+        log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads), weights %d bytes%s", o.stage_index,
+                 o.layer_start, o.layer_end, runtime.num_layers, runtime.device, runtime.dtype,
+                 torch.get_num_threads(), runtime.weight_bytes,
+                 f" ({o.quantization} at load)" if o.quantization else "")
 
     def _adopt(self, runtime: StageRuntime) -> StageService:
         o = self.options
