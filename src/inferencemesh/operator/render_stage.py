@@ -78,7 +78,7 @@ def render_stage_deployment(spec: MeshSpec, plan: Plan, pipe: PipelineRef, index
         "volumeMounts": mounts,
         "resources": resources,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-        # Liveness waits for the process to answer at all (the loop starts before the layers load).
+        # Liveness starts once the process answers at all (its loop answers while the layers load).
         "startupProbe": {"httpGet": {"path": "/live", "port": "metrics"}, "timeoutSeconds": 5,
                          **LAYERS_STARTUP_PROBE},
         "livenessProbe": copy.deepcopy(LIVENESS_PROBE),
