@@ -9,9 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,9 +30,10 @@ from inferencemesh.modeling.families import QUANTIZED_FORMATS
 from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.operator.modelfacts import ModelFacts
+from inferencemesh.operator.names import LABEL_REVISION
 from inferencemesh.operator.planning import make_plan
 from inferencemesh.operator.spec import parse_spec
-from inferencemesh.programs.cli import PROGRAMS, build_parser
+from inferencemesh.programs.cli import PROGRAMS, build_parser, main
 from inferencemesh.programs.plan import run_plan
 from inferencemesh.programs.serve import run_serve
 
@@ -42,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).parent / "operator"))
 from render_fixtures import children, container  # noqa: E402
 
 PROMPT, TOKENS = "def fibonacci(n):", 12
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
 def run(command: str, *flags: str) -> str:
@@ -137,9 +135,15 @@ def test_every_pod_gets_quantization_and_its_program_reads_it_back(embedded: boo
         if isinstance(config, FrontendConfig) and embedded:
             first = config.first_stage()
             assert first is not None and first.quantization == "int4"  # the embedded stage quantizes too
-    unset = children({"model": {"name": f"bundled://{DEFAULT_MODEL}"}})
+    unset = children({"model": {"name": f"bundled://{DEFAULT_MODEL}"}, "frontend": {"embedFirstStage": embedded}})
     assert not any("--quantization" in container(o)["args"] for (kind, _), o in unset.items()
                    if kind == "Deployment" and "-p0-" in o["metadata"]["name"])
+    # Another quantization is another revision of the pipeline (its pods roll), none leaves it as it was.
+    assert revision_of(pods[0]) != revision_of(unset[("Deployment", pods[0]["metadata"]["name"])])
+
+
+def revision_of(obj: dict) -> str:
+    return obj["metadata"]["labels"][LABEL_REVISION]
 
 
 def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
@@ -160,11 +164,10 @@ def test_a_checkpoint_quantized_already_is_refused_in_one_line(tmp_path: Path, c
         ModelFacts().info(spec)
 
 
-def test_models_lists_every_format_served_beside_the_families() -> None:
+def test_models_lists_every_format_served_beside_the_families(capsys) -> None:
     named = " ".join(name for name, _ in QUANTIZED_FORMATS)
     assert all(fmt in named for fmt in SERVED_FORMATS) and all(m in named for m in LOAD_METHODS)
-    done = subprocess.run([sys.executable, "-m", "inferencemesh", "models"], capture_output=True, text=True,
-                          env=ENV, check=True)
-    out = done.stdout
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
     assert out.index("Per-family differences") < out.index("Quantized weights")
     assert all(name in out for name, _ in QUANTIZED_FORMATS) and "GGUF" in out
