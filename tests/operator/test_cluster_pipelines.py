@@ -237,3 +237,75 @@ def test_deleting_the_mesh_removes_stages_and_router_after_the_frontends(cluster
         finally:
             release_pods(cluster, held)
         wait_for(lambda: not deployments(cluster, name), 60, "every Deployment to go after the last frontend")
+
+
+class ServingWatch:
+    """Samples, in a thread, how many frontend pods of a mesh serve (ready, not terminating) and the
+    mesh's Available and Degraded conditions, until stopped: the fewest seen and every condition seen."""
+
+    def __init__(self, cluster: ControlPlane, name: str) -> None:
+        import threading
+
+        self.cluster, self.name = cluster, name
+        self.fewest: int | None = None
+        self.seen: set[tuple[str, str, str]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ServingWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        frontends = f"inferencemesh.io/mesh={self.name},app.kubernetes.io/component=frontend"
+        while not self._stop.is_set():
+            serving = sum(1 for p in pods(self.cluster, frontends) if not p["metadata"].get("deletionTimestamp")
+                          and any(c["type"] == "Ready" and c["status"] == "True"
+                                  for c in (p.get("status") or {}).get("conditions") or []))
+            self.fewest = serving if self.fewest is None else min(self.fewest, serving)
+            st = status_of(self.cluster, self.name)
+            self.seen |= {(c["type"], c["status"], c.get("reason", "")) for c in st.get("conditions") or []}
+            self._stop.wait(0.2)
+
+
+def test_a_spec_change_rolls_one_pipeline_at_a_time_through_a_stage_blink(cluster: ControlPlane, ns: str,
+                                                                         tiny_model: Path) -> None:
+    """The review's outage: a spec change while a stage of an old pipeline is not ready (its frontend
+    still serving) drained both old pipelines at once. Now: never fewer than 2 frontends serving, a
+    status that shows the rollout's revision and step, and events for each step."""
+    name = "ro"
+    spec = {"model": {"name": str(tiny_model)}, "stages": {"count": 2}, "replicas": 2}
+    cluster.apply(mesh_doc(name, spec), ns)
+    with Kubelet(cluster, ns, f"inferencemesh.io/mesh={name}") as kubelet:
+        st = wait_for(lambda: (s := status_of(cluster, name)) and s.get("replicas") == 2
+                      and cond(s, "Progressing").get("reason") == "Complete" and s, 90, "two serving pipelines")
+        assert (cond(st, "Available")["status"], cond(st, "Available")["message"]) == ("True", "2/2 pipelines serving")
+        old_revision = st["pipelines"][0]["revision"]
+        kubelet.hold.add("ro-p0-stage-1-")  # pipeline 0's stage 1 turns unready (its frontend still serves)
+        (stage,) = pods(cluster, f"inferencemesh.io/mesh={name},inferencemesh.io/pipeline=0,inferencemesh.io/stage=1")
+        patch_pod_status(cluster, stage, NS, ready=False)
+        wait_for(lambda: cond(status_of(cluster, name), "StagesReady").get("status") == "False", 30, "the blink seen")
+        with ServingWatch(cluster, name) as watch:
+            cluster.apply(mesh_doc(name, {**spec, "frontend": {"maxBatchTokens": 192}}), ns)
+            rolling = wait_for(lambda: (s := status_of(cluster, name)) and
+                               cond(s, "Progressing").get("reason") == "RollingOut" and s, 30, "the rollout")
+            assert cond(rolling, "Progressing")["message"].startswith("rolling to revision ")
+            st = wait_for(lambda: (s := status_of(cluster, name)) and states(s) == {2: "Ready", 3: "Ready"}
+                          and cond(s, "Progressing").get("reason") == "Complete" and s, 120, "the rollout's end")
+        assert watch.fewest is not None and watch.fewest >= 2, f"only {watch.fewest} frontends served at one point"
+        assert ("Degraded", "True", "CapacityBelowDesired") not in watch.seen and \
+            ("Available", "False", "PipelinesUnavailable") not in watch.seen
+        assert {p["revision"] for p in st["pipelines"]} != {old_revision}
+        assert (cond(st, "Available")["status"], cond(st, "Available")["message"]) == ("True", "2/2 pipelines serving")
+        assert st["phase"] == "Ready" and cond(st, "Degraded")["status"] == "False"
+        reasons = wait_for(lambda: (r := [e["reason"] for e in cluster.get_json(
+            "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")["items"]])
+            and "RolloutFinished" in r and r, 30, "the rollout's events")
+        assert {"RolloutStarted", "PipelineStarted", "PipelineDrained", "RolloutFinished"} <= set(reasons)
+        assert reasons.count("PipelineDrained") == 2 and reasons.count("PipelineStarted") == 2
+        assert not {"Degraded", "Recovered"} & set(reasons)
+    cluster.kubectl("delete", "inferencemesh", name, "-n", ns, "--wait=false")

@@ -12,11 +12,16 @@ Three kinds, none of which can flap with a probe's blink:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-from inferencemesh.operator.observe import Observed, seconds_between
+from kubernetes.client.rest import ApiException
+
+from inferencemesh.operator.kube import Kube
+from inferencemesh.operator.observe import Observed, pod_is_ready, seconds_between
 from inferencemesh.operator.pipelines import Decision
 
+log = logging.getLogger("inferencemesh.operator")
 SETTLE_SECONDS = 20.0  # a Ready or Degraded change announced once it has lasted this long
 AT_ONCE = ("PipelineFailed", "PodsFailing")  # Degraded reasons announced without waiting
 Event = tuple[str, str, str]
@@ -91,6 +96,31 @@ def action_events(obs: Observed, decision: Decision, revision: str, replicas: in
             events.append(("PipelineDrained", "Normal",
                            f"pipeline {i} (revision {p.revision}, {why}) draining: replaced by revision {revision}"))
     return events
+
+
+def probe_failures(kube: Kube, namespace: str, pods: list[dict]) -> dict[str, str]:
+    """The last readiness probe failure of each pod that is not ready, from its kubelet's Unhealthy
+    Events (best effort: {} where the operator may not list Events)."""
+    waiting = {p["metadata"]["name"] for p in pods
+               if not pod_is_ready(p) and not p["metadata"].get("deletionTimestamp")}
+    if not waiting:
+        return {}
+    try:
+        events = kube.list("Event", namespace)
+    except ApiException as exc:
+        log.debug("no probe messages: Events not listed (%s)", exc.status)
+        return {}
+    found: dict[str, tuple[str, str]] = {}
+    for ev in events:
+        obj = ev.get("involvedObject") or {}
+        message = str(ev.get("message") or "")
+        if ev.get("reason") != "Unhealthy" or obj.get("kind") != "Pod" or obj.get("name") not in waiting \
+                or not message.startswith("Readiness probe"):
+            continue
+        when = str(ev.get("lastTimestamp") or ev.get("eventTime") or "")
+        if obj["name"] not in found or when >= found[obj["name"]][0]:
+            found[obj["name"]] = (when, message.strip())
+    return {name: message for name, (_, message) in found.items()}
 
 
 def _state(status: dict) -> str:

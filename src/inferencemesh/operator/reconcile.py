@@ -22,7 +22,7 @@ from kubernetes.client.rest import ApiException
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.config import FRONTEND_PORT
 from inferencemesh.operator import metrics
-from inferencemesh.operator.events import Announcer, Event, action_events, transition_events
+from inferencemesh.operator.events import Announcer, Event, action_events, probe_failures, transition_events
 from inferencemesh.operator.frontend_probe import observed_strategy
 from inferencemesh.operator.issuing import MeshCertificates, settle
 from inferencemesh.operator.kube import Kube, Write
@@ -37,7 +37,7 @@ from inferencemesh.operator.names import (
     pipeline_prefix,
     tls_secret_name,
 )
-from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows, pod_is_ready
+from inferencemesh.operator.observe import Observed, RestartWindow, pipeline_of, pipeline_windows
 from inferencemesh.operator.pipelines import GRACE_SECONDS, PROGRESS_DEADLINE_SECONDS, Decision, Live, decide
 from inferencemesh.operator.planning import Plan, make_plan
 from inferencemesh.operator.render import (
@@ -202,7 +202,7 @@ class Reconciler:
         now = _now()
         status = compute_status(mesh, spec, outcome, deployments, pods, now, observed_speculative=speculative,
                                 decision=decision if outcome.plan is not None else None, windows=windows,
-                                revision=revision, probe_messages=self._probe_messages(namespace, pods))
+                                revision=revision, probe_messages=probe_failures(self.kube, namespace, pods))
         self._write_status(mesh, status, result)
         announced, due_in = self.announcer.events(f"{namespace}/{name}", mesh.get("status") or {}, status, now)
         for event in announced:
@@ -249,30 +249,6 @@ class Reconciler:
         for event in actions:
             self._post(mesh, event, result)
         return decision, windows, None
-
-    def _probe_messages(self, namespace: str, pods: list[dict]) -> dict[str, str]:
-        """The last readiness probe failure of each pod that is not ready, from its Unhealthy Events
-        (best effort: {} where the operator may not list Events)."""
-        waiting = {p["metadata"]["name"] for p in pods
-                   if not pod_is_ready(p) and not p["metadata"].get("deletionTimestamp")}
-        if not waiting:
-            return {}
-        try:
-            events = self.kube.list("Event", namespace)
-        except ApiException as exc:
-            log.debug("no probe messages: Events not listed (%s)", exc.status)
-            return {}
-        found: dict[str, tuple[str, str]] = {}
-        for ev in events:
-            obj = ev.get("involvedObject") or {}
-            message = str(ev.get("message") or "")
-            if ev.get("reason") != "Unhealthy" or obj.get("kind") != "Pod" or obj.get("name") not in waiting \
-                    or not message.startswith("Readiness probe"):
-                continue
-            when = str(ev.get("lastTimestamp") or ev.get("eventTime") or "")
-            if obj["name"] not in found or when >= found[obj["name"]][0]:
-                found[obj["name"]] = (when, message.strip())
-        return {name: message for name, (_, message) in found.items()}
 
     def _plan(self, spec: MeshSpec, result: Result) -> PlanOutcome:
         errors = validate(spec)

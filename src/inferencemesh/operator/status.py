@@ -233,10 +233,10 @@ def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: Resta
     elif index in decision.old:
         state, message = "Outdated", "an older revision, serving until a new pipeline serves" if p.serving \
             else "an older revision, not serving: " + why_not_serving(p, probe_messages)
+    elif problems:  # serving or not: a failing pod is worth saying first
+        state, message = "Degraded", "; ".join(problems[:2])
     elif p.serving:
         state, message = "Ready", "serving"
-    elif problems:
-        state, message = "Degraded", "; ".join(problems[:2])
     elif served_before(previous):
         state, message = "Degraded", "served, and does not now: " + why_not_serving(p, probe_messages)
     else:
@@ -252,6 +252,21 @@ def _pipeline_entry(obs: Observed, index: int, decision: Decision, window: Resta
     return entry
 
 
+def _verdicts(obs: Observed, outcome: PlanOutcome, cap: Capacity | None, decision: Decision, stages: Verdict,
+              frontend: Verdict, ready_count: int, replicas: int, failed: list[str]) -> dict[str, Verdict]:
+    """Every condition's verdict, by type (cap: None without a plan)."""
+    planned = planned_condition(outcome)
+    unplanned = Verdict("Unknown" if outcome.planned_status == "Unknown" else "False", "NotPlanned",
+                        "no plan: " + outcome.message)
+    return {
+        "Planned": planned, "StagesReady": stages, "FrontendReady": frontend,
+        "Available": available_condition(cap) if cap is not None else unplanned,
+        "Progressing": progressing_condition(cap, obs, decision) if cap is not None else unplanned,
+        "Ready": ready_condition(planned, stages, frontend, ready_count, replicas),
+        "Degraded": degraded_condition(obs, failed, cap),
+    }
+
+
 def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, deployments: dict[str, dict],
                    pods: list[dict], now: str, observed_speculative: tuple[str, str] | None = None,
                    decision: Decision | None = None, windows: dict[int, RestartWindow] | None = None,
@@ -260,10 +275,9 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
     spec: None when it does not parse (then outcome says why and there is no plan);
     decision: the pipelines the reconciler runs (pipelines.decide; default: the existing ones);
     windows: each pipeline against its restart budget (pipeline_windows); revision: the current one;
-    probe_messages: the last readiness probe failure of each pod that has one, by pod name;
-    observed_speculative: the (strategy, reason) a running frontend reports, if it could be read."""
-    obs = Observed.of(mesh, deployments, pods)
-    windows = windows or {}
+    probe_messages: the last readiness probe failure of a pod, by name; observed_speculative: the
+    (strategy, reason) a running frontend reports, if it could be read."""
+    obs, windows = Observed.of(mesh, deployments, pods), windows or {}
     if decision is None:
         decision = Decision(keep={i: True for i, p in obs.pipelines.items() if p.has_frontend})
     generation = int(mesh["metadata"].get("generation", 0))
@@ -298,19 +312,11 @@ def compute_status(mesh: dict, spec: MeshSpec | None, outcome: PlanOutcome, depl
 
     cap = capacity(obs, decision, windows, before, replicas, revision or "?", now, probe_messages) \
         if plan is not None else None
-    planned = planned_condition(outcome)
     stages = stages_condition(outcome, entries, not_ready, replicas)
     frontend = frontend_condition(obs, current, replicas, probe_messages)
-    unplanned = Verdict("Unknown" if outcome.planned_status == "Unknown" else "False", "NotPlanned",
-                        "no plan: " + outcome.message)
-    available = available_condition(cap) if cap is not None else unplanned
-    progressing = progressing_condition(cap, obs, decision) if cap is not None else unplanned
-    ready = ready_condition(planned, stages, frontend, ready_count, replicas)
-    degraded = degraded_condition(obs, failed, cap)
-    verdicts = dict(zip(CONDITION_TYPES, (planned, stages, frontend, available, progressing, ready, degraded),
-                        strict=True))
+    verdicts = _verdicts(obs, outcome, cap, decision, stages, frontend, ready_count, replicas, failed)
     status["conditions"] = [_condition(t, v, generation, previous, now) for t, v in verdicts.items()]
-    status["phase"] = phase_of(outcome, ready, degraded)
+    status["phase"] = phase_of(outcome, verdicts["Ready"], verdicts["Degraded"])
 
     if plan is not None and spec is not None:
         status["planHash"] = plan.hash
