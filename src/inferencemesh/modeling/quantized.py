@@ -37,6 +37,7 @@ dynamically, as vLLM does on H100), FP8 blocks dequantize; INT4 runs tinygemm
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -46,8 +47,10 @@ from torch.nn import functional
 from inferencemesh.checkpoint.quantization import WeightQuant
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
+INT4_BLOCK = 64  # the CPU int4 kernel's layout: blocks of 64 output rows, each [in, 32] bytes (_int4_cpu_tile)
 TILE_ELEMENTS = 256 * 1024  # weights dequantized at a time: 1 MiB in float32, within a core's L2
-INT8_KERNEL_ROWS = 4  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
+INT8_KERNEL_ROWS = 8  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
+INT4_KERNEL_ROWS = 32  # at most this many rows use _weight_int4pack_mm_for_cpu (dequantizing wins above)
 SMALL_ROWS = 16  # up to this many rows, a 16-bit layer's dequantized tiles multiply in float32 on a CPU
 _FP8_SCALE = 2.0 ** 120  # fp8_bits_as_float's values are the weights times 2^-120
 _local = threading.local()
@@ -81,6 +84,33 @@ def fp8_bits_as_float(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """INT4 values q (int8 in [-8, 7]) as uint8 whose low nibble is the kernels' u = q + 8 (q's
+    4-bit two's complement with its sign bit flipped; the high nibble is left as it falls)."""
+    return q.view(torch.uint8) ^ 8
+
+
+@functools.cache
+def _int4_cpu_layout_known() -> bool:
+    """Whether _int4_cpu_packed writes what torch's own converter writes (checked once, on a small
+    matrix: a torch whose layout moved gets its converter, never a wrong weight)."""
+    q = torch.randint(-8, 8, (2 * INT4_BLOCK, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    theirs = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
+    return torch.equal(_int4_cpu_packed(q, check=False), theirs)
+
+
+def _int4_cpu_packed(q: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """q [n, k] (int8 in [-8, 7]) in the CPU int4 kernel's layout, [n, k / 2] uint8: each block of
+    INT4_BLOCK rows as [k, 32] bytes, rows j and j + 32 in byte j's low and high nibbles. Written
+    here in three byte passes (torch's converter takes ~10x as long: the load's largest cost);
+    a last partial block, laid out otherwise, goes through torch's converter."""
+    n, k = q.shape
+    if n % INT4_BLOCK or (check and not _int4_cpu_layout_known()):
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
+    u = _nibbles(q).view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, k)
+    return (u[:, 0] & 0x0F | u[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held quantized (see the module docstring for how it computes)."""
 
@@ -99,6 +129,9 @@ class QuantizedLinear(nn.Module):
         self.compute_dtype = dtype
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         scale = scale.to(torch.float32).reshape(quant.scale_shape(self.out_features, self.in_features))
+        self.kernel_rows = 0  # a CPU kernel's path computes up to this many rows; more are dequantized
+        # per channel or tensor: the scale multiplies the product's columns, not each weight
+        self.scaled_after = quant.strategy in ("channel", "tensor") and zero is None and quant.bits == 8
         if quant.kind == "float":
             self.path = "scaled_mm" if device.type == "cuda" and quant.strategy != "block" else "fp8_dequant"
             self.register_buffer("weight", weight.to(device))
@@ -116,26 +149,30 @@ class QuantizedLinear(nn.Module):
         self.group_size = self.in_features // groups
         offset = torch.zeros_like(scale) if zero is None else -zero.to(torch.float32) * scale
         self.register_buffer("scale_zeros", torch.stack([scale.t(), offset.t()], -1).to(device, dtype).contiguous())
-        unsigned = (q.to(torch.int32) + 8)
         kernel = self.group_size in INT4_KERNEL_GROUPS and dtype != torch.float32
         if kernel and device.type == "cpu":
             self.path = "int4_cpu"
-            self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+            self.register_buffer("weight", _int4_cpu_packed(q).to(device))
+            # more rows dequantize its blocks (whole ones only: a last partial block is laid out otherwise)
+            self.kernel_rows = INT4_KERNEL_ROWS if self.out_features % INT4_BLOCK == 0 else 1 << 62
         elif kernel and device.type == "cuda" and dtype == torch.bfloat16:
             self.path = "int4_cuda"  # tinygemm: high nibble first
+            unsigned = q.to(torch.int32) + 8
             nibbles = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
             self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, 8))
         else:
             self.path = "int4_dequant"  # a row's first half in the low nibbles, its second in the high ones
+            unsigned = _nibbles(q)
             half = self.in_features // 2
-            self.register_buffer("weight", (unsigned[:, :half] | unsigned[:, half:] << 4).to(torch.uint8).to(device))
+            self.register_buffer("weight", (unsigned[:, :half] & 0x0F | unsigned[:, half:] << 4).to(device))
 
     def _init_int8(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                    device: torch.device) -> None:
         self.register_buffer("weight", q.to(device, torch.int8))
         self.register_buffer("scale", scale.to(device, dtype))
         self.register_buffer("offset", None if zero is None else (-zero.to(torch.float32) * scale).to(device, dtype))
-        self.int8_kernel = device.type == "cpu" and dtype != torch.float32 and zero is None and scale.shape[1] == 1
+        if device.type == "cpu" and dtype != torch.float32 and zero is None and self.quant.strategy == "channel":
+            self.kernel_rows = INT8_KERNEL_ROWS
         self.path = "int8"
 
     # ------------------------------------------------------------------ forward
@@ -143,12 +180,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if self.path == "int4_cpu":
+        if self.path == "int4_cpu" and rows.shape[0] <= self.kernel_rows:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scale_zeros)
+        elif self.path == "int8" and rows.shape[0] <= self.kernel_rows:
+            y = torch._weight_int8pack_mm(rows, self.weight, self.scale.reshape(-1))
         elif self.path == "int4_cuda":
             y = torch._weight_int4pack_mm(rows, self.weight, self.group_size, self.scale_zeros)
-        elif self.path == "int8" and self.int8_kernel and rows.shape[0] <= INT8_KERNEL_ROWS:
-            y = torch._weight_int8pack_mm(rows, self.weight, self.scale.reshape(-1))
         elif self.path == "scaled_mm":
             y = self._scaled_mm(rows)
         else:
@@ -159,20 +196,29 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The whole weight in the compute dtype, [out, in] (a new tensor: for checks, never per call)."""
-        k = self.in_features
-        if self.path in ("int4_cpu", "int4_cuda"):  # the kernel's own layout: its product with I
-            eye = torch.eye(k, dtype=self.compute_dtype, device=self.weight.device)
-            if self.path == "int4_cpu":
-                return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scale_zeros).t()
+        if self.path == "int4_cuda":  # the kernel's own layout: its product with I
+            eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.weight.device)
             return torch._weight_int4pack_mm(eye, self.weight, self.group_size, self.scale_zeros).t()
-        return torch.cat([self._dequantize_rows(a, b, self.compute_dtype).clone() for a, b in self._tiles()])
+        if self.path == "int4_cpu" and self.kernel_rows > self.out_features:
+            eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.weight.device)
+            return torch._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size, self.scale_zeros).t()
+        tiles = [self._dequantize_rows(a, b, self.compute_dtype).clone() for a, b in self._tiles()]
+        weight = torch.cat(tiles)
+        return weight * self._column_scale(self.compute_dtype)[:, None] if self.scaled_after else weight
 
     def _tiles(self) -> list[tuple[int, int]]:
-        """Row ranges of about TILE_ELEMENTS weights (whole scale blocks), dequantized one at a time."""
+        """Row ranges of about TILE_ELEMENTS weights (whole scale blocks, whole int4 kernel blocks),
+        dequantized one at a time."""
         tile = max(1, TILE_ELEMENTS // self.in_features)
-        if self.quant.strategy == "block":
-            tile = max(self.quant.block[0], tile // self.quant.block[0] * self.quant.block[0])
+        unit = {"block": self.quant.block[0]}.get(self.quant.strategy, 1)
+        unit = INT4_BLOCK if self.path == "int4_cpu" else unit
+        tile = max(unit, tile // unit * unit)
         return [(a, min(a + tile, self.out_features)) for a in range(0, self.out_features, tile)]
+
+    def _column_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """A per-channel (or per-tensor) format's scales, as the product's columns take them."""
+        scale = self.scale.reshape(-1).to(dtype)
+        return scale * _FP8_SCALE if self.quant.kind == "float" else scale
 
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of W's rows at a time: each tile dequantized into a scratch buffer that stays
@@ -183,29 +229,30 @@ class QuantizedLinear(nn.Module):
         rows = rows.to(dtype)
         tiles = self._tiles()
         if len(tiles) == 1:
-            return functional.linear(rows, self._dequantize_rows(0, self.out_features, dtype))
-        out = torch.empty(rows.shape[0], self.out_features, dtype=dtype, device=rows.device)
-        for a, b in tiles:
-            out[:, a:b] = functional.linear(rows, self._dequantize_rows(a, b, dtype))
-        return out
+            out = functional.linear(rows, self._dequantize_rows(0, self.out_features, dtype))
+        else:
+            out = torch.empty(rows.shape[0], self.out_features, dtype=dtype, device=rows.device)
+            for a, b in tiles:
+                out[:, a:b] = functional.linear(rows, self._dequantize_rows(a, b, dtype))
+        return out.mul_(self._column_scale(dtype)) if self.scaled_after else out
 
     def _dequantize_rows(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [a, b) of the weight in `dtype`, in this thread's scratch buffer (valid until the
-        next call)."""
+        next call); a per-channel format's without their scales (scaled_after)."""
         n, k = b - a, self.in_features
         device = self.weight.device
+        if self.path == "int4_cpu":
+            return self._int4_cpu_tile(a, b, dtype)
         out = _scratch(n * k, dtype, device).view(n, k)
         if self.quant.kind == "float":
             if dtype in (torch.float32, torch.bfloat16):
                 fp8_bits_as_float(self.weight[a:b], out)
             else:  # float16: through bfloat16's fields
                 out.copy_(fp8_bits_as_float(self.weight[a:b], _scratch(n * k, torch.bfloat16, device).view(n, k)))
-            scale = self.scale
-            if self.quant.strategy == "block":
-                scale = scale[a // self.quant.block[0]:-(-b // self.quant.block[0])]
-            elif self.quant.strategy == "channel":
-                scale = scale[a:b]
-            return self._scaled(out, scale * _FP8_SCALE)
+            if self.scaled_after:
+                return out
+            per = self.quant.block[0] if self.quant.strategy == "block" else 1  # rows a scale row covers
+            return self._scaled(out, self.scale[a // per:-(-b // per)] * _FP8_SCALE)
         if self.quant.bits == 4:
             nibbles = _scratch(n * k, torch.uint8, device).view(n, 2, k // 2)
             torch.bitwise_and(self.weight[a:b], 0x0F, out=nibbles[:, 0])
@@ -216,11 +263,30 @@ class QuantizedLinear(nn.Module):
             out.view(n, -1, self.group_size).mul_(pairs[..., 0].t()[..., None]).add_(pairs[..., 1].t()[..., None])
             return out
         out.copy_(self.weight[a:b])
+        if self.scaled_after:
+            return out
         groups = out.view(n, self.scale.shape[1], -1)
         groups.mul_(self.scale[a:b, :, None])
         if self.offset is not None:
             groups.add_(self.offset[a:b, :, None])
         return out
+
+    def _int4_cpu_tile(self, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [a, b) (whole INT4_BLOCKs) read from the CPU kernel's own layout, as a [b - a, in]
+        view of a transposed scratch tile: the kernel keeps each block of 64 output rows as [in, 32]
+        bytes, rows j and j + 32 in byte j's low and high nibbles."""
+        n, k, group = b - a, self.in_features, self.group_size
+        device = self.weight.device
+        blocks = self.weight.view(-1, k, INT4_BLOCK // 2)[a // INT4_BLOCK:b // INT4_BLOCK].transpose(0, 1)
+        nibbles = _scratch(n * k, torch.uint8, device).view(k, n // INT4_BLOCK, 2, INT4_BLOCK // 2)
+        torch.bitwise_and(blocks, 0x0F, out=nibbles[:, :, 0])
+        torch.bitwise_right_shift(blocks, 4, out=nibbles[:, :, 1])
+        out = _scratch(n * k, dtype, device).view(k // group, group, n)
+        out.copy_(nibbles.view(k // group, group, n))
+        pairs = self.scale_zeros[:, a:b]  # [groups, n, 2]: (scale, offset) per group and row, made
+        scale, offset = (pairs[..., i].contiguous()[:, None] for i in (0, 1))  # contiguous (10x faster)
+        torch.addcmul(offset, out.sub_(8), scale, out=out)
+        return out.view(k, n).t()
 
     def _scaled(self, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """out x scale, in place, scale broadcast over its blocks (a block at an edge may be partial)."""
@@ -276,14 +342,23 @@ def from_checkpoint(quant: WeightQuant, out_features: int, in_features: int, ten
 def quantize(quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
     """A 16-bit (or float32) weight [out, in] quantized weight-only, symmetric, round to nearest:
     the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5 for INT4,
-    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says."""
-    w = weight.to(torch.float32)
-    groups = w.view(w.shape[0], -1, quant.group_size) if quant.strategy == "group" else w.unsqueeze(1)
+    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is divided
+    by its scales in float32 (as compressed-tensors divides) a cache-sized tile of rows at a time,
+    in place: loading never holds a float copy of a layer, and its passes stay in the cache."""
+    n, k = weight.shape
+    size = quant.group_size if quant.strategy == "group" else k
     top = {"float": torch.finfo(torch.float8_e4m3fn).max, "int": (2 ** quant.bits - 1) / 2}[quant.kind]
-    scale = (groups.abs().amax(-1) / top).clamp(min=torch.finfo(torch.float32).tiny)
-    scaled = groups / scale[..., None]
-    if quant.kind == "float":
-        q = scaled.clamp(-top, top).to(torch.float8_e4m3fn).view(w.shape)
-    else:
-        q = scaled.round().clamp(-(2 ** (quant.bits - 1)), 2 ** (quant.bits - 1) - 1).to(torch.int8).view(w.shape)
+    largest = torch.linalg.vector_norm(weight.reshape(n, -1, size), float("inf"), dim=-1)  # exact max |w|
+    scale = (largest.float() / top).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn if quant.kind == "float" else torch.int8, device=weight.device)
+    rows = max(1, TILE_ELEMENTS // k)
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        tile = _scratch((b - a) * k, torch.float32, weight.device).view(b - a, -1, size)
+        tile.copy_(weight[a:b].reshape(b - a, -1, size)).div_(scale[a:b, :, None])
+        if quant.kind == "float":
+            tile.clamp_(-top, top)
+        else:
+            tile.round_().clamp_(-(2 ** (quant.bits - 1)), 2 ** (quant.bits - 1) - 1)
+        q[a:b] = tile.view(b - a, k)
     return QuantizedLinear(quant, q, scale, None, None, dtype, device)

@@ -1,0 +1,247 @@
+"""Quantized weights against the same model in bfloat16, on this CPU: decode, prefill, bytes, load.
+
+    python tools/quantized_bench.py --json docs/benchmarks/quantized-bundled.json
+    python tools/quantized_bench.py --shape llama-150m --json docs/benchmarks/quantized-llama-150m.json
+
+Each format (bf16, and int8, int4, fp8 quantized as the stages read the 16-bit checkpoint:
+load_stage(quantization=...), what `--quantization` does) runs the whole model as one stage, in
+bfloat16 compute, one thread unless --threads. Round by round the formats take turns (the machine
+is shared and noisy); each number is the best over the rounds, the raw rounds kept. Measured:
+
+- decode tok/s at batch 1 (one session's greedy steps, StageRuntime.forward) and batch 8 (eight
+  sessions' steps in one pass, StageRuntime.forward_batch), after a short prompt;
+- prefill tok/s of one --prefill-tokens prompt;
+- load time of the model's 2-stage plan (both stages' StageRuntime, one after the other: reading,
+  quantizing, the CPU's packing) and the bytes each stage's weights hold (scales included),
+  each ÷ bf16's.
+
+The issue's targets (int8 ≥ 1.2 and int4 ≥ 1.3 × bf16 decode at batch 1, every format ≥ 1.0 at
+batch 8, load ≤ 1.0 × bf16, bytes ≤ 0.55 (fp8, int8) / 0.3 (int4)) are checked in the JSON. The
+machine's load (`uptime`) is recorded before and after: numbers from a busy machine are noisier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import inferencemesh
+from inferencemesh.bundled import resolve_model
+from inferencemesh.checkpoint.read import read_local
+from inferencemesh.compute_dtype import cpu_flags
+from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling.quantized import QuantizedLinear
+from inferencemesh.modeling.runtime import Segment, StageRuntime
+from inferencemesh.planner import PlanInputs, plan_stages
+
+FORMATS = ("bf16", "int8", "int4", "fp8")
+TARGETS = [  # (metric, format, op, value)
+    ("decode_b1_tok_s", "int8", ">=", 1.2), ("decode_b1_tok_s", "int4", ">=", 1.3),
+    *[("decode_b8_tok_s", f, ">=", 1.0) for f in FORMATS[1:]],
+    *[("load_2_stages_s", f, "<=", 1.0) for f in FORMATS[1:]],
+    ("weight_bytes", "int8", "<=", 0.55), ("weight_bytes", "fp8", "<=", 0.55), ("weight_bytes", "int4", "<=", 0.3),
+]
+PROMPT = 16  # tokens each decoding session reads before its timed steps
+MAX_CONTEXT = 2048  # serve's default
+
+
+def machine() -> dict:
+    flags = cpu_flags()
+    model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def tree() -> dict:
+    """The commit measured and whether its source had uncommitted changes."""
+    src = Path(inferencemesh.__file__).resolve().parent
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(src), *args], capture_output=True, text=True, check=False)
+        return out.stdout.strip()
+    return {"src": str(src), "commit": git("rev-parse", "HEAD"),
+            "uncommitted_changes": bool(git("status", "--porcelain", "--", "."))}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def quantization(fmt: str) -> str | None:
+    return None if fmt == "bf16" else fmt
+
+
+def runtime(model: Path, start: int, end: int, fmt: str, context: int) -> tuple[StageRuntime, int]:
+    """Layers [start, end) in bfloat16, their linear layers quantized as they are read (load_stage's
+    quantization, what `--quantization` does), ready to run (the CPU's packing); and the bytes its
+    weights hold as loaded (each tensor once: a tied head is the embedding)."""
+    modules = load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+    held = {id(t): t.numel() * t.element_size() for m in (modules.embed, modules.layers, modules.norm,
+                                                           modules.lm_head)
+            if m is not None for t in [*m.parameters(), *m.buffers()]}
+    return (StageRuntime(model, start, end, dtype="bfloat16", device="cpu", max_context=context, modules=modules),
+            sum(held.values()))
+
+
+def load_two_stages(model: Path, fmt: str, bounds: list[tuple[int, int]]) -> tuple[float, list[int]]:
+    """Seconds until both stages of the 2-stage plan are ready to run (StageRuntime: load_stage, then
+    the CPU's weight packing), one after the other, and the bytes each one's weights hold."""
+    start = time.perf_counter()
+    stages = [runtime(model, a, b, fmt, MAX_CONTEXT) for a, b in bounds]
+    seconds = time.perf_counter() - start
+    held = [h for _, h in stages]
+    del stages
+    gc.collect()
+    return seconds, held
+
+
+def paths(runtime: StageRuntime) -> dict[str, str]:
+    """How each quantized linear layer of the first decoder layer computes (QuantizedLinear.path)."""
+    layer = runtime._layers[0]
+    return {name: m.path for name, m in layer.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def decode(runtime: StageRuntime, prompts: list[torch.Tensor], steps: int) -> float:
+    """Tokens per second of `len(prompts)` sessions decoding `steps` greedy tokens each, together."""
+    sessions = [runtime.new_session() for _ in prompts]
+    last = []
+    for kv, prompt in zip(sessions, prompts, strict=True):
+        logits = runtime.forward(kv, 0, token_ids=prompt)
+        assert logits is not None
+        last.append(int(logits[-1].argmax()))
+    pos = prompts[0].numel()
+    start = time.perf_counter()
+    for _ in range(steps):
+        if len(sessions) == 1:
+            outs = [runtime.forward(sessions[0], pos, token_ids=torch.tensor([last[0]]))]
+        else:
+            outs = runtime.forward_batch([Segment(kv, pos, torch.tensor([t])) for kv, t in zip(sessions, last,
+                                                                                            strict=True)])
+        last = [int(o[-1].argmax()) for o in outs if o is not None]
+        pos += 1
+    return len(sessions) * steps / (time.perf_counter() - start)
+
+
+def prefill(runtime: StageRuntime, ids: torch.Tensor) -> float:
+    kv = runtime.new_session()
+    start = time.perf_counter()
+    runtime.forward(kv, 0, token_ids=ids)
+    return ids.numel() / (time.perf_counter() - start)
+
+
+def measure(model: Path, args: argparse.Namespace) -> dict:
+    facts = read_local(model)
+    layers = facts.num_layers
+    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype="bfloat16"), 2)
+    bounds = [(s.layer_start, s.layer_end) for s in plan]
+    gen = torch.Generator().manual_seed(0)
+    vocab = facts.vocab_size
+    prompts = [torch.randint(3, vocab, (PROMPT,), generator=gen) for _ in range(max(args.batch))]
+    long = torch.randint(3, vocab, (args.prefill_tokens,), generator=gen)
+    context = max(args.prefill_tokens, PROMPT + args.decode_tokens) + 8
+    runtimes = {f: runtime(model, 0, layers, f, context)[0] for f in args.formats}
+    rounds: dict[str, dict[str, list[float]]] = {f: {} for f in args.formats}
+    held: dict[str, list[int]] = {}
+    for r in range(args.rounds):
+        for f in args.formats:
+            got = rounds[f]
+            seconds, held[f] = load_two_stages(model, f, bounds)
+            got.setdefault("load_2_stages_s", []).append(seconds)
+            for b in args.batch:
+                got.setdefault(f"decode_b{b}_tok_s", []).append(decode(runtimes[f], prompts[:b], args.decode_tokens))
+            got.setdefault("prefill_tok_s", []).append(prefill(runtimes[f], long))
+            print(f"round {r + 1} {f:5} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
+    return summarize(rounds, held, bounds, {f: paths(rt) for f, rt in runtimes.items()})
+
+
+def summarize(rounds: dict[str, dict[str, list[float]]], held: dict[str, list[int]], bounds: list[tuple[int, int]],
+              layer_paths: dict[str, dict[str, str]]) -> dict:
+    """Best of the rounds per format (max for rates, min for times), and each ÷ bf16's."""
+    best = {f: {k: (min(v) if k.endswith("_s") else max(v)) for k, v in got.items()} for f, got in rounds.items()}
+    for f in best:
+        best[f]["weight_bytes"] = sum(held[f])
+    base = best["bf16"]
+    out: dict = {"stages_2_plan": [list(b) for b in bounds], "formats": {}}
+    for f, got in best.items():
+        out["formats"][f] = {
+            "best": {k: round(v, 4) for k, v in got.items()},
+            "over_bf16": {k: round(v / base[k], 3) for k, v in got.items()},
+            "stage_weight_bytes": held[f],
+            "stage_weight_bytes_over_bf16": [round(a / b, 3) for a, b in zip(held[f], held["bf16"], strict=True)],
+            "rounds": {k: [round(x, 4) for x in v] for k, v in rounds[f].items()},
+            "layer_0_paths": layer_paths[f],
+        }
+    checks = []
+    for metric, f, op, value in TARGETS:
+        if f not in best or metric not in best[f]:
+            continue
+        ratio = best[f][metric] / base[metric]
+        if metric == "weight_bytes":  # each stage's bytes, the largest ratio
+            ratio = max(a / b for a, b in zip(held[f], held["bf16"], strict=True))
+        ok = ratio >= value if op == ">=" else ratio <= value
+        checks.append({"metric": metric, "format": f, "target": f"{op} {value}", "ratio": round(ratio, 3),
+                       "pass": ok})
+    out["checks"] = checks
+    return out
+
+
+def table(result: dict) -> str:
+    metrics = list(result["formats"]["bf16"]["best"])
+    scaled = {"weight_bytes": ("weight_MiB", 2 ** -20)}  # shown in MiB
+    lines = [f"{'format':7}" + "".join(f"{scaled.get(m, (m,))[0]:>24}" for m in metrics)]
+    for f, got in result["formats"].items():
+        cells = [f"{got['best'][m] * scaled.get(m, ('', 1))[1]:>14.2f} ({got['over_bf16'][m]:5.2f}x)" for m in metrics]
+        lines.append(f"{f:7}" + "".join(cells))
+    lines += [f"{'PASS' if c['pass'] else 'FAIL'} {c['format']} {c['metric']} / bf16 {c['ratio']} {c['target']}"
+              for c in result["checks"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory (default: the bundled code model)")
+    p.add_argument("--shape", help="a random-weight preset shape instead (llama-150m)")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if "bf16" not in args.formats:
+        p.error("--formats must include bf16 (the baseline)")
+    args.formats = ["bf16", *[f for f in args.formats if f != "bf16"]]
+    torch.set_num_threads(args.threads)
+    if args.shape:
+        from inferencemesh.programs.bench.models import make_shape_model
+
+        model = make_shape_model(args.shape, "bfloat16")
+    else:
+        model = Path(resolve_model(args.model))
+    report = {"issue": 36, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "tree": tree(),
+              "model": args.shape or str(model), "threads": args.threads, "rounds": args.rounds,
+              "compute_dtype": "bfloat16", "decode_tokens": args.decode_tokens,
+              "prefill_tokens": args.prefill_tokens, "uptime_before": uptime(),
+              "note": "best of the rounds; formats interleaved round by round; ratios are each format ÷ bf16"}
+    report["results"] = measure(model, args)
+    report["uptime_after"] = uptime()
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(table(report["results"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
