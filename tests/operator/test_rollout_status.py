@@ -171,3 +171,19 @@ def test_action_events_say_what_the_reconciler_starts_and_drains() -> None:
     # a pipeline drained before (its frontend gone) is not announced again
     gone = {k: v for k, v in base.items() if k != "code-p1-frontend"}
     assert action_events(Observed.of(mesh(), gone, []), Decision(keep={0: True}, drain=[1]), "rev1", 1) == []
+
+
+def test_how_long_a_pipeline_has_not_served_comes_from_its_frontend_pods_ready_condition() -> None:
+    deps = pipeline(0, False, "rev1")
+    frontend = pod("code-p0-frontend-x", "frontend", pipeline=0, phase="Running", conditions=[
+        {"type": "Ready", "status": "False", "lastTransitionTime": at(100)}])
+    p = Observed.of(mesh(), deps, [frontend]).pipelines[0]
+    assert p.not_serving_for(at(170)) == 70  # a blink restarts the count: the kubelet moves the time
+    terminating = {**frontend, "metadata": {**frontend["metadata"], "deletionTimestamp": at(150)}}
+    deps["code-p0-frontend"]["status"]["conditions"] = [
+        {"type": "Available", "status": "False", "lastTransitionTime": at(140)}]
+    assert Observed.of(mesh(), deps, [terminating]).pipelines[0].not_serving_for(at(170)) == 30  # between pods
+    unknown = pod("code-p0-frontend-y", "frontend", pipeline=0)
+    unknown["metadata"]["creationTimestamp"] = "not a time"
+    assert Observed.of(mesh(), deps, [unknown]).pipelines[0].not_serving_for(at(170)) == 0  # never presumed dead
+    assert Observed.of(mesh(), pipeline(0, True, "rev1"), [frontend]).pipelines[0].not_serving_for(at(170)) == 0

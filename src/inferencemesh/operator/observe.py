@@ -130,8 +130,9 @@ class PipelineObserved:
 
     def not_serving_for(self, now: str) -> float:
         """Seconds since its frontend last stopped serving (0 while it serves): since its frontend pod's
-        Ready condition last turned False (the kubelet keeps that time), else since the pod or the
-        Deployment was created; unknown times count as now (a pipeline is never presumed dead)."""
+        Ready condition last turned False (the kubelet keeps that time), else since the pod was created;
+        without a pod, since its Deployment turned unavailable (else was created); unknown times count
+        as now (a pipeline is never presumed dead)."""
         if self.serving:
             return 0.0
         live = [p for p in self.frontend_pods if not p["metadata"].get("deletionTimestamp")]
@@ -140,8 +141,11 @@ class PipelineObserved:
             ready = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
                          None)
             times.append(str((ready or {}).get("lastTransitionTime") or pod["metadata"].get("creationTimestamp") or ""))
-        if not live:
-            times.append(self.created)
+        if not live:  # between pods (evicted, replaced): since the Deployment stopped being available
+            dep = self._frontend_deployment() or {"metadata": {}}
+            available = next((c for c in (dep.get("status") or {}).get("conditions") or []
+                              if c.get("type") == "Available" and c.get("status") == "False"), None)
+            times.append(str((available or {}).get("lastTransitionTime") or self.created))
         seconds = [seconds_between(t, now) for t in times if t]
         return max(0.0, min((s for s in seconds if s != float("inf")), default=0.0))
 
