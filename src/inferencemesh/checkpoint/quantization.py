@@ -5,8 +5,9 @@ headers alone (the planner and the loader both start here).
 Served: compressed-tensors (`quant_method: compressed-tensors`) `pack-quantized` INT4/INT8
 and `int-quantized` INT8 weights, per channel or grouped, symmetric or not (llm-compressor's
 W4A16, W8A16), `float-quantized` FP8 e4m3 weights per tensor, per channel or in blocks
-(FP8_DYNAMIC's, FP8_BLOCK's), and transformers' own `fp8` config (block-wise
-`weight_scale_inv`). Activations are never quantized: dynamic FP8 activation scales are a
+(FP8_DYNAMIC's, FP8_BLOCK's), transformers' own `fp8` config (block-wise
+`weight_scale_inv`), AWQ (GEMM) and GPTQ INT4/INT8 (checkpoint/quant_gptq_awq.py), and gpt-oss's
+MXFP4 experts. Activations are never quantized: dynamic FP8 activation scales are a
 device of FP8 tensor cores, and computing in 16/32 bits as vLLM's weight-only FP8 (Marlin)
 path does is at least as accurate; static activation scales and integer activations, which
 change the result, are refused. Modules the config ignores (often lm_head) load as before.
@@ -42,11 +43,15 @@ class TensorInfo(Protocol):
 
 SERVED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 # Suffixes of a quantized linear's tensors; "weight_shape" is metadata a stage does not keep.
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape")
+QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+                  "qweight", "qzeros", "scales", "g_idx")  # ... and AWQ's and GPTQ's
+# The tensor of a quantized module that its held bytes are counted on (its other tensors count 0).
+WEIGHT_SUFFIXES = (".weight_packed", ".weight", ".qweight")
+MXFP4_SUFFIXES = ("_blocks", "_scales")  # gpt-oss's experts: gate_up_proj_blocks, down_proj_scales, ...
 _INSTEAD = ("give the 16-bit checkpoint, or a compressed-tensors W4A16/W8A16/FP8 export of it (llm-compressor "
             "writes them, with GPTQ or AWQ too)")
 _NOT_SERVED = {  # quant_method -> the format's name: refused as "cannot be served yet"
-    "bitsandbytes": "bitsandbytes 4-bit and 8-bit", "gptq": "GPTQ", "awq": "AWQ", "mxfp4": "MXFP4",
+    "bitsandbytes": "bitsandbytes 4-bit and 8-bit",
     "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ", "quanto": "quanto", "torchao": "torchao", "bitnet": "BitNet",
 }
 
@@ -55,7 +60,7 @@ _NOT_SERVED = {  # quant_method -> the format's name: refused as "cannot be serv
 class WeightQuant:
     """How one linear layer's weight is quantized."""
 
-    kind: str  # "int" | "float"
+    kind: str  # "int" | "float" | "mxfp4"
     bits: int  # 4 | 8
     strategy: str  # "tensor" | "channel" | "group" | "block"
     group_size: int = 0  # "group": inputs per scale
@@ -63,10 +68,12 @@ class WeightQuant:
     symmetric: bool = True
     packed: bool = False  # int32 words of `bits`-bit values (pack-quantized)
     scale_name: str = "weight_scale"  # transformers' fp8 stores the scale's inverse name, same meaning
+    layout: str = ""  # "" (compressed-tensors, fp8), "awq", "gptq" (zeros stored minus one), "gptq_v2", "mxfp4"
+    act_order: bool = False  # GPTQ desc_act: groups are not contiguous inputs; a permutation is held
 
     @property
     def name(self) -> str:
-        return "fp8" if self.kind == "float" else f"int{self.bits}"
+        return {"float": "fp8", "mxfp4": "mxfp4"}.get(self.kind, f"int{self.bits}")
 
     def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The [rows, columns] the scales must have (a tensor's or channel's may drop dims)."""
@@ -80,11 +87,23 @@ class WeightQuant:
 def held_bytes(quant: WeightQuant, out_features: int, in_features: int, width: int) -> int:
     """Bytes a stage holds for a linear layer quantized as `quant`, its scales in `width`-byte floats
     (modeling/quantized.py allocates exactly these)."""
+    if quant.kind == "mxfp4":  # as stored: two values a byte, an E8M0 scale byte per 32 (out: all experts' rows)
+        return out_features * in_features // 2 + out_features * in_features // 32
     rows, cols = quant.scale_shape(out_features, in_features)
+    perm = in_features * 4 if quant.act_order else 0  # the int32 input permutation of GPTQ's desc_act
     if quant.kind == "int" and quant.bits == 4:
-        return out_features * in_features // 2 + rows * cols * 2 * width  # (scale, zero) pairs
+        return out_features * in_features // 2 + rows * cols * 2 * width + perm  # (scale, zero) pairs
     offsets = 0 if quant.symmetric else rows * cols * width
-    return out_features * in_features + rows * cols * width + offsets
+    return out_features * in_features + rows * cols * width + offsets + perm
+
+
+def held_on(name: str, shape: tuple[int, ...], module: QuantizedModule, width: int) -> int:
+    """The bytes counted on one tensor of a quantized module: the module's all on its weight, 0 on
+    its other tensors (MXFP4's blocks and scales, held as stored, count their own)."""
+    if module.quant.kind == "mxfp4":
+        return math.prod(shape)
+    return held_bytes(module.quant, module.out_features, module.in_features, width) \
+        if name.endswith(WEIGHT_SUFFIXES) else 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,14 @@ def refusal(config: dict) -> str | None:
     if method in _NOT_SERVED:
         return (f"quantization_config {shown(method, 40)}: {_NOT_SERVED[method]} checkpoints cannot be served yet; "
                 + _INSTEAD)
+    if method in ("awq", "gptq", "mxfp4"):
+        from inferencemesh.checkpoint.quant_gptq_awq import format_quant
+
+        try:
+            _parsed(lambda q: format_quant(method, q), qc)
+        except CheckpointError as err:
+            return f"quantization_config {method!r}: {err}"
+        return None
     if method == "fp8":
         if qc.get("activation_scheme", "dynamic") != "dynamic":
             scheme = shown(qc.get("activation_scheme"), 20)
@@ -198,6 +225,10 @@ def quantized_modules(config: dict, tensors: Mapping[str, TensorInfo]) -> dict[s
     if method is None:
         return {}
     qc = config["quantization_config"]
+    if method in ("awq", "gptq", "mxfp4"):
+        from inferencemesh.checkpoint.quant_gptq_awq import format_modules
+
+        return format_modules(method, config, tensors)
     weights = {n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")} | \
         {n.removesuffix(".weight") for n in tensors if n.endswith(".weight") and tensors[n].dtype in ("F8_E4M3", "I8")}
     groups = _parsed(_compressed_groups, qc) if method == "compressed-tensors" else \
@@ -251,8 +282,11 @@ def _checked(module: str, quant: WeightQuant, tensors: Mapping[str, TensorInfo])
 
 
 def module_of(name: str) -> str | None:
-    """The linear layer a quantized tensor's name belongs to, by its suffix (None: not one)."""
+    """The linear layer (or MXFP4 experts) a quantized tensor's name belongs to, by its suffix
+    (None: not one)."""
     head, _, suffix = name.rpartition(".")
+    if head.endswith(".experts") and suffix.endswith(MXFP4_SUFFIXES):
+        return head
     return head if suffix in QUANT_SUFFIXES or suffix == "weight" else None
 
 
