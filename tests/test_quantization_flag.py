@@ -90,6 +90,7 @@ def test_serve_quantized_answers_as_the_quantized_runtime_and_its_stages_hold_th
                    for s in family.samples}
         assert samples["inferencemesh_spec_decode_num_draft_tokens_total"] > 0
         # Each stage (stage 0 in the frontend, stage 1 a process of its own) says what its weights hold.
+        assert any("imesh-code-target, int8 quantized at load" in line for line in lines), "".join(lines)
         held = {int(m[1]): int(m[2]) for line in lines
                 if (m := re.search(r"stage (\d+) ready: .* weights (\d+) bytes \(int8 at load\)", line))}
     assert sorted(held) == [0, 1], "".join(lines)

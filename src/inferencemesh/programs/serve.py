@@ -114,8 +114,9 @@ def router_config(config: ServeConfig, pipelines: list[LocalPipeline]) -> Router
 
 def run_serve(config: ServeConfig) -> int:
     model, facts, plan = plan_from_settings(config)
-    print(f"inferencemesh: serving {model}" + (f" as {config.replicas} pipelines behind a router"
-                                               if config.replicas > 1 else "") + f"\n{render_plan(plan)}", flush=True)
+    how = f", {config.quantization} quantized at load" if config.quantization else ""
+    how += f" as {config.replicas} pipelines behind a router" if config.replicas > 1 else ""
+    print(f"inferencemesh: serving {model}{how}\n{render_plan(plan)}", flush=True)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
                           max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions,
                           max_context=config.max_context)
