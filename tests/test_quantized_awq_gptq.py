@@ -288,3 +288,22 @@ def test_variants_not_served_are_refused_in_one_line(base, tmp_path, config, wor
         read_local(path)
     line = str(refused.value)
     assert "\n" not in line and words in line and config["quant_method"] in line, line
+
+
+@pytest.mark.parametrize("name,path_name", [("awq", "int4_cpu"), ("gptq-asym-act-order", "int4_cpu"),
+                                            ("gptq-int8-sym-act-order", "int8")])
+def test_bfloat16_takes_the_cpu_kernels_through_the_permutation(base, root, name, path_name):
+    """bfloat16 compute runs the int4 kernel (and int8's for decode rows) on the converted values,
+    behind the act-order permutation: within bfloat16's rounding of the float32 product with the
+    writer's own weight."""
+    path = write_quantized(base, root, name)
+    stage = load_stage(path, 0, 1, dtype="bfloat16", device="cpu")
+    layer = stage.layers[0].mlp.up_proj
+    linear = layer.linear if isinstance(layer, PermutedLinear) else layer
+    assert isinstance(linear, QuantizedLinear) and linear.path == path_name, (name, linear)
+    weight = torch.load(path / "reference.pt")["model.layers.0.mlp.up_proj.reference"]
+    for rows in (1, 64):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        want = x.bfloat16().float() @ weight.t()
+        got = layer(x.bfloat16()).float()
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), (name, rows)
