@@ -302,6 +302,7 @@ def test_bfloat16_takes_the_cpu_kernels_through_the_permutation(base, root, name
     linear = layer.linear if isinstance(layer, PermutedLinear) else layer
     assert isinstance(linear, QuantizedLinear) and linear.path == path_name, (name, linear)
     weight = torch.load(path / "reference.pt")["model.layers.0.mlp.up_proj.reference"]
+    assert (layer.dequantized().float() - weight).abs().max() <= 0.01 * weight.abs().max(), name  # input order
     for rows in (1, 64):
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         want = x.bfloat16().float() @ weight.t()

@@ -96,13 +96,6 @@ class Mxfp4Experts(nn.Module):
             out[:, a:b] = x @ weight_t
         return out
 
-    def dequantized(self, proj: str) -> torch.Tensor:
-        """All experts' weight as transformers holds it, [experts, in, out] (for checks)."""
-        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-        return convert_moe_packed_tensors(getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales"),
-                                          dtype=self.compute_dtype)
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.buffers(), *self.parameters()])
