@@ -194,7 +194,9 @@ def run_once(scenario: Scenario, src: Path, flags: list[str], bench: list[str], 
 
 
 def _rounded(value: Any) -> Any:
-    return [_rounded(v) for v in value] if isinstance(value, list) else round(value, 4)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return None if value is None else round(value, 4)
 
 
 async def _measure(scenario: Scenario, mesh: sc.Mesh) -> dict[str, float]:
