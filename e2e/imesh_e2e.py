@@ -373,14 +373,14 @@ def run_client_pod(ns: str, name: str, image: str, pull_policy: str, url: str, t
 # ---- the local reference -------------------------------------------------------------------
 
 @contextlib.contextmanager
-def local_serve(dtype: str, stages: int = 2, timeout: float = 300) -> Iterator[str]:
-    """`inferencemesh serve` of the bundled model on loopback; yields its /v1 base URL."""
+def local_serve(dtype: str, stages: int = 2, timeout: float = 300, model: str | None = None) -> Iterator[str]:
+    """`inferencemesh serve` of the bundled model (or `model`) on loopback; yields its /v1 base URL."""
     port, stage_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="imesh-e2e-serve-", suffix=".log", delete=False)
     exe = shutil.which("inferencemesh")
     cmd = [exe] if exe else [sys.executable, "-m", "inferencemesh"]
     cmd += ["serve", "--stages", str(stages), "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--base-stage-port", str(stage_port)]
+            "--base-stage-port", str(stage_port), *(["--model", model] if model else [])]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
 

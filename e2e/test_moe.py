@@ -20,39 +20,27 @@ IMESH_E2E_CONTAINERD_ADDRESS): the test writes the volume's files itself.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from imesh_e2e import (
     PROMPTS,
-    REPO,
     apply,
     delete_mesh,
     frontend_pod,
     get_json,
-    kubectl,
     mesh,
     mesh_doc,
     run_client_pod,
     wait_for,
     wait_ready,
 )
+from model_volume import CLIENT, add_tokenizer_and_open, claim_on, layout_of, node_folder
 
 NAME = "moe"
 SERVED = "tiny-qwen3-moe"
 MAX_TOKENS = 24
-UID = 10001  # the images' user: the volume's files must be readable by it
-BUNDLED = REPO / "src" / "inferencemesh" / "bundled" / "imesh-code-target"
-# The frontend loads the tokenizer (tokenizer.json + tokenizer_config.json) and the chat template
-# from the model directory; model-package.json is left out on purpose: the bundled one declares
-# the bundled Llama draft, which has nothing to do with this model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # Tiny, but a real MoE: every layer routes each token to 2 of 4 experts. initializer_range 0.5
 # makes the random logits large, so greedy output varies with the prompt and argmax ties (which
 # float32 summation order could break either way) do not happen.
@@ -74,22 +62,7 @@ def write_checkpoint(path: Path) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(BUNDLED / name, path / name)
-    # The pods run as uid 10001 on a read-only mount: world-readable files, traversable folders.
-    os.chmod(path, 0o755)
-    for child in path.iterdir():
-        os.chmod(child, 0o644)
-
-
-def layout_of(path: Path) -> dict:
-    """spec.model.layout for the checkpoint in float32 on CPU stages, as a user gets it:
-    `inferencemesh plan --layout` (the operator reads it back as the planner inputs it would make
-    from the checkpoint; the CRD takes one size for every layer, the largest)."""
-    out = subprocess.run([sys.executable, "-m", "inferencemesh", "plan", "--model", str(path), "--layout", "--json",
-                          "--dtype", "float32", "--device", "cpu"], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
-    return json.loads(out)["layout"]
+    add_tokenizer_and_open(path)
 
 
 def reference_texts(path: Path) -> dict[str, dict]:
@@ -118,65 +91,17 @@ def reference_texts(path: Path) -> dict[str, dict]:
     return out
 
 
-# Greedy completions of each prompt (argv[3:]) from inside the cluster, standard library only.
-CLIENT = r"""
-import json, sys, urllib.request
-base, model, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
-out = {}
-for prompt in sys.argv[4:]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    req = urllib.request.Request(base + "/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    reply = json.load(urllib.request.urlopen(req, timeout=180))
-    choice = reply["choices"][0]
-    out[prompt] = {"text": choice["text"], "tokens": reply["usage"]["completion_tokens"],
-                   "finish_reason": choice["finish_reason"]}
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def checkpoint(settings: dict) -> Iterator[Path]:
-    if not settings["containerd_address"]:
-        pytest.skip("writes a hostPath volume: run on the cluster's node (tools/cluster/up.sh sets "
-                    "IMESH_E2E_CONTAINERD_ADDRESS)")
-    # /var/tmp: on the node's disk, and every user may traverse it (the pods run as uid 10001).
-    root = Path(tempfile.mkdtemp(prefix="imesh-e2e-moe-", dir="/var/tmp"))
-    os.chmod(root, 0o755)
-    try:
+    with node_folder(settings, "moe") as root:
         write_checkpoint(root / SERVED)
         yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def claim(checkpoint: Path, mesh_namespace: str) -> Iterator[str]:
-    """A PersistentVolume on the checkpoint's folder, pre-bound to a claim in the mesh's namespace.
-
-    A storage class of its own that no provisioner serves: the claim binds to this volume and to
-    nothing a default class might make. Retain: deleting the claim leaves the files to the fixture."""
-    ns, pv, pvc, storage_class = mesh_namespace, f"imesh-e2e-moe-{mesh_namespace}", "moe-models", "imesh-e2e-moe"
-    size = {"storage": "1Gi"}
-    apply(ns, {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-               "spec": {"capacity": size, "accessModes": ["ReadWriteOnce"], "storageClassName": storage_class,
-                        "persistentVolumeReclaimPolicy": "Retain",
-                        "hostPath": {"path": str(checkpoint), "type": "Directory"},
-                        "claimRef": {"namespace": ns, "name": pvc}}})
-    try:
-        apply(ns, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": pvc},
-                   "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": storage_class, "volumeName": pv,
-                            "resources": {"requests": size}}})
-        try:
-            wait_for(lambda: get_json("pvc", pvc, "-n", ns)["status"].get("phase") == "Bound", 120,
-                     f"claim {pvc} to bind to {pv}")
-            yield pvc
-        finally:
-            # The pvc-protection finalizer holds the claim until the mesh's pods are gone.
-            kubectl("delete", "pvc", pvc, "-n", ns, "--ignore-not-found", "--wait=true", "--timeout=180s",
-                    check=False)
-    finally:
-        kubectl("delete", "pv", pv, "--ignore-not-found", "--wait=true", "--timeout=60s", check=False)
+    with claim_on(mesh_namespace, "moe", checkpoint) as pvc:
+        yield pvc
 
 
 def test_moe_checkpoint_from_a_pvc_serves_transformers_greedy_text(settings: dict, mesh_namespace: str,
