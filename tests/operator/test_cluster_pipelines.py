@@ -289,11 +289,18 @@ def test_a_spec_change_rolls_one_pipeline_at_a_time_through_a_stage_blink(cluste
         (stage,) = pods(cluster, f"inferencemesh.io/mesh={name},inferencemesh.io/pipeline=0,inferencemesh.io/stage=1")
         patch_pod_status(cluster, stage, NS, ready=False)
         wait_for(lambda: cond(status_of(cluster, name), "StagesReady").get("status") == "False", 30, "the blink seen")
+        kubelet.hold.add("ro-p2-frontend-")  # the first new pipeline does not serve until the test says so
         with ServingWatch(cluster, name) as watch:
             cluster.apply(mesh_doc(name, {**spec, "frontend": {"maxBatchTokens": 192}}), ns)
             rolling = wait_for(lambda: (s := status_of(cluster, name)) and
                                cond(s, "Progressing").get("reason") == "RollingOut" and s, 30, "the rollout")
-            assert cond(rolling, "Progressing")["message"].startswith("rolling to revision ")
+            assert cond(rolling, "Progressing")["message"] == \
+                f"rolling to revision {rolling['pipelines'][-1]['revision']}: 0/2 pipelines replaced"
+            wait_for(lambda: "ro-p2-frontend" in deployments(cluster, name), 30, "the first new pipeline")
+            time.sleep(3)  # reconciles go by (pod events wake them): one new pipeline, both old ones serving
+            names = set(deployments(cluster, name))
+            assert {"ro-p0-frontend", "ro-p1-frontend"} <= names and not any(n.startswith("ro-p3-") for n in names)
+            kubelet.hold.discard("ro-p2-frontend-")
             st = wait_for(lambda: (s := status_of(cluster, name)) and states(s) == {2: "Ready", 3: "Ready"}
                           and cond(s, "Progressing").get("reason") == "Complete" and s, 120, "the rollout's end")
         assert watch.fewest is not None and watch.fewest >= 2, f"only {watch.fewest} frontends served at one point"
