@@ -278,8 +278,10 @@ def test_sym_with_zero_points_off_the_middle_is_refused(base, root, tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "formats gptq and gptq_v2"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {"-:.*down": {}}}, "dynamic"),
     ({"quant_method": "gptq", "bits": 4, "group_size": "x"}, "malformed"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "no quantized tensors (qweight)"),  # 16-bit tensors
+    ({"quant_method": "mxfp4"}, "no quantized tensors (experts' _blocks)"),
 ])
-def test_variants_not_served_are_refused_in_one_line(base, tmp_path, config, words):
+def test_variants_not_served_and_configs_without_their_tensors_are_refused_in_one_line(base, tmp_path, config, words):
     path = Path(shutil.copytree(base, tmp_path / "m"))
     full = json.loads((path / "config.json").read_text())
     full["quantization_config"] = config

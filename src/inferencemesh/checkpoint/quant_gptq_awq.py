@@ -74,7 +74,7 @@ def format_modules(method: str, config: dict, tensors: Mapping[str, TensorInfo])
             raise CheckpointError(f"{shown(module)} is quantized, but quantized MoE experts and embeddings are not "
                                   f"served in {method.upper()} checkpoints yet: give the 16-bit checkpoint")
         out[module] = (_awq if quant.layout == "awq" else _gptq)(module, quant, tensors)
-    return out
+    return _some(out, method, "qweight")
 
 
 def _tensor(tensors: Mapping[str, TensorInfo], module: str, suffix: str, dtypes: tuple[str, ...],
@@ -143,4 +143,14 @@ def _mxfp4_modules(quant: WeightQuant, config: dict, tensors: Mapping[str, Tenso
             _tensor(tensors, module, f"{proj}_blocks", ("U8",), (experts, rows, cols // 32, 16), what)
             _tensor(tensors, module, f"{proj}_scales", ("U8",), (experts, rows, cols // 32), what)
         out[module] = QuantizedModule(quant, experts * 3 * inter, hidden)  # 2i x h + h x i rows x inputs, per expert
-    return out
+    return _some(out, "mxfp4", "experts' _blocks")
+
+
+def _some(modules: dict[str, QuantizedModule], method: str, tensors: str) -> dict[str, QuantizedModule]:
+    """The modules found; none is a checkpoint whose config and tensors disagree (a 16-bit export
+    with the quantized model's config.json), refused rather than served as something else."""
+    if not modules:
+        raise CheckpointError(f"quantization_config {method!r}: the checkpoint has no quantized tensors ({tensors}); "
+                              "give the quantized export its config.json describes, or the 16-bit checkpoint "
+                              "without a quantization_config")
+    return modules
