@@ -40,6 +40,7 @@ FAST_TIER: dict[str, frozenset[str]] = {
     "operator/test_pipelines.py": WHOLE,
     "operator/test_planning.py": frozenset({"test_the_layout_plan_prints_is_the_plan_of_the_checkpoint"}),
     "operator/test_reconcile.py": WHOLE,
+    "operator/test_rollout_status.py": WHOLE,
     "operator/test_render.py": WHOLE,
     "operator/test_render_embedded.py": WHOLE,
     "operator/test_render_pipelines.py": WHOLE,

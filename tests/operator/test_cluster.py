@@ -181,8 +181,8 @@ def test_kubectl_get_shows_the_printer_columns(cluster: ControlPlane, ns: str) -
 
 
 def test_pod_readiness_makes_the_mesh_ready_and_a_crash_loop_degrades_it(cluster: ControlPlane, ns: str) -> None:
-    # two stages, the frontend and the router
-    pods = wait_for(lambda: len(pods_of(cluster, "code")) == 4 and pods_of(cluster, "code"), 60, "4 pods")
+    # two stages, the frontend and the router's 2 pods (its default)
+    pods = wait_for(lambda: len(pods_of(cluster, "code")) == 5 and pods_of(cluster, "code"), 60, "5 pods")
     for pod in pods:  # type: ignore[union-attr]
         set_pod_status(cluster, pod, ready=True)
     st = wait_condition(cluster, "code", "Ready", "True", timeout=90)
@@ -390,7 +390,7 @@ def test_an_embedded_first_stage_has_no_stage_0_objects_and_switching_it_prunes_
         {"inferencemesh.io/mesh": name, "app.kubernetes.io/component": "frontend", "inferencemesh.io/pipeline": "0"}]
 
     # readiness comes from the frontend: no stage-0 Deployment is waited for
-    pods = wait_for(lambda: len(pods_of(cluster, name)) == 3 and pods_of(cluster, name), 60, "3 pods")
+    pods = wait_for(lambda: len(pods_of(cluster, name)) == 4 and pods_of(cluster, name), 60, "4 pods")  # 2 routers
     for pod in pods:  # type: ignore[union-attr]
         set_pod_status(cluster, pod, ready=True)
     st = wait_condition(cluster, name, "Ready", "True", timeout=90)
