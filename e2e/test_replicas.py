@@ -592,16 +592,36 @@ def load_client(settings: dict, m: dict, name: str, expected: dict[str, str]) ->
                       max_tokens=LOAD_TOKENS)
 
 
+def mesh_event_counts(ns: str) -> dict[str, tuple[str, int]]:
+    """The mesh's own Events: name -> (reason, count)."""
+    items = get_json("events", "-n", ns, "--field-selector",
+                     f"involvedObject.kind=InferenceMesh,involvedObject.name={NAME}")["items"]
+    return {e["metadata"]["name"]: (e.get("reason", ""), int(e.get("count") or 1)) for e in items}
+
+
+def new_events(before: dict[str, tuple[str, int]], after: dict[str, tuple[str, int]]) -> dict[str, int]:
+    """Reasons posted since `before`, with how often."""
+    counts: dict[str, int] = {}
+    for name, (reason, count) in after.items():
+        extra = count - before.get(name, (reason, 0))[1]
+        if extra > 0:
+            counts[reason] = counts.get(reason, 0) + extra
+    return counts
+
+
 def test_a_spec_change_rolls_every_pipeline_under_load_without_a_failed_request(
         settings: dict, replicated: dict) -> None:
     """frontend.maxBatchTokens changed while 4 clients stream through the Service from inside the
     cluster: every pipeline is replaced by one of the new revision, one at a time (a new one serves
     before an old one drains), and not one request fails or answers differently. The status shows
-    the rollout (Progressing True with the revision) and ends Available with both pipelines."""
+    the rollout (Progressing True with the revision) and ends Available with both pipelines; the
+    mesh's Events tell the story once (a start, a start and a drain per pipeline, a finish) and
+    nothing flaps."""
     ns = replicated["namespace"]
     wait_settled(ns, NAME, settings["timeout"])
     old = {e["index"] for e in pipelines(ns, NAME)}
     expected = expected_answers(replicated)
+    events_before = mesh_event_counts(ns)
     patch = {"spec": {"frontend": {"maxBatchTokens": 192}}}
     with load_client(settings, replicated, "imesh-e2e-rollout-load", expected) as load, \
             ConditionWatcher(ns, NAME) as watch:
@@ -620,6 +640,13 @@ def test_a_spec_change_rolls_every_pipeline_under_load_without_a_failed_request(
     assert available["status"] == "True" and f"{REPLICAS}/{REPLICAS}" in available["message"], available
     # never fewer serving than asked: Available stayed True throughout (maxUnavailable 0)
     assert ("Available", "False") not in watch.seen, watch.history[-20:]
+    progressing = conditions(ns, NAME)["Progressing"]
+    assert (progressing["status"], progressing["reason"]) == ("False", "Complete"), progressing
+    events = wait_for(lambda: (e := new_events(events_before, mesh_event_counts(ns))).get("RolloutFinished") and e,
+                      60, "the RolloutFinished event")
+    assert events.get("RolloutStarted") == 1 and events.get("PipelineStarted") == REPLICAS, events  # type: ignore[union-attr]
+    assert events.get("PipelineDrained") == REPLICAS, events  # type: ignore[union-attr]
+    assert not {"Degraded", "Recovered", "NotReady"} & set(events), events  # type: ignore[arg-type]
 
 
 def test_deleting_a_router_pod_under_load_fails_no_request(settings: dict, replicated: dict) -> None:
