@@ -54,7 +54,7 @@ FORMATS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_path_computes_the_weight_it_holds(name: str, dtype: torch.dtype,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few rows to many, across the kernel / float32-tile / 16-bit-tile switches, a few tiles a
+    """A few rows to many, across the kernel / dequantized-tile switches, a few tiles a
     layer (a last one partial)."""
     monkeypatch.setattr(quantized, "TILE_ELEMENTS", 70 * 128)
     quant, n, k = FORMATS[name]
@@ -63,8 +63,8 @@ def test_every_path_computes_the_weight_it_holds(name: str, dtype: torch.dtype,
     assert len(layer._tiles()) > 1 or layer.kernel_rows > n  # (a ragged INT4 layer: the kernel's, always)
     weight = _reference(quant, q, scale.to(dtype).float())  # the scales as the layer holds them
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    counts = {1, quantized.INT8_KERNEL_ROWS + 1, quantized.SMALL_ROWS, quantized.SMALL_ROWS + 1,
-              quantized.INT4_KERNEL_ROWS, quantized.INT4_KERNEL_ROWS + 1, 80}
+    counts = {1, quantized.INT8_KERNEL_ROWS, quantized.INT8_KERNEL_ROWS + 1, quantized.INT4_KERNEL_ROWS,
+              quantized.INT4_KERNEL_ROWS + 1, 80}
     for rows in sorted(counts):
         x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         want = x.float() @ weight.t()
@@ -96,9 +96,10 @@ def test_int4_blocks_read_from_the_kernel_layout_are_the_kernel_weights(monkeypa
     torch.testing.assert_close(layer(x), by_kernel, rtol=2 ** -7, atol=2e-3 * float(by_kernel.abs().max()))
 
 
-def test_dequantizing_holds_one_tile_per_thread_never_a_layer() -> None:
-    """Many rows through a large layer: the scratch buffers stay a tile's size, and the layer's own
-    bytes (what the plan counts) do not change."""
+def test_dequantizing_holds_one_tile_per_thread_never_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many rows through a layer larger than a tile: the scratch buffers stay a tile's size, and the
+    layer's own bytes (what the plan counts) do not change."""
+    monkeypatch.setattr(quantized, "TILE_ELEMENTS", 256 * 1024)
     quant, n, k = WeightQuant("float", 8, "channel"), 2048, 512
     q, scale = _made(quant, n, k)
     layer = QuantizedLinear(quant, q, scale, None, None, torch.bfloat16, CPU)

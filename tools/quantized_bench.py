@@ -2,6 +2,8 @@
 
     python tools/quantized_bench.py --json docs/benchmarks/quantized-bundled.json
     python tools/quantized_bench.py --shape llama-150m --json docs/benchmarks/quantized-llama-150m.json
+    git show COMMIT:src/inferencemesh/modeling/quantized.py > /tmp/quantized-before.py
+    python tools/quantized_bench.py --before /tmp/quantized-before.py ...   # FORMAT@before beside FORMAT
 
 Each format (bf16, and int8, int4, fp8 quantized as the stages read the 16-bit checkpoint:
 load_stage(quantization=...), what `--quantization` does) runs the whole model as one stage, in
@@ -30,7 +32,9 @@ import platform
 import subprocess
 import sys
 import time
+from importlib import util
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,7 +42,8 @@ import inferencemesh
 from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.compute_dtype import cpu_flags
-from inferencemesh.modeling.loader import load_stage
+from inferencemesh.modeling import quantized_load
+from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.planner import PlanInputs, plan_stages
@@ -77,15 +82,31 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
+BEFORE: dict[str, ModuleType] = {}  # --before: another commit's modeling/quantized.py, as a module
+
+
 def quantization(fmt: str) -> str | None:
-    return None if fmt == "bf16" else fmt
+    name = fmt.removesuffix("@before")
+    return None if name == "bf16" else name
+
+
+def load(model: Path, start: int, end: int, fmt: str) -> StageModules:
+    """load_stage; a "@before" format quantizes with --before's quantize() (its QuantizedLinear)."""
+    if not fmt.endswith("@before"):
+        return load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+    ours = quantized_load.quantize
+    quantized_load.quantize = BEFORE["module"].quantize
+    try:
+        return load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+    finally:
+        quantized_load.quantize = ours
 
 
 def runtime(model: Path, start: int, end: int, fmt: str, context: int) -> tuple[StageRuntime, int]:
     """Layers [start, end) in bfloat16, their linear layers quantized as they are read (load_stage's
     quantization, what `--quantization` does), ready to run (the CPU's packing); and the bytes its
     weights hold as loaded (each tensor once: a tied head is the embedding)."""
-    modules = load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+    modules = load(model, start, end, fmt)
     held = {id(t): t.numel() * t.element_size() for m in (modules.embed, modules.layers, modules.norm,
                                                            modules.lm_head)
             if m is not None for t in [*m.parameters(), *m.buffers()]}
@@ -108,7 +129,7 @@ def load_two_stages(model: Path, fmt: str, bounds: list[tuple[int, int]]) -> tup
 def paths(runtime: StageRuntime) -> dict[str, str]:
     """How each quantized linear layer of the first decoder layer computes (QuantizedLinear.path)."""
     layer = runtime._layers[0]
-    return {name: m.path for name, m in layer.named_modules() if isinstance(m, QuantizedLinear)}
+    return {name: m.path for name, m in layer.named_modules() if type(m).__name__ == QuantizedLinear.__name__}
 
 
 def decode(runtime: StageRuntime, prompts: list[torch.Tensor], steps: int) -> float:
@@ -160,14 +181,14 @@ def measure(model: Path, args: argparse.Namespace) -> dict:
             for b in args.batch:
                 got.setdefault(f"decode_b{b}_tok_s", []).append(decode(runtimes[f], prompts[:b], args.decode_tokens))
             got.setdefault("prefill_tok_s", []).append(prefill(runtimes[f], long))
-            print(f"round {r + 1} {f:5} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
+            print(f"round {r + 1} {f:11} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
     return summarize(rounds, held, bounds, {f: paths(rt) for f, rt in runtimes.items()})
 
 
 def summarize(rounds: dict[str, dict[str, list[float]]], held: dict[str, list[int]], bounds: list[tuple[int, int]],
               layer_paths: dict[str, dict[str, str]]) -> dict:
     """Best of the rounds per format (max for rates, min for times), and each ÷ bf16's."""
-    best = {f: {k: (min(v) if k.endswith("_s") else max(v)) for k, v in got.items()} for f, got in rounds.items()}
+    best = {f: {k: (max(v) if k.endswith("tok_s") else min(v)) for k, v in got.items()} for f, got in rounds.items()}
     for f in best:
         best[f]["weight_bytes"] = sum(held[f])
     base = best["bf16"]
@@ -198,10 +219,10 @@ def summarize(rounds: dict[str, dict[str, list[float]]], held: dict[str, list[in
 def table(result: dict) -> str:
     metrics = list(result["formats"]["bf16"]["best"])
     scaled = {"weight_bytes": ("weight_MiB", 2 ** -20)}  # shown in MiB
-    lines = [f"{'format':7}" + "".join(f"{scaled.get(m, (m,))[0]:>24}" for m in metrics)]
+    lines = [f"{'format':11}" + "".join(f"{scaled.get(m, (m,))[0]:>24}" for m in metrics)]
     for f, got in result["formats"].items():
         cells = [f"{got['best'][m] * scaled.get(m, ('', 1))[1]:>14.2f} ({got['over_bf16'][m]:5.2f}x)" for m in metrics]
-        lines.append(f"{f:7}" + "".join(cells))
+        lines.append(f"{f:11}" + "".join(cells))
     lines += [f"{'PASS' if c['pass'] else 'FAIL'} {c['format']} {c['metric']} / bf16 {c['ratio']} {c['target']}"
               for c in result["checks"]]
     return "\n".join(lines)
@@ -218,10 +239,18 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path)
+    p.add_argument("--before", type=Path, help="another commit's modeling/quantized.py: its formats measured "
+                                                "beside ours, as FORMAT@before, in the same rounds")
     args = p.parse_args()
     if "bf16" not in args.formats:
         p.error("--formats must include bf16 (the baseline)")
     args.formats = ["bf16", *[f for f in args.formats if f != "bf16"]]
+    if args.before:
+        spec = util.spec_from_file_location("quantized_before", args.before)
+        assert spec is not None and spec.loader is not None
+        BEFORE["module"] = util.module_from_spec(spec)
+        spec.loader.exec_module(BEFORE["module"])
+        args.formats += [f"{f}@before" for f in args.formats[1:]]
     torch.set_num_threads(args.threads)
     if args.shape:
         from inferencemesh.programs.bench.models import make_shape_model
@@ -233,7 +262,8 @@ def main() -> None:
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "tree": tree(),
               "model": args.shape or str(model), "threads": args.threads, "rounds": args.rounds,
               "compute_dtype": "bfloat16", "decode_tokens": args.decode_tokens,
-              "prefill_tokens": args.prefill_tokens, "uptime_before": uptime(),
+              "prefill_tokens": args.prefill_tokens, "before": str(args.before) if args.before else None,
+              "uptime_before": uptime(),
               "note": "best of the rounds; formats interleaved round by round; ratios are each format ÷ bf16"}
     report["results"] = measure(model, args)
     report["uptime_after"] = uptime()

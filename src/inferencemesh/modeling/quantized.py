@@ -6,29 +6,28 @@ swaps it into transformers' decoder layers where the nn.Linear was, as packed.py
 PackedLinear in: the layers' forward code stays theirs. What a layer holds is what
 quantization.held_bytes counts, so the plan's bytes are the stage's.
 
-How each format computes, chosen by device and compute dtype. Measured on this machine's CPU (an
-AVX-512 EPYC with bfloat16 units, one thread, a [5632, 2048] weight, the best of 5 interleaved
-rounds; ms per call, a decode row / a 64-row prefill):
+How each format computes, chosen by device, compute dtype and the number of rows (measured on
+this machine's CPU, an AVX-512 EPYC with bfloat16 units, one thread; docs/benchmarks/quantized-*.json
+and docs/design/quantized-weights.md have the numbers):
 
-    compute in bfloat16                         decode  prefill    compute in float32      decode  prefill
-    16-bit weight, PackedLinear (the baseline)   1.32    7.55      PackedLinear              2.38    21.6
-    INT8 per channel (_weight_int8pack_mm)       1.16    14.1      INT8 (scratch)            3.67    23.4
-    INT8 grouped (scratch)                       4.86    13.8      INT8 grouped (scratch)    3.63    23.7
-    INT4 grouped (_weight_int4pack_mm_for_cpu)   0.62    17.5      INT4 (scratch)            8.15    29.5
-    FP8 per channel (scratch)                    5.56    15.8      FP8 (scratch)             5.41    26.4
-    FP8 128x128 blocks (scratch)                 6.00    17.6      FP8 blocks (scratch)      6.05    23.9
+- INT4 (groups of 32-256), 16-bit compute: up to INT4_KERNEL_ROWS rows PyTorch's CPU kernel
+  (_weight_int4pack_mm_for_cpu, GEMV-shaped: its time grows with the rows); more rows (prefill)
+  dequantize the kernel's own packed blocks (_int4_cpu_tile) into a 16-bit scratch tile and run
+  the 16-bit GEMM, so the weight is held once, in the kernel's layout.
+- INT8 per channel, 16-bit compute: up to INT8_KERNEL_ROWS rows _weight_int8pack_mm; more rows
+  dequantize.
+- Everything else dequantizes: TILE_ELEMENTS weights at a time into this thread's scratch
+  buffer, then a GEMM of that tile, so no layer is ever held in float beside its quantized form.
+  Per-channel (and per-tensor) INT8 and FP8 tiles are not scaled: their scales multiply the
+  product's columns, one pass fewer per weight. FP8 is converted by its bits (fp8_bits_as_float;
+  torch's own float8 conversion is ~5x slower on a CPU).
+- float32 compute (a CPU without bfloat16 units): the kernels lose there (_weight_int8pack_mm
+  and _weight_int4pack_mm_for_cpu with float32 activations are 5-40x slower than dequantizing),
+  so every format dequantizes; INT4 is then kept in row halves for cheap unpacking.
 
-and the kernels where they lost: _weight_int8pack_mm with float32 activations 9.6 / 674 ms,
-_weight_int4pack_mm_for_cpu with float32 activations 20.5 / 1285 ms, torch's own float8 -> float
-conversion 57 ms per call. So INT4 runs PyTorch's CPU kernel in 16-bit compute (twice as fast as
-the 16-bit weight for a decode row, 2.3x slower for a prefill) and dequantizes otherwise; INT8
-per channel runs _weight_int8pack_mm for decode rows (at most INT8_KERNEL_ROWS) in 16-bit
-compute; everything else dequantizes ("scratch"): a cache-sized tile of rows at a time
-(TILE_ELEMENTS) into a per-thread scratch buffer, then a matmul of that tile, so no layer is
-ever held in float, and a few rows multiply in float32 (oneDNN would reorder a 16-bit tile on
-every call). FP8 is converted by its bits (fp8_bits_as_float). Weight-only dequantization reads
-fewer bytes but does more work per byte, so on a CPU only the INT4 and INT8 kernels beat the
-16-bit weight's decode; the others save memory (and stages), not time.
+Weight-only dequantization reads fewer bytes but does more work per byte: on a CPU the INT4 and
+INT8 kernels beat the 16-bit weight's decode; FP8, which has no CPU kernel, saves memory (and
+stages), not time.
 
 On CUDA: FP8 per tensor or channel runs torch._scaled_mm (activations quantized per token,
 dynamically, as vLLM does on H100), FP8 blocks dequantize; INT4 runs tinygemm
@@ -45,13 +44,18 @@ from torch import nn
 from torch.nn import functional
 
 from inferencemesh.checkpoint.quantization import WeightQuant
+from inferencemesh.modeling.packed import _mkldnn_packs
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
 INT4_BLOCK = 64  # the CPU int4 kernel's layout: blocks of 64 output rows, each [in, 32] bytes (_int4_cpu_tile)
-TILE_ELEMENTS = 256 * 1024  # weights dequantized at a time: 1 MiB in float32, within a core's L2
-INT8_KERNEL_ROWS = 8  # at most this many rows use _weight_int8pack_mm (it loses to dequantizing above)
-INT4_KERNEL_ROWS = 32  # at most this many rows use _weight_int4pack_mm_for_cpu (dequantizing wins above)
-SMALL_ROWS = 16  # up to this many rows, a 16-bit layer's dequantized tiles multiply in float32 on a CPU
+# Weights dequantized at a time (8 MiB in bfloat16): a whole layer of a model of a few billion
+# parameters. Smaller, cache-sized tiles lost: each costs a few op dispatches and a smaller GEMM,
+# which outweighed their passes staying in L2 (llama-150m decode, fp8: 256K elements 0.28x bf16,
+# 1M 0.22x, 4M 0.39x; prefill 0.40x, 0.46x, 1.05x).
+TILE_ELEMENTS = 4 * 1024 * 1024
+LOAD_TILE_ELEMENTS = 256 * 1024  # rows quantized at a time at load (1 MiB of float32: L2)
+INT8_KERNEL_ROWS = 8  # at most this many rows use _weight_int8pack_mm (its time grows with the rows)
+INT4_KERNEL_ROWS = 16  # at most this many rows use _weight_int4pack_mm_for_cpu (likewise)
 _FP8_SCALE = 2.0 ** 120  # fp8_bits_as_float's values are the weights times 2^-120
 _local = threading.local()
 
@@ -127,6 +131,9 @@ class QuantizedLinear(nn.Module):
         self.quant = quant
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = dtype
+        # a 16-bit tile multiplies in float32 on a CPU without oneDNN's 16-bit units (packed.py)
+        native = device.type != "cpu" or dtype == torch.float32 or _mkldnn_packs(dtype)
+        self.tile_dtype = dtype if native else torch.float32
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         scale = scale.to(torch.float32).reshape(quant.scale_shape(self.out_features, self.in_features))
         self.kernel_rows = 0  # a CPU kernel's path computes up to this many rows; more are dequantized
@@ -223,9 +230,7 @@ class QuantizedLinear(nn.Module):
     def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """x W^T a tile of W's rows at a time: each tile dequantized into a scratch buffer that stays
         in the CPU's cache while the matmul reads it (the whole weight's passes would go to memory)."""
-        # A few 16-bit rows multiply faster in float32 on a CPU: oneDNN reorders a plain 16-bit weight
-        # on every call (packed.py), which a tile dequantized per call cannot avoid.
-        dtype = torch.float32 if rows.device.type == "cpu" and rows.shape[0] <= SMALL_ROWS else self.compute_dtype
+        dtype = self.tile_dtype
         rows = rows.to(dtype)
         tiles = self._tiles()
         if len(tiles) == 1:
@@ -342,20 +347,21 @@ def from_checkpoint(quant: WeightQuant, out_features: int, in_features: int, ten
 def quantize(quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
     """A 16-bit (or float32) weight [out, in] quantized weight-only, symmetric, round to nearest:
     the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5 for INT4,
-    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is divided
-    by its scales in float32 (as compressed-tensors divides) a cache-sized tile of rows at a time,
-    in place: loading never holds a float copy of a layer, and its passes stay in the cache."""
+    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is read
+    once, a cache-sized tile of rows at a time, and divided by its scales in float32 (as
+    compressed-tensors divides) in place: loading never holds a float copy of a layer."""
     n, k = weight.shape
     size = quant.group_size if quant.strategy == "group" else k
     top = {"float": torch.finfo(torch.float8_e4m3fn).max, "int": (2 ** quant.bits - 1) / 2}[quant.kind]
-    largest = torch.linalg.vector_norm(weight.reshape(n, -1, size), float("inf"), dim=-1)  # exact max |w|
-    scale = (largest.float() / top).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.empty(n, k // size, device=weight.device)
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn if quant.kind == "float" else torch.int8, device=weight.device)
-    rows = max(1, TILE_ELEMENTS // k)
+    rows = max(1, LOAD_TILE_ELEMENTS // k)
     for a in range(0, n, rows):
         b = min(a + rows, n)
         tile = _scratch((b - a) * k, torch.float32, weight.device).view(b - a, -1, size)
-        tile.copy_(weight[a:b].reshape(b - a, -1, size)).div_(scale[a:b, :, None])
+        tile.copy_(weight[a:b].reshape(b - a, -1, size))
+        torch.div(tile.abs().amax(-1), top, out=scale[a:b]).clamp_(min=torch.finfo(torch.float32).tiny)
+        tile.div_(scale[a:b, :, None])
         if quant.kind == "float":
             tile.clamp_(-top, top)
         else:
