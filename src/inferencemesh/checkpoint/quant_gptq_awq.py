@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from inferencemesh.checkpoint.errors import CheckpointError, shown
-from inferencemesh.checkpoint.quantization import QuantizedModule, TensorInfo, WeightQuant
+from inferencemesh.checkpoint.quant_types import QuantizedModule, TensorInfo, WeightQuant
 
 _FLOATS = ("F16", "BF16", "F32")
 
@@ -60,11 +60,10 @@ def format_quant(method: str, qc: dict) -> WeightQuant:
                        act_order=bool(qc.get("desc_act", False)) and not static_groups and strategy == "group")
 
 
-def format_modules(method: str, config: dict, tensors: Mapping[str, TensorInfo]) -> dict[str, QuantizedModule]:
-    """module name -> how it is quantized and its shape, every tensor checked (shapes, dtypes)."""
-    from inferencemesh.checkpoint.quantization import _parsed
-
-    quant = _parsed(lambda qc: format_quant(method, qc), config["quantization_config"])
+def format_modules(method: str, quant: WeightQuant, config: dict,
+                   tensors: Mapping[str, TensorInfo]) -> dict[str, QuantizedModule]:
+    """module name -> how it is quantized (`quant`, format_quant's) and its shape, every tensor
+    checked (shapes, dtypes)."""
     if method == "mxfp4":
         return _mxfp4_modules(quant, config, tensors)
     out: dict[str, QuantizedModule] = {}

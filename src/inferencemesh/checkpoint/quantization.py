@@ -23,22 +23,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from inferencemesh.checkpoint.errors import CheckpointError, first_line, shown
+from inferencemesh.checkpoint.quant_gptq_awq import format_modules, format_quant
+from inferencemesh.checkpoint.quant_types import QuantizedModule, TensorInfo, WeightQuant
 
 T = TypeVar("T")
-
-
-class TensorInfo(Protocol):
-    """What is read of a tensor here (facts.TensorInfo; not imported: facts counts bytes with this module)."""
-
-    @property
-    def dtype(self) -> str: ...
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
 
 
 SERVED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
@@ -54,34 +45,6 @@ _NOT_SERVED = {  # quant_method -> the format's name: refused as "cannot be serv
     "bitsandbytes": "bitsandbytes 4-bit and 8-bit",
     "gguf": "GGUF", "hqq": "HQQ", "eetq": "EETQ", "quanto": "quanto", "torchao": "torchao", "bitnet": "BitNet",
 }
-
-
-@dataclass(frozen=True)
-class WeightQuant:
-    """How one linear layer's weight is quantized."""
-
-    kind: str  # "int" | "float" | "mxfp4"
-    bits: int  # 4 | 8
-    strategy: str  # "tensor" | "channel" | "group" | "block"
-    group_size: int = 0  # "group": inputs per scale
-    block: tuple[int, int] = (0, 0)  # "block": [outputs, inputs] per scale
-    symmetric: bool = True
-    packed: bool = False  # int32 words of `bits`-bit values (pack-quantized)
-    scale_name: str = "weight_scale"  # transformers' fp8 stores the scale's inverse name, same meaning
-    layout: str = ""  # "" (compressed-tensors, fp8), "awq", "gptq" (zeros stored minus one), "gptq_v2", "mxfp4"
-    act_order: bool = False  # GPTQ desc_act: groups are not contiguous inputs; a permutation is held
-
-    @property
-    def name(self) -> str:
-        return {"float": "fp8", "mxfp4": "mxfp4"}.get(self.kind, f"int{self.bits}")
-
-    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
-        """The [rows, columns] the scales must have (a tensor's or channel's may drop dims)."""
-        if self.strategy == "group":
-            return out_features, in_features // self.group_size
-        if self.strategy == "block":
-            return math.ceil(out_features / self.block[0]), math.ceil(in_features / self.block[1])
-        return (out_features, 1) if self.strategy == "channel" else (1, 1)
 
 
 def held_bytes(quant: WeightQuant, out_features: int, in_features: int, width: int) -> int:
@@ -106,13 +69,6 @@ def held_on(name: str, shape: tuple[int, ...], module: QuantizedModule, width: i
         if name.endswith(WEIGHT_SUFFIXES) else 0
 
 
-@dataclass(frozen=True)
-class QuantizedModule:
-    quant: WeightQuant
-    out_features: int
-    in_features: int
-
-
 def quant_method(config: dict) -> str | None:
     quantization = config.get("quantization_config")
     if quantization is None:
@@ -131,8 +87,6 @@ def refusal(config: dict) -> str | None:
         return (f"quantization_config {shown(method, 40)}: {_NOT_SERVED[method]} checkpoints cannot be served yet; "
                 + _INSTEAD)
     if method in ("awq", "gptq", "mxfp4"):
-        from inferencemesh.checkpoint.quant_gptq_awq import format_quant
-
         try:
             _parsed(lambda q: format_quant(method, q), qc)
         except CheckpointError as err:
@@ -226,9 +180,7 @@ def quantized_modules(config: dict, tensors: Mapping[str, TensorInfo]) -> dict[s
         return {}
     qc = config["quantization_config"]
     if method in ("awq", "gptq", "mxfp4"):
-        from inferencemesh.checkpoint.quant_gptq_awq import format_modules
-
-        return format_modules(method, config, tensors)
+        return format_modules(method, _parsed(lambda q: format_quant(method, q), qc), config, tensors)
     weights = {n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")} | \
         {n.removesuffix(".weight") for n in tensors if n.endswith(".weight") and tensors[n].dtype in ("F8_E4M3", "I8")}
     groups = _parsed(_compressed_groups, qc) if method == "compressed-tensors" else \
