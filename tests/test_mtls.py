@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ from tiny_models import write_tiny_model
 from inferencemesh.frontend.engine.pipeline import GrpcPipeline
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol import stage_pb2_grpc as pb_grpc
-from inferencemesh.stage import healthprobe
+from inferencemesh.protocol.health import check
 from inferencemesh.tls import TlsMaterial
 
 pytestmark = pytest.mark.slow
@@ -80,9 +81,9 @@ def test_mesh_over_mutual_tls_and_refusal_without_a_valid_certificate(tmp_path: 
             info(channel)
         with grpc.secure_channel(mesh.addresses[0], material.channel_credentials()) as channel:
             assert info(channel).is_first
-        # the readiness probe the operator renders for meshes with mutual TLS
-        assert healthprobe.main([mesh.addresses[1], "--tls-dir", str(good), "--server-name", "localhost"]) == 0
-        assert healthprobe.main([mesh.addresses[1]]) == 1  # no certificate: not let in
+        # grpc.health.v1 over mutual TLS, as serve's start-up wait and the frontend ask it
+        assert check(mesh.addresses[1], tls=TlsMaterial.from_dir(good), server_name="localhost")
+        assert not check(mesh.addresses[1])  # no certificate: not let in
     finally:
         mesh.stop()
 
@@ -127,6 +128,10 @@ def test_a_stage_serves_only_the_frontend_and_the_stage_before_it(tmp_path: Path
             assert info(stage1, "stage-0") == grpc.StatusCode.OK
             assert info(stage0, "stage-1") == grpc.StatusCode.PERMISSION_DENIED
             assert info(stage1, "stage-1") == grpc.StatusCode.PERMISSION_DENIED
-            assert healthprobe.check(stage0, tls=as_["stage-1"], server_name="localhost")
+            assert check(stage0, tls=as_["stage-1"], server_name="localhost")
+            # The kubelet's probes: plain HTTP on each stage's metrics port, no certificate, no process.
+            for http_port in mesh.metrics_ports:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=10) as reply:
+                    assert reply.status == 200 and reply.read() == b"SERVING\n"
         finally:
             mesh.stop()

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from tiny_models import write_tiny_model
 
 from inferencemesh.config import StageConfig
+from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.protocol.health import check
 from inferencemesh.stage.metrics_http import MetricsEndpoint
 from inferencemesh.stage.server import start_stage_server
@@ -94,3 +95,27 @@ def test_an_endpoint_with_no_stage_state_is_never_ready() -> None:
             endpoint.close()
 
     asyncio.run(go())
+
+
+def test_ready_turns_503_draining_when_the_stage_stops_serving(tmp_path: Path) -> None:
+    """/ready says what grpc.health.v1 says: SERVING, then NOT_SERVING once the stage stops (as a
+    stage process does on SIGTERM, before its server goes), with why."""
+    model = write_tiny_model(tmp_path / "m", "llama", num_layers=2, shards=1, hidden_size=32, intermediate_size=64)
+
+    async def go() -> None:
+        options = StageConfig(model=str(model), layers=(0, 2), stage_index=0, num_stages=1, host="127.0.0.1",
+                              port=0, max_context=64)
+        server, service, port = await start_stage_server(options, runtime=StageRuntime(model, 0, 2, max_context=64))
+        try:
+            host, http_port = service.metrics.serve(0)
+            assert await get(host, http_port, "/ready") == (200, "SERVING\n")
+            await service.mark_not_serving()
+            assert await get(host, http_port, "/ready") == (503, "NOT_SERVING: draining: the stage is stopping\n")
+            assert not await asyncio.to_thread(check, f"127.0.0.1:{port}")  # grpc.health.v1 agrees
+            assert await get(host, http_port, "/live") == (200, "alive\n")  # draining is not dead
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+

@@ -55,7 +55,8 @@ def arg(args: list[str], flag: str) -> str | None:
 
 MESH_WIDE = [("ConfigMap", "code-plan"), ("Service", "code-frontend"), ("Service", "code-pipelines"),
              ("Deployment", "code-router"), ("ServiceAccount", "code-router"), ("Role", "code-router"),
-             ("RoleBinding", "code-router"), ("PodDisruptionBudget", "code-router")]
+             ("RoleBinding", "code-router"), ("PodDisruptionBudget", "code-router"),
+             ("PodDisruptionBudget", "code-pipelines")]
 
 
 def certificate_secrets(stages: range) -> list[tuple[str, str]]:

@@ -226,7 +226,7 @@ def test_a_second_reconcile_writes_nothing(cluster: ControlPlane, ns: str, opera
     # 1. the same reconcile, in this process, with the operator's options: no write at all
     monkeypatch.setenv("INFERENCEMESH_BUNDLED_DIR", str(bundled_dir))
     api = config.new_client_from_config(config_file=str(operator.kubeconfig))
-    reconciler = Reconciler(Kube(api), options=RenderOptions(grpc_probes=Kube(api).server_minor_version() >= 24))
+    reconciler = Reconciler(Kube(api), options=RenderOptions())
     for _ in range(2):
         assert reconciler.reconcile(ns, "code").writes == []
 

@@ -197,11 +197,10 @@ def test_pvc_api_key_placement_and_image_options() -> None:
 def test_stage_probes_are_the_stages_own_http_answers_on_every_cluster_and_with_or_without_tls() -> None:
     """No exec probe (an interpreter per probe) and no gRPC probe (no client certificate): the stage
     answers /ready and /live in-process, so old clusters, mutual TLS and plaintext probe alike."""
-    kinds = [children(opts=P.RenderOptions(grpc_probes=False)), children(),
-             children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})]
+    kinds = [children(), children({"model": {"name": "bundled://imesh-code-target"}, "security": {"mtls": False}})]
     probes = [{k: container(objs[("Deployment", "code-p0-stage-1")])[k]
                for k in ("startupProbe", "livenessProbe", "readinessProbe")} for objs in kinds]
-    assert probes[0] == probes[1] == probes[2]
+    assert probes[0] == probes[1]
     ready, live, startup = probes[0]["readinessProbe"], probes[0]["livenessProbe"], probes[0]["startupProbe"]
     assert ready["httpGet"] == {"path": "/ready", "port": "metrics"}
     assert live["httpGet"] == startup["httpGet"] == {"path": "/live", "port": "metrics"}

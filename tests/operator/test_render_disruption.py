@@ -10,7 +10,6 @@ from imesh_k8s import ControlPlane, OperatorProcess, wait_for
 from render_fixtures import children, container
 
 from inferencemesh.operator import render_mesh as M
-from inferencemesh.operator.names import base_name
 from inferencemesh.operator.spec import parse_spec
 
 
@@ -23,14 +22,11 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
 
 
 def pods_and_budgets(spec: dict) -> tuple[dict[str, dict[str, str]], dict[str, dict]]:
-    """Each Deployment's pod labels, and every budget of the mesh (the pipelines' one included)."""
+    """Each Deployment's pod labels, and every budget of the mesh."""
     objs = children(spec)
     pods = {name: d["spec"]["template"]["metadata"]["labels"]
             for (kind, name), d in objs.items() if kind == "Deployment"}
-    budgets = {name: b for (kind, name), b in objs.items() if kind == "PodDisruptionBudget"}
-    pipelines = M.render_pipelines_budget(base_name("code"), "ml", parse_spec(spec))
-    budgets[pipelines["metadata"]["name"]] = pipelines
-    return pods, budgets
+    return pods, {name: b for (kind, name), b in objs.items() if kind == "PodDisruptionBudget"}
 
 
 def test_every_pod_has_exactly_one_budget_the_router_keeps_one_and_a_pipeline_never_goes_alone() -> None:
@@ -90,9 +86,11 @@ def test_the_operator_writes_the_routers_budget_in_the_version_the_server_serves
                        "metadata": {"name": "budget"},
                        "spec": {"model": {"name": "bundled://imesh-code-target", "dtype": "float32"},
                                 "stages": {"count": 2, "gpus": 0, "device": "cpu"}}}, ns)
-        found = wait_for(lambda: cluster.get_json("poddisruptionbudgets", "-n", ns)["items"], 60,
-                         "the router's disruption budget")
+        found = wait_for(lambda: len(items := cluster.get_json("poddisruptionbudgets", "-n", ns)["items"]) == 2
+                         and items, 60, "the router's and the pipelines' disruption budgets")
         budget = next(b for b in found if b["metadata"]["name"] == "budget-router")  # type: ignore[attr-defined]
+        pipelines = next(b for b in found if b["metadata"]["name"] == "budget-pipelines")  # type: ignore[attr-defined]
+        assert pipelines["spec"]["maxUnavailable"] == 0  # one pipeline: the last serving one
         assert budget["spec"]["minAvailable"] == 1
         assert budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
         kube = Kube(config.new_client_from_config(config_file=str(operator.kubeconfig)))

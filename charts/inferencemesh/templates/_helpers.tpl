@@ -70,7 +70,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]  # list: the kubelet's probe failures a not-ready pod reports
 {{- if .Values.peering.enabled }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]

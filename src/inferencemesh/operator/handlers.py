@@ -91,7 +91,6 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = RenderOptions(
         stage_image=os.environ.get("INFERENCEMESH_STAGE_IMAGE") or DEFAULT_STAGE_IMAGE,
         frontend_image=os.environ.get("INFERENCEMESH_FRONTEND_IMAGE") or DEFAULT_FRONTEND_IMAGE,
-        grpc_probes=kube.server_minor_version() >= 24,
     )
     log.info("render options: %s", options)
     memo.reconciler = Reconciler(kube, options=options)  # each mesh's memo starts as a copy of this one

@@ -54,7 +54,7 @@ from inferencemesh.planner import PlanError
 
 log = logging.getLogger("inferencemesh.operator")
 CHILD_KINDS = ("ConfigMap", "Service", "Deployment", "NetworkPolicy", "Secret", "ServiceAccount", "Role",
-               "RoleBinding")
+               "RoleBinding", "PodDisruptionBudget")
 RETRY_SECONDS = 30.0
 DRAIN_POLL_SECONDS = 5.0  # while a pipeline drains: when to look whether its frontend's pods are gone
 

@@ -4,9 +4,11 @@ No API calls here. reconcile.py compares what this returns with what exists and 
 difference; unit tests (tests/operator/test_render.py) check these objects without a cluster.
 
 Per mesh: ConfigMap <base>-plan; the router (Deployment, ServiceAccount, Role and RoleBinding
-<base>-router: it may only watch EndpointSlices), the endpoint Service <base>-frontend (selecting
-the router) and the headless Service <base>-pipelines (every frontend; the router watches its
-endpoints). Per pipeline k (prefix <base>-p<k>, names.py): per stage i a Deployment + Service
+<base>-router: it may only watch EndpointSlices; PodDisruptionBudget <base>-router: one router pod
+stays), the endpoint Service <base>-frontend (selecting the router), the headless Service
+<base>-pipelines (every frontend; the router watches its endpoints) and the PodDisruptionBudget
+<base>-pipelines over every pipeline's pods (an eviction never takes the last serving pipeline).
+Per pipeline k (prefix <base>-p<k>, names.py): per stage i a Deployment + Service
 <prefix>-stage-<i> and a NetworkPolicy <prefix>-stage-<i> (gRPC only from its own pipeline's frontend
 and stage i-1); the frontend Deployment <prefix>-frontend. With operator-issued certificates (the
 default), Secrets <base>-ca and <component>-tls per stage and frontend, rendered from the material
@@ -32,6 +34,7 @@ from inferencemesh.operator.render_frontend import render_frontend_deployment
 from inferencemesh.operator.render_mesh import (
     render_certificate_secrets,
     render_endpoint_service,
+    render_pipelines_budget,
     render_pipelines_service,
     render_plan_configmap,
     render_router,
@@ -95,8 +98,8 @@ def render_children(mesh: dict, spec: MeshSpec, plan: Plan, opts: RenderOptions,
     children.append(render_plan_configmap(mesh, spec, plan))
     for index, running in sorted(pipelines.items()):
         children += render_pipeline(spec, plan, PipelineRef(base, ns, index, revision), opts, certificates, running)
-    children += [render_pipelines_service(base, ns), *render_router(base, ns, spec, opts),
-                 render_endpoint_service(base, ns, spec)]
+    children += [render_pipelines_service(base, ns), render_pipelines_budget(base, ns, spec),
+                 *render_router(base, ns, spec, opts), render_endpoint_service(base, ns, spec)]
     kopf.adopt(children, owner=mesh)  # type: ignore[arg-type]  # kopf reads a plain dict as it reads its Body
     for child in children:
         child["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = content_hash(child)

@@ -38,7 +38,6 @@ LAYERS_STARTUP_PROBE = {"periodSeconds": 10, "failureThreshold": 180}
 class RenderOptions:
     stage_image: str = DEFAULT_STAGE_IMAGE
     frontend_image: str = DEFAULT_FRONTEND_IMAGE
-    grpc_probes: bool = True  # native gRPC probes need Kubernetes >= 1.24; else an exec probe
 
 
 def served_model_name(spec: MeshSpec) -> str:

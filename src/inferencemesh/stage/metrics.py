@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from inferencemesh.stage.metrics_http import MetricsEndpoint
+from inferencemesh.stage.metrics_http import MetricsEndpoint, Readiness
 
 STATES = ("downloading", "loading", "ready", "failed")
 _FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -23,6 +23,7 @@ class StageMetrics:
     def __init__(self, model: str, stage_index: int, host: str = "127.0.0.1") -> None:
         self.host = host  # where /metrics binds: where the stage's gRPC does
         self.endpoint: MetricsEndpoint | None = None
+        self.readiness: Readiness | None = None  # what /ready answers: the gRPC endpoint's health (server.py)
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model, "stage": str(stage_index)}
         self._declare_lifecycle()
@@ -112,7 +113,7 @@ class StageMetrics:
         self.frame_errors.labels(**self._labels, code=code).inc()
 
     def serve(self, port: int) -> tuple[str, int]:
-        """Serve /metrics on `port` at the stage's host, on the running event loop; returns the
-        bound address."""
-        self.endpoint = MetricsEndpoint(self.registry)
+        """Serve /metrics and the probes (/ready, /live) on `port` at the stage's host, on the
+        running event loop; returns the bound address."""
+        self.endpoint = MetricsEndpoint(self.registry, readiness=self.readiness)
         return self.endpoint.listen(self.host, port)

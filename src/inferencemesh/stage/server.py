@@ -48,6 +48,7 @@ class StageGrpcEndpoint(pb_grpc.StageServicer):
     def __init__(self, service: StageService) -> None:
         self.service = service
         self.health = health.aio.HealthServicer()
+        self.serving = False  # what grpc.health.v1 says now (set_serving)
         options = service.options
         self.next_stage = RemoteStage(options.downstream, tls.load(options.tls_dir), options.max_message_bytes) \
             if options.downstream else None
@@ -56,9 +57,22 @@ class StageGrpcEndpoint(pb_grpc.StageServicer):
             service.on_close.append(self.next_stage.close)
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    def not_serving_reason(self) -> str:
+        """Why grpc.health.v1 does not say SERVING, "" while it does: what the stage's /ready answers
+        (the kubelet's readiness probe, in-process: stage/metrics_http.py)."""
+        if self.serving:
+            return ""
+        service = self.service
+        if service.state == "failed":
+            return f"failed: {service.reason}"
+        if service.ready:
+            return "draining: the stage is stopping"
+        return f"{service.state} ({100 * service.progress:.0f}%)"
 
     async def _admit(self, context: grpc.aio.ServicerContext) -> None:
         """Only the peers this stage serves may call it: with --peers, the caller's certificate
@@ -100,6 +114,7 @@ async def start_stage_server(options: StageConfig, *, runtime: StageRuntime | No
     if on_failed is not None:
         service.on_failed.append(on_failed)
     endpoint = StageGrpcEndpoint(service)
+    service.metrics.readiness = endpoint.not_serving_reason  # /ready says what grpc.health.v1 says
     server = grpc.aio.server(options=server_options(options.max_message_bytes))
     pb_grpc.add_StageServicer_to_server(endpoint, server)
     health_pb2_grpc.add_HealthServicer_to_server(endpoint.health, server)
