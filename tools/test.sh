@@ -68,5 +68,14 @@ t0=$(date +%s)
 e2e=0
 "${PYTEST[@]}" e2e || e2e=$?
 echo "[test.sh] e2e/ took $(( $(date +%s) - t0 ))s" >&2
-echo "[test.sh] tests/ exit $unit, e2e/ exit $e2e" >&2
-[ "$unit" = 0 ] && [ "$e2e" = 0 ]
+down=0
+if [ -n "${started:-}" ]; then
+  # The teardown is checked too: down.sh fails when anything it added is left (routes, iptables
+  # tables, files); then no cluster range may keep an unreachable route.
+  trap - EXIT
+  bash tools/cluster/down.sh >&2 || down=$?
+  left=$(IMESH_CLUSTER_SNAPSHOTTER=native bash -c 'source tools/cluster/lib.sh && missing_unreachable_routes' | wc -w)
+  [ "$left" = 2 ] || { echo "[test.sh] down.sh left cluster routes behind" >&2; down=1; }
+fi
+echo "[test.sh] tests/ exit $unit, e2e/ exit $e2e, cluster teardown exit $down" >&2
+[ "$unit" = 0 ] && [ "$e2e" = 0 ] && [ "$down" = 0 ]
