@@ -12,7 +12,8 @@ is shared and noisy); a ratio to bf16 is the median over the rounds of that roun
 pairs measurements taken seconds apart), the best round and the raw rounds kept too. Measured:
 
 - decode tok/s at batch 1 (one session's greedy steps, StageRuntime.forward) and batch 8 (eight
-  sessions' steps in one pass, StageRuntime.forward_batch), after a short prompt;
+  sessions' steps in one pass, StageRuntime.forward_batch), after a short prompt, the formats
+  taking turns step by step, from each format's median step;
 - prefill tok/s of one --prefill-tokens prompt;
 - load time of the model's 2-stage plan (both stages' StageRuntime, one after the other: reading,
   quantizing, the CPU's packing) and the bytes each stage's weights hold (scales included),
@@ -134,25 +135,41 @@ def paths(runtime: StageRuntime) -> dict[str, str]:
     return {name: m.path for name, m in layer.named_modules() if type(m).__name__ == QuantizedLinear.__name__}
 
 
-def decode(runtime: StageRuntime, prompts: list[torch.Tensor], steps: int) -> float:
-    """Tokens per second of `len(prompts)` sessions decoding `steps` greedy tokens each, together."""
-    sessions = [runtime.new_session() for _ in prompts]
-    last = []
-    for kv, prompt in zip(sessions, prompts, strict=True):
-        logits = runtime.forward(kv, 0, token_ids=prompt)
-        assert logits is not None
-        last.append(int(logits[-1].argmax()))
-    pos = prompts[0].numel()
-    start = time.perf_counter()
-    for _ in range(steps):
-        if len(sessions) == 1:
-            outs = [runtime.forward(sessions[0], pos, token_ids=torch.tensor([last[0]]))]
+class Decoder:
+    """`len(prompts)` sessions of one runtime decoding greedy tokens together, a step at a time."""
+
+    def __init__(self, runtime: StageRuntime, prompts: list[torch.Tensor]) -> None:
+        self.runtime = runtime
+        self.sessions = [runtime.new_session() for _ in prompts]
+        self.last = []
+        for kv, prompt in zip(self.sessions, prompts, strict=True):
+            logits = runtime.forward(kv, 0, token_ids=prompt)
+            assert logits is not None
+            self.last.append(int(logits[-1].argmax()))
+        self.pos = prompts[0].numel()
+
+    def step(self) -> float:
+        """Seconds for one step of every session."""
+        start = time.perf_counter()
+        if len(self.sessions) == 1:
+            outs = [self.runtime.forward(self.sessions[0], self.pos, token_ids=torch.tensor([self.last[0]]))]
         else:
-            outs = runtime.forward_batch([Segment(kv, pos, torch.tensor([t])) for kv, t in zip(sessions, last,
-                                                                                            strict=True)])
-        last = [int(o[-1].argmax()) for o in outs if o is not None]
-        pos += 1
-    return len(sessions) * steps / (time.perf_counter() - start)
+            outs = self.runtime.forward_batch([Segment(kv, self.pos, torch.tensor([t]))
+                                               for kv, t in zip(self.sessions, self.last, strict=True)])
+        self.last = [int(o[-1].argmax()) for o in outs if o is not None]
+        self.pos += 1
+        return time.perf_counter() - start
+
+
+def decode(runtimes: dict[str, StageRuntime], prompts: list[torch.Tensor], steps: int) -> dict[str, float]:
+    """Tokens per second per format, the formats taking turns step by step (a step is tens of
+    milliseconds: the machine's drifting load falls on all of them alike); from the median step."""
+    decoders = {f: Decoder(rt, prompts) for f, rt in runtimes.items()}
+    times: dict[str, list[float]] = {f: [] for f in runtimes}
+    for _ in range(steps):
+        for f, d in decoders.items():
+            times[f].append(d.step())
+    return {f: len(prompts) / statistics.median(t) for f, t in times.items()}
 
 
 def prefill(runtime: StageRuntime, ids: torch.Tensor) -> float:
@@ -177,13 +194,14 @@ def measure(model: Path, args: argparse.Namespace) -> dict:
     held: dict[str, list[int]] = {}
     for r in range(args.rounds):
         for f in args.formats:
-            got = rounds[f]
             seconds, held[f] = load_two_stages(model, f, bounds)
-            got.setdefault("load_2_stages_s", []).append(seconds)
-            for b in args.batch:
-                got.setdefault(f"decode_b{b}_tok_s", []).append(decode(runtimes[f], prompts[:b], args.decode_tokens))
-            got.setdefault("prefill_tok_s", []).append(prefill(runtimes[f], long))
-            print(f"round {r + 1} {f:11} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in got.items()), flush=True)
+            rounds[f].setdefault("load_2_stages_s", []).append(seconds)
+        for b in args.batch:
+            for f, rate in decode(runtimes, prompts[:b], args.decode_tokens).items():
+                rounds[f].setdefault(f"decode_b{b}_tok_s", []).append(rate)
+        for f in args.formats:
+            rounds[f].setdefault("prefill_tok_s", []).append(prefill(runtimes[f], long))
+            print(f"round {r + 1} {f:11} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in rounds[f].items()), flush=True)
     return summarize(rounds, held, bounds, {f: paths(rt) for f, rt in runtimes.items()})
 
 
