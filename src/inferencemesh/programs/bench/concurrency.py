@@ -171,7 +171,8 @@ def run_concurrency(config: BenchConfig, model: BenchModel, target: PreTrainedMo
             # Mesh variants compared in one run: the stages' OpenMP threads ("default": as `serve`
             # starts them, each stage its share of the cores) and where the first stage runs.
             env = {} if stage_threads == "default" else {"OMP_NUM_THREADS": stage_threads}
-            mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, env=env, first_stage=first_stage)
+            mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, env=env, first_stage=first_stage,
+                              quantization=model.quantization)
             started.append(mesh)
             variant = f"threads={stage_threads}" if len(thread_options) > 1 else ""
             label = mesh.label + (f"[{variant}]" if variant else "")

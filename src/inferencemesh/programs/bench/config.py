@@ -65,9 +65,6 @@ class BenchConfig(ModelOptions):
 
     def check(self) -> BenchConfig:
         check_counts(self)
-        if self.quantization:  # inherited with the model options; the bench's meshes load checkpoints as they are
-            raise ConfigError("bench measures a checkpoint as it is stored: --quantization is not taken here "
-                              "(tools/quantized_bench.py compares formats quantized at load against 16-bit)")
         if self.multi_turn and self.structured:
             raise ConfigError("--multi-turn and --structured are separate benchmarks: run one at a time")
         for name in ("new_tokens", "repeats", "turns"):

@@ -121,7 +121,8 @@ def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel,
                     pipelines.append((f"in-process-1-stage[threads={shared}]", 1, whole, shared))
                 continue
             for form in config.first_stage:
-                mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, first_stage=form)
+                mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, first_stage=form,
+                              quantization=model.quantization)
                 started.append(mesh)
                 pipelines.append((mesh.label, count, mesh.pipeline, mesh.threads))
         for label, count, pipeline, config_threads in pipelines:

@@ -42,7 +42,7 @@ def in_process_pipeline(model: BenchModel, max_context: int) -> HopPipeline:
     from inferencemesh.modeling.runtime import StageRuntime
 
     return in_process_mesh_pipeline([StageRuntime(model.model_dir, 0, model.facts.num_layers, dtype=model.dtype_name,
-                                                  max_context=max_context)])
+                                                  max_context=max_context, quantization=model.quantization)])
 
 
 @dataclass
@@ -57,13 +57,13 @@ class BenchMesh:
 
 
 def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, env: dict[str, str] | None = None,
-               first_stage: str = "process") -> BenchMesh:
+               first_stage: str = "process", quantization: str | None = None) -> BenchMesh:
     from inferencemesh.checkpoint.read import read_local
     from inferencemesh.modeling.runtime import StageRuntime
 
     facts = read_local(model_dir)
-    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name, kv_tokens=kv_pool_tokens(0, max_context)),
-                       count)
+    plan = plan_stages(PlanInputs.from_checkpoint(facts, dtype=dtype_name, kv_tokens=kv_pool_tokens(0, max_context),
+                                                  quantization=quantization), count)
     limit = message_limit(hidden_size=facts.hidden_size, vocab_size=facts.vocab_size,
                           max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS, max_sessions=DEFAULT_MAX_SESSIONS,
                           max_context=max_context)
@@ -72,7 +72,8 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
     threads = 0 if env and "OMP_NUM_THREADS" in env else share
     embed = first_stage == "embedded"
     stages = LocalStages(stage_template(str(model_dir), dtype=dtype_name, max_context=max_context, threads=threads,
-                                        max_message_bytes=limit), plan, env=env, embed_first=embed)
+                                        max_message_bytes=limit, quantization=quantization),
+                         plan, env=env, embed_first=embed)
     stages.start()
     try:
         stages.wait_ready(600)
@@ -81,11 +82,12 @@ def start_mesh(model_dir: Path, dtype_name: str, count: int, max_context: int, e
         raise
     frontend = FrontendConfig(model=str(model_dir), stage_addresses=tuple(stages.addresses), dtype=dtype_name,
                               max_context=max_context, first_stage_layers=stages.first_stage_layers,
-                              max_message_bytes=limit).check()
+                              max_message_bytes=limit, quantization=quantization).check()
     runtime = None
     if embed:  # loaded here, before the clock runs (the frontend loads it in the background)
         assert stages.first_stage_layers is not None  # started with embed_first
-        runtime = StageRuntime(model_dir, *stages.first_stage_layers, dtype=dtype_name, max_context=max_context)
+        runtime = StageRuntime(model_dir, *stages.first_stage_layers, dtype=dtype_name, max_context=max_context,
+                               quantization=quantization)
     own_threads = int(env["OMP_NUM_THREADS"]) if env and "OMP_NUM_THREADS" in env else share
     label = f"{FIRST_STAGE_LABELS[first_stage]}-{count}-stage" + ("s" if count > 1 else "")
     return BenchMesh(stages, frontend_pipeline(frontend, first_stage_runtime=runtime),

@@ -87,6 +87,7 @@ class BenchModel:
     tokenizer: PreTrainedTokenizerBase
     prompts: dict[str, list[list[int]]]
     requested_dtype: str  # --dtype, bfloat16 for a shape; "auto" stays auto (a draft then loads in its own)
+    quantization: str | None = None  # --quantization: the stages quantize the 16-bit weights at load
 
     @property
     def dtype_name(self) -> str:
@@ -101,8 +102,13 @@ def load_bench_model(config: BenchConfig) -> BenchModel:
     facts = read_local(model_dir)
     # auto: what `serve` computes in (float32 on a CPU without native units for a 16-bit checkpoint)
     dtype = getattr(torch, choose_dtype(dtype_name, facts.checkpoint_dtype, on_cpu=not torch.cuda.is_available()).name)
+    if config.quantization:
+        from inferencemesh.operator.modelfacts import check_quantization  # serve and plan refuse by the same rule
+
+        check_quantization(facts, config.quantization, str(model_dir))
     for count in config.stages:
-        plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch.")), count)
+        plan_stages(PlanInputs.from_checkpoint(facts, dtype=str(dtype).removeprefix("torch."),
+                                               quantization=config.quantization), count)
     tokenizer = load_tokenizer(model_dir)
     return BenchModel(model_dir, facts, dtype, tokenizer, prompt_ids(tokenizer, config.prompts, facts.vocab_size),
-                      dtype_name)
+                      dtype_name, config.quantization)

@@ -165,7 +165,8 @@ def run_multi_turn(config: BenchConfig, model: BenchModel) -> dict:
     results = []
     with meshes() as started:
         for count, form in [(c, f) for c in config.stages for f in config.first_stage]:
-            mesh = start_mesh(model.model_dir, model.dtype_name, count, CONTEXT, first_stage=form)
+            mesh = start_mesh(model.model_dir, model.dtype_name, count, CONTEXT, first_stage=form,
+                              quantization=model.quantization)
             started.append(mesh)
             torch.set_num_threads(mesh.threads)
             entry = asyncio.run(measure(Pair(mesh, config.new_tokens), count, system, model, config.turns,

@@ -27,6 +27,7 @@ def header(config: BenchConfig, model: BenchModel, threads: int) -> dict:
     """The facts every report starts with: what was measured, on what."""
     return {
         "model": str(model.model_dir), "shape": config.shape, "dtype": model.dtype_name,
+        "quantization": model.quantization,
         "new_tokens": config.new_tokens, "repeats": config.repeats, "torch": torch.__version__,
         "threads": threads, "machine": platform.machine(), "python": sys.version.split()[0],
     }

@@ -111,7 +111,8 @@ def run_structured(config: BenchConfig, model: BenchModel, speculation: dict) ->
                 pipelines.append(("in-process-1-stage", 1, in_process_pipeline(model, MAX_CONTEXT), threads))
                 continue
             for form in config.first_stage:
-                mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, first_stage=form)
+                mesh = start_mesh(model.model_dir, model.dtype_name, count, MAX_CONTEXT, first_stage=form,
+                              quantization=model.quantization)
                 started.append(mesh)
                 pipelines.append((mesh.label, count, mesh.pipeline, mesh.threads))
         configs, masks = configurations(config, pipelines, speculation, constrained, prompts)
