@@ -99,6 +99,8 @@ FAST_TIER: dict[str, frozenset[str]] = {
         "test_a_second_signal_stops_the_router_at_once", "test_importing_the_router_loads_no_torch",
         "test_metrics_parse_and_pass_promtool", "test_the_router_program_stops_on_sigterm_after_its_streams"}),
     "test_quantized_formats.py": WHOLE,
+    "test_quantized_awq_gptq.py": WHOLE,
+    "test_quantized_mxfp4.py": WHOLE,
     "test_quantization_flag.py": WHOLE,  # its one process-starting test is marked slow
     "test_router_kv.py": WHOLE,
     "test_router_policy.py": WHOLE,

@@ -130,7 +130,7 @@ BOMBS: dict[str, tuple[Callable[[Path], None], str, list[str]]] = {
     "8-bit float dtype": (change("model.layers.1.mlp.down_proj.weight", dtype="F8_E5M2"), SHARD,
                           ["F8_E5M2", "cannot load yet"]),
     "unknown dtype": (change("model.norm.weight", dtype="Q3_K"), SHARD, ["Q3_K", "dtype"]),
-    "quantized config": (quantized, "quantization_config", ["gptq", "cannot be served yet"]),
+    "quantized config": (quantized, "quantization_config", ["gptq", "no quantized tensors"]),
     "index names a file elsewhere": (index_outside, INDEX, ["shadow", "beside the index"]),
     "tokenizer.json not JSON": (tokenizer_not_json, "tokenizer.json", ["not JSON"]),
 }

@@ -255,8 +255,8 @@ def _edit_config(path: Path, **quantization) -> None:
 
 @pytest.mark.parametrize("config,words", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["bitsandbytes", "compressed-tensors"]),
-    ({"quant_method": "gptq", "bits": 4}, ["GPTQ", "cannot be served yet"]),
-    ({"quant_method": "awq", "bits": 4}, ["AWQ", "cannot be served yet"]),
+    ({"quant_method": "gptq", "bits": 3}, ["GPTQ 3-bit", "served: 4 and 8 bits"]),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, ["AWQ 4-bit 'gemv'", "GEMM"]),
     ({"quant_method": "fp8", "activation_scheme": "static"}, ["static", "dynamic activations"]),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"type": "int", "num_bits": 8, "strategy": "channel"},

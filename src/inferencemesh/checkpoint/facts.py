@@ -145,14 +145,12 @@ class CheckpointFacts:
     @classmethod
     def _held(cls, info: TensorInfo, dtype_bytes: int | None, quantized: dict[str, QuantizedModule]) -> int:
         """A tensor's bytes in a stage: a quantized layer's all counted on its weight, its other tensors 0."""
-        from inferencemesh.checkpoint.quantization import held_bytes, module_of
+        from inferencemesh.checkpoint.quantization import held_on, module_of
 
         module = module_of(info.name) if quantized else None
         if dtype_bytes is None or module not in quantized:
             return cls._scaled(info, dtype_bytes)
-        q = quantized[module]  # type: ignore[index]
-        is_weight = info.name.endswith((".weight_packed", ".weight"))
-        return held_bytes(q.quant, q.out_features, q.in_features, dtype_bytes) if is_weight else 0
+        return held_on(info.name, info.shape, quantized[module], dtype_bytes)  # type: ignore[index]
 
     @staticmethod
     def _scaled(info: TensorInfo, dtype_bytes: int | None) -> int:

@@ -13,7 +13,8 @@ from torch import nn
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.quantization import LOAD_METHODS, quant_method, quantized_at_load
-from inferencemesh.modeling.quantized import from_checkpoint, quantize
+from inferencemesh.modeling.quantized import quantize
+from inferencemesh.modeling.quantized_formats import build_quantized, fits
 
 
 def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtype: torch.dtype,
@@ -59,10 +60,9 @@ def swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: Ch
             parent = model.get_submodule(parent_name)
         except AttributeError:
             parent = None
-        linear = getattr(parent, child, None)
+        target = getattr(parent, child, None)
         spec = described[name]
-        if not isinstance(linear, nn.Linear) or (linear.out_features, linear.in_features) != \
-                (spec.out_features, spec.in_features):
+        if not fits(spec, target):
             raise CheckpointError(f"{source}: quantized tensors of {name} ({spec.out_features}x{spec.in_features}) "
                                   "match no linear layer of that shape in the model (only linear layers named as "
                                   "the model names them are served quantized)")
@@ -70,4 +70,4 @@ def swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: Ch
                                                                           if k.startswith(name + ".")]}
         if "bias" in own:
             own["bias"] = own["bias"].to(dtype)
-        setattr(parent, child, from_checkpoint(spec.quant, spec.out_features, spec.in_features, own, dtype, device))
+        setattr(parent, child, build_quantized(spec, own, target, dtype, device))
