@@ -46,6 +46,9 @@ QUANTIZED_FORMATS = (
     ("compressed-tensors float-quantized", "FP8 e4m3, per tensor, channel or block (FP8_DYNAMIC, FP8_BLOCK)"),
     ("compressed-tensors naive-quantized", "INT8 or FP8 unpacked, as float- and int-quantized"),
     ("transformers fp8", "FP8 e4m3, weight_scale_inv per block (DeepSeek-V3 style), dynamic activations"),
+    ("awq", "INT4 in groups with zero points, GEMM layout (AutoAWQ)"),
+    ("gptq", "INT4 or INT8, v1 and v2, symmetric or not, with or without desc_act (act order)"),
+    ("mxfp4", "FP4 blocks with E8M0 scales, gpt-oss's MoE experts"),
     ("--quantization int8, int4, fp8", "a 16-bit checkpoint quantized as the stages load it (spec.model."
                                        "quantization): INT8 per channel, INT4 in groups of 128, FP8 per channel"),
 )

@@ -128,8 +128,8 @@ def print_models() -> int:
           "layers of any family above; checked on Llama):")
     for name, weights in families.QUANTIZED_FORMATS:
         print(textwrap.fill(weights, 100, initial_indent=f"  {name:<36} ", subsequent_indent=" " * 39))
-    print(f"Refused at plan with what to give instead: {', '.join(not_served())}; quantized MoE experts "
-          "and embeddings, activation and KV cache quantization.")
+    print(f"Refused at plan with what to give instead: {', '.join(not_served())}; MoE experts "
+          "quantized other than MXFP4, quantized embeddings, activation and KV cache quantization.")
     return 0
 
 
