@@ -35,13 +35,12 @@ from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.quantized_formats import PermutedLinear
-from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 
 sys.path.insert(0, str(Path(__file__).parent))
+from quantized_reference import greedy_against  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
-PROMPT, NEW = 10, 8
 SPLITS = {1: [0, 4], 2: [0, 2, 4]}
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's order_map: the nibble each logical column goes to
 # name -> (method, bits, group size, desc_act, sym, checkpoint format)
@@ -168,46 +167,13 @@ def reference(path: Path) -> torch.nn.Module:
     return model
 
 
-def chain(stages: list[StageRuntime], sessions: list, pos: int, ids: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = ids
-    for stage, kv in zip(stages, sessions, strict=True):
-        out = stage.forward(kv, pos, logits="last", **({"token_ids": out} if stage.is_first else {"hidden": out}))
-    return out
-
-
-def greedy_against(model: torch.nn.Module, path: Path, seed: int) -> None:
-    """Greedy tokens at 1 and 2 stages equal `model`'s, logprobs within its own float32 noise."""
-    prompt = torch.randint(3, 256, (PROMPT,), generator=torch.Generator().manual_seed(seed))
-    ids, expected, expected_lp = prompt.tolist(), [], []
-    with torch.no_grad():
-        for _ in range(NEW):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            expected_lp.append(torch.log_softmax(logits, -1))
-            expected.append(int(logits.argmax()))
-            ids.append(expected[-1])
-        whole = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, PROMPT - 1:], -1)
-    tolerance = max(1e-4, 2 * float((whole - torch.stack(expected_lp)).abs().max()))
-    for n, bounds in SPLITS.items():
-        stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64)
-                  for a, b in zip(bounds, bounds[1:], strict=False)]
-        sessions = [s.new_session() for s in stages]
-        logits, got, lps, pos = chain(stages, sessions, 0, prompt), [], [], PROMPT
-        for _ in range(NEW):
-            lps.append(torch.log_softmax(logits[-1], -1))
-            got.append(int(logits[-1].argmax()))
-            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
-            pos += 1
-        assert got == expected, (path.name, n)
-        assert torch.allclose(torch.stack(lps), torch.stack(expected_lp), atol=tolerance, rtol=1e-5), (path.name, n)
-
-
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_greedy_tokens_at_1_2_stages_equal_the_dequantized_reference(base, root, name):
     path = write_quantized(base, root, name)
     stage = load_stage(path, 0, 1, dtype="float32", device="cpu")
     down = stage.layers[0].mlp.down_proj
     assert isinstance(down, PermutedLinear if FORMATS[name][3] else QuantizedLinear), (name, down)
-    greedy_against(reference(path), path, seed=5)
+    greedy_against(reference(path), path, seed=5, splits=SPLITS)
 
 
 def stage_bytes(stage) -> int:

@@ -33,9 +33,9 @@ from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 
 sys.path.insert(0, str(Path(__file__).parent))
+from quantized_reference import NEW, PROMPT, chain, greedy_against  # noqa: E402  # noqa: E402
 from tiny_models import write_tiny_model  # noqa: E402
 
-PROMPT, NEW = 10, 8
 SPLITS = {1: [0, 4], 2: [0, 2, 4], 3: [0, 1, 3, 4]}
 # name -> (compressed-tensors preset or None for the fp8 spec writer, format, weight overrides)
 FORMATS = {
@@ -166,13 +166,6 @@ def _dequantized(quantization: dict, own: dict[str, torch.Tensor]) -> torch.Tens
     return BaseCompressor.load_from_registry(quantization["format"]).decompress(own, scheme)["weight"].float()
 
 
-def chain(stages: list[StageRuntime], sessions: list, pos: int, ids: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = ids
-    for stage, kv in zip(stages, sessions, strict=True):
-        out = stage.forward(kv, pos, logits="last", **({"token_ids": out} if stage.is_first else {"hidden": out}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("quantized")
@@ -181,31 +174,8 @@ def root(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_greedy_tokens_at_1_2_3_stages_equal_the_dequantized_reference(base, root, name):
     path = write_quantized(base, root, name)
-    prompt = torch.randint(3, 256, (PROMPT,), generator=torch.Generator().manual_seed(3))
-    model = reference(path)
-    ids, expected, expected_lp = prompt.tolist(), [], []
-    with torch.no_grad():
-        for _ in range(NEW):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            expected_lp.append(torch.log_softmax(logits, -1))
-            expected.append(int(logits.argmax()))
-            ids.append(expected[-1])
-        # the reference's own float32 noise: its step-by-step logprobs against one forward of all tokens
-        whole = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, PROMPT - 1:], -1)
-    tolerance = max(1e-4, 2 * float((whole - torch.stack(expected_lp)).abs().max()))
-    for n, bounds in SPLITS.items():
-        stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64)
-                  for a, b in zip(bounds, bounds[1:], strict=False)]
-        assert all(isinstance(s._layers[0].mlp.down_proj, QuantizedLinear) for s in stages), name
-        sessions = [s.new_session() for s in stages]
-        logits, got, lps, pos = chain(stages, sessions, 0, prompt), [], [], PROMPT
-        for _ in range(NEW):
-            lps.append(torch.log_softmax(logits[-1], -1))
-            got.append(int(logits[-1].argmax()))
-            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
-            pos += 1
-        assert got == expected, (name, n)
-        assert torch.allclose(torch.stack(lps), torch.stack(expected_lp), atol=tolerance, rtol=1e-5), (name, n)
+    greedy_against(reference(path), path, seed=3, splits=SPLITS, check_stages=lambda stages: None if all(
+        isinstance(s._layers[0].mlp.down_proj, QuantizedLinear) for s in stages) else pytest.fail(name))
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
