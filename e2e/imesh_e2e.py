@@ -28,6 +28,12 @@ LABEL_PIPELINE = "inferencemesh.io/pipeline"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_STAGE = "inferencemesh.io/stage"
 FRONTEND_PORT = 8000  # the frontend's and the router's container port
+# Every kind of child a mesh has (its router brings a ServiceAccount, a Role and a RoleBinding;
+# the router and the pipelines have disruption budgets), for `kubectl get` and as kinds.
+CHILD_KINDS = ("deployments,replicasets,pods,services,configmaps,networkpolicies,secrets,serviceaccounts,roles,"
+               "rolebindings,poddisruptionbudgets")
+CHILD_KIND_NAMES = {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy", "Secret",
+                    "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"}
 # Greedy prompts for the exactness checks: code, prose-ish, a repetitive one (n-gram friendly).
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "for i in range(10):\n    print(i)\n"]
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import yaml
-from imesh_e2e import get_json, kubectl, mesh_doc, port_forward, wait_for, wait_router_replicas
-
-# Every kind of child a mesh has (its router brings a ServiceAccount, a Role and a RoleBinding).
-CHILD_KINDS = ("deployments,replicasets,pods,services,configmaps,networkpolicies,secrets,serviceaccounts,roles,"
-               "rolebindings")
+from imesh_e2e import CHILD_KINDS, get_json, kubectl, mesh_doc, port_forward, wait_for, wait_router_replicas
 
 
 def ready(ns: str, name: str) -> bool:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 from imesh_e2e import (
+    CHILD_KIND_NAMES,
+    CHILD_KINDS,
     FRONTEND_PORT,
     LABEL_COMPONENT,
     LABEL_MESH,
@@ -73,8 +75,6 @@ BUDGET = 2  # restarts within the window before a pipeline is Failed
 DRAIN_S = 120
 CHART = REPO / "charts" / "inferencemesh"
 SELECTOR = f"{LABEL_MESH}={NAME},{LABEL_COMPONENT}=frontend"  # status.selector: one frontend pod per pipeline
-CHILD_KINDS = ("pods,deployments,replicasets,services,secrets,configmaps,networkpolicies,serviceaccounts,roles,"
-               "rolebindings")
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +182,13 @@ def test_two_pipelines_are_ready_and_every_pod_runs(settings: dict, replicated: 
     assert status["replicas"] == 2 and status["pipelinesSummary"] == "2/2" and status["selector"] == SELECTOR
     assert status["stagesSummary"] == "2/2" and status["phase"] == "Ready"
     assert conditions(ns, NAME)["Degraded"]["status"] == "False"
-    # Every pod Running and ready: per pipeline 2 stages and a frontend, and the router.
+    # Every pod Running and ready: per pipeline 2 stages and a frontend, and the router's 2 pods.
     everything = pods(ns, f"{LABEL_MESH}={NAME}")
     assert all(p["status"]["phase"] == "Running" and pod_ready(p) for p in everything), \
         [(p["metadata"]["name"], p["status"]["phase"]) for p in everything]
     layout = sorted((p["metadata"]["labels"][LABEL_COMPONENT], p["metadata"]["labels"].get(LABEL_PIPELINE, "-"),
                      p["metadata"]["labels"].get("inferencemesh.io/stage", "-")) for p in everything)
-    assert layout == [("frontend", "0", "-"), ("frontend", "1", "-"), ("router", "-", "-"),
+    assert layout == [("frontend", "0", "-"), ("frontend", "1", "-"), ("router", "-", "-"), ("router", "-", "-"),
                       ("stage", "0", "0"), ("stage", "0", "1"), ("stage", "1", "0"), ("stage", "1", "1")], layout
     # Their objects, by the names names.py gives them.
     per_pipeline = {f"{prefix(NAME, k)}-{part}" for k in (0, 1) for part in ("stage-0", "stage-1")}
@@ -756,8 +756,7 @@ def test_deleting_the_mesh_mid_stream_drains_then_leaves_nothing_behind(settings
     selector = f"{LABEL_MESH}={NAME}"
     wait_settled(ns, NAME, settings["timeout"])
     kinds = {c["kind"] for c in get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"]}
-    assert {"Pod", "Deployment", "ReplicaSet", "Service", "Secret", "ConfigMap", "NetworkPolicy", "ServiceAccount",
-            "Role", "RoleBinding"} <= kinds, kinds
+    assert CHILD_KIND_NAMES <= kinds, kinds
     streams = 4
     with port_forward(ns, *endpoint(replicated)) as base:  # to the router's pod, which outlives the Service
         wait_router_replicas(base, 2)

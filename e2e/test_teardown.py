@@ -4,11 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from imesh_e2e import get_json, kubectl, wait_for
-
-# The router's ServiceAccount, Role and RoleBinding are children too.
-CHILD_KINDS = ("deployments,replicasets,pods,services,configmaps,networkpolicies,secrets,serviceaccounts,roles,"
-               "rolebindings")
+from imesh_e2e import CHILD_KIND_NAMES, CHILD_KINDS, get_json, kubectl, wait_for
 
 
 @pytest.mark.e2e_last
@@ -17,8 +13,7 @@ def test_deleting_the_mesh_collects_every_child(shared_mesh: dict) -> None:
     selector = f"inferencemesh.io/mesh={name}"
     children = get_json(CHILD_KINDS, "-n", ns, "-l", selector)["items"]
     kinds = {c["kind"] for c in children}
-    assert {"Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy", "Secret", "ServiceAccount",
-            "Role", "RoleBinding"} <= kinds, kinds
+    assert CHILD_KIND_NAMES <= kinds, kinds
     components = {(c["metadata"].get("labels") or {}).get("app.kubernetes.io/component") for c in children
                   if c["kind"] == "Pod"}
     assert {"stage", "frontend", "router"} <= components, components
