@@ -34,6 +34,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -251,6 +252,8 @@ def _fmt(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like ^C, so each scenario's `serve` is stopped on the way out, not left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kv-blocks-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     srcs = {"old": args.old_src.resolve(), "new": args.new_src.resolve()}
