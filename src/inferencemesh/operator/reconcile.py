@@ -47,6 +47,7 @@ from inferencemesh.operator.render import (
     pipeline_revision,
     render_children,
 )
+from inferencemesh.operator.rollout import served_before
 from inferencemesh.operator.spec import MeshSpec, SpecError, parse_spec, validate
 from inferencemesh.operator.status import PlanOutcome, compute_status
 from inferencemesh.operator.teardown import owner_references
@@ -222,11 +223,14 @@ class Reconciler:
         observed = Observed.of(mesh, owned, pods)
         now = _now()
         windows = pipeline_windows(mesh, spec, observed, now)
+        previous = {e.get("index"): e for e in (mesh.get("status") or {}).get("pipelines") or [] if isinstance(e, dict)}
         lives = []
         for i, p in observed.pipelines.items():
             quiet = p.not_serving_for(now)
+            # an old pipeline that never served is no blink: it serves nothing and never did
+            never = p.revision != revision and not served_before(previous.get(i))
             lives.append(Live(i, p.revision, p.has_frontend, len(p.frontend_pods), p.serving, windows[i].failed,
-                              stale=not p.serving and quiet >= GRACE_SECONDS))
+                              stale=not p.serving and (quiet >= GRACE_SECONDS or never)))
             if p.has_frontend and not p.serving:  # look again when it turns stale, or its start runs late
                 limit = GRACE_SECONDS if p.revision != revision else PROGRESS_DEADLINE_SECONDS
                 if quiet < limit:
