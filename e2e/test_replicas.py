@@ -762,7 +762,7 @@ def test_a_crash_looping_pipeline_is_failed_alone_and_recovers_on_a_budget_reset
     assert [e["state"] for e in status["pipelines"]] == ["Ready", "Ready"], status["pipelines"]
     assert conditions(ns, NAME)["Degraded"]["status"] == "False"
     with port_forward(ns, *endpoint(replicated)) as base:
-        assert set(wait_router_replicas(base, 2)) == {replica(0), replica(1)}
+        assert set(wait_router_replicas(base, 2)) == {replica(good), replica(bad)}
 
 
 # ---- deletion -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -145,6 +146,27 @@ def test_a_refused_connection_is_retried_and_its_replica_is_down() -> None:
         response = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and response.headers["retry-after"]
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_when_no_replica_could_be_reached_the_order_is_tried_once_more_after_a_pause(monkeypatch) -> None:
+    """No replica reachable at the first try (a connection timing out on a saturated node while a
+    rollout's pods load; here a port nobody listens on yet): after a pause the order is tried once
+    more, and the replica that came up answers, a 200 instead of a 503."""
+    import inferencemesh.router.app as router_app
+
+    monkeypatch.setattr(router_app, "UNREACHABLE_PAUSE_S", 2.0)
+    port, late = free_port(), Upstream("a")
+    server = ServerThread(late.app(), port=port)
+    with router(f"a=http://127.0.0.1:{port}") as (base, app), ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, f"{base}/v1/completions", json={"prompt": "x"}, timeout=20)
+        failed_once = lambda: app.metrics.retries.labels("a", "connect")._value.get() >= 1  # noqa: E731
+        deadline = time.monotonic() + 10
+        while not failed_once() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert failed_once(), "the first try did not fail"
+        with server:  # up during the pause
+            response = sent.result()
+    assert response.status_code == 200 and response.json()["replica"] == "a", response.text
 
 
 def test_an_error_after_the_first_byte_is_not_retried_and_ends_the_stream_with_an_error_event(two) -> None:

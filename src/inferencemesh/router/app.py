@@ -67,7 +67,12 @@ from inferencemesh.router.upstream import Outgoing, Refusal, UpstreamFailed, att
 
 log = logging.getLogger("inferencemesh.router")
 
-CONNECT_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 4.0
+# When no replica could be reached at all (every try failed before an answer: a connection timed
+# out on a saturated node, say, while a rollout's new pods load beside the serving ones), the
+# order is tried once more after a pause before the client gets a 503.
+UNREACHABLE_ROUNDS = 2
+UNREACHABLE_PAUSE_S = 0.5
 OWN_PATHS = ("/health", "/ready", "/metrics", "/router/replicas")
 TransportFactory = Callable[[], httpx.AsyncBaseTransport]
 
@@ -264,18 +269,23 @@ class RouterApp:
         outgoing = Outgoing.of(scope, body)
         last: Refusal | None = None
         failed: list[str] = []
-        for tried, name in enumerate(choice.order):
-            request = outgoing.to(replicas[name])
-            if tried == 0:
-                self.metrics.overhead.observe(time.perf_counter() - started)
-            outcome = await self._try(replicas[name], request, (blocks, digests), send, state,
-                                      retry=tried + 1 < len(choice.order))
-            if outcome is None:
-                return
-            if isinstance(outcome, Refusal):
-                last = outcome
-            else:
-                failed.append(outcome)
+        for round_ in range(UNREACHABLE_ROUNDS):
+            if round_:
+                await asyncio.sleep(UNREACHABLE_PAUSE_S)
+            for tried, name in enumerate(choice.order):
+                request = outgoing.to(replicas[name])
+                if tried == 0 and not round_:
+                    self.metrics.overhead.observe(time.perf_counter() - started)
+                outcome = await self._try(replicas[name], request, (blocks, digests), send, state,
+                                          retry=tried + 1 < len(choice.order) or round_ + 1 < UNREACHABLE_ROUNDS)
+                if outcome is None:
+                    return
+                if isinstance(outcome, Refusal):
+                    last = outcome
+                else:
+                    failed.append(outcome)
+            if last is not None:  # a replica answered (it refused): no second round
+                break
         if last is not None:  # every replica refused it: the last answer, as it came
             await send({"type": "http.response.start", "status": last.status, "headers": last.headers})
             await send({"type": "http.response.body", "body": last.body, "more_body": False})
