@@ -245,6 +245,19 @@ def test_a_body_beyond_the_limit_is_refused_in_openai_format() -> None:
         assert a.count() == 0
 
 
+def test_a_router_whose_replicas_are_all_marked_down_stays_ready_and_still_serves(two) -> None:
+    """Every router pod marks the same slow frontends down at once: were it to turn unready, the
+    Service would be left with no router at all. It stays ready, and a request is still served."""
+    ups, base, app = two
+    for replica in app.replicas.current().values():
+        replica.mark_down("connection timed out")
+    ready = httpx.get(f"{base}/ready")
+    assert ready.status_code == 200 and ready.json()["replicas"] == 2, ready.text
+    response = httpx.post(f"{base}/v1/completions", json={"prompt": "after"}, timeout=10)
+    assert response.status_code == 200 and response.json()["prompt"] == "after"
+    assert sum(u.count() for u in ups) == 1
+
+
 def test_ready_is_503_without_replicas_and_requests_get_openai_errors(two) -> None:
     _, base, app = two
     assert httpx.get(f"{base}/ready").status_code == 200 and httpx.get(f"{base}/health").status_code == 200

@@ -110,8 +110,10 @@ def render_router(base: str, namespace: str, spec: MeshSpec, opts: RenderOptions
         "startupProbe": {**health, "periodSeconds": 2, "failureThreshold": 90, "timeoutSeconds": 3},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
         # Ready once a pipeline is: before that the endpoint has nothing to serve with.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2,
-                           "timeoutSeconds": 3},
+        # Its answer is in-process and cheap, but a 2-core node loading new pods starves it for
+        # seconds: 3 misses of 5 s before a router leaves the Service.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 2, "failureThreshold": 3,
+                           "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRE_STOP_SECONDS)]}}},
     }
     pod = pod_spec(spec, container, [{"name": "tmp", "emptyDir": {}}], node_selector=spec.router.node_selector,

@@ -1,7 +1,8 @@
 """The router's ASGI app: its own endpoints, and every other request relayed to a replica.
 
     GET /health            200: the process runs
-    GET /ready             200 once at least one replica is known ready, else 503
+    GET /ready             200 while at least one replica is known (listed ready by its endpoints),
+                           else 503; a replica this router marked down still counts (see _own)
     GET /metrics           the router's Prometheus series (router/metrics.py)
     GET /router/replicas   each replica: url, in flight, reported waiting, routed, KV blocks held (JSON,
                            for debugging), and the scorer in use
@@ -175,8 +176,14 @@ class RouterApp:
         if path == "/health":
             await send_whole(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
-            if up := self.replicas.up():
-                await send_whole(send, 200, json.dumps({"status": "ready", "replicas": len(up)}).encode())
+            # Known replicas, not only those up: every router pod marks the same frontends down when
+            # they are slow to accept (the cluster tests saw both routers' connections time out while
+            # a rollout's new pods loaded), and unready routers leave the Service with no endpoint, so
+            # clients get "no route to host" where this router would have retried and served.
+            if replicas:
+                up = self.replicas.up()
+                await send_whole(send, 200, json.dumps({"status": "ready", "replicas": len(replicas),
+                                                        "up": len(up)}).encode())
             else:
                 await send_error(send, 503, "No replica is ready.", "service_unavailable", "no_replica",
                                  retry_after=True)
