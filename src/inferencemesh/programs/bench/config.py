@@ -21,6 +21,7 @@ from inferencemesh.flags import ConfigError, flag_name, option, switch
 # the flags, so that a typo is a usage error before anything loads.
 BENCH_PROMPT_SETS = ("code", "prose")
 FIRST_STAGE_FORMS = ("embedded", "process")
+BENCH_PEERS = ("hf-generate", "llama-cpp")
 
 
 def _threads_or_default(text: str) -> str:
@@ -61,6 +62,15 @@ class BenchConfig(ModelOptions):
                               "requests against free text, interleaved, per stage count and --speculative strategy; "
                               "greedy, one stream (--concurrency does not apply); needs a model whose vocabulary "
                               "covers its tokenizer's")
+    peer: tuple[str, ...] = option(
+        ("hf-generate",), "the latency bench's peers on the unsplit model: hf-generate (transformers) and/or "
+        "llama-cpp (llama.cpp through llama-cpp-python, the `llama-cpp` extra: the model converted to GGUF by "
+        "llama.cpp's converter, greedy on the same token ids, at the bench's threads and at each split's share of "
+        "the cores; the report gets TPOT ratios against it)", choices=BENCH_PEERS, listed=True)
+    llama_cpp_converter: str | None = option(
+        None, "with --peer llama-cpp: llama.cpp's convert_hf_to_gguf.py, a llama.cpp checkout holding it, or an "
+        "unpacked llama-cpp-python sdist (default: ~/.cache/inferencemesh/llama_cpp_python-VERSION, the installed "
+        "version's sdist; see README, Benchmarks)")
     json: str | None = option(None, "write the results here")
 
     def check(self) -> BenchConfig:

@@ -7,7 +7,10 @@ ratios within a run, not numbers across runs):
 - in-process 1 stage: our engine and stage runtime with no network;
 - N stages: stage processes on loopback gRPC, the engine in this process;
 - with --speculative: each strategy at each stage count, plus the peers `transformers`
-  assisted generation (hf-assisted) and prompt lookup (hf-prompt-lookup).
+  assisted generation (hf-assisted) and prompt lookup (hf-prompt-lookup);
+- with --peer llama-cpp: llama.cpp on the same model (llama_cpp_peer.py) at the bench's threads
+  (llama-cpp) and at each split's share of the cores (llama-cpp[threads=N]); tpot_vs_llama_cpp
+  divides each of our configurations' TPOT by llama.cpp's at the threads each of its stages has.
 per_hop_overhead_ms = (TPOT at N stages - TPOT in-process) / (N + 1 network hops).
 Configurations take turns (a warm-up each, then round after round over the prompts), so a
 noisy machine's drift falls on all of them alike.
@@ -16,6 +19,7 @@ noisy machine's drift falls on all of them alike.
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,6 +35,9 @@ from inferencemesh.programs.bench.runners import EngineUnderTest, HfPeer, Run, S
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from inferencemesh.frontend.engine.pipeline import HopPipeline
+    from inferencemesh.programs.bench.llama_cpp_peer import LlamaCppPeer
 
 
 def summarise(label: str, runs: list[Run], **extra: object) -> dict:
@@ -56,7 +63,7 @@ class Measured:
     label: str
     extra: dict
     prompts: list[list[int]]
-    runner: HfPeer | EngineUnderTest
+    runner: HfPeer | EngineUnderTest | LlamaCppPeer
     threads: int  # this process's torch threads while it runs (it plays the frontend for stage processes)
     counter: SpecCounter | None = None
     runs: list[Run] = field(default_factory=list)
@@ -92,8 +99,9 @@ def peers(config: BenchConfig, model: BenchModel, target: PreTrainedModel, specu
     out = []
     for prompt_set, ids in model.prompts.items():
         common = {"prompts": prompt_set} if spec_mode or len(model.prompts) > 1 else {}
-        out.append(Measured("hf-generate", {"stages": 1, "speculative": "none", **common}, ids,
-                            HfPeer(target, config.new_tokens), threads))
+        if "hf-generate" in config.peer:
+            out.append(Measured("hf-generate", {"stages": 1, "speculative": "none", **common}, ids,
+                                HfPeer(target, config.new_tokens), threads))
         if "draft" in speculation and speculation["draft"].draft is not None:
             assistant = AutoModelForCausalLM.from_pretrained(speculation["draft"].draft.source,
                                                              dtype=model.dtype).eval()
@@ -105,10 +113,54 @@ def peers(config: BenchConfig, model: BenchModel, target: PreTrainedModel, specu
     return out
 
 
+def split_shares(config: BenchConfig, threads: int) -> list[int]:
+    """The threads each stage of the splits measured has, where they differ from the bench's."""
+    return sorted({share_of_cpus(c) for c in config.stages if c > 1} - {threads})
+
+
+def llama_cpp_peers(config: BenchConfig, model: BenchModel, threads: int) -> list[Measured]:
+    """llama.cpp on the model converted to GGUF: at the bench's threads and at each split's share."""
+    from inferencemesh.programs.bench import llama_cpp_peer as lc
+
+    version = lc.llama_cpp_version()
+    outtype = lc.gguf_type(model.dtype_name, model.quantization)
+    gguf = lc.convert(model.model_dir, outtype, lc.find_converter(config.llama_cpp_converter, version))
+    print(f"  llama.cpp peer: llama-cpp-python {version}, {gguf}", flush=True)
+    spec_mode = config.speculative != ("none",)
+    out = []
+    for peer_threads in [threads, *split_shares(config, threads)]:
+        peer = lc.LlamaCppPeer(gguf, config.new_tokens, peer_threads, MAX_CONTEXT)
+        for prompt_set, ids in model.prompts.items():
+            extra = {"stages": 1, "speculative": "none", "threads": peer_threads, "gguf": outtype}
+            if spec_mode or len(model.prompts) > 1:
+                extra["prompts"] = prompt_set
+            out.append(Measured(lc.peer_label(peer_threads, threads), extra, ids, peer, threads))
+    return out
+
+
+async def measure_with_agreement(configs: list[Measured], repeats: int, reference: HopPipeline | None,
+                                 new_tokens: int, threads: int) -> dict:
+    """measure(), then how far llama.cpp's greedy tokens equal ours (`reference`'s) on its prompts."""
+    from inferencemesh.programs.bench.llama_cpp_peer import PEER_LABEL, LlamaCppPeer, agreement
+
+    await measure(configs, repeats)
+    peer = next((c for c in configs if c.label == PEER_LABEL), None)
+    if peer is None or reference is None:
+        return {}
+    assert isinstance(peer.runner, LlamaCppPeer)
+    torch.set_num_threads(threads)
+    found = await agreement(peer.runner, EngineUnderTest(reference, new_tokens, MAX_CONTEXT), peer.prompts)
+    print(f"  llama.cpp's greedy tokens equal ours for the first {found['common_prefix_tokens']} of "
+          f"{new_tokens} tokens", flush=True)
+    return {"llama_cpp_agreement": found}
+
+
 def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel, speculation: dict) -> dict:
     threads = torch.get_num_threads()
     spec_mode = config.speculative != ("none",)
     configs = peers(config, model, target, speculation, threads)
+    if "llama-cpp" in config.peer:
+        configs += llama_cpp_peers(config, model, threads)
     with meshes() as started:
         pipelines = []  # (label, stage count, pipeline, this process's threads while it runs)
         for count in config.stages:
@@ -117,7 +169,7 @@ def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel,
                 pipelines.append(("in-process-1-stage", 1, whole, threads))
                 # The split's baseline: one stage with the compute each stage of the split has (its
                 # share of the cores), as one GPU against one GPU per stage.
-                for shared in sorted({share_of_cpus(c) for c in config.stages if c > 1} - {threads}):
+                for shared in split_shares(config, threads):
                     pipelines.append((f"in-process-1-stage[threads={shared}]", 1, whole, shared))
                 continue
             for form in config.first_stage:
@@ -138,11 +190,13 @@ def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel,
                                              config.speculative_disable_by_batch_size)
                     configs.append(Measured(name, extra, ids, runner, config_threads, counter))
         print(f"  {len(configs)} configurations, {config.repeats} interleaved rounds", flush=True)
-        asyncio.run(measure(configs, config.repeats))
+        reference = pipelines[0][2] if pipelines else None
+        found = asyncio.run(measure_with_agreement(configs, config.repeats, reference, config.new_tokens, threads))
         torch.set_num_threads(threads)
         results = [c.entry() for c in configs]
-    report = {**header(config, model, torch.get_num_threads()), "results": results}
+    report = {**header(config, model, torch.get_num_threads()), "results": results, **found}
     report.update(ratios(results))
+    report.update(llama_cpp_ratios(results))
     return report
 
 
@@ -189,3 +243,28 @@ def ratios(results: list[dict]) -> dict:
         if ours and peer:
             out[f"draft_1_stage_vs_hf_assisted_{prompt_set}"] = round(ours["tokens_per_s"] / peer["tokens_per_s"], 3)
     return out
+
+
+def llama_cpp_ratios(results: list[dict]) -> dict:
+    """TPOT ÷ llama.cpp's TPOT for each of our configurations without speculation (and the
+    `transformers` peers), against llama.cpp at the threads it computes with: one stage at its own
+    threads, N stages at the share of the cores each stage has (a 2-stage split on 2 cores
+    against llama.cpp on one core)."""
+    from inferencemesh.programs.bench.llama_cpp_peer import PEER_LABEL
+
+    out = {}
+    for r in results:
+        if r["label"].startswith(PEER_LABEL) or r.get("speculative") != "none" or not r.get("tpot_ms_median"):
+            continue
+        threads = re.search(r"\[threads=(\d+)\]$", r["label"])
+        want = PEER_LABEL
+        if threads:
+            want = f"{PEER_LABEL}[threads={threads[1]}]"
+        elif r.get("stages", 1) > 1:
+            want = f"{PEER_LABEL}[threads={share_of_cpus(r['stages'])}]"
+        # llama-cpp[threads=N] is measured only where N differs from the bench's threads
+        peer = find(results, want, prompts=r.get("prompts")) or (
+            None if threads else find(results, PEER_LABEL, prompts=r.get("prompts")))
+        if peer and peer.get("tpot_ms_median"):
+            out[f"{r['label']} / {peer['label']}"] = round(r["tpot_ms_median"] / peer["tpot_ms_median"], 3)
+    return {"tpot_vs_llama_cpp": out} if out else {}
