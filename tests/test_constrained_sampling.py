@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
-from inferencemesh.sampling import SamplingParams
+from inferencemesh.sampling import SamplingParams, draft_row, draw
 from inferencemesh.stage.decide import decide
 from inferencemesh.stage.sessions import StageSession
 from inferencemesh.token_masks import mask_words, pack_token_masks
@@ -44,10 +45,11 @@ def first_tokens(logits: torch.Tensor, draft_q: torch.Tensor, with_masks: bool) 
     """The first token decided by SAMPLES one-draft windows, each seeded apart, its draft drawn from q."""
     counts = np.zeros(VOCAB)
     for seed in range(SAMPLES):
-        draft = int(torch.multinomial(draft_q, 1, generator=torch.Generator().manual_seed(10_000 + seed)))
+        row = draft_row(draft_q)  # the row the wire carries, which the draft draws from
+        draft, _ = draw(row, torch.Generator().manual_seed(10_000 + seed))
         session = StageSession(f"s{seed}", sampling=SamplingParams(temperature=1.0, seed=seed))
         frame = pb.Frame(session_id=session.session_id, kind=pb.VERIFY, pos_start=9, token_count=2,
-                         token_ids=[0, draft], draft_probs=draft_q.numpy().astype("<f4").tobytes(),
+                         token_ids=[0, draft], draft_q=codec.encode_draft_q([row]),
                          token_masks=masks() if with_masks else b"")
         counts[decide(session, frame, logits.clone(), VOCAB).tokens[0]] += 1
     return counts

@@ -57,6 +57,9 @@ def test_a_draft_with_another_padding_verifies_sampled_windows_over_the_mesh(mod
 
         greedy = GenerationRequest("g", PROMPT, 16, temperature=0.0)
         sampled = GenerationRequest("s", PROMPT, 16, temperature=1.0, seed=5)
+        # Unseeded: the draft sends its rows (Frame.draft_q) and may draw a remainder token past its own
+        # embedding (the smaller draft's padding), which ends its window unfed.
+        unseeded = GenerationRequest("u", PROMPT, 16, temperature=1.0)
         plain = asyncio.run(run(None, greedy))
         for name in ("larger", "smaller"):
             speculation = resolve_speculation(SpeculativeOptions(speculative="draft", draft=str(models[name])),
@@ -65,5 +68,6 @@ def test_a_draft_with_another_padding_verifies_sampled_windows_over_the_mesh(mod
             assert speculation.draft.vocab_size == TARGET_VOCAB
             assert asyncio.run(run(speculation.proposer_for, greedy)) == plain
             assert len(asyncio.run(run(speculation.proposer_for, sampled))) == 16
+            assert len(asyncio.run(run(speculation.proposer_for, unseeded))) == 16
     finally:
         mesh.stop()

@@ -20,6 +20,7 @@ from inferencemesh.protocol.transport import (
     FALLBACK_MESSAGE_BYTES,
     KV_BLOCK_TOKENS,
     MAX_DRAFT_ROWS_PER_BATCH,
+    MAX_DRAFT_TOKENS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_WINDOW,
     PREFILL_CHUNK_TOKENS,
@@ -42,11 +43,13 @@ def fullest_sampling(vocab_size: int) -> pb.Sampling:
 
 def waiting_frames(shape: dict, sessions: int, window: int) -> list[_Waiting]:
     """Every session with a frame waiting, as large as each kind gets: long ids, the fullest
-    sampling, prompt chunks, sampled verify windows of `window` drafts with their probabilities,
+    sampling, prompt chunks, sampled verify windows of `window` drafts with their distributions,
     block tables of the whole CONTEXT."""
     vocab = shape["vocab_size"]
     table = [2**32 - 1] * (CONTEXT // KV_BLOCK_TOKENS)
-    probs = bytes(window * vocab * 4)
+    listed = min(vocab, MAX_DRAFT_TOKENS)  # the fullest rows: every id the widest varint, every row a remainder
+    draft_q = pb.DraftDistributions(sizes=[listed] * window, token_ids=[vocab - 1] * (listed * window),
+                                    probs=[0.1] * (listed * window), remainders=[0.1] * window)
     frames = []
     for i in range(sessions):
         sid, rid = f"cmpl-{'x' * 40}-{i}", f"req-{'y' * 40}-{i}"
@@ -57,7 +60,7 @@ def waiting_frames(shape: dict, sessions: int, window: int) -> list[_Waiting]:
                              kv_blocks=table)
         else:
             frame = pb.Frame(session_id=sid, request_id=rid, kind=pb.VERIFY, pos_start=2**31, seq=2**63,
-                             token_count=window + 1, token_ids=[vocab - 1] * (window + 1), draft_probs=probs,
+                             token_count=window + 1, token_ids=[vocab - 1] * (window + 1), draft_q=draft_q,
                              sampling=fullest_sampling(vocab), sent_ns=2**63, kv_blocks=table)
         frames.append(_Waiting(frame, None, None))  # type: ignore[arg-type]
     return frames

@@ -80,6 +80,7 @@ def test_a_reproducible_request_drafts_by_the_race_and_sends_no_q() -> None:
     from inferencemesh.bundled import DRAFT_MODEL, bundled_path
     from inferencemesh.frontend.engine.proposers.draft import DraftProposer
     from inferencemesh.frontend.engine.proposers.draft_model import DraftModel
+    from inferencemesh.protocol.transport import MAX_DRAFT_TOKENS
     from inferencemesh.sampling import SamplingParams
 
     draft = DraftModel(str(bundled_path(DRAFT_MODEL)), dtype="float32", device="cpu", max_context=256)
@@ -90,7 +91,8 @@ def test_a_reproducible_request_drafts_by_the_race_and_sends_no_q() -> None:
     racing.reproducible()
     leviathan, raced = plain.propose(history), racing.propose(history)
     assert leviathan is not None and raced is not None
-    assert len(leviathan.probs) == len(leviathan.tokens) * draft.vocab_size * 4 and raced.probs == b""
+    assert len(leviathan.q) == len(leviathan.tokens) and raced.q == []
+    assert all(row.vocab == draft.vocab_size and 0 < row.ids.numel() <= MAX_DRAFT_TOKENS for row in leviathan.q)
     assert plain.window.timed and not racing.window.timed
     again = DraftProposer(draft, WindowPolicy(), params)
     again.reproducible()

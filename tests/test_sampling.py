@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inferencemesh import sampling
-from inferencemesh.sampling import SamplingParams, adjust, next_token, probabilities, verify
+from inferencemesh.sampling import DraftRow, SamplingParams, adjust, draft_row, draw, next_token, probabilities, verify
 
 CHI2_CRITICAL_P001 = {3: 16.27, 4: 18.47, 5: 20.52}  # chi-square quantiles at p = 0.001
 
@@ -45,20 +45,29 @@ def test_seeded_sampling_is_a_function_of_seed_and_position() -> None:
     assert other != draws
 
 
-def _speculative_samples(n: int, send_q: bool = True) -> tuple[list[int], list[int], torch.Tensor]:
+def whole(q: torch.Tensor) -> list[DraftRow]:
+    """Rows [k, V] of q as DraftRows that list every token."""
+    return [DraftRow(torch.arange(q.shape[-1]), row, 0.0, q.shape[-1]) for row in q]
+
+
+def _speculative_samples(n: int, send_q: bool = True, listed: int = 0,
+                         told_whole: bool = False) -> tuple[list[int], list[int], torch.Tensor]:
     """Run verification n times with a draft distribution q far from the target p (q sent to
-    verification: Leviathan's rule; not sent: the race)."""
+    verification: Leviathan's rule; not sent: the race). listed: the draft sends and draws from
+    draft_row(q) with that many tokens listed and the rest an even remainder (told_whole: the verifier
+    is told the whole q instead, which is wrong)."""
     gen = torch.Generator().manual_seed(7)
     vocab = 6
     target_logits = torch.randn(3, vocab, generator=gen) * 1.5
     params = SamplingParams(temperature=1.0)
     p = probabilities(target_logits, params)
     q = torch.softmax(torch.randn(2, vocab, generator=gen) * 1.5, -1)
+    rows = [draft_row(row, listed) for row in q] if listed else whole(q)
     first, second = [], []
     for seed in range(n):
-        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        drafts = [draw(rows[i], gen)[0] for i in range(2)]
         params = SamplingParams(temperature=1.0, seed=seed)
-        _, tokens = verify(target_logits, drafts, params, 100, q if send_q else None)
+        _, tokens = verify(target_logits, drafts, params, 100, (whole(q) if told_whole else rows) if send_q else None)
         first.append(tokens[0])
         if len(tokens) > 1:
             second.append(tokens[1])
@@ -79,6 +88,34 @@ def test_wrong_acceptance_rule_is_detected(monkeypatch) -> None:
     first, _, p = _speculative_samples(6000)
     stat, dof = chi_square(first, p[0])
     assert stat > CHI2_CRITICAL_P001[dof]
+
+
+def test_sparse_draft_rows_keep_the_target_distribution() -> None:
+    """The wire's draft rows list q's most likely tokens and spread the rest evenly: a draft that draws
+    from that row, verified against it, still yields p (2 of 6 tokens listed, so a third of the drafts
+    come from the remainder); verified against the whole q it would not."""
+    first, second, p = _speculative_samples(6000, listed=2)
+    stat, dof = chi_square(first, p[0])
+    assert stat < CHI2_CRITICAL_P001[dof], f"first token deviates from p: chi2={stat:.1f}"
+    stat, dof = chi_square(second, p[1])
+    assert len(second) > 500 and stat < CHI2_CRITICAL_P001[dof], f"second token deviates: chi2={stat:.1f}"
+    first, _, p = _speculative_samples(6000, listed=2, told_whole=True)
+    stat, dof = chi_square(first, p[0])
+    assert stat > CHI2_CRITICAL_P001[dof]
+
+
+def test_a_draft_row_lists_the_likeliest_tokens_and_draws_from_itself() -> None:
+    q = torch.tensor([0.05, 0.4, 0.0, 0.3, 0.15, 0.1])
+    row = draft_row(q, 3)
+    assert row.ids.tolist() == [1, 3, 4] and abs(row.remainder - 0.15) < 1e-6 and row.vocab == 6
+    assert abs(row.prob(0) - 0.05) < 1e-6 and abs(row.prob(2) - 0.05) < 1e-6  # the remainder spreads evenly
+    assert draft_row(q, 6).remainder == 0.0 and draft_row(q, 6).ids.numel() == 5  # every token with mass listed
+    gen = torch.Generator().manual_seed(1)
+    draws = [draw(row, gen) for _ in range(6000)]
+    assert all(unlisted == (token not in (1, 3, 4)) for token, unlisted in draws)
+    expected = torch.tensor([row.prob(t) for t in range(6)])
+    stat, dof = chi_square([t for t, _ in draws], expected)
+    assert stat < CHI2_CRITICAL_P001[dof], f"draws deviate from the row: chi2={stat:.1f}"
 
 
 def test_racing_verification_matches_target_distribution() -> None:
@@ -206,7 +243,7 @@ def test_speculative_sampling_matches_the_penalised_distribution() -> None:
     for seed in range(6000):
         drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
         params = SamplingParams(**{**PENALISED.__dict__, "seed": seed})
-        _, tokens = verify(target_logits, drafts, params, 4, q, context + drafts)
+        _, tokens = verify(target_logits, drafts, params, 4, whole(q), context + drafts)
         firsts.append(tokens[0])
         if len(tokens) > 1 and tokens[0] == drafts[0] == often:
             seconds.append(tokens[1])

@@ -57,6 +57,11 @@ sampling = st.builds(
     logprobs=st.booleans(),
     top_logprobs=st.integers(0, 2 ** 32 - 1),
 )
+# Draft distributions of any shape: sizes that disagree with the ids, ids outside the vocabulary or
+# repeated, probabilities that are NaN, negative or do not add up.
+draft_q = st.none() | st.builds(pb.DraftDistributions, sizes=st.lists(st.integers(0, 5), max_size=3),
+                                token_ids=st.lists(st.integers(-5, 400), max_size=8),
+                                probs=st.lists(FLOAT32, max_size=8), remainders=st.lists(FLOAT32, max_size=3))
 frames = st.builds(
     pb.Frame,
     session_id=SESSION_IDS,
@@ -66,7 +71,7 @@ frames = st.builds(
     token_ids=st.lists(st.integers(-5, 400), max_size=40),
     want_prediction=st.booleans(),
     prompt_logprobs=st.booleans(),
-    draft_probs=st.binary(max_size=64),
+    draft_q=draft_q,
     sampling=st.none() | sampling,
     kv_blocks=st.lists(st.integers(0, 2 ** 32 - 1) | st.integers(0, 130), max_size=24),
     seq=st.integers(0, 2 ** 64 - 1),
@@ -87,7 +92,10 @@ def plausible_frames(draw) -> pb.Frame:
     return pb.Frame(session_id=session, kind=kind, pos_start=pos_start, token_count=count,
                     token_ids=draw(st.lists(st.integers(0, 300), min_size=count, max_size=count)),
                     want_prediction=True, sampling=draw(st.none() | sampling), seq=draw(st.integers(0, 9)),
-                    draft_probs=draw(st.just(b"") | st.binary(min_size=4, max_size=16)),
+                    draft_q=draw(draft_q | st.just(pb.DraftDistributions(sizes=[1] * (count - 1),
+                                                                          token_ids=[7] * (count - 1),
+                                                                          probs=[0.5] * (count - 1),
+                                                                          remainders=[0.5] * (count - 1)))),
                     kv_blocks=blocks(pos_start + count, lane))
 
 

@@ -10,7 +10,6 @@ import struct
 import grpc
 import numpy as np
 import pytest
-import torch
 from wire import RawStream, blocks, exchange, failures, serving_one_stage, tiny_two_layer_model
 
 from inferencemesh.protocol import stage_pb2 as pb
@@ -88,22 +87,21 @@ def test_the_stage_refuses_sampling_it_cannot_take_and_the_frame_beside_it_goes_
 
 def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_alone(one_stage) -> None:
     address = one_stage.addresses[0]
-    vocab = one_stage.runtimes[0].vocab_size
     sampled = {"temperature": 0.8, "seed": 3}
     start = [{"frames": [prefill("v-good", **sampled), prefill("v-bad", **sampled)]}]
 
-    def verify(session: str, probs: torch.Tensor) -> pb.Frame:
+    def verify(session: str, probs: list[float]) -> pb.Frame:  # three tokens listed, a quarter spread over the rest
         return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=2, token_ids=[5, 6],
-                        draft_probs=probs.numpy().tobytes(), seq=2, kv_blocks=table(session, len(PROMPT) + 2))
+                        draft_q=pb.DraftDistributions(sizes=[3], token_ids=[4, 5, 6], probs=probs, remainders=[0.25]),
+                        seq=2, kv_blocks=table(session, len(PROMPT) + 2))
 
-    fine = torch.full((1, vocab), 1.0 / vocab)
-    poisoned = fine.clone()
-    poisoned[0, 3] = float("nan")
+    fine = [0.25, 0.25, 0.25]
+    poisoned = [0.25, float("nan"), 0.25]
     results, status = exchange(address, start + [{"frames": [verify("v-good", fine), verify("v-bad", poisoned)]}])
     assert status == grpc.StatusCode.OK and not results[0].failures
     assert [p.session_id for p in results[1].predictions] == ["v-good"]
     (code, message), = failures(results[1])
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_probs" in message
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "draft_q" in message
 
 
 def test_a_session_belongs_to_the_stream_that_opened_it(one_stage) -> None:

@@ -22,7 +22,9 @@ keyed by (seed, position): an exact draw from p. A VERIFY window is decided one 
   draw from max(p - q, 0). Just as exact in distribution, and it accepts more (0.49 of draft
   tokens against the race's 0.46 on the bundled models at temperature 0.8), but a token's draw
   depends on whether a draft stood at its position and on q: the same seed gives other tokens
-  whenever the window schedule differs, which is why seeded requests race.
+  whenever the window schedule differs, which is why seeded requests race. The q the draft sends
+  and draws from is sparse (DraftRow: its most likely tokens and an even remainder), so a window
+  costs kilobytes a hop, not 4 x vocab bytes a draft; the rule is exact for it as for any q.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from inferencemesh.protocol.transport import MAX_LOGIT_BIAS_ENTRIES
+from inferencemesh.protocol.transport import MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS_ENTRIES
 
 _MASK63 = (1 << 63) - 1
 GREEDY_BELOW = 1e-5  # a smaller temperature would overflow the logits: it means greedy
 _SALT_SAMPLE, _SALT_ACCEPT, _SALT_RESAMPLE = 0x5A17, 0xACCE, 0x4E5A
+# A draft's row lists fewer than MAX_DRAFT_TOKENS tokens when they hold all its mass but this much.
+DRAFT_TAIL_MASS = 1e-4
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,67 @@ def sample(probs: torch.Tensor, seed: int, position: int) -> int:
     return int((probs.float() / noise).argmax())
 
 
+@dataclass(frozen=True, eq=False)
+class DraftRow:
+    """The distribution a draft token was drawn from, as the wire carries it (Frame.draft_q): probs on
+    the listed ids (distinct) and the remainder spread evenly over the vocabulary's other tokens.
+
+    Leviathan's rule is exact for any proposal distribution that the draft really drew from and the
+    verifier really uses, so the draft draws from this one (`draft_row`, `draw`), not from its whole q:
+    the output stays the target's p, and the acceptance drops by at most the mass q and this row
+    place differently (the 1024 most likely tokens keep it within 0.3 points on the bundled models)."""
+
+    ids: torch.Tensor  # int64 [n], CPU
+    probs: torch.Tensor  # float32 [n], CPU
+    remainder: float
+    vocab: int
+
+    @property
+    def spread(self) -> float:
+        """The probability of each token the row does not list."""
+        unlisted = self.vocab - self.ids.numel()
+        return self.remainder / unlisted if unlisted else 0.0
+
+    def prob(self, token: int) -> float:
+        hit = (self.ids == token).nonzero()
+        return float(self.probs[hit[0, 0]]) if hit.numel() else self.spread
+
+    def residual(self, p: torch.Tensor) -> torch.Tensor:
+        """max(p - q, 0) over p's [vocab] row (on p's device)."""
+        out = p.float() - self.spread
+        ids = self.ids.to(p.device)
+        out[ids] = p[ids].float() - self.probs.to(p.device)
+        return out.clamp_min_(0.0)
+
+
+def draft_row(q: torch.Tensor, max_tokens: int = MAX_DRAFT_TOKENS) -> DraftRow:
+    """The row a draft sends for its [V] distribution q: its most likely tokens, up to max_tokens and
+    no more than hold all the mass but DRAFT_TAIL_MASS, and the rest of the mass as the remainder (0
+    when every token with mass is listed: top-k, top-p, a grammar's mask)."""
+    q = q.float()
+    total, support = float(q.sum()), int((q > 0).sum())
+    if not bool(torch.isfinite(q).all()) or not total > 0.0 or bool((q < 0).any()):
+        raise RuntimeError("a draft row needs a distribution: finite, non-negative, with mass")
+    top = torch.topk(q, min(max_tokens, support))
+    kept = min(top.values.numel(), int((top.values.cumsum(0) < (1.0 - DRAFT_TAIL_MASS) * total).sum()) + 1)
+    probs, ids = top.values[:kept] / total, top.indices[:kept]
+    # float32, as the wire carries it: the draft draws with the very number the verifier reads
+    remainder = float(torch.tensor(max(0.0, 1.0 - float(probs.sum())))) if kept < support else 0.0
+    return DraftRow(ids.cpu(), probs.cpu(), remainder, q.shape[-1])
+
+
+def draw(row: DraftRow, generator: torch.Generator) -> tuple[int, bool]:
+    """A token drawn from the row's distribution, and whether it came from the remainder."""
+    weights = torch.cat([row.probs, torch.tensor([row.remainder])])
+    pick = int(torch.multinomial(weights, 1, generator=generator))
+    if pick < row.ids.numel():
+        return int(row.ids[pick]), False
+    # The r-th unlisted id: r plus the listed ids at or below it (before listed id j lie s_j - j unlisted).
+    r = int(torch.randint(row.vocab - row.ids.numel(), (1,), generator=generator))
+    listed = row.ids.sort().values
+    return r + int((listed - torch.arange(listed.numel()) <= r).sum()), True
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, position: int, context: Sequence[int] = ()) -> int:
     """The token at `position` from its [V] logits: argmax when greedy, else a seeded sample.
     context: the tokens before `position` (what the transforms of `adjust` look at)."""
@@ -235,7 +300,7 @@ def verify(
     draft_tokens: list[int],
     params: SamplingParams,
     pos_start: int,
-    draft_probs: torch.Tensor | None = None,
+    draft_q: Sequence[DraftRow] | None = None,
     context: Sequence[int] = (),
 ) -> tuple[int, list[int]]:
     """Verify a speculative window at the target.
@@ -244,10 +309,10 @@ def verify(
     [last accepted token, d_1 .. d_k] starting at pos_start. Returns (accepted, tokens):
     the accepted draft tokens followed by one token of the target's own.
 
-    Greedy: accept the longest prefix equal to the target's argmax. Sampling without draft_probs:
+    Greedy: accept the longest prefix equal to the target's argmax. Sampling without draft_q:
     accept the longest prefix equal to the target's own seeded draws (`sample` at each position),
     then that draw: every token is what plain decoding draws there with the same seed. Sampling
-    with draft_probs [k, V] (the draft's q): Leviathan's rule, accept d_i with probability
+    with draft_q (a DraftRow per draft: the q each was drawn from): Leviathan's rule, accept d_i with probability
     min(1, p(d_i)/q(d_i)), on rejection draw from normalize(max(p - q, 0)), when all pass a bonus
     token from p. See the module docstring for why both.
     context: the tokens by position through the window's last draft (see `adjust`).
@@ -262,16 +327,16 @@ def verify(
         return accepted, draft_tokens[:accepted] + [target[accepted]]
 
     p = probabilities(logits[: k + 1], params)
-    if draft_probs is None:
+    if draft_q is None:
         return _race(p, draft_tokens, params.seed, pos_start)
     for i, token in enumerate(draft_tokens):
         position = pos_start + 1 + i  # the position this draft token would occupy
-        q_token = float(draft_probs[i, token])
+        q_token = draft_q[i].prob(token)
         p_token = float(p[i, token])
         u = float(torch.rand(1, generator=generator_for(params.seed, position, _SALT_ACCEPT)))
         if accept(p_token, q_token, u):
             continue
-        residual = (p[i] - draft_probs[i]).clamp_min(0.0)
+        residual = draft_q[i].residual(p[i])
         total = float(residual.sum())
         if total <= 0.0:  # p == q up to rounding: any draw from p is exact
             residual, total = p[i], 1.0

@@ -1,4 +1,5 @@
-"""Activation payloads on the wire: raw little-endian bytes with an explicit dtype allow-list.
+"""Payloads on the wire: activations as raw little-endian bytes with an explicit dtype allow-list,
+and a VERIFY frame's sparse draft distributions.
 
 Nothing here deserialises objects: a payload is only ever reinterpreted as an array of one
 of three float types, after its size has been checked against the frame header.
@@ -7,14 +8,20 @@ of three float types, after its size has been checked against the frame header.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
 from inferencemesh.protocol import stage_pb2 as pb
+from inferencemesh.protocol.transport import MAX_DRAFT_TOKENS
+from inferencemesh.sampling import DraftRow
 
 WIRE_DTYPES: dict[pb.DType, torch.dtype] = {pb.F32: torch.float32, pb.F16: torch.float16, pb.BF16: torch.bfloat16}
 WIRE_CODES: dict[torch.dtype, pb.DType] = {v: k for k, v in WIRE_DTYPES.items()}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# How far a draft row's probabilities and remainder may add up from 1: float32 rounding of up to
+# MAX_DRAFT_TOKENS terms stays far below it, a row that is no distribution far above.
+SUM_TOLERANCE = 1e-3
 
 
 class PayloadError(ValueError):
@@ -45,13 +52,45 @@ def decode(payload: bytes, dtype_code: pb.DType, shape: tuple[int, ...], token_c
         return torch.frombuffer(payload, dtype=dtype).view(shape)
 
 
-def decode_probs(payload: bytes, rows: int, vocab: int) -> torch.Tensor:
-    """The draft's f32 [rows, vocab] distributions of a VERIFY frame."""
-    if len(payload) != rows * vocab * 4:
-        raise PayloadError(f"draft_probs is {len(payload)} bytes; expected {rows} x {vocab} x 4")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        probs = torch.frombuffer(payload, dtype=torch.float32).view(rows, vocab)
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-        raise PayloadError("draft_probs holds a negative or non-finite probability")
-    return probs
+def encode_draft_q(rows: Sequence[DraftRow]) -> pb.DraftDistributions:
+    """A window's draft rows (sampling.draft_row) as Frame.draft_q."""
+    message = pb.DraftDistributions(sizes=[row.ids.numel() for row in rows],
+                                    remainders=[row.remainder for row in rows])
+    if rows:
+        message.token_ids.extend(torch.cat([row.ids for row in rows]).tolist())
+        message.probs.extend(torch.cat([row.probs for row in rows]).tolist())
+    return message
+
+
+def decode_draft_q(message: pb.DraftDistributions, rows: int, vocab: int) -> list[DraftRow]:
+    """Frame.draft_q -> its `rows` DraftRows over a vocabulary of `vocab`, after checking that each is a
+    distribution the draft could have drawn from: distinct ids in the vocabulary, finite non-negative
+    probabilities and remainder that add up to 1, at most MAX_DRAFT_TOKENS listed."""
+    sizes = list(message.sizes)
+    if len(sizes) != rows or len(message.remainders) != rows:
+        raise PayloadError(f"draft_q has {len(sizes)} sizes and {len(message.remainders)} remainders "
+                           f"for {rows} drafts")
+    if any(not 0 < n <= min(vocab, MAX_DRAFT_TOKENS) for n in sizes):
+        raise PayloadError(f"draft_q lists 1..{min(vocab, MAX_DRAFT_TOKENS)} tokens a row, got sizes {sizes}")
+    if not len(message.token_ids) == len(message.probs) == sum(sizes):
+        raise PayloadError(f"draft_q has {len(message.token_ids)} ids and {len(message.probs)} probabilities "
+                           f"for sizes adding up to {sum(sizes)}")
+    ids = torch.tensor(message.token_ids, dtype=torch.int64)
+    probs = torch.tensor(message.probs, dtype=torch.float32)
+    remainders = torch.tensor(message.remainders, dtype=torch.float32)
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise PayloadError(f"draft_q names a token outside the vocabulary of {vocab}")
+    if not bool(torch.isfinite(probs).all() & torch.isfinite(remainders).all()) \
+            or bool((probs < 0).any() | (remainders < 0).any()):
+        raise PayloadError("draft_q holds a negative or non-finite probability")
+    out = []
+    for i, (row_ids, row_probs) in enumerate(zip(ids.split(sizes), probs.split(sizes), strict=True)):
+        remainder = float(remainders[i])
+        if row_ids.unique().numel() != row_ids.numel():
+            raise PayloadError(f"draft_q row {i} names a token twice")
+        if remainder > 0 and row_ids.numel() == vocab:
+            raise PayloadError(f"draft_q row {i} lists every token and has a remainder")
+        if abs(float(row_probs.double().sum()) + remainder - 1.0) > SUM_TOLERANCE:
+            raise PayloadError(f"draft_q row {i} adds up to {float(row_probs.double().sum()) + remainder:.6f}, not 1")
+        out.append(DraftRow(row_ids, row_probs, remainder, vocab))
+    return out

@@ -69,7 +69,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "draft_probs", "seq", "sent_ns", "prompt_logprobs", "token_masks", "kv_blocks")
+    __slots__ = ("session_id", "request_id", "kind", "pos_start", "token_count", "token_ids", "want_prediction", "sampling", "seq", "sent_ns", "prompt_logprobs", "token_masks", "kv_blocks", "draft_q")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -78,12 +78,12 @@ class Frame(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WANT_PREDICTION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASKS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_Q_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     request_id: str
     kind: FrameKind
@@ -92,13 +92,25 @@ class Frame(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     want_prediction: bool
     sampling: Sampling
-    draft_probs: bytes
     seq: int
     sent_ns: int
     prompt_logprobs: bool
     token_masks: bytes
     kv_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_probs: _Optional[bytes] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., token_masks: _Optional[bytes] = ..., kv_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_q: DraftDistributions
+    def __init__(self, session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., pos_start: _Optional[int] = ..., token_count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., want_prediction: _Optional[bool] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., seq: _Optional[int] = ..., sent_ns: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., token_masks: _Optional[bytes] = ..., kv_blocks: _Optional[_Iterable[int]] = ..., draft_q: _Optional[_Union[DraftDistributions, _Mapping]] = ...) -> None: ...
+
+class DraftDistributions(_message.Message):
+    __slots__ = ("sizes", "token_ids", "probs", "remainders")
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    REMAINDERS_FIELD_NUMBER: _ClassVar[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    remainders: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., remainders: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "frames", "dtype", "hidden_size", "activations", "failures")

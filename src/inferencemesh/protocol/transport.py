@@ -18,9 +18,17 @@ KV_BLOCK_TOKENS = 16
 # message_limit adds them up.
 PREFILL_CHUNK_TOKENS = 256  # prompt tokens per PREFILL frame; a batch's first chunk always goes
 MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
-# Rows of draft probabilities ([row, vocab] float32) in one Batch: sixteen sessions at the default
-# adaptive window's maximum (8). More wait for the next microbatch; one full window always fits.
+# Rows of draft distributions in one Batch: sixteen sessions at the default adaptive window's
+# maximum (8). More wait for the next microbatch; one full window always fits.
 MAX_DRAFT_ROWS_PER_BATCH = 128
+# Tokens a draft distribution's row lists (Frame.draft_q); its remainder covers the rest. 1024 keep
+# the bundled draft's acceptance within 0.3 points of its whole distribution's (docs/benchmarks/
+# draft-wire-bytes.json) at about 7 bytes a token: 7 KB a row, where a dense row of a 151,936-token
+# vocabulary took 594 KiB.
+MAX_DRAFT_TOKENS = 1024
+# A listed token as protobuf bytes, at most: its id (an int32 varint of a vocabulary below 2^28) and
+# its float32 probability.
+DRAFT_TOKEN_BYTES = 4 + 4
 MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: a Sampling message stays small
 # A frame's ids, positions and Sampling (logit_bias, 64 stop ids), as protobuf bytes, generously
 # (its block table is counted by message_limit, by the context).
@@ -34,18 +42,18 @@ def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, m
                   max_context: int) -> int:
     """The largest message either direction of a stage stream can carry for this plan, the gRPC
     limit of both ends: a Batch of every session's frame (one each), prompt chunks up to the token
-    budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their probabilities and
+    budget, verify windows up to MAX_DRAFT_ROWS_PER_BATCH draft rows with their distributions and
     token masks (constrained decoding: a row for each draft and each session's next token), and
     float32 activations for all of it (the widest wire dtype), and every frame's block table up to the
     full context; its BatchResult is smaller. gRPC
     refuses a larger message with RESOURCE_EXHAUSTED instead of handing it to the stage."""
     tokens = max(max_batch_tokens, PREFILL_CHUNK_TOKENS) + max_sessions + MAX_DRAFT_ROWS_PER_BATCH
     activations = tokens * hidden_size * WIDEST_WIRE_DTYPE_BYTES
-    draft_probs = MAX_DRAFT_ROWS_PER_BATCH * vocab_size * 4
+    draft_q = MAX_DRAFT_ROWS_PER_BATCH * (min(vocab_size, MAX_DRAFT_TOKENS) * DRAFT_TOKEN_BYTES + 16)  # + its remainder
     token_masks = (MAX_DRAFT_ROWS_PER_BATCH + max_sessions) * (vocab_size // 8 + 4)  # a bit per token, each row
     block_table = 5 * -(-max_context // KV_BLOCK_TOKENS)  # a uint32 varint is at most 5 bytes
     frames = max_sessions * (FRAME_BYTES + block_table) + tokens * PREDICTED_TOKEN_BYTES
-    return activations + draft_probs + token_masks + frames + 64 * 1024  # the Batch's own fields and framing
+    return activations + draft_q + token_masks + frames + 64 * 1024  # the Batch's own fields and framing
 # Keepalive, agreed by both ends of every stage stream. The channel pings a stream every
 # KEEPALIVE_MS, quiet or not (so a dead peer is found while a stream idles); the server must then
 # accept pings that often, or it answers them with GOAWAY ENHANCE_YOUR_CALM "too_many_pings" (its

@@ -30,14 +30,14 @@ def decide(session: StageSession, frame: pb.Frame, logits: torch.Tensor, vocab_s
     context = context or ()
     if frame.kind == pb.VERIFY:
         drafts = list(frame.token_ids[1:])
-        probs = None
-        if frame.draft_probs and not sampling.greedy:
+        draft_q = None
+        if frame.HasField("draft_q") and not sampling.greedy:
             try:
-                probs = codec.decode_probs(frame.draft_probs, len(drafts), vocab_size)
+                draft_q = codec.decode_draft_q(frame.draft_q, len(drafts), vocab_size)
             except codec.PayloadError as err:
                 raise Fault(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
         accepted, tokens = verify(_masked(frame, logits[: len(drafts) + 1]), drafts, sampling, frame.pos_start,
-                                  probs, context)
+                                  draft_q, context)
         prediction = pb.Prediction(session_id=session.session_id, seq=frame.seq, pos_start=frame.pos_start + 1,
                                    tokens=tokens, accepted=accepted)
         rows = logits[: len(tokens)]  # row i decided tokens[i]: the target's own logprobs, never the draft's

@@ -47,7 +47,7 @@ class _Waiting:
 
 def draft_rows(frame: pb.Frame) -> int:
     """Rows of draft probabilities the frame carries (a sampled VERIFY of a draft model's window)."""
-    return frame.token_count - 1 if frame.kind == pb.VERIFY and frame.draft_probs else 0
+    return frame.token_count - 1 if frame.kind == pb.VERIFY and frame.HasField("draft_q") else 0
 
 
 def _within(used: int, more: int, limit: int) -> bool:

@@ -34,6 +34,7 @@ from inferencemesh.frontend.engine.errors import EngineOverloaded
 from inferencemesh.frontend.engine.kv_blocks import BlockTable, KvRoom, Pending, PoolExhausted
 from inferencemesh.frontend.engine.metrics import FrontendMetrics
 from inferencemesh.frontend.engine.proposers.base import Proposer
+from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.errors import PipelineError
 from inferencemesh.token_masks import pack_token_masks
@@ -386,7 +387,7 @@ class SessionFrames:
             return prediction
         frame = conn.frame(pb.VERIFY, pos_start=len(history) - 1, token_count=1 + len(drafts),
                            token_ids=history[-1:] + drafts, sent_ns=sent_ns, token_masks=masks,
-                           draft_probs=proposal.probs[: len(drafts) * (len(proposal.probs) // len(proposal.tokens))])
+                           draft_q=codec.encode_draft_q(proposal.q[: len(drafts)]) if proposal.q else None)
         prediction = await self._answer(conn, frame, history)
         round_trip = time.perf_counter() - proposed
         assert proposer is not None  # it made the proposal

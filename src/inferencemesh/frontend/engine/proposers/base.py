@@ -8,7 +8,7 @@ shrinks when it does not; WindowedProposer reports each verify round to the metr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inferencemesh.speculation import WindowPolicy
@@ -16,6 +16,7 @@ from inferencemesh.speculation import WindowPolicy
 if TYPE_CHECKING:
     from inferencemesh.frontend.engine.grammar import SessionGrammar
     from inferencemesh.frontend.engine.metrics import FrontendMetrics
+    from inferencemesh.sampling import DraftRow
 
 # ---- the interface the engine drives ------------------------------------------------------------
 
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 @dataclass
 class Proposal:
     tokens: list[int]
-    probs: bytes = b""  # f32 [k, vocab] draft distributions (sampling with a draft model), else empty
+    # The distribution each token was drawn from (sampling with a draft model, for Leviathan's rule),
+    # else empty: each was proposed with probability 1, or the target races.
+    q: list[DraftRow] = field(default_factory=list)
 
 
 class Proposer:

@@ -13,7 +13,16 @@ import torch
 
 from inferencemesh.frontend.engine.proposers.base import Proposal, WindowedProposer
 from inferencemesh.frontend.engine.proposers.draft_model import Cache, DraftModel
-from inferencemesh.sampling import SamplingParams, adjust, generator_for, probabilities, sample
+from inferencemesh.sampling import (
+    DraftRow,
+    SamplingParams,
+    adjust,
+    draft_row,
+    draw,
+    generator_for,
+    probabilities,
+    sample,
+)
 from inferencemesh.speculation import WindowPolicy
 
 if TYPE_CHECKING:
@@ -40,7 +49,7 @@ class DraftProposer(WindowedProposer):
         self._k = 0
         self._first_position = 0
         self._tokens: list[int] = []
-        self._rows: list[torch.Tensor] = []  # q of each sampled proposal (Leviathan's verification)
+        self._rows: list[DraftRow] = []  # what each sampled proposal was drawn from (Leviathan's verification)
         self.racing = False  # a greedy or seeded request: propose by the target's race, send no q
 
     def propose(self, history: list[int]) -> Proposal | None:
@@ -82,6 +91,7 @@ class DraftProposer(WindowedProposer):
         if grammar is not None and logits.shape[-1] >= grammar.tokenizer.vocab_size:
             logits = grammar.constrain_draft_logits(logits.clone(), self._tokens)
         logits = adjust(logits[None], self.params, self.fed)[0]
+        unlisted = False
         if self.params.greedy:
             token = int(logits.argmax())
         else:
@@ -92,23 +102,27 @@ class DraftProposer(WindowedProposer):
                     # picks what the target will, and the target's pick never depends on the proposal.
                     token = sample(q, self.params.seed, position)
                 else:
-                    token = int(torch.multinomial(q, 1, generator=generator_for(self.params.seed ^ _SALT_DRAFT,
-                                                                                  position, _SALT_DRAFT)))
-                    self._rows.append(q)
+                    # Drawn from q's row as the wire carries it (sampling.DraftRow), which Leviathan's rule
+                    # then verifies against: its most likely tokens and an even remainder.
+                    row = draft_row(q)
+                    token, unlisted = draw(row, generator_for(self.params.seed ^ _SALT_DRAFT, position, _SALT_DRAFT))
+                    self._rows.append(row)
             except RuntimeError:
                 # q holds inf or NaN, or no mass (extreme penalties): nothing to draw a proposal from.
                 # The proposal ends here; the target decides the next token on its own.
                 return None
         self._tokens.append(token)
-        if len(self._tokens) == self._k or (grammar is not None and token in grammar.tokenizer.eos_token_ids):
+        # A token from the row's remainder is one the draft found unlikely, perhaps one it has no embedding
+        # for (a padded vocabulary): the window ends with it, unfed.
+        if len(self._tokens) == self._k or unlisted or (grammar is not None
+                                                         and token in grammar.tokenizer.eos_token_ids):
             return None  # the window is full, or the output ends here
         self.fed.append(token)
         return self.cache, position, [token]
 
     def _proposal(self) -> Proposal:
-        rows = self._rows  # none when racing: verification then compares tokens with the target's draws
-        probs = torch.stack(rows).to(torch.float32).contiguous().numpy().tobytes() if rows else b""
-        return Proposal(self._tokens, probs)
+        # No rows when racing: verification then compares tokens with the target's draws.
+        return Proposal(self._tokens, self._rows)
 
     def reproducible(self) -> None:
         """A greedy or seeded request: an untimed window, and proposals by the target's race, which
