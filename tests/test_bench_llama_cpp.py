@@ -25,7 +25,7 @@ from inferencemesh.programs.bench.llama_cpp_peer import (
 )
 
 
-def test_the_converter_is_found_in_a_script_a_checkout_or_an_sdist(tmp_path: Path, monkeypatch) -> None:
+def test_the_converter_is_found_in_a_script_checkout_or_sdist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     sdist = default_converter_home("9.9.9")
     script = sdist / "vendor" / "llama.cpp" / CONVERTER
@@ -46,7 +46,7 @@ def test_the_gguf_type_is_the_bench_dtype_and_quantization_is_refused() -> None:
         gguf_type("bfloat16", "int8")
 
 
-def test_the_cached_gguf_follows_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
+def test_the_cached_gguf_follows_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     model = tmp_path / "model"
     model.mkdir()
@@ -100,26 +100,28 @@ CONVERTER_HERE = installed_converter()  # read before a test moves HOME
 @pytest.mark.slow
 @pytest.mark.skipif(CONVERTER_HERE is None, reason="llama-cpp-python and its sdist's converter are not installed "
                     "(pip install 'inferencemesh[llama-cpp]', then the sdist as README's Benchmarks say)")
-def test_bench_measures_llama_cpp_beside_the_mesh(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))  # the shape's checkpoint and its GGUF are cached under ~/.cache
+def test_bench_measures_llama_cpp_beside_the_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bundled model: a trained one (llama-tiny's vocabulary is smaller than the tokenizer it
+    # borrows, which llama.cpp's converter refuses). Its GGUF is cached under ~/.cache.
+    monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # stage processes on a shared machine
     out = tmp_path / "bench.json"
     new_tokens = 12
-    assert cli.main(["bench", "--shape", "llama-tiny", "--dtype", "float32", "--stages", "1,2",
+    assert cli.main(["bench", "--dtype", "float32", "--stages", "1,2",
                      "--peer", "hf-generate,llama-cpp", "--llama-cpp-converter", str(CONVERTER_HERE),
                      "--new-tokens", str(new_tokens), "--repeats", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     by_label = {r["label"]: r for r in report["results"]}
     assert by_label["llama-cpp"]["gguf"] == "f32"
-    assert list((tmp_path / ".cache" / "inferencemesh" / "bench" / "gguf").glob("llama-tiny-float32-*-f32.gguf"))
+    assert list((tmp_path / ".cache" / "inferencemesh" / "bench" / "gguf").glob("imesh-code-target-*-f32.gguf"))
     for r in report["results"]:
         assert r["tpot_ms_median"] > 0 and r["runs"] == 4  # every prompt, every configuration
     ratios = report["tpot_vs_llama_cpp"]
     assert ratios["in-process-1-stage / llama-cpp"] == round(
         by_label["in-process-1-stage"]["tpot_ms_median"] / by_label["llama-cpp"]["tpot_ms_median"], 3)
     assert any(key.startswith("embedded-2-stages / llama-cpp") for key in ratios)
-    # The same weights in float32, greedy on the same ids: llama.cpp's first token is ours on every
-    # prompt (a random model's logits are close, so later ones may part where float sums round apart).
+    # The same weights in float32, greedy on the same ids: llama.cpp decodes our tokens (at least
+    # the first half on every prompt: two float32 implementations may part where logits nearly tie).
     agreement = report["llama_cpp_agreement"]
     assert agreement["new_tokens"] == new_tokens and len(agreement["common_prefix_tokens"]) == 4
-    assert min(agreement["common_prefix_tokens"]) >= 1
+    assert min(agreement["common_prefix_tokens"]) >= new_tokens // 2, agreement

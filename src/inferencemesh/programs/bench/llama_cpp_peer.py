@@ -120,11 +120,17 @@ class LlamaCppPeer:
         self.llm = Llama(model_path=str(gguf), n_ctx=max_context, n_batch=max_context, n_threads=threads,
                          n_threads_batch=threads, seed=0, verbose=False)
         self.new_tokens, self.threads = new_tokens, threads
+        self.vocab = self.llm.n_vocab()
         self.outputs: dict[tuple[int, ...], list[int]] = {}  # each prompt's latest tokens (agreement())
 
     def _next(self) -> int:
-        """Greedy: the argmax of the last position's logits (what llama.cpp's greedy sampler takes)."""
-        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        """Greedy: the argmax of the last position's logits (what llama.cpp's greedy sampler takes),
+        read in place: Llama.eval keeps no logits unless every position's are asked for."""
+        import llama_cpp
+        import numpy as np
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.vocab,)).argmax())
 
     async def run(self, ids: list[int]) -> Run:
         self.llm.reset()  # no prefix reuse: the prompt is prefilled every time
