@@ -47,9 +47,9 @@ def waiting_frames(shape: dict, sessions: int, window: int) -> list[_Waiting]:
     block tables of the whole CONTEXT."""
     vocab = shape["vocab_size"]
     table = [2**32 - 1] * (CONTEXT // KV_BLOCK_TOKENS)
-    listed = min(vocab, MAX_DRAFT_TOKENS)  # the fullest rows: every id the widest varint, every row a remainder
-    draft_q = pb.DraftDistributions(sizes=[listed] * window, token_ids=[vocab - 1] * (listed * window),
-                                    probs=[0.1] * (listed * window), remainders=[0.1] * window)
+    listed = min(vocab, MAX_DRAFT_TOKENS)  # the fullest rows, every one with a remainder
+    draft_q = pb.DraftDistributions(sizes=[listed] * window, token_ids=bytes(4 * listed * window),
+                                    probs=bytes(4 * listed * window), remainders=[0.1] * window)
     frames = []
     for i in range(sessions):
         sid, rid = f"cmpl-{'x' * 40}-{i}", f"req-{'y' * 40}-{i}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -59,9 +60,13 @@ sampling = st.builds(
 )
 # Draft distributions of any shape: sizes that disagree with the ids, ids outside the vocabulary or
 # repeated, probabilities that are NaN, negative or do not add up.
+def packed(values: st.SearchStrategy, dtype: str) -> st.SearchStrategy:
+    return st.lists(values, max_size=8).map(lambda v: np.array(v, dtype).tobytes()) | st.binary(max_size=12)
+
+
 draft_q = st.none() | st.builds(pb.DraftDistributions, sizes=st.lists(st.integers(0, 5), max_size=3),
-                                token_ids=st.lists(st.integers(-5, 400), max_size=8),
-                                probs=st.lists(FLOAT32, max_size=8), remainders=st.lists(FLOAT32, max_size=3))
+                                token_ids=packed(st.integers(-5, 400), "<i4"), probs=packed(FLOAT32, "<f4"),
+                                remainders=st.lists(FLOAT32, max_size=3))
 frames = st.builds(
     pb.Frame,
     session_id=SESSION_IDS,
@@ -92,10 +97,9 @@ def plausible_frames(draw) -> pb.Frame:
     return pb.Frame(session_id=session, kind=kind, pos_start=pos_start, token_count=count,
                     token_ids=draw(st.lists(st.integers(0, 300), min_size=count, max_size=count)),
                     want_prediction=True, sampling=draw(st.none() | sampling), seq=draw(st.integers(0, 9)),
-                    draft_q=draw(draft_q | st.just(pb.DraftDistributions(sizes=[1] * (count - 1),
-                                                                          token_ids=[7] * (count - 1),
-                                                                          probs=[0.5] * (count - 1),
-                                                                          remainders=[0.5] * (count - 1)))),
+                    draft_q=draw(draft_q | st.just(pb.DraftDistributions(
+                        sizes=[1] * (count - 1), token_ids=np.array([7] * (count - 1), "<i4").tobytes(),
+                        probs=np.array([0.5] * (count - 1), "<f4").tobytes(), remainders=[0.5] * (count - 1)))),
                     kv_blocks=blocks(pos_start + count, lane))
 
 

@@ -92,7 +92,8 @@ def test_draft_probabilities_that_are_not_probabilities_fail_their_verify_frame_
 
     def verify(session: str, probs: list[float]) -> pb.Frame:  # three tokens listed, a quarter spread over the rest
         return pb.Frame(session_id=session, kind=pb.VERIFY, pos_start=len(PROMPT), token_count=2, token_ids=[5, 6],
-                        draft_q=pb.DraftDistributions(sizes=[3], token_ids=[4, 5, 6], probs=probs, remainders=[0.25]),
+                        draft_q=pb.DraftDistributions(sizes=[3], token_ids=np.array([4, 5, 6], "<i4").tobytes(),
+                                                      probs=np.array(probs, "<f4").tobytes(), remainders=[0.25]),
                         seq=2, kv_blocks=table(session, len(PROMPT) + 2))
 
     fine = [0.25, 0.25, 0.25]

@@ -258,9 +258,10 @@ def draft_row(q: torch.Tensor, max_tokens: int = MAX_DRAFT_TOKENS) -> DraftRow:
     no more than hold all the mass but DRAFT_TAIL_MASS, and the rest of the mass as the remainder (0
     when every token with mass is listed: top-k, top-p, a grammar's mask)."""
     q = q.float()
-    total, support = float(q.sum()), int((q > 0).sum())
-    if not bool(torch.isfinite(q).all()) or not total > 0.0 or bool((q < 0).any()):
+    total = float(q.sum())  # NaN or inf wherever an entry is (finite entries of a softmax sum to about 1)
+    if not math.isfinite(total) or not total > 0.0 or float(q.min()) < 0.0:
         raise RuntimeError("a draft row needs a distribution: finite, non-negative, with mass")
+    support = int(torch.count_nonzero(q))
     top = torch.topk(q, min(max_tokens, support))
     kept = min(top.values.numel(), int((top.values.cumsum(0) < (1.0 - DRAFT_TAIL_MASS) * total).sum()) + 1)
     probs, ids = top.values[:kept] / total, top.indices[:kept]

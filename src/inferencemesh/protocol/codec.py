@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from inferencemesh.protocol import stage_pb2 as pb
@@ -54,12 +55,11 @@ def decode(payload: bytes, dtype_code: pb.DType, shape: tuple[int, ...], token_c
 
 def encode_draft_q(rows: Sequence[DraftRow]) -> pb.DraftDistributions:
     """A window's draft rows (sampling.draft_row) as Frame.draft_q."""
-    message = pb.DraftDistributions(sizes=[row.ids.numel() for row in rows],
-                                    remainders=[row.remainder for row in rows])
-    if rows:
-        message.token_ids.extend(torch.cat([row.ids for row in rows]).tolist())
-        message.probs.extend(torch.cat([row.probs for row in rows]).tolist())
-    return message
+    ids = torch.cat([row.ids for row in rows]) if rows else torch.empty(0, dtype=torch.int64)
+    probs = torch.cat([row.probs for row in rows]) if rows else torch.empty(0)
+    return pb.DraftDistributions(sizes=[row.ids.numel() for row in rows], remainders=[row.remainder for row in rows],
+                                 token_ids=ids.numpy().astype("<i4").tobytes(),
+                                 probs=probs.numpy().astype("<f4").tobytes())
 
 
 def decode_draft_q(message: pb.DraftDistributions, rows: int, vocab: int) -> list[DraftRow]:
@@ -72,25 +72,25 @@ def decode_draft_q(message: pb.DraftDistributions, rows: int, vocab: int) -> lis
                            f"for {rows} drafts")
     if any(not 0 < n <= min(vocab, MAX_DRAFT_TOKENS) for n in sizes):
         raise PayloadError(f"draft_q lists 1..{min(vocab, MAX_DRAFT_TOKENS)} tokens a row, got sizes {sizes}")
-    if not len(message.token_ids) == len(message.probs) == sum(sizes):
-        raise PayloadError(f"draft_q has {len(message.token_ids)} ids and {len(message.probs)} probabilities "
-                           f"for sizes adding up to {sum(sizes)}")
-    ids = torch.tensor(message.token_ids, dtype=torch.int64)
-    probs = torch.tensor(message.probs, dtype=torch.float32)
-    remainders = torch.tensor(message.remainders, dtype=torch.float32)
-    if bool(((ids < 0) | (ids >= vocab)).any()):
+    if not len(message.token_ids) == len(message.probs) == 4 * sum(sizes):
+        raise PayloadError(f"draft_q has {len(message.token_ids)} bytes of ids and {len(message.probs)} of "
+                           f"probabilities for sizes adding up to {sum(sizes)} (4 bytes each)")
+    ids = np.frombuffer(message.token_ids, dtype="<i4").astype(np.int64)
+    probs = np.frombuffer(message.probs, dtype="<f4").astype(np.float32)
+    remainders = np.array(message.remainders, dtype=np.float32)
+    if ((ids < 0) | (ids >= vocab)).any():
         raise PayloadError(f"draft_q names a token outside the vocabulary of {vocab}")
-    if not bool(torch.isfinite(probs).all() & torch.isfinite(remainders).all()) \
-            or bool((probs < 0).any() | (remainders < 0).any()):
+    if not (np.isfinite(probs).all() and np.isfinite(remainders).all()) or (probs < 0).any() or (remainders < 0).any():
         raise PayloadError("draft_q holds a negative or non-finite probability")
-    out = []
-    for i, (row_ids, row_probs) in enumerate(zip(ids.split(sizes), probs.split(sizes), strict=True)):
-        remainder = float(remainders[i])
-        if row_ids.unique().numel() != row_ids.numel():
-            raise PayloadError(f"draft_q row {i} names a token twice")
-        if remainder > 0 and row_ids.numel() == vocab:
-            raise PayloadError(f"draft_q row {i} lists every token and has a remainder")
-        if abs(float(row_probs.double().sum()) + remainder - 1.0) > SUM_TOLERANCE:
-            raise PayloadError(f"draft_q row {i} adds up to {float(row_probs.double().sum()) + remainder:.6f}, not 1")
-        out.append(DraftRow(row_ids, row_probs, remainder, vocab))
-    return out
+    row_of = np.repeat(np.arange(rows), sizes)
+    keys = np.sort(row_of * vocab + ids)
+    if (keys[1:] == keys[:-1]).any():
+        raise PayloadError("draft_q names a token twice in a row")
+    totals = np.bincount(row_of, weights=probs.astype(np.float64), minlength=rows) + remainders
+    if (np.abs(totals - 1.0) > SUM_TOLERANCE).any():
+        raise PayloadError(f"draft_q rows add up to {[round(t, 6) for t in totals.tolist()]}, not 1")
+    if any(remainders[i] > 0 and n == vocab for i, n in enumerate(sizes)):
+        raise PayloadError("draft_q has a row that lists every token and has a remainder")
+    return [DraftRow(i, p, float(r), vocab) for i, p, r in zip(torch.from_numpy(ids).split(sizes),
+                                                                 torch.from_numpy(probs).split(sizes),
+                                                                 remainders.tolist(), strict=True)]

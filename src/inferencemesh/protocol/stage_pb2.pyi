@@ -107,10 +107,10 @@ class DraftDistributions(_message.Message):
     PROBS_FIELD_NUMBER: _ClassVar[int]
     REMAINDERS_FIELD_NUMBER: _ClassVar[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    probs: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: bytes
+    probs: bytes
     remainders: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., remainders: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ..., remainders: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "frames", "dtype", "hidden_size", "activations", "failures")

@@ -23,12 +23,10 @@ MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
 MAX_DRAFT_ROWS_PER_BATCH = 128
 # Tokens a draft distribution's row lists (Frame.draft_q); its remainder covers the rest. 1024 keep
 # the bundled draft's acceptance within 0.3 points of its whole distribution's (docs/benchmarks/
-# draft-wire-bytes.json) at about 7 bytes a token: 7 KB a row, where a dense row of a 151,936-token
+# draft-wire-bytes.json) at 8 bytes a token: 8 KiB a row, where a dense row of a 151,936-token
 # vocabulary took 594 KiB.
 MAX_DRAFT_TOKENS = 1024
-# A listed token as protobuf bytes, at most: its id (an int32 varint of a vocabulary below 2^28) and
-# its float32 probability.
-DRAFT_TOKEN_BYTES = 4 + 4
+DRAFT_TOKEN_BYTES = 4 + 4  # a listed token: its int32 id and its float32 probability
 MAX_LOGIT_BIAS_ENTRIES = 1024  # per request: a Sampling message stays small
 # A frame's ids, positions and Sampling (logit_bias, 64 stop ids), as protobuf bytes, generously
 # (its block table is counted by message_limit, by the context).
