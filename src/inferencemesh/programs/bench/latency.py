@@ -19,6 +19,7 @@ noisy machine's drift falls on all of them alike.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -118,13 +119,15 @@ def split_shares(config: BenchConfig, threads: int) -> list[int]:
     return sorted({share_of_cpus(c) for c in config.stages if c > 1} - {threads})
 
 
-def llama_cpp_peers(config: BenchConfig, model: BenchModel, threads: int) -> list[Measured]:
-    """llama.cpp on the model converted to GGUF: at the bench's threads and at each split's share."""
+def llama_cpp_peers(config: BenchConfig, model: BenchModel, threads: int) -> tuple[list[Measured], dict]:
+    """llama.cpp on the model converted to GGUF: at the bench's threads and at each split's share;
+    and the report's facts of it."""
     from inferencemesh.programs.bench import llama_cpp_peer as lc
 
     version = lc.llama_cpp_version()
     outtype = lc.gguf_type(model.dtype_name, model.quantization)
-    gguf = lc.convert(model.model_dir, outtype, lc.find_converter(config.llama_cpp_converter, version))
+    converter = lc.find_converter(config.llama_cpp_converter, version)
+    gguf = lc.convert(model.model_dir, outtype, converter)
     print(f"  llama.cpp peer: llama-cpp-python {version}, {gguf}", flush=True)
     spec_mode = config.speculative != ("none",)
     out = []
@@ -135,7 +138,7 @@ def llama_cpp_peers(config: BenchConfig, model: BenchModel, threads: int) -> lis
             if spec_mode or len(model.prompts) > 1:
                 extra["prompts"] = prompt_set
             out.append(Measured(lc.peer_label(peer_threads, threads), extra, ids, peer, threads))
-    return out
+    return out, {"llama_cpp": {"llama_cpp_python": version, "gguf": str(gguf), "converter": str(converter)}}
 
 
 async def measure_with_agreement(configs: list[Measured], repeats: int, reference: HopPipeline | None,
@@ -159,8 +162,10 @@ def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel,
     threads = torch.get_num_threads()
     spec_mode = config.speculative != ("none",)
     configs = peers(config, model, target, speculation, threads)
+    facts: dict = {}
     if "llama-cpp" in config.peer:
-        configs += llama_cpp_peers(config, model, threads)
+        llama_cpp, facts = llama_cpp_peers(config, model, threads)
+        configs += llama_cpp
     with meshes() as started:
         pipelines = []  # (label, stage count, pipeline, this process's threads while it runs)
         for count in config.stages:
@@ -190,11 +195,13 @@ def run_latency(config: BenchConfig, model: BenchModel, target: PreTrainedModel,
                                              config.speculative_disable_by_batch_size)
                     configs.append(Measured(name, extra, ids, runner, config_threads, counter))
         print(f"  {len(configs)} configurations, {config.repeats} interleaved rounds", flush=True)
+        facts["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
         reference = pipelines[0][2] if pipelines else None
         found = asyncio.run(measure_with_agreement(configs, config.repeats, reference, config.new_tokens, threads))
         torch.set_num_threads(threads)
+        facts["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
         results = [c.entry() for c in configs]
-    report = {**header(config, model, torch.get_num_threads()), "results": results, **found}
+    report = {**header(config, model, torch.get_num_threads()), **facts, "results": results, **found}
     report.update(ratios(results))
     report.update(llama_cpp_ratios(results))
     return report
