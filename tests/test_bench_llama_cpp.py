@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,25 @@ def test_tpot_ratios_divide_by_llama_cpp_at_the_threads_of_each_stage() -> None:
     assert llama_cpp_ratios(same)["tpot_vs_llama_cpp"] == {"in-process-1-stage / llama-cpp": 1.5,
                                                            "grpc-2-stages / llama-cpp": 2.5}
     assert llama_cpp_ratios(results[:1] + results[3:]) == {}  # no llama.cpp peer measured: no ratios
+
+
+def test_latency_bench_without_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The default peer alone, in process; --peer llama-cpp where llama-cpp-python is absent is one line."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # the shape's checkpoint is cached under ~/.cache
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shape", "llama-tiny", "--dtype", "float32", "--stages", "1", "--new-tokens", "3",
+            "--repeats", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["label"] for r in report["results"]] == ["hf-generate", "in-process-1-stage"]
+    assert "tpot_vs_llama_cpp" not in report and "llama_cpp_agreement" not in report
+    assert len(report["load_average_before"]) == len(report["load_average_after"]) == 3
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as where the extra is not installed
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--peer", "llama-cpp"])
+    assert exited.value.code == 2
+    assert "pip install 'inferencemesh[llama-cpp]'" in capsys.readouterr().err
 
 
 def installed_converter() -> Path | None:
