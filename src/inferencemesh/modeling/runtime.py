@@ -29,6 +29,7 @@ from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
 from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
+from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
@@ -73,11 +74,13 @@ class StageRuntime:
         on_progress: Callable[[str, float], None] | None = None,
         modules: StageModules | None = None,
         quantization: str | None = None,
+        lean: bool = True,
     ) -> None:
         """modules: layers [layer_start, layer_end) already loaded (load_stage) from source,
         used as they are (the draft model, which loads once and may run its own forward).
         quantization: int8, int4 or fp8, a 16-bit checkpoint's layers quantized as they are read
-        (load_stage's, config.ModelOptions.quantization)."""
+        (load_stage's, config.ModelOptions.quantization).
+        lean: the layers of the Llama shape computed by lean_layers (False: all transformers')."""
         stage = modules or load_stage(source, layer_start, layer_end, revision=revision, dtype=dtype, device=device,
                                       cache_dir=cache_dir, on_progress=on_progress, quantization=quantization)
         # What the stage's weights hold, as loaded (the plan's weight_bytes counts the same), before
@@ -99,6 +102,9 @@ class StageRuntime:
         self._adopt_modules(stage)
         self._plan_attention(stage)
         self._plan_rotary(stage)
+        self._lean: list[LeanLayer | None] = [None] * len(self._layers)
+        if lean and None in self._rope_tables:  # one rotary table for every layer
+            self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
         if on_progress is not None:
             on_progress("ready", 1.0)
 
@@ -179,7 +185,10 @@ class StageRuntime:
         kv.begin(pos_start, count)
         ropes = {key: self._rope(x, pos_start, count, key) for key in self._rope_tables}
         masks = self._masks(pos_start, count)
-        for layer, mask, key in zip(self._layers, masks, self._rope_keys, strict=True):
+        for layer, lean, mask, key in zip(self._layers, self._lean, masks, self._rope_keys, strict=True):
+            if lean is not None:
+                x = lean(x, ropes[key], mask, kv)
+                continue
             x = layer(
                 x,
                 attention_mask=mask,
@@ -250,7 +259,10 @@ class StageRuntime:
         packed = _PackedCache(self, segments, counts)
         positions = torch.cat([self._positions(seg.pos_start, count)
                                for seg, count in zip(segments, counts, strict=True)], dim=1)
-        for layer, key in zip(self._layers, self._rope_keys, strict=True):
+        for layer, lean, key in zip(self._layers, self._lean, self._rope_keys, strict=True):
+            if lean is not None:
+                x = lean(x, by_key[key], None, packed)
+                continue
             x = layer(x, attention_mask=None, position_ids=positions, **{self._cache_kwarg: packed}, use_cache=True,
                       position_embeddings=by_key[key])
         for seg in segments:

@@ -1,0 +1,218 @@
+"""Decoder layers of the Llama shape run in as few tensor operations as their math takes.
+
+A decode step runs every layer on one row, so on a small model the time of a token is mostly
+host work: transformers' layer calls about 200 Python functions per layer (module calls and their
+hooks, keyword plumbing, the attention registry, rotate_half twice, config lookups) around a dozen
+kernels. A LeanLayer computes the same layer from the same modules' weights with one projection
+for queries, keys and values, one for gate and up (the CPU's float32 weights concatenated once at
+load), rotary applied to queries and keys together, and the stage's own cache and attention
+(kv_pool, attention.stage_attention) as transformers' layer calls them.
+
+It covers the layers whose structure it knows exactly (LEAN_LAYERS: pre-norm RMSNorm, rotary,
+grouped-query attention without soft-capping or sinks, a gated SiLU MLP; Qwen3's per-head
+query/key norms) and is adopted only after computing the same output as transformers' layer on
+a probe input (`lean_layers`); any other layer, or one that differs, stays transformers'. Float
+results differ from transformers' only by summation order (the fused projections).
+
+The row-wise parts (norms, projections, rotary, MLP) are pure tensor functions of their inputs,
+which is what compiled_steps.py compiles; attention and the cache stay here, eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.modeling.packed import PackedLinear
+
+log = logging.getLogger(__name__)
+
+# transformers' decoder layer classes whose forward is exactly the pre-norm Llama layer (Qwen3's
+# with a per-head RMSNorm of queries and keys before rotary).
+LEAN_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+PROBE_TOKENS = 3
+PROBE_TOLERANCE = 1e-4  # relative to the output's scale: summation order, not a different layer
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: computed in float32, scaled in the input's dtype."""
+    if x.dtype == torch.float32:
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary (the half-split form transformers' Llama uses): x [..., T, D], cos/sin [1, 1, T, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Projection:
+    """Several linear layers of one input as one matmul where their weights allow it (the CPU's
+    float32 PackedLinear: [in, out] matrices concatenated once), else each module in turn."""
+
+    def __init__(self, modules: Sequence[Any]) -> None:
+        self.sizes = [int(m.out_features) for m in modules]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.modules = list(modules)
+        if all(type(m) is PackedLinear and not m._mkldnn for m in modules):
+            self.weight = torch.cat([m.packed for m in modules], dim=1)
+            biases = [m.bias for m in modules]
+            if any(b is not None for b in biases):
+                self.bias = torch.cat([b.detach() if b is not None else torch.zeros(n, dtype=self.weight.dtype)
+                                       for b, n in zip(biases, self.sizes, strict=True)])
+            self.modules = []  # the fused matrix serves; release() turns theirs into views of it
+
+    def release(self, modules: Sequence[Any]) -> None:
+        """The modules' own matrices become column views of the fused one (the layer's transformers
+        forward still works, slower): the stage holds each weight once."""
+        if self.weight is None:
+            return
+        start = 0
+        for module, size in zip(modules, self.sizes, strict=True):
+            module.packed = self.weight[:, start:start + size]
+            start += size
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            y = torch.matmul(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return torch.cat([m(x) for m in self.modules], dim=-1)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class LeanLayer:
+    """One transformers decoder layer of the Llama shape, computed lean (see the module docstring).
+    Holds its layer's modules: their weights are shared, not copied, except the fused projections."""
+
+    def __init__(self, layer: Any) -> None:  # a transformers decoder layer (its submodules read by name)
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn: Any = attn  # stage_attention reads its scaling and grouping, transformers-style
+        self.layer_idx = int(attn.layer_idx)
+        self.shape = _Shape(attn.config.num_attention_heads, attn.config.num_key_value_heads, int(attn.head_dim))
+        self.scaling = float(attn.scaling)
+        self.input_norm = (layer.input_layernorm.weight.detach(), float(layer.input_layernorm.variance_epsilon))
+        self.post_norm = (layer.post_attention_layernorm.weight.detach(),
+                          float(layer.post_attention_layernorm.variance_epsilon))
+        self.head_norms = None
+        if hasattr(attn, "q_norm"):  # Qwen3
+            self.head_norms = ((attn.q_norm.weight.detach(), float(attn.q_norm.variance_epsilon)),
+                               (attn.k_norm.weight.detach(), float(attn.k_norm.variance_epsilon)))
+        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj])
+        self.o_proj: Any = attn.o_proj
+        self.down_proj: Any = mlp.down_proj
+        self.mlp: Any = mlp
+
+    def adopt(self) -> None:
+        """Adopted in place of its layer: the fused projections hold the weights alone."""
+        self.qkv.release([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj])
+        self.gate_up.release([self.mlp.gate_proj, self.mlp.up_proj])
+
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [1, T, H] -> queries [1, heads, T, D], keys and values [1, kv_heads, T, D], rotated."""
+        s = self.shape
+        count = x.shape[1]
+        qkv = self.qkv(_rms_norm(x, *self.input_norm)).view(1, count, s.heads + 2 * s.kv_heads, s.head_dim)
+        q, k, v = qkv.split((s.heads, s.kv_heads, s.kv_heads), dim=2)
+        if self.head_norms is not None:
+            q, k = _rms_norm(q, *self.head_norms[0]), _rms_norm(k, *self.head_norms[1])
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = _rotate(q.transpose(1, 2), cos, sin)
+        k = _rotate(k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention's output [1, T, heads * D] and the MLP."""
+        x = x + self.o_proj(attended)
+        gate, up = self.gate_up(_rms_norm(x, *self.post_norm)).split(self.gate_up.sizes[0], dim=-1)
+        return x + self.down_proj(torch.nn.functional.silu(gate) * up)
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                 cache: object | None) -> torch.Tensor:
+        """What the transformers layer returns for these arguments (its cache updated alike)."""
+        q, k, v = self.pre_attention(x, *rope)
+        if cache is not None:
+            keys, values = cache.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
+        else:
+            keys, values = k, v
+        out, _ = stage_attention(self.attn, q, keys, values, mask, scaling=self.scaling, dropout=0.0)
+        return self.post_attention(x, out.reshape(1, x.shape[1], -1))
+
+
+LayerCall = Callable[..., torch.Tensor]
+
+
+def lean_layers(layers: Sequence[nn.Module], rope: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+                ) -> list[LeanLayer | None]:
+    """A LeanLayer for each layer it covers and computes alike (checked on a probe input against
+    the layer itself), else None: the layer stays transformers'. rope(x, start, count): the
+    runtime's rotary tables for positions [start, start + count)."""
+    out: list[LeanLayer | None] = []
+    for layer in layers:
+        lean = None
+        if type(layer).__name__ in LEAN_LAYERS and _plain_attention(layer):
+            try:
+                lean = LeanLayer(layer)
+                if not _same_output(lean, layer, rope):
+                    lean = None
+            except Exception as err:  # a layer this form cannot take (its linears' kind): transformers' runs it
+                log.warning("layer %s runs as transformers' layer: the lean form failed on it: %r",
+                            type(layer).__name__, err)
+                lean = None
+            if lean is not None:
+                lean.adopt()
+        out.append(lean)
+    return out
+
+
+def _plain_attention(layer: nn.Module) -> bool:
+    """No softcap, sinks or sliding window the lean call would miss (the masks come from the runtime
+    either way; these are read by transformers' attention from the module or its config)."""
+    attn = getattr(layer, "self_attn", None)
+    mlp = getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    config = attn.config
+    act = getattr(config, "hidden_act", "silu")
+    return act in ("silu", "swish") and getattr(attn, "sinks", None) is None and not getattr(
+        config, "attn_logit_softcapping", None)
+
+
+@torch.inference_mode()
+def _same_output(lean: LeanLayer, layer: nn.Module, rope: Callable) -> bool:
+    weight = lean.input_norm[0]
+    x = torch.randn(1, PROBE_TOKENS, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+    cos, sin = rope(x, 0, PROBE_TOKENS)
+    theirs = layer(x, attention_mask=None, position_ids=torch.arange(PROBE_TOKENS)[None], use_cache=False,
+                   position_embeddings=(cos, sin))
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    ours = lean(x, (cos, sin), None, None)
+    scale = float(theirs.float().abs().max()) or 1.0
+    error = float((ours.float() - theirs.float()).abs().max()) / scale
+    if error > PROBE_TOLERANCE:
+        log.warning("layer %d (%s) computed lean differs from transformers' by %.2e: it runs as transformers' "
+                    "layer", lean.layer_idx, type(layer).__name__, error)
+        return False
+    return True

@@ -1,0 +1,99 @@
+"""The lean decoder layers (modeling/lean_layers.py): adopted exactly where they compute what
+transformers' layer does, and equal to the transformers-layer runtime through a stage's real
+paths: a prefill, decode steps over a block table that is neither consecutive nor one view (a
+gather, then spans), and a batched pass of several sessions."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_families import write  # noqa: E402  (the families' tiny random checkpoints)
+
+from inferencemesh.modeling.kv_pool import BlockTableKV
+from inferencemesh.modeling.lean_layers import LeanLayer, _same_output
+from inferencemesh.modeling.runtime import Segment, StageRuntime
+
+LEAN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lean")
+
+
+def runtimes(path: Path) -> tuple[StageRuntime, StageRuntime]:
+    return tuple(StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128, lean=lean)  # type: ignore[return-value]
+                 for lean in (True, False))
+
+
+def decode(rt: StageRuntime, blocks: list[int], prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    """A prefill, then greedy steps, each a frame over the pool as a stage runs it: the logits."""
+    pool = rt.new_pool(32, block_tokens=4)
+    rows = [rt.forward(BlockTableKV(pool, blocks, 0, len(prompt)), 0, token_ids=prompt)]
+    pos = len(prompt)
+    for _ in range(steps):
+        token = torch.tensor([int(rows[-1][-1].argmax())])
+        rows.append(rt.forward(BlockTableKV(pool, blocks, pos, 1), pos, token_ids=token))
+        pos += 1
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+def test_lean_layers_are_adopted_and_equal_transformers_layers(root, family) -> None:
+    lean, plain = runtimes(write(root, family))
+    assert all(layer is not None for layer in lean._lean) and not any(plain._lean)
+    prompt = torch.randint(3, 320, (10,), generator=torch.Generator().manual_seed(1))
+    # Blocks out of order: the reads are gathers; the pool's runs are read span by span beyond
+    # SPLIT_MIN_POSITIONS, which these short contexts never reach (test_block_table_kv covers it).
+    blocks = [7, 3, 12, 5, 9, 1, 20]
+    got, want = decode(lean, blocks, prompt, 12), decode(plain, blocks, prompt, 12)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), float((got - want).abs().max())
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_a_batched_pass_of_lean_layers_equals_transformers_layers(root) -> None:
+    lean, plain = runtimes(write(root, "qwen3"))
+    ids = [torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 1)]
+    outs = []
+    for rt in (lean, plain):
+        pool = rt.new_pool(32, block_tokens=4)
+        tables = [[0, 1, 2], [9, 4, 6], [15]]
+        for blocks, prompt in zip(tables[:2], ids[:2], strict=True):  # two sessions hold a context already
+            rt.forward(BlockTableKV(pool, blocks, 0, len(prompt)), 0, token_ids=prompt)
+        segments = [Segment(BlockTableKV(pool, tables[0], 5, 2), 5, torch.tensor([4, 8]), logits="all"),
+                    Segment(BlockTableKV(pool, tables[1], 9, 1), 9, torch.tensor([11])),
+                    Segment(BlockTableKV(pool, tables[2], 0, 1), 0, ids[2])]
+        outs.append(torch.cat(rt.forward_batch(segments)))  # type: ignore[arg-type]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0), float((outs[0] - outs[1]).abs().max())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "granite", "gpt_oss"])
+def test_layers_of_another_shape_stay_transformers(root, family) -> None:
+    """Soft-capped scores, multipliers around the residual, sinks: layers the lean form does not cover."""
+    lean, _ = runtimes(write(root, family))
+    assert not any(lean._lean)
+
+
+def test_a_lean_layer_that_differs_from_its_layer_is_not_adopted(root, caplog) -> None:
+    rt = StageRuntime(write(root, "llama"), 0, 4, dtype="float32", device="cpu", max_context=128, lean=False)
+    layer = rt._layers[0]
+    lean = LeanLayer(layer)
+    rope = lambda x, start, count: rt._rope(x, start, count, None)  # noqa: E731
+    assert _same_output(lean, layer, rope)
+    assert lean.qkv.weight is not None  # float32 on the CPU: one fused matrix
+    lean.qkv.weight[:, :1].mul_(1.5)  # one query column off
+    with caplog.at_level(logging.WARNING, logger="inferencemesh.modeling.lean_layers"):
+        assert not _same_output(lean, layer, rope)
+    assert "differs from transformers'" in caplog.text
+
+
+def test_an_adopted_layer_holds_its_projection_weights_once(root) -> None:
+    lean, _ = runtimes(write(root, "llama"))
+    layer, fused = lean._layers[0], lean._lean[0]
+    assert fused is not None and fused.qkv.weight is not None and fused.gate_up.weight is not None
+    for module, matrix in ((layer.self_attn.q_proj, fused.qkv.weight), (layer.self_attn.v_proj, fused.qkv.weight),
+                           (layer.mlp.up_proj, fused.gate_up.weight)):
+        assert module.packed.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
