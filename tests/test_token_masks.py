@@ -131,3 +131,51 @@ def test_apply_refuses_mismatched_shapes() -> None:
         apply_token_masks(torch.zeros(1, 32), torch.ones(1, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="2-D"):
         apply_token_masks(torch.zeros(32), torch.ones(1, 1, dtype=torch.int32))
+
+
+def rows_allowing(vocab: int, *allowed: set[int] | range) -> np.ndarray:
+    bits = np.zeros((len(allowed), mask_words(vocab) * 32), dtype=bool)
+    for row, tokens in enumerate(allowed):
+        bits[row, list(tokens)] = True
+    return np.packbits(bits, axis=1, bitorder="little").view("<i4").astype(np.int32)
+
+
+@pytest.mark.parametrize("vocab", [4096, 4100, 151_936])
+def test_rows_that_allow_or_forbid_few_tokens_travel_as_ids_and_round_trip(vocab: int) -> None:
+    """One frame with every form: a row of one token, a row of a few, a row of half (its bitset), a row
+    of all but a few, a row of all (no id forbidden); the few as ids (4 bytes each), the half as a bitset."""
+    words = mask_words(vocab)
+    few = set(range(3, vocab, vocab // 10))
+    masks = rows_allowing(vocab, {vocab - 1}, few, range(0, vocab, 2), set(range(vocab)) - few, range(vocab))
+    frame = pack_token_masks(masks, vocab)
+    assert len(frame) == 8 + 5 * 4 + 4 * (1 + len(few) + len(few)) + 4 * words
+    back = unpack_token_masks(frame, vocab)
+    assert np.array_equal(back.numpy(), masks)
+    assert allowed_tokens(back[0]).tolist() == [vocab - 1] and allowed_tokens(back[4]).size == vocab
+
+
+def compact(vocab: int, *rows: tuple[int, int, list[int]]) -> bytes:
+    """A compact frame built by hand: rows of (form, count, ids or words)."""
+    body = b"".join(struct.pack("<I", form << 30 | count) + struct.pack(f"<{len(v)}I", *v) for form, count, v in rows)
+    return struct.pack("<II", len(rows) | 1 << 31, vocab) + body
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (compact(64, (3, 1, [5])), "form 3"),
+        (compact(64, (0, 1, [1, 0])), "form 0 of 1"),
+        (compact(64, (1, 2, [5])), "past the frame"),
+        (compact(64, (1, 2, [5, 5])), "not ascending"),
+        (compact(64, (1, 2, [9, 5])), "not ascending"),
+        (compact(64, (1, 1, [64])), "within the vocabulary"),
+        (compact(64, (1, 1, [5]), (1, 1, [6]))[:-8], "before row 1"),
+        (compact(64, (1, 1, [5])) + b"\0", "rows take"),
+        (compact(64, (1, 0, [])), "row 0 allows no token"),
+        (compact(2, (2, 2, [0, 1])), "row 0 allows no token"),
+        (compact(40, (0, 0, [1, 1 << 9])), "past the vocabulary"),
+    ],
+)
+def test_malformed_compact_frames_are_refused(frame: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        unpack_token_masks(frame)

@@ -1,8 +1,9 @@
 """What a sampled VERIFY frame carries on every hop for the draft's distributions, dense (f32
 [k, vocab], Frame field 12 until it was retired) against sparse (Frame.draft_q: sampling.draft_row's
-rows), and what the sparse rows cost in acceptance on the bundled models.
+rows), and what the sparse rows cost in acceptance on the bundled models; and what a constrained
+frame's token masks take, as bitsets against token_masks.py's compact rows.
 
-    PYTHONPATH=src python tools/draft_wire_bench.py docs/benchmarks/draft-wire-bytes.json
+    PYTHONPATH=src python tools/draft_wire_bench.py docs/benchmarks/draft-wire-bytes.json [--mask-vocab 150000]
 
 - bytes: the VERIFY frame of a window of k drafts as the frontend builds it (ids, a 1,024-token
   context's block table), at a vocabulary of 151,936 (Qwen's) and 4,096 (the bundled models'). The
@@ -13,6 +14,10 @@ rows), and what the sparse rows cost in acceptance on the bundled models.
   the expected acceptance of a draft token, sum_v min(p(v), q(v)), with q the draft's whole
   distribution (before) and the row it now sends and draws from (after). Exact expectations, no
   sampling noise.
+- masks: grammar_bench.py's walk of each of its JSON schemas (uniform among allowed tokens), one mask
+  row a step, on the bundled tokenizer and, with --mask-vocab, on a byte-level BPE of that size trained
+  here (about 3 minutes idle, 12 loaded): bytes a row as a bitset and as packed now, and the
+  microseconds to pack and unpack a row.
 - host: milliseconds for a window on the frontend (drawing the drafts, building the frame's bytes),
   at an intermediate stage (parse and re-serialize) and at the last stage (parse, read the rows),
   dense and sparse interleaved, one thread (indicative on a shared machine).
@@ -28,14 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grammar_bench  # beside this script in tools/: its schemas, walk and trained tokenizers
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inferencemesh.bundled import DEFAULT_MODEL, DRAFT_MODEL, bundled_path
+from inferencemesh.frontend.engine.grammar import SessionGrammar, grammar_tokenizer
+from inferencemesh.frontend.openai.structured_outputs import constraint_from_request
 from inferencemesh.protocol import codec
 from inferencemesh.protocol import stage_pb2 as pb
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS, MAX_DRAFT_TOKENS
 from inferencemesh.sampling import DRAFT_TAIL_MASS, DraftRow, SamplingParams, draft_row, draw, probabilities
+from inferencemesh.token_masks import allowed_tokens, mask_words, pack_token_masks, unpack_token_masks
 
 K = 5
 TEMPERATURE = 0.8
@@ -147,9 +157,42 @@ def host_ms(vocab: int, reps: int = 15) -> dict[str, dict[str, float]]:
             for form, parts in times.items()}
 
 
+def mask_rows(label: str, hf: Any, vocab: int, steps: int = 100) -> dict[str, Any]:
+    """Bytes and pack/unpack time of one mask row a step along grammar_bench's walk of each schema."""
+    tokenizer = grammar_tokenizer(hf, vocab)
+    texts = [hf.decode([i]) for i in range(len(hf))]
+    eos = tokenizer.eos_token_ids[0]
+    schemas = {}
+    for name, schema in grammar_bench.SCHEMAS.items():
+        constraint = constraint_from_request(guided_json=schema)
+        assert constraint is not None
+        grammar, rng = SessionGrammar(constraint, tokenizer), np.random.default_rng(0)
+        sizes, pack_s, unpack_s = [], [], []
+        for step in range(steps):
+            masks, _ = grammar.window_masks([])
+            t0 = time.perf_counter()
+            frame = pack_token_masks(masks[:1], vocab)
+            t1 = time.perf_counter()
+            unpack_token_masks(frame, vocab)
+            pack_s.append(t1 - t0)
+            unpack_s.append(time.perf_counter() - t1)
+            sizes.append(len(frame) - 8)
+            token = grammar_bench.pick(rng, allowed_tokens(masks[0]), texts, eos, step)
+            grammar.commit([token])
+            if token == eos:
+                grammar = SessionGrammar(constraint, tokenizer)
+        schemas[name] = {"bytes_per_row": round(statistics.fmean(sizes)), "compact_rows": round(
+                             sum(s < 4 * mask_words(vocab) for s in sizes) / steps, 2),
+                         "pack_us_p50": round(statistics.median(pack_s) * 1e6, 1),
+                         "unpack_us_p50": round(statistics.median(unpack_s) * 1e6, 1)}
+    return {"tokenizer": label, "vocab_size": vocab, "bitset_bytes_per_row": 4 * mask_words(vocab),
+            "rows": steps, "schemas": schemas}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--mask-vocab", type=int, default=0, help="also walk a BPE of this size trained here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     by_vocab = []
@@ -164,15 +207,22 @@ def main() -> int:
     bundled = {"models": [DEFAULT_MODEL, DRAFT_MODEL], "temperature": TEMPERATURE, **acceptance(p, q)}
     bundled["verify_frame_bytes_dense"] = dense_frame_bytes(q.shape[-1])
     print(json.dumps(bundled))
+    masks = [mask_rows("bundled", AutoTokenizer.from_pretrained(str(bundled_path(DEFAULT_MODEL))), 4096)]
+    if args.mask_vocab:
+        hf = grammar_bench.trained_tokenizer(args.mask_vocab)
+        masks.append(mask_rows(f"byte-level BPE trained on this Python's sources, {len(hf)} tokens", hf, len(hf)))
+    print(json.dumps(masks))
     result = {
         "what": "bytes per hop of a sampled VERIFY frame's draft distributions, dense (before) and sparse "
-                "(Frame.draft_q, after); acceptance of the rows the draft now sends, on the bundled models",
-        "command": "PYTHONPATH=src python tools/draft_wire_bench.py docs/benchmarks/draft-wire-bytes.json",
+                "(Frame.draft_q, after); acceptance of the rows the draft now sends, on the bundled models; "
+                "token mask rows as bitsets (before) and packed now (rows of few allowed or forbidden ids as lists)",
+        "command": "PYTHONPATH=src python tools/draft_wire_bench.py docs/benchmarks/draft-wire-bytes.json "
+                   "--mask-vocab 150000",
         "max_draft_tokens": MAX_DRAFT_TOKENS, "draft_tail_mass": DRAFT_TAIL_MASS,
         "context_tokens": CONTEXT, "python": platform.python_version(), "torch": torch.__version__,
         "note": "bytes are exact (protobuf ByteSize); host times are medians on a shared 2-core machine, one "
                 "thread, indicative only; the dense form's host time goes through a bytes field of its size",
-        "by_vocab": by_vocab, "bundled": bundled,
+        "by_vocab": by_vocab, "bundled": bundled, "token_masks": masks,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

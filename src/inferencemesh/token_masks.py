@@ -9,9 +9,16 @@ Wire form (explicitly little-endian, independent of the host):
 
     uint32 positions | uint32 vocab_size | positions * ceil(vocab_size / 32) int32 words
 
-vocab_size is the tokenizer-side vocabulary the masks were computed for; the receiver checks
-the frame against it and against its logits' width. A model's padded embedding rows
-(logits wider than vocab_size) are never allowed.
+or, when a row allows or forbids few tokens, with COMPACT set in the positions word, each row as a
+uint32 header (its form in the top two bits, a count below them) and then
+
+    BITS: ceil(vocab_size / 32) int32 words | ALLOWED, FORBIDDEN: count uint32 ids, ascending
+
+A row goes as a list of ids when the list is at most an eighth of its words (COMPACT_SHARE): a JSON
+schema's structural positions allow a handful of tokens, so at a 151,936-token vocabulary such a row
+is a few bytes where its bitset is 18,992. vocab_size is the tokenizer-side vocabulary the masks
+were computed for; the receiver checks the frame against it and against its logits' width. A
+model's padded embedding rows (logits wider than vocab_size) are never allowed.
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ import torch
 
 WORD_BITS = 32
 _HEADER = struct.Struct("<II")  # positions, vocab_size
+_ROW = struct.Struct("<I")  # a compact frame's row header: form << 30 | count
+COMPACT = 1 << 31  # in the positions word: every row has a header
+BITS, ALLOWED, FORBIDDEN = 0, 1, 2
+_COUNT = (1 << 30) - 1
+COMPACT_SHARE = 8  # a row goes as ids when they take at most 1/COMPACT_SHARE of its bitset's bytes
 # Bounds a frame's header may claim before anything is allocated for it.
 MAX_MASK_POSITIONS = 1024
 MAX_MASK_VOCAB = 1 << 24
@@ -62,7 +74,71 @@ def pack_token_masks(masks: torch.Tensor | np.ndarray, vocab_size: int) -> bytes
     if tail:
         array[:, -1] &= ~np.int32(tail)
     _check_rows(array)
-    return _HEADER.pack(array.shape[0], vocab_size) + array.tobytes()
+    rows = [_compact_row(row, vocab_size) for row in array]
+    if all(row is None for row in rows):
+        return _HEADER.pack(array.shape[0], vocab_size) + array.tobytes()
+    return _HEADER.pack(array.shape[0] | COMPACT, vocab_size) + b"".join(
+        row if row is not None else _ROW.pack(BITS << 30) + array[i].tobytes() for i, row in enumerate(rows))
+
+
+def _compact_row(row: np.ndarray, vocab_size: int) -> bytes | None:
+    """The row as a header and a list of the ids it allows (or forbids), or None: its bitset is smaller."""
+    most = mask_words(vocab_size) // COMPACT_SHARE
+    allowed = _popcount(row)
+    if allowed <= most:
+        return _ROW.pack(ALLOWED << 30 | allowed) + _set_bits(row).astype("<u4").tobytes()
+    if vocab_size - allowed <= most:
+        forbidden = ~row
+        forbidden[-1] &= ~np.int32(_tail_bits(vocab_size))
+        return _ROW.pack(FORBIDDEN << 30 | vocab_size - allowed) + _set_bits(forbidden).astype("<u4").tobytes()
+    return None
+
+
+def _popcount(words: np.ndarray) -> int:
+    counter = getattr(np, "bitwise_count", None)  # numpy >= 2
+    if counter is not None:
+        return int(counter(words.view(np.uint32)).sum())
+    return int(np.unpackbits(words.view(np.uint8)).sum())
+
+
+def _set_bits(words: np.ndarray) -> np.ndarray:
+    """The positions of the set bits of little-endian int32 words, ascending (unpacking only nonzero words)."""
+    nonzero = np.flatnonzero(words)
+    bits = np.unpackbits(np.ascontiguousarray(words[nonzero], dtype="<i4").view(np.uint8), bitorder="little")
+    word, bit = np.nonzero(bits.reshape(nonzero.size, WORD_BITS))
+    return nonzero[word] * WORD_BITS + bit
+
+
+def _unpack_compact(frame: bytes, positions: int, vocab_size: int) -> np.ndarray:
+    """A compact frame's rows (after the header) as [positions, words] bitmasks."""
+    words = mask_words(vocab_size)
+    array = np.zeros((positions, words), dtype=np.uint32)
+    offset = _HEADER.size
+    for i in range(positions):
+        if len(frame) < offset + 4:
+            raise ValueError(f"token mask frame ends before row {i}'s header")
+        (head,) = _ROW.unpack_from(frame, offset)
+        form, count = head >> 30, head & _COUNT
+        offset += 4
+        size = 4 * (words if form == BITS else count)
+        if form not in (BITS, ALLOWED, FORBIDDEN) or (form == BITS and count) or len(frame) < offset + size:
+            raise ValueError(f"token mask row {i} has form {form} of {count}: malformed, or past the frame's "
+                             f"{len(frame)} bytes")
+        if form == BITS:
+            array[i] = np.frombuffer(frame, dtype="<u4", count=words, offset=offset)
+        else:
+            ids = np.frombuffer(frame, dtype="<u4", count=count, offset=offset).astype(np.int64)
+            if ids.size and (ids[-1] >= vocab_size or (ids.size > 1 and bool((ids[1:] <= ids[:-1]).any()))):
+                raise ValueError(f"token mask row {i} lists ids that are not ascending within the vocabulary")
+            bits = np.left_shift(np.uint32(1), (ids % WORD_BITS).astype(np.uint32))
+            np.bitwise_or.at(array[i], ids // WORD_BITS, bits)
+            if form == FORBIDDEN:
+                array[i] = ~array[i]
+                array[i, -1] &= ~np.uint32(_tail_bits(vocab_size) & 0xFFFFFFFF)
+        offset += size
+    if offset != len(frame):
+        raise ValueError(f"token mask frame is {len(frame)} bytes; its {positions} rows take {offset}")
+    return array.view(np.int32)
 
 
 def unpack_token_masks(frame: bytes, vocab_size: int | None = None) -> torch.Tensor:
@@ -74,6 +150,8 @@ def unpack_token_masks(frame: bytes, vocab_size: int | None = None) -> torch.Ten
     if len(frame) < _HEADER.size:
         raise ValueError(f"token mask frame is {len(frame)} bytes, shorter than its {_HEADER.size}-byte header")
     positions, frame_vocab = _HEADER.unpack_from(frame)
+    compact = bool(positions & COMPACT)
+    positions &= ~COMPACT
     if vocab_size is not None and frame_vocab != vocab_size:
         raise ValueError(f"token masks are for a vocabulary of {frame_vocab}, expected {vocab_size}")
     if not 0 < positions <= MAX_MASK_POSITIONS:
@@ -82,11 +160,14 @@ def unpack_token_masks(frame: bytes, vocab_size: int | None = None) -> torch.Ten
         raise ValueError(f"token mask frame claims vocab_size {frame_vocab} (1..{MAX_MASK_VOCAB} allowed)")
     words = mask_words(frame_vocab)
     expected = _HEADER.size + positions * words * 4
-    if len(frame) != expected:
+    if compact:
+        array = _unpack_compact(frame, positions, frame_vocab)
+    elif len(frame) != expected:
         raise ValueError(
             f"token mask frame is {len(frame)} bytes; {positions} positions of vocab {frame_vocab} need {expected}"
         )
-    array = np.frombuffer(frame, dtype="<i4", offset=_HEADER.size).reshape(positions, words).astype(np.int32)
+    else:
+        array = np.frombuffer(frame, dtype="<i4", offset=_HEADER.size).reshape(positions, words).astype(np.int32)
     tail = _tail_bits(frame_vocab)
     if tail and (array[:, -1] & np.int32(tail)).any():
         raise ValueError(f"token masks allow tokens past the vocabulary of {frame_vocab}")

@@ -48,7 +48,8 @@ def message_limit(*, hidden_size: int, vocab_size: int, max_batch_tokens: int, m
     tokens = max(max_batch_tokens, PREFILL_CHUNK_TOKENS) + max_sessions + MAX_DRAFT_ROWS_PER_BATCH
     activations = tokens * hidden_size * WIDEST_WIRE_DTYPE_BYTES
     draft_q = MAX_DRAFT_ROWS_PER_BATCH * (min(vocab_size, MAX_DRAFT_TOKENS) * DRAFT_TOKEN_BYTES + 16)  # + its remainder
-    token_masks = (MAX_DRAFT_ROWS_PER_BATCH + max_sessions) * (vocab_size // 8 + 4)  # a bit per token, each row
+    # a bit per token, each row, and the row's header in a compact frame (token_masks.py)
+    token_masks = (MAX_DRAFT_ROWS_PER_BATCH + max_sessions) * (vocab_size // 8 + 8)
     block_table = 5 * -(-max_context // KV_BLOCK_TOKENS)  # a uint32 varint is at most 5 bytes
     frames = max_sessions * (FRAME_BYTES + block_table) + tokens * PREDICTED_TOKEN_BYTES
     return activations + draft_q + token_masks + frames + 64 * 1024  # the Batch's own fields and framing
