@@ -22,7 +22,7 @@ MAX_WINDOW = 64  # draft tokens one VERIFY frame may carry
 # maximum (8). More wait for the next microbatch; one full window always fits.
 MAX_DRAFT_ROWS_PER_BATCH = 128
 # Tokens a draft distribution's row lists (Frame.draft_q); its remainder covers the rest. 1024 keep
-# the bundled draft's acceptance within 0.3 points of its whole distribution's (docs/benchmarks/
+# the bundled draft's acceptance within 0.2 points of its whole distribution's (docs/benchmarks/
 # draft-wire-bytes.json) at 8 bytes a token: 8 KiB a row, where a dense row of a 151,936-token
 # vocabulary took 594 KiB.
 MAX_DRAFT_TOKENS = 1024
