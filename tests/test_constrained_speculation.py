@@ -50,7 +50,7 @@ class ForbiddenDraftProposer(Proposer):
         after = grammar.mask_after([good])
         assert after is not None
         bad = next(t for t in range(grammar.tokenizer.vocab_size) if not is_allowed(after[0], t))
-        return Proposal([good, bad, good, good], b"")
+        return Proposal([good, bad, good, good])
 
     def observe(self, proposed: int, accepted: int, propose_s: float, round_trip_s: float) -> None:
         self.sent.append(proposed)
