@@ -179,10 +179,6 @@ def test_a_batched_pass_mixing_spans_views_and_gathers_equals_each_alone(long_ru
         torch.testing.assert_close(got, long_runtime.forward(kv, len(prompt), token_ids=x, logits="all"), **TOL)
 
 
-class _Grouped(torch.nn.Module):
-    num_key_value_groups = 3
-
-
 @pytest.mark.parametrize("window", [None, 200], ids=["causal", "sliding-window"])
 def test_split_kv_attention_equals_one_pass_over_the_joined_keys(window) -> None:
     """GQA (6 query heads over 2), a window of 4 queries at the end of 700 positions in 3 spans;
@@ -195,7 +191,7 @@ def test_split_kv_attention_equals_one_pass_over_the_joined_keys(window) -> None
     cuts = [0, 300, 498, 700]
     spans = KVSpans([keys[:, :, a:b] for a, b in itertools.pairwise(cuts)],
                     [values[:, :, a:b] for a, b in itertools.pairwise(cuts)], cuts[:-1])
-    got = split_kv_attention(_Grouped(), query, spans, mask, 0.125)
+    got = split_kv_attention(query, spans, mask, 0.125)
     want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
                                                             enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

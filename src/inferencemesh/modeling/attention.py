@@ -73,7 +73,7 @@ def stage_attention(
             key, value = _joined(key, value)
         else:
             q = query.to(key.keys[0].dtype)
-            out = split_kv_attention(module, q, key, attention_mask, kwargs.get("scaling"))
+            out = split_kv_attention(q, key, attention_mask, kwargs.get("scaling"))
             return out.transpose(1, 2).to(query.dtype), None
     if _needs_eager(kwargs):
         return eager_attention(module, query.to(key.dtype), key, value, attention_mask,
@@ -95,18 +95,23 @@ def _packed_sdpa(module: torch.nn.Module, queries: Sequence[torch.Tensor],
     enable_gqa even under a mask (transformers copies the keys per group there: 1.8x slower).
     A mask of None means causal for several queries (a prefill from position 0: keys = queries)."""
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    outs = []
-    for q, (k, v, mask) in zip(queries, parts, strict=True):
-        if isinstance(k, KVSpans):
-            outs.append(split_kv_attention(module, q, k, mask, scaling))
-            continue
-        assert v is not None
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, is_causal=mask is None and q.shape[2] > 1, enable_gqa=gqa))
+    outs = [attend(q, k, v, mask, scaling, gqa) for q, (k, v, mask) in zip(queries, parts, strict=True)]
     return torch.cat(outs, dim=2).transpose(1, 2)  # [1, T, heads, D], as transformers' attention returns
 
 
-def split_kv_attention(module: torch.nn.Module, query: torch.Tensor, spans: KVSpans, mask: torch.Tensor | None,
+def attend(query: torch.Tensor, keys: torch.Tensor | KVSpans, values: torch.Tensor | None, mask: torch.Tensor | None,
+           scaling: float | None, gqa: bool) -> torch.Tensor:
+    """One session's queries [1, heads, T, D] over its keys and values (whole, or in spans), in the
+    keys' dtype: [1, heads, T, D]. A mask of None means causal for several queries."""
+    if isinstance(keys, KVSpans):
+        return split_kv_attention(query, keys, mask, scaling)
+    assert values is not None
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, is_causal=mask is None and query.shape[2] > 1,
+        enable_gqa=gqa)
+
+
+def split_kv_attention(query: torch.Tensor, spans: KVSpans, mask: torch.Tensor | None,
                        scaling: float | None) -> torch.Tensor:
     """Queries [1, heads, T, D] (the last T positions) over keys and values in spans, computed out
     (sdpa's math form) over the spans where they lie: the scores of every span side by side (T x

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inferencemesh.modeling.attention import stage_attention
+from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
 from inferencemesh.modeling.packed import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary (the half-split form transformers' Llama uses): x [..., T, D], cos/sin [1, 1, T, D]."""
+    """Rotary (the half-split form transformers' Llama uses): x [1, T, heads, D], cos/sin [1, T, 1, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -64,7 +64,7 @@ class _Projection:
         self.bias: torch.Tensor | None = None
         self.modules = list(modules)
         if all(type(m) is PackedLinear and not m._mkldnn for m in modules):
-            self.weight = torch.cat([m.packed for m in modules], dim=1)
+            self.weight = modules[0].packed if len(modules) == 1 else torch.cat([m.packed for m in modules], dim=1)
             biases = [m.bias for m in modules]
             if any(b is not None for b in biases):
                 self.bias = torch.cat([b.detach() if b is not None else torch.zeros(n, dtype=self.weight.dtype)
@@ -74,7 +74,7 @@ class _Projection:
     def release(self, modules: Sequence[Any]) -> None:
         """The modules' own matrices become column views of the fused one (the layer's transformers
         forward still works, slower): the stage holds each weight once."""
-        if self.weight is None:
+        if self.weight is None or len(modules) == 1:
             return
         start = 0
         for module, size in zip(modules, self.sizes, strict=True):
@@ -118,8 +118,9 @@ class LeanLayer:
                                (attn.k_norm.weight.detach(), float(attn.k_norm.variance_epsilon)))
         self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj])
-        self.o_proj: Any = attn.o_proj
-        self.down_proj: Any = mlp.down_proj
+        self.o_proj = _Projection([attn.o_proj])
+        self.down_proj = _Projection([mlp.down_proj])
+        self.gqa = self.shape.heads != self.shape.kv_heads
         self.mlp: Any = mlp
 
     def adopt(self) -> None:
@@ -133,13 +134,15 @@ class LeanLayer:
         s = self.shape
         count = x.shape[1]
         qkv = self.qkv(_rms_norm(x, *self.input_norm)).view(1, count, s.heads + 2 * s.kv_heads, s.head_dim)
-        q, k, v = qkv.split((s.heads, s.kv_heads, s.kv_heads), dim=2)
-        if self.head_norms is not None:
-            q, k = _rms_norm(q, *self.head_norms[0]), _rms_norm(k, *self.head_norms[1])
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = _rotate(q.transpose(1, 2), cos, sin)
-        k = _rotate(k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, D]: over every head
+        if self.head_norms is None:  # queries and keys rotated as one tensor
+            qk, v = qkv.split((s.heads + s.kv_heads, s.kv_heads), dim=2)
+            q, k = _rotate(qk, cos, sin).split((s.heads, s.kv_heads), dim=2)
+        else:
+            q, k, v = qkv.split((s.heads, s.kv_heads, s.kv_heads), dim=2)
+            q = _rotate(_rms_norm(q, *self.head_norms[0]), cos, sin)
+            k = _rotate(_rms_norm(k, *self.head_norms[1]), cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention's output [1, T, heads * D] and the MLP."""
@@ -151,12 +154,15 @@ class LeanLayer:
                  cache: object | None) -> torch.Tensor:
         """What the transformers layer returns for these arguments (its cache updated alike)."""
         q, k, v = self.pre_attention(x, *rope)
-        if cache is not None:
-            keys, values = cache.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
+        keys, values = cache.update(k, v, self.layer_idx) if cache is not None else (k, v)  # type: ignore[attr-defined]
+        if isinstance(keys, PackedAttention):  # a batched pass: each session over its own cache
+            out, _ = stage_attention(self.attn, q, keys, values, mask, scaling=self.scaling)
+            out = out.reshape(1, x.shape[1], -1)
         else:
-            keys, values = k, v
-        out, _ = stage_attention(self.attn, q, keys, values, mask, scaling=self.scaling, dropout=0.0)
-        return self.post_attention(x, out.reshape(1, x.shape[1], -1))
+            kv_dtype = keys.keys[0].dtype if isinstance(keys, KVSpans) else keys.dtype
+            out = attend(q.to(kv_dtype), keys, values, mask, self.scaling, self.gqa).to(x.dtype)
+            out = out.transpose(1, 2).reshape(1, x.shape[1], -1)
+        return self.post_attention(x, out)
 
 
 LayerCall = Callable[..., torch.Tensor]
