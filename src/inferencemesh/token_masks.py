@@ -14,7 +14,7 @@ uint32 header (its form in the top two bits, a count below them) and then
 
     BITS: ceil(vocab_size / 32) int32 words | ALLOWED, FORBIDDEN: count uint32 ids, ascending
 
-A row goes as a list of ids when the list is at most an eighth of its words (COMPACT_SHARE): a JSON
+A row goes as a list of ids when the list is at most a 64th of its words (COMPACT_SHARE): a JSON
 schema's structural positions allow a handful of tokens, so at a 151,936-token vocabulary such a row
 is a few bytes where its bitset is 18,992. vocab_size is the tokenizer-side vocabulary the masks
 were computed for; the receiver checks the frame against it and against its logits' width. A
@@ -34,7 +34,9 @@ _ROW = struct.Struct("<I")  # a compact frame's row header: form << 30 | count
 COMPACT = 1 << 31  # in the positions word: every row has a header
 BITS, ALLOWED, FORBIDDEN = 0, 1, 2
 _COUNT = (1 << 30) - 1
-COMPACT_SHARE = 8  # a row goes as ids when they take at most 1/COMPACT_SHARE of its bitset's bytes
+# A row goes as ids when they take at most 1/COMPACT_SHARE of its bitset's bytes: finding them costs
+# about 0.2 us an id, so only rows of very few ids are worth it; a bitset row pays a popcount (5 us).
+COMPACT_SHARE = 64
 # Bounds a frame's header may claim before anything is allocated for it.
 MAX_MASK_POSITIONS = 1024
 MAX_MASK_VOCAB = 1 << 24
