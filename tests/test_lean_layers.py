@@ -102,3 +102,16 @@ def test_an_adopted_layer_holds_its_projection_weights_once(root) -> None:
     for module, matrix in ((layer.self_attn.q_proj, fused.qkv.weight), (layer.self_attn.v_proj, fused.qkv.weight),
                            (layer.mlp.up_proj, fused.gate_up.weight)):
         assert module.packed.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
+
+
+def test_a_tied_head_is_packed_once_and_its_embedding_reads_the_same_vectors(root) -> None:
+    """qwen2 here ties its head to its embedding: one stage holding both packs the matrix once, and
+    the embedding reads its columns, the vectors the checkpoint's embedding holds."""
+    path = write(root, "qwen2")
+    rt = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128)
+    from transformers import AutoModelForCausalLM
+
+    embedding = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_input_embeddings().weight
+    ids = torch.tensor([0, 7, 319, 7])
+    assert torch.equal(rt._embed(ids), embedding[ids])  # type: ignore[misc]
+    assert rt._lm_head.packed.data_ptr() == rt._embed.columns.data_ptr()  # type: ignore[union-attr]

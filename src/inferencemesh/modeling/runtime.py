@@ -110,13 +110,13 @@ class StageRuntime:
 
     def _adopt_modules(self, stage: StageModules) -> None:
         """The stage's modules, their linear layers packed for the CPU's matmul there."""
-        self._embed = stage.embed
+        self._embed: nn.Module | None = stage.embed
         self._layers = list(stage.layers)
         self._norm = stage.norm
         self._lm_head: nn.Module | None = stage.lm_head
         if self.device.type == "cpu":
             pack_linears(stage.layers)
-            self._lm_head = _packed_head(self._lm_head, self._embed)
+            self._lm_head, self._embed = _packed_head(self._lm_head, self._embed)
 
     def _plan_attention(self, stage: StageModules) -> None:
         """The KV cache's shape and dtype, the layers' sliding windows and how a layer is handed the cache."""
@@ -328,12 +328,31 @@ def _check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"token ids must lie in [0, {vocab_size})")
 
 
-def _packed_head(head: nn.Module | None, embed: nn.Module | None) -> nn.Module | None:
-    """The LM head packed for the CPU, except one that shares its matrix with this stage's
-    embedding: packing would hold the largest matrix twice."""
-    if isinstance(head, nn.Linear) and packs(head) and not (embed is not None and head.weight is embed.weight):
-        return PackedLinear(head)
-    return head
+def _packed_head(head: nn.Module | None, embed: nn.Module | None) -> tuple[nn.Module | None, nn.Module | None]:
+    """The LM head packed for the CPU, and the embedding. A head that shares its matrix with this
+    stage's embedding (tied, one stage holding both) is packed only where the packed matrix can
+    serve the embedding too (float32's [hidden, vocab]: an embedding is a column of it), so that
+    the stage holds the largest matrix once; elsewhere it stays as it is."""
+    if not (isinstance(head, nn.Linear) and packs(head)):
+        return head, embed
+    packed = PackedLinear(head)
+    if embed is None or head.weight is not embed.weight:
+        return packed, embed
+    if packed._mkldnn or type(embed) is not nn.Embedding or embed.max_norm is not None:
+        return head, embed
+    return packed, ColumnEmbedding(packed.packed)
+
+
+class ColumnEmbedding(nn.Module):
+    """An embedding read from the tied head's packed [hidden, vocab] matrix: token t's vector is
+    column t. The same numbers as the embedding's row t (the matrix is its transpose)."""
+
+    def __init__(self, columns: torch.Tensor) -> None:
+        super().__init__()
+        self.columns = columns
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.columns.index_select(1, ids).t()
 
 
 def _cache_argument(layers: list[nn.Module]) -> str:
