@@ -29,7 +29,7 @@ from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
 from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
-from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers
+from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
@@ -105,6 +105,7 @@ class StageRuntime:
         self._lean: list[LeanLayer | None] = [None] * len(self._layers)
         if lean and None in self._rope_tables:  # one rotary table for every layer
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
+            self._norm = lean_norm(self._norm)
         if on_progress is not None:
             on_progress("ready", 1.0)
 
