@@ -59,7 +59,7 @@ class LeanNorm:
         return _rms_norm(x, self.weight, self.eps)
 
 
-def lean_norm(norm: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def lean_norm(norm: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The model's final norm, lean where it is one of LEAN_NORMS, else as it is."""
     if norm is not None and type(norm).__name__ in LEAN_NORMS:
         return LeanNorm(norm)

@@ -60,6 +60,8 @@ def held_bytes(stage: StageModules) -> int:
 class StageRuntime:
     """Layers [layer_start, layer_end) of a model, plus embeddings (first stage) or norm + head (last)."""
 
+    _norm: Callable[[torch.Tensor], torch.Tensor] | None  # the last stage's final norm (lean_norm's where it can)
+
     def __init__(
         self,
         source: str | Path,
