@@ -140,7 +140,7 @@ def rows_allowing(vocab: int, *allowed: set[int] | range) -> np.ndarray:
     return np.packbits(bits, axis=1, bitorder="little").view("<i4").astype(np.int32)
 
 
-@pytest.mark.parametrize("vocab", [4096, 4100, 151_936])
+@pytest.mark.parametrize("vocab", [32_768, 32_800, 151_936])
 def test_rows_that_allow_or_forbid_few_tokens_travel_as_ids_and_round_trip(vocab: int) -> None:
     """One frame with every form: a row of one token, a row of a few, a row of half (its bitset), a row
     of all but a few, a row of all (no id forbidden); the few as ids (4 bytes each), the half as a bitset."""
@@ -152,6 +152,11 @@ def test_rows_that_allow_or_forbid_few_tokens_travel_as_ids_and_round_trip(vocab
     back = unpack_token_masks(frame, vocab)
     assert np.array_equal(back.numpy(), masks)
     assert allowed_tokens(back[0]).tolist() == [vocab - 1] and allowed_tokens(back[4]).size == vocab
+
+
+def test_a_small_vocabularys_rows_stay_bitsets() -> None:
+    masks = rows_allowing(4096, {5}, range(4096))
+    assert pack_token_masks(masks, 4096) == struct.pack("<II", 2, 4096) + masks.astype("<i4").tobytes()
 
 
 def compact(vocab: int, *rows: tuple[int, int, list[int]]) -> bytes:
