@@ -16,8 +16,8 @@ frame's token masks take, as bitsets against token_masks.py's compact rows.
   sampling noise.
 - masks: grammar_bench.py's walk of each of its JSON schemas (uniform among allowed tokens), one mask
   row a step, on the bundled tokenizer and, with --mask-vocab, on a byte-level BPE of that size trained
-  here (about 3 minutes idle, 12 loaded): bytes a row as a bitset and as packed now, and the
-  microseconds to pack and unpack a row.
+  here (about 3 minutes idle, 12 loaded): bytes a row as a bitset and as packed now, the microseconds
+  to pack and unpack a row, and to build and unpack its bitset frame as before (header and words).
 - host: milliseconds for a window on the frontend (drawing the drafts, building the frame's bytes),
   at an intermediate stage (parse and re-serialize) and at the last stage (parse, read the rows),
   dense and sparse interleaved, one thread (indicative on a shared machine).
@@ -29,6 +29,7 @@ import argparse
 import json
 import platform
 import statistics
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -167,15 +168,23 @@ def mask_rows(label: str, hf: Any, vocab: int, steps: int = 100) -> dict[str, An
         constraint = constraint_from_request(guided_json=schema)
         assert constraint is not None
         grammar, rng = SessionGrammar(constraint, tokenizer), np.random.default_rng(0)
-        sizes, pack_s, unpack_s = [], [], []
+        sizes, pack_s, unpack_s, bitset_s = [], [], [], []
         for step in range(steps):
             masks, _ = grammar.window_masks([])
-            t0 = time.perf_counter()
-            frame = pack_token_masks(masks[:1], vocab)
-            t1 = time.perf_counter()
-            unpack_token_masks(frame, vocab)
-            pack_s.append(t1 - t0)
-            unpack_s.append(time.perf_counter() - t1)
+            row = np.ascontiguousarray(masks[:1].numpy())
+            pack_token_masks(row, vocab)  # both forms timed warm: the first touch of a fresh mask is a cache miss
+            for form in (step % 2, 1 - step % 2):  # which goes first alternates
+                if form:
+                    t0 = time.perf_counter()
+                    frame = pack_token_masks(row, vocab)
+                    t1 = time.perf_counter()
+                    unpack_token_masks(frame, vocab)
+                    pack_s.append(t1 - t0)
+                    unpack_s.append(time.perf_counter() - t1)
+                else:  # the bitset frame as the packer made it before (header and words), and its unpacking
+                    t2 = time.perf_counter()
+                    unpack_token_masks(struct.pack("<II", 1, vocab) + row.astype("<i4").tobytes(), vocab)
+                    bitset_s.append(time.perf_counter() - t2)
             sizes.append(len(frame) - 8)
             token = grammar_bench.pick(rng, allowed_tokens(masks[0]), texts, eos, step)
             grammar.commit([token])
@@ -184,7 +193,10 @@ def mask_rows(label: str, hf: Any, vocab: int, steps: int = 100) -> dict[str, An
         schemas[name] = {"bytes_per_row": round(statistics.fmean(sizes)), "compact_rows": round(
                              sum(s < 4 * mask_words(vocab) for s in sizes) / steps, 2),
                          "pack_us_p50": round(statistics.median(pack_s) * 1e6, 1),
-                         "unpack_us_p50": round(statistics.median(unpack_s) * 1e6, 1)}
+                         "unpack_us_p50": round(statistics.median(unpack_s) * 1e6, 1),
+                         "pack_and_unpack_us_p50": round(statistics.median(
+                             a + b for a, b in zip(pack_s, unpack_s, strict=True)) * 1e6, 1),
+                         "as_bitsets_pack_and_unpack_us_p50": round(statistics.median(bitset_s) * 1e6, 1)}
     return {"tokenizer": label, "vocab_size": vocab, "bitset_bytes_per_row": 4 * mask_words(vocab),
             "rows": steps, "schemas": schemas}
 
