@@ -132,7 +132,10 @@ def routed(base: str) -> dict[str, float]:
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+    """What each replica's counter grew by, the replicas whose did not left out (a router keeps a
+    replica's series after it left: a rollout's old pipelines stay at their counts)."""
+    grown = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+    return {k: v for k, v in grown.items() if v}
 
 
 def frontend_counter(ns: str, k: int, metric: str) -> float:
