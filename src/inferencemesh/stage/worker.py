@@ -213,7 +213,7 @@ class StageWorker:
             stop = frame.pos_start + frame.token_count
             if session.owner is not None:
                 self.ledger.wrote(session.owner, table, frame.pos_start, stop)
-            try:  # a frame that cannot be decided (bad draft_probs, penalties without ids) fails alone
+            try:  # a frame that cannot be decided (bad draft_q, penalties without ids) fails alone
                 results[index] = self._decide(session, frame, out, table) if self.is_last and out is not None \
                     else out
             except Fault as fault:

@@ -46,7 +46,7 @@ class _Waiting:
 
 
 def draft_rows(frame: pb.Frame) -> int:
-    """Rows of draft probabilities the frame carries (a sampled VERIFY of a draft model's window)."""
+    """Draft distributions the frame carries, one a draft (a sampled VERIFY of a draft model's window)."""
     return frame.token_count - 1 if frame.kind == pb.VERIFY and frame.HasField("draft_q") else 0
 
 
