@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
-from inferencemesh.modeling.families import forward_hooks
+from inferencemesh.modeling.families import ForwardHooks, forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
 from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm
@@ -192,14 +192,8 @@ class StageRuntime:
             if lean is not None:
                 x = lean(x, ropes[key], mask, kv)
                 continue
-            x = layer(
-                x,
-                attention_mask=mask,
-                position_ids=self._positions(pos_start, count),
-                **{self._cache_kwarg: kv},
-                use_cache=True,
-                position_embeddings=ropes[key],
-            )
+            x = layer(x, attention_mask=mask, position_ids=self._positions(pos_start, count),
+                      **{self._cache_kwarg: kv}, use_cache=True, position_embeddings=ropes[key])
         kv.end()
 
         if not self.is_last:
@@ -213,16 +207,7 @@ class StageRuntime:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's float32 logits of hidden rows x [1, T, H]: [T, vocab]."""
         assert self._norm is not None and self._lm_head is not None  # the last stage has both
-        logits = self._lm_head(self._norm(x))[0]
-        hooks = self._hooks
-        if hooks.logit_multiplier is None and hooks.final_softcap is None:
-            return logits.float()
-        logits = logits.float()  # transformers applies these in the model's dtype; float32 here
-        if hooks.logit_multiplier is not None:
-            logits = logits * hooks.logit_multiplier
-        if hooks.final_softcap is not None:
-            logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
-        return logits
+        return _scaled_logits(self._lm_head(self._norm(x))[0].float(), self._hooks)
 
     def check_positions(self, kv: CacheKV, pos_start: int, count: int) -> None:
         """PositionError unless [pos_start, pos_start + count) continues what the cache holds and
@@ -319,6 +304,16 @@ class StageRuntime:
             return self._no_masks  # the decode step: nothing to build
         by_window = {w: attention_mask(start, count, w, self.device) for w in set(self._windows)}
         return [by_window[w] for w in self._windows]
+
+
+def _scaled_logits(logits: torch.Tensor, hooks: ForwardHooks) -> torch.Tensor:
+    """The family's multiplier and final soft-cap on float32 logits (transformers applies them in
+    the model's dtype; float32 here)."""
+    if hooks.logit_multiplier is not None:
+        logits = logits * hooks.logit_multiplier
+    if hooks.final_softcap is not None:
+        logits = torch.tanh(logits / hooks.final_softcap) * hooks.final_softcap
+    return logits
 
 
 def _check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:

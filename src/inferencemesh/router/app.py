@@ -176,14 +176,11 @@ class RouterApp:
         if path == "/health":
             await send_whole(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
-            # Known replicas, not only those up: every router pod marks the same frontends down when
-            # they are slow to accept (the cluster tests saw both routers' connections time out while
-            # a rollout's new pods loaded), and unready routers leave the Service with no endpoint, so
-            # clients get "no route to host" where this router would have retried and served.
+            # Known replicas, not only those up: all router pods mark the same slow frontends down at once,
+            # and unready routers leave the Service no endpoint ("no route to host", not a retried request).
             if replicas:
-                up = self.replicas.up()
-                await send_whole(send, 200, json.dumps({"status": "ready", "replicas": len(replicas),
-                                                        "up": len(up)}).encode())
+                body = {"status": "ready", "replicas": len(replicas), "up": len(self.replicas.up())}
+                await send_whole(send, 200, json.dumps(body).encode())
             else:
                 await send_error(send, 503, "No replica is ready.", "service_unavailable", "no_replica",
                                  retry_after=True)
