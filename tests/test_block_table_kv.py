@@ -114,6 +114,10 @@ def test_the_pool_keeps_each_slots_token_and_refuses_positions_past_the_table(ru
     pool.write_tokens([2, 0], 0, None, 10)  # a frame without ids
     assert pool.read_tokens([2, 0], 20) == [NO_TOKEN] * 10 + list(range(10, 20))
     assert pool.tokens[2 * B + 10 : 3 * B].tolist() == list(range(10, 16))
+    for position in range(B - 2, B + 3):  # decode steps, one token each, across a block's edge
+        pool.write_tokens([3, 1], position, [100 + position], 1)
+    pool.write_tokens([3, 1], B + 3, None, 1)
+    assert pool.read_tokens([3, 1], B + 4)[B - 2:] == [100 + p for p in range(B - 2, B + 3)] + [NO_TOKEN]
     with pytest.raises(PositionError, match="block table"):
         runtime.check_positions(BlockTableKV(pool, [1], 10, 7), 10, 7)
     assert pool.nbytes() == 8 * 2 * 2 * 4 * B * 64 * 4  # layers x K,V x kv heads x slots x head_dim x float32

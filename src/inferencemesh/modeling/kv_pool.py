@@ -73,6 +73,11 @@ class KVPool:
 
     def write_tokens(self, blocks: Sequence[int], start: int, token_ids: Sequence[int] | None, count: int) -> None:
         """Record the ids of positions [start, start + count) (NO_TOKEN for each when not given)."""
+        if count == 1:  # a decode step: one slot, found and written without building tensors
+            size = self.block_tokens
+            token = token_ids[0] if token_ids is not None and len(token_ids) == 1 else NO_TOKEN
+            self.tokens[blocks[start // size] * size + start % size] = token
+            return
         slots = self.slot_index(blocks, start, start + count, torch.device("cpu"))
         if token_ids is not None and len(token_ids) == count:
             self.tokens[slots] = torch.tensor(list(token_ids), dtype=torch.int32)
