@@ -52,6 +52,7 @@ FAST_TIER: dict[str, frozenset[str]] = {
     "test_batched_attention.py": WHOLE,
     "test_batching.py": WHOLE,
     "test_bench_concurrency.py": frozenset({"test_concurrency_bench_reports_every_configuration"}),
+    "test_bench_llama_cpp.py": WHOLE,  # its real llama.cpp run is marked slow
     "test_bench_structured.py": frozenset({"test_structured_bench_reports_constrained_against_free"}),
     "test_block_table_kv.py": WHOLE,
     "test_bundled_models.py": frozenset({"test_both_models_load_offline_share_a_vocabulary_and_generate"}),
@@ -69,6 +70,7 @@ FAST_TIER: dict[str, frozenset[str]] = {
     "test_detokenize.py": WHOLE,
     "test_draft_isolation.py": frozenset({"test_a_poisoned_request_beside_innocent_ones_over_the_mesh"}),
     "test_draft_model.py": WHOLE,
+    "test_draft_wire.py": WHOLE,
     "test_draft_vocab.py": frozenset({"test_a_draft_with_another_padding_verifies_sampled_windows_over_the_mesh"}),
     "test_families.py": frozenset({"test_the_models_command_lists_what_is_served"}),
     "test_frameworks.py": WHOLE,
@@ -85,6 +87,7 @@ FAST_TIER: dict[str, frozenset[str]] = {
     "test_kv_blocks.py": WHOLE,
     "test_kv_blocks_bench.py": WHOLE,
     "test_layers.py": WHOLE,
+    "test_lean_layers.py": WHOLE,
     "test_message_limit.py": WHOLE,
     "test_ngram.py": WHOLE,
     "test_no_unsafe_loading.py": WHOLE,
