@@ -55,6 +55,7 @@ class Upstream:
                 return JSONResponse({"error": {"message": f"{self.name} says {self.status}", "type": "x",
                                                "param": None, "code": None}}, self.status, headers=headers)
             data = json.loads(body or b"{}")
+            await asyncio.sleep(float(data.get("header_delay", 0.0)))  # a replica slow to answer at all
             if not data.get("stream"):
                 return JSONResponse({"replica": self.name, "prompt": data.get("prompt")},
                                     headers={"x-replica": self.name})

@@ -258,6 +258,25 @@ def test_a_router_whose_replicas_are_all_marked_down_stays_ready_and_still_serve
     assert sum(u.count() for u in ups) == 1
 
 
+def test_a_replica_that_left_while_answering_leaves_no_series_behind(two) -> None:
+    """A request a replica answers after it left the set (a rollout's drained pipeline finishing
+    what it holds) counts nowhere: its series do not come back, one per rollout, for good."""
+    ups, base, app = two
+    a = next(u for u in ups if u.name == "a")
+    app.replicas.update({"a": a.url})
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{base}/v1/completions", json={"prompt": "p", "header_delay": 1.0},
+                             timeout=10)
+        deadline = time.monotonic() + 5
+        while not a.count():
+            assert time.monotonic() < deadline, "the request never reached replica a"
+            time.sleep(0.02)
+        app.replicas.update({"b": next(u.url for u in ups if u.name == "b")})  # a leaves while it answers
+        assert answer.result().status_code == 200
+    series = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if not line.startswith("#")]
+    assert not [line for line in series if 'replica="a"' in line], series
+
+
 def test_ready_is_503_without_replicas_and_requests_get_openai_errors(two) -> None:
     _, base, app = two
     assert httpx.get(f"{base}/ready").status_code == 200 and httpx.get(f"{base}/health").status_code == 200

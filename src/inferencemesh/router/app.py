@@ -176,8 +176,7 @@ class RouterApp:
         if path == "/health":
             await send_whole(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
-            # Known replicas, not only those up: all router pods mark the same slow frontends down at once,
-            # and unready routers leave the Service no endpoint ("no route to host", not a retried request).
+            # Known, not only up: every router marks the same slow frontends down, and all unready empty the Service.
             if replicas:
                 body = {"status": "ready", "replicas": len(replicas), "up": len(self.replicas.up())}
                 await send_whole(send, 200, json.dumps(body).encode())
@@ -194,8 +193,7 @@ class RouterApp:
         else:
             body = {"replicas": [{"name": r.name, "url": r.url, "in_flight": r.in_flight, "waiting": r.waiting,
                                   "routed": r.routed, "up": r.down is None, "down": r.down,
-                                  "kv_blocks": self.kv.held(r.name)}
-                                 for r in replicas.values()],
+                                  "kv_blocks": self.kv.held(r.name)} for r in replicas.values()],
                     "prefix_blocks": len(self.affinity), "scorer": self.blocks.scorer}
             await send_whole(send, 200, json.dumps(body).encode())
 
@@ -333,6 +331,8 @@ class RouterApp:
                 await answer[0].aclose()
         finally:
             replica.in_flight -= 1
+            if name not in self.replicas.current():  # it left holding this request: its series go with it
+                self.metrics.remove_replica(name)
 
 
 def create_router(config: RouterConfig, *, api_client: Any = None, transport: TransportFactory = replica_transport,
