@@ -145,3 +145,16 @@ def test_bench_measures_llama_cpp_beside_the_mesh(tmp_path: Path, monkeypatch: p
     agreement = report["llama_cpp_agreement"]
     assert agreement["new_tokens"] == new_tokens and len(agreement["common_prefix_tokens"]) == 4
     assert min(agreement["common_prefix_tokens"]) >= new_tokens // 2, agreement
+
+
+@pytest.mark.parametrize("extra", [["--concurrency", "2"], ["--multi-turn"], ["--structured"],
+                                   ["--llama-cpp-converter", "/nowhere"]])
+def test_a_peer_another_bench_would_ignore_is_refused_before_anything_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # nothing may be written there: the refusal comes first
+    peer = [] if extra[0] == "--llama-cpp-converter" else ["--peer", "llama-cpp"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--shape", "llama-tiny", *peer, *extra])
+    assert exited.value.code == 2
+    assert extra[0] in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

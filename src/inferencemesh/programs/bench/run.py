@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from inferencemesh.flags import ConfigError
 from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.models import MAX_CONTEXT, load_bench_model
 from inferencemesh.programs.bench.report import write_report
@@ -18,6 +19,7 @@ def run_bench(config: BenchConfig) -> int:
     from inferencemesh.programs.bench.multiturn import run_multi_turn
     from inferencemesh.programs.bench.structured import run_structured
 
+    check_peers(config)
     model = load_bench_model(config)  # the process is set up by the CLI (process.set_up_process)
     print(f"bench: {model.model_dir} ({model.facts.num_layers} layers, {model.dtype}), {config.new_tokens} new "
           f"tokens, {config.repeats} repeats x {sum(len(p) for p in model.prompts.values())} prompts, torch "
@@ -33,3 +35,14 @@ def run_bench(config: BenchConfig) -> int:
     target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).eval()
     run = run_concurrency if config.concurrency else run_latency
     return write_report(config, run(config, model, target, speculation))
+
+
+def check_peers(config: BenchConfig) -> None:
+    """llama.cpp is a peer of the latency bench only: refused, before anything loads, where another
+    bench would run and ignore it (and its converter's path without it)."""
+    others = [flag for flag, on in (("--concurrency", config.concurrency), ("--multi-turn", config.multi_turn),
+                                    ("--structured", config.structured)) if on]
+    if "llama-cpp" in config.peer and others:
+        raise ConfigError(f"--peer llama-cpp is a peer of the latency bench only, not of {others[0]}: drop one")
+    if config.llama_cpp_converter and "llama-cpp" not in config.peer:
+        raise ConfigError("--llama-cpp-converter is read with --peer llama-cpp only")
