@@ -14,8 +14,8 @@ query/key norms) and is adopted only after computing the same output as transfor
 a probe input (`lean_layers`); any other layer, or one that differs, stays transformers'. Float
 results differ from transformers' only by summation order (the fused projections).
 
-The row-wise parts (norms, projections, rotary, MLP) are pure tensor functions of their inputs,
-which is what compiled_steps.py compiles; attention and the cache stay here, eager.
+The row-wise parts (norms, projections, rotary, MLP) are pure tensor functions of their inputs;
+what compiling a whole step of them would give on the CPU is measured in docs/design/decode-hot-path.md.
 """
 
 from __future__ import annotations
@@ -99,10 +99,6 @@ class _Projection:
             module.packed = self.weight[:, start:start + size]
             start += size
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             y = torch.matmul(x, self.weight)
@@ -181,9 +177,6 @@ class LeanLayer:
             out = attend(q.to(kv_dtype), keys, values, mask, self.scaling, self.gqa).to(x.dtype)
             out = out.transpose(1, 2).reshape(1, x.shape[1], -1)
         return self.post_attention(x, out)
-
-
-LayerCall = Callable[..., torch.Tensor]
 
 
 def lean_layers(layers: Sequence[nn.Module], rope: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
