@@ -287,11 +287,11 @@ def test_a_16_bit_weight_is_packed_only_where_onednn_packs_it():
     nn.Linear's (the stage's bfloat16 prefill was 10x slower than transformers' on AVX2)."""
     from torch import nn
 
-    from inferencemesh.modeling.packed import _mkldnn_packs, packs
+    from inferencemesh.modeling.packed import onednn_packs, packs
 
     assert packs(nn.Linear(8, 8))  # float32: the transposed layout streams faster for one row
     for dtype in (torch.bfloat16, torch.float16):
-        assert packs(nn.Linear(8, 8).to(dtype)) == _mkldnn_packs(dtype)
+        assert packs(nn.Linear(8, 8).to(dtype)) == onednn_packs(dtype)
 
 
 def test_length_dependent_rope_is_computed_per_forward(tmp_path, prompt):

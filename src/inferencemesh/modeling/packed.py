@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 
-def _mkldnn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a CPU weight of this 16-bit dtype here (float32: never; MKL takes it)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -38,7 +39,7 @@ def packs(linear: nn.Linear) -> bool:
     """Whether a PackedLinear is faster than `linear` here: a CPU weight in float32, or in a
     16-bit type oneDNN packs on this CPU."""
     weight = linear.weight
-    return weight.device.type == "cpu" and (weight.dtype == torch.float32 or _mkldnn_packs(weight.dtype))
+    return weight.device.type == "cpu" and (weight.dtype == torch.float32 or onednn_packs(weight.dtype))
 
 
 class PackedLinear(nn.Module):
@@ -50,7 +51,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = linear.bias
-        self._mkldnn = _mkldnn_packs(weight.dtype)
+        self._mkldnn = onednn_packs(weight.dtype)
         if self._mkldnn:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         else:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional
 
 from inferencemesh.checkpoint.quantization import WeightQuant
-from inferencemesh.modeling.packed import _mkldnn_packs
+from inferencemesh.modeling.packed import onednn_packs
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
 INT4_BLOCK = 64  # the CPU int4 kernel's layout: blocks of 64 output rows, each [in, 32] bytes (_int4_cpu_tile)
@@ -132,7 +132,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = dtype
         # a 16-bit tile multiplies in float32 on a CPU without oneDNN's 16-bit units (packed.py)
-        native = device.type != "cpu" or dtype == torch.float32 or _mkldnn_packs(dtype)
+        native = device.type != "cpu" or dtype == torch.float32 or onednn_packs(dtype)
         self.tile_dtype = dtype if native else torch.float32
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         scale = scale.to(torch.float32).reshape(quant.scale_shape(self.out_features, self.in_features))

@@ -31,7 +31,7 @@ from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
 from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm
 from inferencemesh.modeling.loader import StageModules, load_stage
-from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
+from inferencemesh.modeling.packed import PackedLinear, onednn_packs, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
@@ -333,12 +333,11 @@ def _packed_head(head: nn.Module | None, embed: nn.Module | None) -> tuple[nn.Mo
     the stage holds the largest matrix once; elsewhere it stays as it is."""
     if not (isinstance(head, nn.Linear) and packs(head)):
         return head, embed
+    tied = embed is not None and head.weight is embed.weight
+    if tied and (onednn_packs(head.weight.dtype) or type(embed) is not nn.Embedding or embed.max_norm is not None):
+        return head, embed  # decided before packing: a head packed for nothing would cost a copy at load
     packed = PackedLinear(head)
-    if embed is None or head.weight is not embed.weight:
-        return packed, embed
-    if packed._mkldnn or type(embed) is not nn.Embedding or embed.max_norm is not None:
-        return head, embed
-    return packed, ColumnEmbedding(packed.packed)
+    return (packed, ColumnEmbedding(packed.packed)) if tied else (packed, embed)
 
 
 class ColumnEmbedding(nn.Module):
