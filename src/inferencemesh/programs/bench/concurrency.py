@@ -65,8 +65,8 @@ class HfBatchPeer:
 
     async def burst(self, prompts: list[list[int]]) -> Burst:
         longest = max(len(ids) for ids in prompts)
-        x = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts])
-        mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts])
+        x = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts], device=self.model.device)
+        mask = torch.tensor([[0] * (longest - len(ids)) + [1] * len(ids) for ids in prompts], device=self.model.device)
         arrivals = _Arrivals()
         started = time.perf_counter()
         with torch.inference_mode():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from inferencemesh.flags import ConfigError
+from inferencemesh.modeling.loader import resolve_device
 from inferencemesh.programs.bench.config import BenchConfig
 from inferencemesh.programs.bench.models import MAX_CONTEXT, load_bench_model
 from inferencemesh.programs.bench.report import write_report
@@ -32,7 +33,8 @@ def run_bench(config: BenchConfig) -> int:
                                          MAX_CONTEXT)
     if config.structured:  # no transformers peer: it has no grammar to follow
         return write_report(config, run_structured(config, model, speculation))
-    target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).eval()
+    # The peer computes where the stages do (resolve_device: a GPU when there is one).
+    target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).to(resolve_device("auto")).eval()
     run = run_concurrency if config.concurrency else run_latency
     return write_report(config, run(config, model, target, speculation))
 

@@ -70,7 +70,7 @@ class HfPeer:
         self.model, self.new_tokens, self.kwargs = model, new_tokens, generate_kwargs
 
     async def run(self, ids: list[int]) -> Run:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.model.device)
         with torch.inference_mode():
             started = time.perf_counter()
             self.model.generate(x, max_new_tokens=1, do_sample=False, pad_token_id=0)
@@ -78,8 +78,10 @@ class HfPeer:
             started = time.perf_counter()
             out = self.model.generate(x, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
                                       do_sample=False, pad_token_id=0, **self.kwargs)
+            generated = out.shape[1] - len(ids)
+            out.tolist()  # waits for the device's last step
             total = time.perf_counter() - started
-        return Run(ttft, total, out.shape[1] - len(ids))
+        return Run(ttft, total, generated)
 
 
 class EngineUnderTest:

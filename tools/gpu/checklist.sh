@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# ../shared/GPU.md's checklist in one call on a device machine (the device tool's `run`, from the
+# repository's root, with wheels for what its image lacks in .whl/: see docs/benchmarks/README.md):
+# the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
+# the next runs whatever the last did; everything is written under $OUT.
+#   bash tools/gpu/checklist.sh [steps...]   (default: all; steps: tests profile latency speculation concurrency)
+set -o pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GPU_REPORT="$OUT/gpu-report.json"
+if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then  # NO_WHEELS=1: a dry run here
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
+export PYTHONPATH="/tmp/site:$PWD/src"
+STEPS=${*:-tests profile latency speculation concurrency}
+
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2 started=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit}s)" | tee -a "$OUT/log"
+  timeout "$limit" "$@" >>"$OUT/log" 2>&1
+  echo "=== $name: rc $? in $((SECONDS - started))s" | tee -a "$OUT/log"
+}
+BENCH="python3 -m inferencemesh bench"
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__,
+  torch.cuda.get_device_name())'
+  echo "commit ${COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; } 2>&1 | tee -a "$OUT/log"
+
+for s in $STEPS; do
+  case $s in
+    tests) step tests 180 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
+    latency) step latency 130 $BENCH --shape llama-1b --stages 1,2 --new-tokens 64 --repeats 1 --prompts code \
+      --json "$OUT/bench-llama-1b.json" ;;
+    profile) step profile 70 python3 tools/gpu_decode_profile.py --shape llama-1b --dtype bfloat16 \
+      --json "$OUT/profile-llama-1b.json" ;;
+    speculation) step speculation 70 $BENCH --stages 1,2 --speculative none,draft --new-tokens 64 --repeats 1 \
+      --json "$OUT/bench-speculation-bundled.json" ;;
+    concurrency) step concurrency 90 $BENCH --shape llama-1b --stages 1,2 --concurrency 1,8 --new-tokens 64 \
+      --repeats 1 --json "$OUT/bench-concurrency-llama-1b.json" ;;
+  esac
+done
+echo "=== summary"
+grep -E "passed|failed|error|GPU-REPORT|^FAILED|^ERROR" "$OUT/log" | tail -40
+grep -E '^\{"config"' "$OUT/log"
+grep -E "tok/s|acceptance|ratio" "$OUT/log" | grep -v "^\[" | tail -40

@@ -1,0 +1,142 @@
+"""Where a decode step's time goes on a GPU (../shared/GPU.md, item 2): one stage, batch 1.
+
+For the stage runtime (lean layers and transformers' layers) and transformers' own forward with
+its cache, each on the same weights: the time per step (synchronized, median of many), the CUDA
+kernel time in it (torch.profiler: the sum of kernel durations, how many kernels), what is left
+(launch gaps and host Python, the GPU idle), and the bandwidth it reaches: the weight bytes a step
+must read over the step's time, against the card's peak. The engine's and the hop's costs are
+measured by `inferencemesh bench`; this is the step alone.
+
+    python tools/gpu_decode_profile.py --shape llama-1b --dtype bfloat16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from inferencemesh.checkpoint.read import read_local
+from inferencemesh.modeling.runtime import StageRuntime
+from inferencemesh.programs.bench.models import make_shape_model
+
+# Datasheet HBM bandwidth, bytes/s: what "% of peak" is measured against (GPU.md's figures).
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+PROMPT = 32
+
+
+def peak_bandwidth(name: str) -> float | None:
+    return next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(step, steps: int) -> list[float]:
+    """Each step's wall time, the device synchronized around it."""
+    times = []
+    for i in range(steps):
+        sync()
+        started = time.perf_counter()
+        step(i)
+        sync()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def kernel_split(step, steps: int) -> dict:
+    """Kernel time and count per step from torch.profiler, over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # CUDA: none on a CPU
+        wall = sum(time_steps(step, steps))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.device_time for e in kernels)  # microseconds
+    return {"kernels_per_step": len(kernels) / steps, "kernel_ms_per_step": kernel_us / 1e3 / steps,
+            "profiled_wall_ms_per_step": wall * 1e3 / steps}
+
+
+def stage_step(runtime: StageRuntime, prompt: torch.Tensor):
+    kv = runtime.new_session()
+    logits = runtime.forward(kv, 0, token_ids=prompt)
+    state = {"token": logits[-1].argmax().view(1), "pos": len(prompt)}
+
+    def step(_: int) -> None:
+        out = runtime.forward(kv, state["pos"], token_ids=state["token"])
+        state["token"] = out[-1].argmax().view(1)
+        state["pos"] += 1
+    return step
+
+
+def hf_step(model, prompt: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(prompt[None], past_key_values=cache, use_cache=True)
+    state = {"token": out.logits[0, -1].argmax().view(1, 1), "cache": out.past_key_values}
+
+    def step(_: int) -> None:
+        o = model(state["token"], past_key_values=state["cache"], use_cache=True)
+        state["token"], state["cache"] = o.logits[0, -1].argmax().view(1, 1), o.past_key_values
+    return step
+
+
+def measure(name: str, step, weight_bytes: int, steps: int, peak: float | None) -> dict:
+    with torch.inference_mode():
+        time_steps(step, 10)  # warm-up: kernels chosen, caches allocated
+        times = time_steps(step, steps)
+        split = kernel_split(step, 20)
+    ms = statistics.median(times) * 1e3
+    row = {"config": name, "ms_per_step": round(ms, 3), **{k: round(v, 3) for k, v in split.items()},
+           "gpu_busy": round(split["kernel_ms_per_step"] / split["profiled_wall_ms_per_step"], 3),
+           "weight_GBps": round(weight_bytes / (ms / 1e3) / 1e9, 1)}
+    if peak:
+        row["bandwidth_share"] = round(weight_bytes / (ms / 1e3) / peak, 3)
+        row["floor_ms"] = round(weight_bytes / peak * 1e3, 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_shape_model(args.shape, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    peak = peak_bandwidth(name)
+    prompt = torch.randint(3, 500, (PROMPT,), device=device)
+    facts = read_local(model_dir)
+    # What a decode step must read: every weight but the embedding (of which it reads one row).
+    weights = sum(t.nbytes for n, t in facts.tensors.items() if "embed_tokens" not in n)
+    steps_taken = 10 + args.steps + 20  # measure()'s warm-up, timed and profiled steps
+    rows = []
+    for lean in (True, False):
+        runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
+                               max_context=PROMPT + steps_taken + 8, lean=lean)
+        adopted = sum(layer is not None for layer in runtime._lean)
+        rows.append(measure(f"stage runtime ({'lean' if lean else 'transformers'} layers, {adopted} lean)",
+                            stage_step(runtime, prompt), weights, args.steps, peak))
+        del runtime
+        torch.cuda.empty_cache()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
+    rows.append(measure("transformers forward + DynamicCache", hf_step(model, prompt), weights, args.steps, peak))
+    report = {"device": name, "torch": torch.__version__, "shape": args.shape, "dtype": args.dtype,
+              "peak_bandwidth": peak, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
