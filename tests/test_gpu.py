@@ -66,7 +66,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(root) -> Path:
-    return write_tiny_model(root / "llama", "llama", num_layers=4, shards=2)
+    return write_tiny_model(root / "tiny-llama", "llama", num_layers=4, shards=2)  # root / "llama": the family test's
 
 
 @pytest.mark.parametrize("family", families.VERIFIED)

@@ -63,15 +63,54 @@ def kernel_split(step, steps: int) -> dict:
 
 
 def stage_step(runtime: StageRuntime, prompt: torch.Tensor):
+    """A decode step as the stage's service runs it: the token id comes from the host (a frame) and
+    the chosen token goes back to it."""
     kv = runtime.new_session()
-    logits = runtime.forward(kv, 0, token_ids=prompt)
-    state = {"token": logits[-1].argmax().view(1), "pos": len(prompt)}
+    logits = runtime.forward(kv, 0, token_ids=prompt.cpu())
+    state = {"token": int(logits[-1].argmax()), "pos": len(prompt)}
 
     def step(_: int) -> None:
-        out = runtime.forward(kv, state["pos"], token_ids=state["token"])
-        state["token"] = out[-1].argmax().view(1)
+        out = runtime.forward(kv, state["pos"], token_ids=torch.tensor([state["token"]]))
+        state["token"] = int(out[-1].argmax())
         state["pos"] += 1
     return step
+
+
+def host_profile(step, steps: int) -> list[dict]:
+    """The host functions with the most own time over `steps` steps (cProfile)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    time_steps(step, steps)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(((tt, calls, f"{Path(file).name}:{line}:{name}") for (file, line, name), (_, calls, tt, _, _)
+                   in stats.items()), reverse=True)[:15]
+    return [{"where": where, "calls_per_step": round(calls / steps, 1), "own_us_per_step": round(tt / steps * 1e6)}
+            for tt, calls, where in rows]
+
+
+def graph_replay_ms(decode, steps: int) -> dict:
+    """decode(): one decode step on device-resident inputs, captured as one CUDA graph and replayed:
+    the step with no host work at all, a floor for what graphs would give (each replay redoes the
+    same position; the kernels' work is a decode step's). A capture that fails is reported."""
+    try:
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    decode()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decode()
+            times = time_steps(lambda _: graph.replay(), steps)
+        return {"graph_ms_per_step": round(statistics.median(times) * 1e3, 3)}
+    except Exception as err:  # noqa: BLE001 (reported: the capture is an experiment)
+        return {"graph_error": repr(err)[:300]}
 
 
 def hf_step(model, prompt: torch.Tensor):
@@ -87,11 +126,48 @@ def hf_step(model, prompt: torch.Tensor):
     return step
 
 
+def hf_static_decode(model, prompt: torch.Tensor):
+    """transformers' decode step on a StaticCache (its cache_position a device tensor)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=len(prompt) + 8)
+    with torch.inference_mode():
+        model(prompt[None], past_key_values=cache, cache_position=torch.arange(len(prompt), device=prompt.device))
+    token = prompt[-1:].view(1, 1).clone()
+    position = torch.tensor([len(prompt)], device=prompt.device)
+    return lambda: model(token, past_key_values=cache, cache_position=position)
+
+
+def runtime_decode(runtime: StageRuntime, prompt: torch.Tensor):
+    """The stage runtime's decode step as it is today, its token id already on the device."""
+    kv = runtime.new_session()
+    with torch.inference_mode():
+        runtime.forward(kv, 0, token_ids=prompt)
+    token = prompt[-1:].clone()
+    return lambda: runtime.forward(kv, len(prompt), token_ids=token)
+
+
+def graph_row(name: str, decode, weights: int, steps: int, peak: float | None) -> dict:
+    try:
+        graph = graph_replay_ms(decode(), steps)
+    except Exception as err:  # noqa: BLE001 (the set-up of an experiment)
+        graph = {"graph_error": repr(err)[:300]}
+    if "graph_ms_per_step" in graph:
+        ms = graph["graph_ms_per_step"]
+        graph["weight_GBps"] = round(weights / (ms / 1e3) / 1e9, 1)
+        if peak:
+            graph["bandwidth_share"] = round(weights / (ms / 1e3) / peak, 3)
+    row = {"config": name, **graph}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def measure(name: str, step, weight_bytes: int, steps: int, peak: float | None) -> dict:
     with torch.inference_mode():
         time_steps(step, 10)  # warm-up: kernels chosen, caches allocated
         times = time_steps(step, steps)
         split = kernel_split(step, 20)
+        host = host_profile(step, 10)
     ms = statistics.median(times) * 1e3
     row = {"config": name, "ms_per_step": round(ms, 3), **{k: round(v, 3) for k, v in split.items()},
            "gpu_busy": round(split["kernel_ms_per_step"] / split["profiled_wall_ms_per_step"], 3),
@@ -100,7 +176,7 @@ def measure(name: str, step, weight_bytes: int, steps: int, peak: float | None) 
         row["bandwidth_share"] = round(weight_bytes / (ms / 1e3) / peak, 3)
         row["floor_ms"] = round(weight_bytes / peak * 1e3, 3)
     print(json.dumps(row), flush=True)
-    return row
+    return {**row, "host_profile": host}
 
 
 def main() -> None:
@@ -108,10 +184,12 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-1b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads (a stage's share of cores)")
     parser.add_argument("--json")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(args.threads)
     model_dir = make_shape_model(args.shape, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this script
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -120,7 +198,7 @@ def main() -> None:
     facts = read_local(model_dir)
     # What a decode step must read: every weight but the embedding (of which it reads one row).
     weights = sum(t.nbytes for n, t in facts.tensors.items() if "embed_tokens" not in n)
-    steps_taken = 10 + args.steps + 20  # measure()'s warm-up, timed and profiled steps
+    steps_taken = 10 + args.steps + 20 + 10  # measure()'s warm-up, timed, profiled and host-profiled steps
     rows = []
     for lean in (True, False):
         runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
@@ -132,6 +210,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
     rows.append(measure("transformers forward + DynamicCache", hf_step(model, prompt), weights, args.steps, peak))
+    if device == "cuda":
+        rows.append(graph_row("transformers + StaticCache, one CUDA graph", lambda: hf_static_decode(model, prompt),
+                              weights, args.steps, peak))
+        del model
+        runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
+                               max_context=PROMPT + 8)
+        rows.append(graph_row("stage runtime (lean), one CUDA graph", lambda: runtime_decode(runtime, prompt),
+                              weights, args.steps, peak))
     report = {"device": name, "torch": torch.__version__, "shape": args.shape, "dtype": args.dtype,
               "peak_bandwidth": peak, "rows": rows}
     if args.json:

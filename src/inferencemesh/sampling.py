@@ -342,7 +342,8 @@ def verify(
         if total <= 0.0:  # p == q up to rounding: any draw from p is exact
             residual, total = p[i], 1.0
         gen = generator_for(params.seed, position, _SALT_RESAMPLE)
-        return i, draft_tokens[:i] + [int(torch.multinomial(residual / total, 1, generator=gen))]
+        # The seeded generator is a CPU one (the same draw wherever the logits live): so is the row.
+        return i, draft_tokens[:i] + [int(torch.multinomial((residual / total).cpu(), 1, generator=gen))]
     return k, draft_tokens + [sample(p[k], params.seed, pos_start + 1 + k)]
 
 

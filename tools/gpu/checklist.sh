@@ -31,12 +31,12 @@ BENCH="python3 -m inferencemesh bench"
 
 for s in $STEPS; do
   case $s in
-    tests) step tests 180 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
+    tests) step tests 120 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
     latency) step latency 130 $BENCH --shape llama-1b --stages 1,2 --new-tokens 64 --repeats 1 --prompts code \
       --json "$OUT/bench-llama-1b.json" ;;
-    profile) step profile 70 python3 tools/gpu_decode_profile.py --shape llama-1b --dtype bfloat16 \
+    profile) step profile 150 python3 tools/gpu_decode_profile.py --shape llama-1b --dtype bfloat16 \
       --json "$OUT/profile-llama-1b.json" ;;
-    speculation) step speculation 70 $BENCH --stages 1,2 --speculative none,draft --new-tokens 64 --repeats 1 \
+    speculation) step speculation 110 $BENCH --stages 1,2 --speculative none,draft --new-tokens 64 --repeats 1 \
       --json "$OUT/bench-speculation-bundled.json" ;;
     concurrency) step concurrency 90 $BENCH --shape llama-1b --stages 1,2 --concurrency 1,8 --new-tokens 64 \
       --repeats 1 --json "$OUT/bench-concurrency-llama-1b.json" ;;
