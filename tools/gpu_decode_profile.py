@@ -199,30 +199,35 @@ def main() -> None:
     # What a decode step must read: every weight but the embedding (of which it reads one row).
     weights = sum(t.nbytes for n, t in facts.tensors.items() if "embed_tokens" not in n)
     steps_taken = 10 + args.steps + 20 + 10  # measure()'s warm-up, timed, profiled and host-profiled steps
-    rows = []
+    report = {"device": name, "torch": torch.__version__, "shape": args.shape, "dtype": args.dtype,
+              "threads": args.threads, "peak_bandwidth": peak, "rows": []}
+
+    def keep(row: dict) -> None:  # written after each row: a later one can take the process down
+        report["rows"].append(row)
+        for line in row.get("host_profile", [])[:8]:
+            print(f"  host {line['own_us_per_step']:>7} us/step {line['calls_per_step']:>6} calls  {line['where']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
     for lean in (True, False):
         runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
                                max_context=PROMPT + steps_taken + 8, lean=lean)
         adopted = sum(layer is not None for layer in runtime._lean)
-        rows.append(measure(f"stage runtime ({'lean' if lean else 'transformers'} layers, {adopted} lean)",
-                            stage_step(runtime, prompt), weights, args.steps, peak))
+        keep(measure(f"stage runtime ({'lean' if lean else 'transformers'} layers, {adopted} lean)",
+                     stage_step(runtime, prompt), weights, args.steps, peak))
         del runtime
         torch.cuda.empty_cache()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
-    rows.append(measure("transformers forward + DynamicCache", hf_step(model, prompt), weights, args.steps, peak))
+    keep(measure("transformers forward + DynamicCache", hf_step(model, prompt), weights, args.steps, peak))
     if device == "cuda":
-        rows.append(graph_row("transformers + StaticCache, one CUDA graph", lambda: hf_static_decode(model, prompt),
-                              weights, args.steps, peak))
-        del model
+        # Ours first: transformers' StaticCache capture hit a device-side assert on the H200 (2026-11-27),
+        # which leaves the CUDA context unusable for anything after it.
         runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
                                max_context=PROMPT + 8)
-        rows.append(graph_row("stage runtime (lean), one CUDA graph", lambda: runtime_decode(runtime, prompt),
-                              weights, args.steps, peak))
-    report = {"device": name, "torch": torch.__version__, "shape": args.shape, "dtype": args.dtype,
-              "peak_bandwidth": peak, "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-
+        keep(graph_row("stage runtime (lean), one CUDA graph", lambda: runtime_decode(runtime, prompt),
+                       weights, args.steps, peak))
+        keep(graph_row("transformers + StaticCache, one CUDA graph", lambda: hf_static_decode(model, prompt),
+                       weights, args.steps, peak))
 
 if __name__ == "__main__":
     main()

@@ -105,7 +105,8 @@ def peers(config: BenchConfig, model: BenchModel, target: PreTrainedModel, specu
                                 HfPeer(target, config.new_tokens), threads))
         if "draft" in speculation and speculation["draft"].draft is not None:
             assistant = AutoModelForCausalLM.from_pretrained(speculation["draft"].draft.source,
-                                                             dtype=model.dtype).to(target.device).eval()
+                                                             dtype=model.dtype).eval()
+            assistant.to(target.device)  # type: ignore[arg-type]  # transformers types .to() as its own wrapper
             out.append(Measured("hf-assisted", {"stages": 1, "speculative": "draft", **common}, ids,
                                 HfPeer(target, config.new_tokens, assistant_model=assistant), threads))
         if spec_mode and ("ngram" in config.speculative or "auto" in config.speculative):

@@ -34,7 +34,8 @@ def run_bench(config: BenchConfig) -> int:
     if config.structured:  # no transformers peer: it has no grammar to follow
         return write_report(config, run_structured(config, model, speculation))
     # The peer computes where the stages do (resolve_device: a GPU when there is one).
-    target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).to(resolve_device("auto")).eval()
+    target = AutoModelForCausalLM.from_pretrained(model.model_dir, dtype=model.dtype).eval()
+    target.to(resolve_device("auto"))  # type: ignore[arg-type]  # transformers types .to() as its own wrapper
     run = run_concurrency if config.concurrency else run_latency
     return write_report(config, run(config, model, target, speculation))
 
