@@ -1,4 +1,5 @@
-"""Compute threads: explicit > OMP_NUM_THREADS > the CPUs this process may use (cgroup quota)."""
+"""Compute threads: explicit > OMP_NUM_THREADS > one on a GPU, else the CPUs this process may use
+(cgroup quota)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def test_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert cpus.compute_threads(0) is None  # torch already reads it
     assert cpus.compute_threads(5) == 5
+
+
+def test_a_process_on_a_gpu_computes_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its tensor work is on the GPU: the CPU team stays at GPU_PROCESS_THREADS unless a request or
+    OMP_NUM_THREADS says otherwise; --device auto follows whether CUDA is there."""
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpus.compute_threads(0, "cuda") == cpus.GPU_PROCESS_THREADS == 1
+    assert cpus.compute_threads(0, "cpu") == 16 and cpus.compute_threads(6, "cuda") == 6
+    assert cpus.share_of_cpus(2, "cuda") == 1 and cpus.share_of_cpus(2, "cpu") == 8
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpus.compute_threads(0, "auto") == 1 and cpus.share_of_cpus(4) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cpus.compute_threads(0, "auto") == 16 and cpus.share_of_cpus(4) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpus.compute_threads(0, "cuda") is None
 
 
 def test_negative_threads_are_refused() -> None:

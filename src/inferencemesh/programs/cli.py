@@ -207,7 +207,7 @@ def _torch_threads(command: str, config: Any) -> int | None:
     if command == "stage":
         from inferencemesh.cpus import compute_threads
 
-        return compute_threads(config.threads)
+        return compute_threads(config.threads, config.device)
     if command == "frontend":
         from inferencemesh.programs.frontend import compute_threads_of
 

@@ -111,7 +111,7 @@ def compute_threads_of(config: FrontendConfig) -> int | None:
     """This process's torch threads: the embedded first stage's (the draft shares its thread and
     team), else the draft's, its only tensor work. None: leave OMP_NUM_THREADS in charge."""
     if config.first_stage_layers is not None:
-        return compute_threads(config.threads)
+        return compute_threads(config.threads, config.device)
     return max(1, config.draft_threads)
 
 

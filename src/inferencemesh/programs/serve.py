@@ -138,7 +138,7 @@ def _serve_mesh(config: ServeConfig, model: str, plan: list[StagePlan], max_mess
     `certificates`: each pipeline's."""
     # Each stage process gets its share of the CPUs: more threads than cores preempt each other.
     # (with the first stage embedded, the frontend process is the one that computes stage 0)
-    threads = config.stage_threads or share_of_cpus(config.replicas * len(plan))
+    threads = config.stage_threads or share_of_cpus(config.replicas * len(plan), config.device)
     pipelines = [build_pipeline(config, model, plan, max_message_bytes, certificates[r], replica=r, threads=threads)
                  for r in range(config.replicas)]
     # The router presents the frontends' key (API_KEY_ENV, whatever --api-key-env names) on its own
