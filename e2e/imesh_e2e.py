@@ -421,6 +421,45 @@ def greedy(client, prompt: str, max_tokens: int = 48) -> str:  # noqa: ANN001 - 
 
 # ---- watching a mesh while something happens -----------------------------------------------
 
+class ReadyRecorder:
+    """Polls a selector's pods in a thread: every change of a pod's Ready condition (a pod being
+    deleted aside) and the container restarts since the first poll, per pod."""
+
+    def __init__(self, ns: str, selector: str, interval: float = 3.0) -> None:
+        self.ns, self.selector, self.interval = ns, selector, interval
+        self.flips: list[tuple[float, str, bool]] = []  # (monotonic time, pod, Ready now)
+        self.restarts: dict[str, int] = {}
+        self.polls = 0
+        self._ready: dict[str, bool] = {}
+        self._first_restarts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                for pod in pods(self.ns, self.selector):
+                    if pod["metadata"].get("deletionTimestamp"):
+                        continue
+                    name, ready = pod["metadata"]["name"], pod_ready(pod)
+                    if name in self._ready and self._ready[name] != ready:
+                        self.flips.append((time.monotonic(), name, ready))
+                    self._ready[name] = ready
+                    restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", []))
+                    self._first_restarts.setdefault(name, restarts)
+                    self.restarts[name] = restarts - self._first_restarts[name]
+                self.polls += 1
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> ReadyRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
 class ConditionWatcher:
     """Polls a mesh's conditions in a thread and remembers every (type, status) seen."""
 
