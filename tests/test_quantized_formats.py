@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.loader import load_stage
-from inferencemesh.modeling.quantized import QuantizedLinear, fp8_bits_as_float
+from inferencemesh.modeling.quantized import QuantizedEmbedding, QuantizedLinear, fp8_bits_as_float
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 
@@ -297,13 +297,15 @@ def _fake_quantized(weight: torch.Tensor, method: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
-    """load_stage(quantization=...) quantizes each dense linear weight as it is read: greedy tokens
-    at 1 and 2 stages through the stage runtime equal transformers' forward of the same checkpoint
-    with compressed-tensors' own quantize-dequantize of those weights, and the plan counts the
-    bytes each stage then holds."""
+    """load_stage(quantization=...) quantizes each dense linear weight, and the (untied) embedding
+    table and LM head, as it is read: greedy tokens at 1 and 2 stages through the stage runtime
+    equal transformers' forward of the same checkpoint with compressed-tensors' own
+    quantize-dequantize of those weights, and the plan counts the bytes each stage then holds."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    assert not model.config.tie_word_embeddings
     for name, module in model.named_modules():
-        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+        if (name.startswith("model.layers.") and isinstance(module, torch.nn.Linear)) or \
+                name in ("model.embed_tokens", "lm_head"):
             module.weight.data = _fake_quantized(module.weight.data, method)
     prompt = torch.randint(3, 256, (PROMPT,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -315,6 +317,8 @@ def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
                    for a, b in zip(bounds, bounds[1:], strict=False)]
         for (a, b), stage in zip(zip(bounds, bounds[1:], strict=False), modules, strict=True):
             assert isinstance(stage.layers[0].self_attn.o_proj, QuantizedLinear)
+            assert a > 0 or isinstance(stage.embed, QuantizedEmbedding)
+            assert b < 4 or isinstance(stage.lm_head, QuantizedLinear)
             held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm,
                                                                     stage.lm_head)
                     if m is not None for t in [*m.parameters(), *m.buffers()]}
@@ -328,6 +332,47 @@ def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
             logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
             pos += 1
         assert got == expected.tolist(), (method, n)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_an_embedding_quantized_at_load_reads_the_rows_of_its_quantized_table(method):
+    """A lookup dequantizes exactly the rows compressed-tensors' quantize-dequantize gives (float32),
+    holds the bytes the plan counts, and a scaled embedding (Gemma 3's) keeps its scale."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from inferencemesh.checkpoint.quantization import held_embedding_bytes, quantized_at_load
+    from inferencemesh.modeling.quantized_load import _quantized_embedding
+
+    weight = torch.randn(320, 64, generator=torch.Generator().manual_seed(2))
+    quant = quantized_at_load("model.embed_tokens.weight", (320, 64), method)
+    assert quant is not None and quantized_at_load("model.embed_tokens.weight", (320, 64), method, tied=True) is None
+    table = QuantizedEmbedding(quant, weight, torch.float32, torch.device("cpu"))
+    ids = torch.tensor([[0, 5, 319], [7, 7, 100]])
+    assert torch.equal(table(ids), _fake_quantized(weight, method)[ids])
+    assert sum(b.numel() * b.element_size() for b in table.buffers()) == held_embedding_bytes(quant, 320, 64, 4)
+    scaled = Gemma3TextScaledWordEmbedding(320, 64, 0, embed_scale=8.0)
+    scaled.weight.data = weight.clone()
+    ours = _quantized_embedding(scaled, quant, weight, torch.float32, torch.device("cpu"), "m")
+    scaled.weight.data = _fake_quantized(weight, method)
+    assert torch.allclose(ours(ids), scaled(ids), rtol=1e-6, atol=0)
+    norm_capped = torch.nn.Embedding(320, 64, max_norm=1.0)
+    with pytest.raises(CheckpointError, match="cannot be quantized at load"):
+        _quantized_embedding(norm_capped, quant, weight, torch.float32, torch.device("cpu"), "m")
+
+
+def test_a_tied_embedding_and_head_stay_16_bit(tmp_path):
+    """One matrix serving both (tied) is not quantized at load: each end of a 2-stage split holds
+    it as it is, as the plan counts it."""
+    path = write_tiny_model(tmp_path / "tied", "qwen2", num_layers=2, shards=1)
+    inputs = PlanInputs.from_checkpoint(read_local(path), dtype="float32", quantization="int8", kv_tokens=64)
+    for a, b in ((0, 1), (1, 2)):
+        stage = load_stage(path, a, b, dtype="float32", device="cpu", quantization="int8")
+        table = stage.embed if a == 0 else stage.lm_head
+        assert type(table) in (torch.nn.Embedding, torch.nn.Linear) and table.weight.dtype == torch.float32
+        assert isinstance(stage.layers[0].mlp.up_proj, QuantizedLinear)
+        held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm, stage.lm_head)
+                if m is not None for t in [*m.parameters(), *m.buffers()]}
+        assert sum(held.values()) == inputs.stage_bytes(a, b, 2)[0], (a, b)
 
 
 def test_quantized_experts_are_refused_at_plan_time(base, root, tmp_path):

@@ -91,7 +91,8 @@ class PlanInputs:
         not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
         float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve is the
         pool: kv_tokens positions (config.kv_pool_tokens) per layer. quantization: the 16-bit
-        checkpoint's linear layers quantized as the stages read them (int8, int4, fp8)."""
+        checkpoint's linear layers, and an untied embedding and head, quantized as the stages read
+        them (int8, int4, fp8)."""
         dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:
             raise PlanError(f"unsupported dtype {dtype!r}; use one of {', '.join(TORCH_DTYPE_BYTES)}")
@@ -100,8 +101,8 @@ class PlanInputs:
         kv = 2 * facts.num_kv_heads * facts.head_dim * kv_width * kv_tokens
         return cls(
             layer_bytes=tuple(facts.layer_bytes(width, quantize=quantization)),
-            embed_bytes=facts.group_bytes("embed", width),
-            tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width),
+            embed_bytes=facts.group_bytes("embed", width, quantization),
+            tail_bytes=facts.group_bytes("norm", width) + facts.head_bytes(width, quantization),
             kv_bytes_per_layer=kv,
             overhead_bytes=overhead_bytes,
             first_stage_reserved_bytes=first_stage_reserved_bytes,

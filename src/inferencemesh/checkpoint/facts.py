@@ -115,15 +115,30 @@ class CheckpointFacts:
                     sizes[group.layer] += self._held(info, dtype_bytes, quantized)
         return sizes
 
-    def group_bytes(self, kind: str, dtype_bytes: int | None = None) -> int:
-        quantized = self.quantized_modules() if dtype_bytes is not None else {}
-        return sum(self._held(t, dtype_bytes, quantized) for t in self.tensors.values()
-                   if classify(t.name).kind == kind)
+    def group_bytes(self, kind: str, dtype_bytes: int | None = None, quantize: str | None = None) -> int:
+        """Bytes of a group's tensors (see layer_bytes; with quantize, an untied embedding or head
+        quantized as it is read)."""
+        from inferencemesh.checkpoint.quantization import held_bytes, held_embedding_bytes, quantized_at_load
 
-    def head_bytes(self, dtype_bytes: int | None = None) -> int:
+        quantized = self.quantized_modules() if dtype_bytes is not None else {}
+        total = 0
+        for info in self.tensors.values():
+            if classify(info.name).kind != kind:
+                continue
+            at_load = quantized_at_load(info.name, info.shape, quantize, tied=self.tie_word_embeddings) \
+                if quantize and dtype_bytes else None
+            if at_load and dtype_bytes:
+                rows, columns = info.shape
+                total += held_embedding_bytes(at_load, rows, columns, dtype_bytes) if kind == "embed" \
+                    else held_bytes(at_load, rows, columns, dtype_bytes)
+            else:
+                total += self._held(info, dtype_bytes, quantized)
+        return total
+
+    def head_bytes(self, dtype_bytes: int | None = None, quantize: str | None = None) -> int:
         """Bytes the last stage holds for the LM head: a tied head reuses the embedding matrix."""
-        head = self.group_bytes("head", dtype_bytes)
-        return head if head else self.group_bytes("embed", dtype_bytes)
+        head = self.group_bytes("head", dtype_bytes, quantize)
+        return head if head else self.group_bytes("embed", dtype_bytes, quantize)
 
     def shards_for(self, names: list[str]) -> list[str]:
         return sorted({self.tensors[n].shard for n in names})

@@ -60,6 +60,15 @@ def held_bytes(quant: WeightQuant, out_features: int, in_features: int, width: i
     return out_features * in_features + rows * cols * width + offsets + perm
 
 
+def held_embedding_bytes(quant: WeightQuant, rows: int, columns: int, width: int) -> int:
+    """Bytes a stage holds for an embedding table [rows, columns] quantized as `quant`
+    (modeling/quantized.py's QuantizedEmbedding): the values (INT4 two a byte) and a scale per row
+    or per group of a row, in `width`-byte floats."""
+    scale_rows, scale_cols = quant.scale_shape(rows, columns)
+    values = rows * columns // 2 if quant.kind == "int" and quant.bits == 4 else rows * columns
+    return values + scale_rows * scale_cols * width
+
+
 def held_on(name: str, shape: tuple[int, ...], module: QuantizedModule, width: int) -> int:
     """The bytes counted on one tensor of a quantized module: the module's all on its weight, 0 on
     its other tensors (MXFP4's blocks and scales, held as stored, count their own)."""
@@ -246,13 +255,22 @@ LOAD_METHODS = ("int8", "int4", "fp8")  # a 16-bit checkpoint quantized as it is
 _ROUTERS = ("gate", "router", "wg")  # MoE routers stay in float, as vLLM keeps them
 
 
-def quantized_at_load(name: str, shape: tuple[int, ...], method: str) -> WeightQuant | None:
+# The embedding table and the LM head: quantized at load too unless they are one tied matrix.
+EMBEDDING_WEIGHT, HEAD_WEIGHT = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def quantized_at_load(name: str, shape: tuple[int, ...], method: str, *, tied: bool = False) -> WeightQuant | None:
     """How a 16-bit tensor is quantized as a stage reads it with quantization `method` (int8: per
     channel; int4: groups of 128, 64 or 32 inputs; fp8: e4m3 per channel, FP8_DYNAMIC's weights),
-    or None: it stays as it is (not a layer's dense linear weight: norms, embeddings, the head,
-    fused experts, MoE routers, or inputs no int4 group divides)."""
+    or None: it stays as it is (norms, fused experts, MoE routers, inputs no int4 group divides,
+    and the embedding and the head when they are one `tied` matrix). An untied embedding and head
+    are quantized as a linear weight [rows, hidden] is: per row, or per group of a row. They are
+    a third of a 150M model's weights and most of a stage's at the ends of a split, as in GGUF."""
     parts = name.split(".")
-    if not (name.startswith("model.layers.") and parts[-1] == "weight" and len(shape) == 2) or \
+    table = name in (EMBEDDING_WEIGHT, HEAD_WEIGHT)
+    if table and tied:
+        return None
+    if not ((table or name.startswith("model.layers.")) and parts[-1] == "weight" and len(shape) == 2) or \
             parts[-2] in _ROUTERS or "experts" in parts:
         return None
     if method == "int8":

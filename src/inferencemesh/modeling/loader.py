@@ -34,6 +34,7 @@ from inferencemesh.checkpoint.read import check_source, is_local, read_local
 from inferencemesh.checkpoint.validate import check_supported, config_of
 from inferencemesh.compute_dtype import choose_dtype
 from inferencemesh.modeling import attention, families
+from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.quantized_load import quantizer, swap_quantized
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,8 @@ def load_stage(
     tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress,
                             keep_dtype=tuple(m + "." for m in quantized), consume=at_load)
     swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)
-    head_quantized = "lm_head" in quantized  # its own (quantized) matrix, never the embedding's
+    # its own (quantized) matrix, never the embedding's: the checkpoint's, or quantized as it was read
+    head_quantized = isinstance(getattr(model, "lm_head", None), QuantizedLinear)
     tied_head = None if head_quantized else _take_tied_head(tensors, facts, layer_start, layer_end, source)
     _assign(model, tensors, torch_dtype, source)
     if not head_quantized:

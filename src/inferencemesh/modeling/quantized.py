@@ -345,10 +345,16 @@ def from_checkpoint(quant: WeightQuant, out_features: int, in_features: int, ten
 
 
 def quantize(quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> QuantizedLinear:
-    """A 16-bit (or float32) weight [out, in] quantized weight-only, symmetric, round to nearest:
-    the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5 for INT4,
-    127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is read
-    once, a cache-sized tile of rows at a time, and divided by its scales in float32 (as
+    """A 16-bit (or float32) weight [out, in] quantized weight-only (quantized_values)."""
+    q, scale = quantized_values(quant, weight)
+    return QuantizedLinear(quant, q, scale, None, None, dtype, device)
+
+
+def quantized_values(quant: WeightQuant, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] quantized symmetric, round to nearest: (values, float32 scales [out,
+    groups]), the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5
+    for INT4, 127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is
+    read once, a cache-sized tile of rows at a time, and divided by its scales in float32 (as
     compressed-tensors divides) in place: loading never holds a float copy of a layer."""
     n, k = weight.shape
     size = quant.group_size if quant.strategy == "group" else k
@@ -367,4 +373,45 @@ def quantize(quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, devic
         else:
             tile.round_().clamp_(-(2 ** (quant.bits - 1)), 2 ** (quant.bits - 1) - 1)
         q[a:b] = tile.view(b - a, k)
-    return QuantizedLinear(quant, q, scale, None, None, dtype, device)
+    return q, scale
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table [rows, hidden] held quantized (quantized_values: the values a linear
+    weight of that shape would have), its rows dequantized as a lookup reads them: INT8 and FP8 a
+    byte a value, INT4 two (the even column in the low nibble), one float32-computed scale per row
+    or per group of a row, kept in the compute dtype (held_embedding_bytes counts exactly these).
+    embed_scale: the multiplier of a scaled embedding (Gemma 3's), applied as it applies it."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                 embed_scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.quant, self.compute_dtype = quant, dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+        q, scale = quantized_values(quant, weight)
+        if quant.kind == "int" and quant.bits == 4:
+            unsigned = _nibbles(q)
+            q = (unsigned[:, 0::2] & 0x0F | unsigned[:, 1::2] << 4).to(torch.uint8)
+        self.register_buffer("values", q.to(device))
+        self.register_buffer("scale", scale.to(device, dtype))
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self._rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        return out * torch.tensor(self.embed_scale, dtype=out.dtype) if self.embed_scale is not None else out
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole table in the compute dtype, unscaled (a new tensor: for checks, never per call)."""
+        return self._rows(torch.arange(self.num_embeddings, device=self.values.device))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.values.index_select(0, ids)
+        if rows.dtype == torch.uint8:  # INT4: each byte two signed values (stored plus 8)
+            rows = torch.stack([rows & 0x0F, rows >> 4], -1).reshape(len(ids), -1).to(torch.float32) - 8
+        # multiplied in float32, as a dequantized matrix (q x scale) is made
+        scale = self.scale.index_select(0, ids).to(torch.float32)
+        grouped = rows.to(torch.float32).view(len(ids), scale.shape[1], -1) * scale[..., None]
+        return grouped.view(len(ids), self.embedding_dim).to(self.compute_dtype)

@@ -1,6 +1,7 @@
 """A stage's quantized linear layers, put in place as its tensors are read (modeling/loader.py
 calls these): a quantized checkpoint's layers built from their tensors (swap_quantized), or a
-16-bit checkpoint's dense linear layers quantized one by one as they are read (quantizer)."""
+16-bit checkpoint's dense linear layers (and its untied embedding and head) quantized one by one
+as they are read (quantizer)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from torch import nn
 
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
+from inferencemesh.checkpoint.quant_types import WeightQuant
 from inferencemesh.checkpoint.quantization import LOAD_METHODS, quant_method, quantized_at_load
-from inferencemesh.modeling.quantized import quantize
+from inferencemesh.modeling.quantized import QuantizedEmbedding, quantize
 from inferencemesh.modeling.quantized_formats import build_quantized, fits
 
 
@@ -31,13 +33,16 @@ def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtyp
                               f"serve it without --quantization")
 
     def consume(name: str, tensor: torch.Tensor) -> bool:
-        quant = quantized_at_load(name, tuple(tensor.shape), method)
+        quant = quantized_at_load(name, tuple(tensor.shape), method, tied=facts.tie_word_embeddings)
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if quant else None
         except AttributeError:  # a name transformers renames as it loads: stays as it is, as planned
             parent = None
         linear = getattr(parent, child, None)
+        if quant is not None and isinstance(linear, nn.Embedding):
+            setattr(parent, child, _quantized_embedding(linear, quant, tensor, dtype, device, source))
+            return True
         if quant is None or not isinstance(linear, nn.Linear):
             return False
         q = quantize(quant, tensor, dtype, device)
@@ -47,6 +52,19 @@ def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtyp
         return True
 
     return consume
+
+
+def _quantized_embedding(embedding: nn.Embedding, quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype,
+                         device: torch.device, source: str | Path) -> QuantizedEmbedding:
+    """The table quantized, for a plain embedding or one that only scales its rows (Gemma 3's); the
+    plan counted it quantized, so any other kind is refused rather than left in float."""
+    scale = getattr(embedding, "embed_scale", None)
+    plain = type(embedding) is nn.Embedding or (scale is not None and type(embedding).__name__.endswith(
+        "ScaledWordEmbedding"))
+    if not plain or embedding.max_norm is not None:
+        raise CheckpointError(f"{source}: its embedding ({type(embedding).__name__}) cannot be quantized at load; "
+                              "serve it without --quantization")
+    return QuantizedEmbedding(quant, weight, dtype, device, embed_scale=scale)
 
 
 def swap_quantized(model: nn.Module, tensors: dict[str, torch.Tensor], facts: CheckpointFacts, modules: list[str],
