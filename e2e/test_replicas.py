@@ -709,6 +709,7 @@ def test_deleting_a_router_pod_under_load_fails_no_request(settings: dict, repli
 SOAK_S = float(os.environ.get("IMESH_E2E_SOAK_SECONDS", "120"))
 
 
+@pytest.mark.timeout(SOAK_S + 900)  # the run, and the mesh's start when this test runs alone
 def test_idle_and_loaded_running_neither_flaps_nor_fails(settings: dict, replicated: dict) -> None:
     """Nothing changes, so nothing may move: no pod's Ready flips, no container restarts, the mesh
     stays Available and never Degraded, it posts no Degraded, Recovered or NotReady event, no probe of
