@@ -593,11 +593,12 @@ def expected_answers(m: dict) -> dict[str, str]:
     return {p: text for p, (text, _) in answers.items()}
 
 
-def load_client(settings: dict, m: dict, name: str, expected: dict[str, str]) -> LoadClient:
+def load_client(settings: dict, m: dict, name: str, expected: dict[str, str], limit_s: float = 1200) -> LoadClient:
+    """limit_s: the load pod stops by itself after this long (a test that streams for longer raises it)."""
     ns = m["namespace"]
     image = settings["frontend_image"] or frontend_pod(ns, NAME)["spec"]["containers"][0]["image"]
     return LoadClient(ns, name, image, settings["pull_policy"], mesh(ns, NAME)["status"]["endpoint"], expected,
-                      max_tokens=LOAD_TOKENS)
+                      max_tokens=LOAD_TOKENS, limit_s=limit_s)
 
 
 def probe_timeouts(ns: str, component: str) -> dict[str, int]:
@@ -724,7 +725,7 @@ def test_idle_and_loaded_running_neither_flaps_nor_fails(settings: dict, replica
     with ReadyRecorder(ns, selector) as ready, ConditionWatcher(ns, NAME, interval=5) as watch:
         time.sleep(SOAK_S / 2)
         idle_flips = len(ready.flips)
-        with load_client(settings, replicated, "imesh-e2e-soak-load", expected) as load:
+        with load_client(settings, replicated, "imesh-e2e-soak-load", expected, limit_s=SOAK_S / 2 + 600) as load:
             loaded_until = time.monotonic() + SOAK_S / 2
             while time.monotonic() < loaded_until:
                 time.sleep(min(60.0, max(0.0, loaded_until - time.monotonic())))
