@@ -1,5 +1,6 @@
 """The product on a CUDA GPU (`pytest -m gpu`; every test here skips without CUDA, so CI's CPU run
-skips them all). What ../shared/GPU.md asks first: float32 greedy tokens of the stage runtime equal
+skips them all; tools/gpu/checklist.sh runs them on a device). What a GPU run checks first:
+float32 greedy tokens of the stage runtime equal
 transformers' generate() on the same GPU for every verified family at 1 and 2 stages; the same over
 real gRPC with two stage processes sharing the GPU; the embedded first stage; the draft model; the
 speculative-sampling distribution with the target's logits on the GPU; `inferencemesh serve` on

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes on a GPU (../shared/GPU.md, item 2): one stage, batch 1.
+"""Where a decode step's time goes on a GPU (the GPU checklist's item 2): one stage, batch 1.
 
 For the stage runtime (lean layers and transformers' layers) and transformers' own forward with
 its cache, each on the same weights: the time per step (synchronized, median of many), the CUDA

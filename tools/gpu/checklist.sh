@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ../shared/GPU.md's checklist in one call on a device machine (the device tool's `run`, from the
+# The GPU checklist in one call on a device machine (the device tool's `run`, from the
 # repository's root, with wheels for what its image lacks in .whl/: see docs/benchmarks/README.md):
 # the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
 # the next runs whatever the last did; everything is written under $OUT.

@@ -28,7 +28,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     # ~155M parameters: Llama architecture at GPT-2-small width.
     "llama-150m": dict(hidden_size=768, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=12, vocab_size=32000, tie_word_embeddings=False),
-    # ~1.1B parameters, 2.2 GB in bfloat16: the GPU bench's shape (../shared/GPU.md: a Llama-3.2-1B
+    # ~1.1B parameters, 2.2 GB in bfloat16: the GPU bench's shape (a Llama-3.2-1B
     # body with a 32k vocabulary).
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False),
