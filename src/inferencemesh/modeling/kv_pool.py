@@ -39,13 +39,17 @@ class KVPool:
     """The KV blocks of layers [layer_offset, layer_offset + num_layers) of one stage."""
 
     def __init__(self, num_layers: int, layer_offset: int, kv_heads: int, head_dim: int, *, num_blocks: int,
-                 block_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_tokens: int, dtype: torch.dtype, device: torch.device, scratch: bool = False) -> None:
+        """scratch: one block more, past the num_blocks a table may name, that fixed-shape steps'
+        padding rows write into (modeling/decode_graphs.py): scratch_block is its id."""
         if num_blocks < 1 or block_tokens < 1:
             raise ValueError(f"a KV pool needs blocks ({num_blocks}) of at least one position ({block_tokens})")
         self.num_blocks, self.block_tokens = num_blocks, block_tokens
         self.layer_offset = layer_offset
         self.slots = num_blocks * block_tokens
-        self.store = torch.empty((num_layers, 2, kv_heads, self.slots, head_dim), dtype=dtype, device=device)
+        self.scratch_block = num_blocks if scratch else None
+        stored = self.slots + (block_tokens if scratch else 0)
+        self.store = torch.empty((num_layers, 2, kv_heads, stored, head_dim), dtype=dtype, device=device)
         # Token id per slot, on the CPU (the penalties read it as a list); int32 as the wire's ids.
         self.tokens = torch.full((self.slots,), NO_TOKEN, dtype=torch.int32)
 

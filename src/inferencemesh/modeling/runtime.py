@@ -26,6 +26,9 @@ import torch
 from torch import nn
 
 from inferencemesh.modeling.attention import PackedAttention, kv_cache_dtype
+from inferencemesh.modeling.decode_graphs import DecodeGraphs
+from inferencemesh.modeling.decode_graphs import covers as graphs_cover
+from inferencemesh.modeling.decode_graphs import wanted as decode_graphs_wanted
 from inferencemesh.modeling.families import ForwardHooks, forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
@@ -105,6 +108,7 @@ class StageRuntime:
         self._plan_attention(stage)
         self._plan_rotary(stage)
         self._lean: list[LeanLayer | None] = [None] * len(self._layers)
+        self._graphs: DecodeGraphs | None = None  # new_pool's, where its decode steps run as graphs
         if lean and None in self._rope_tables:  # one rotary table for every layer
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
             self._norm = lean_norm(self._norm)
@@ -155,10 +159,19 @@ class StageRuntime:
             max_context=self.max_context,
         )
 
-    def new_pool(self, num_blocks: int, block_tokens: int = KV_BLOCK_TOKENS) -> KVPool:
-        """The stage's KV pool: num_blocks blocks of block_tokens positions for its layers."""
-        return KVPool(len(self._layers), self.layer_start, self._kv_heads, self._head_dim, num_blocks=num_blocks,
-                      block_tokens=block_tokens, dtype=self._kv_dtype, device=self.device)
+    def new_pool(self, num_blocks: int, block_tokens: int = KV_BLOCK_TOKENS, *, decode_graphs: bool | None = None
+                 ) -> KVPool:
+        """The stage's KV pool: num_blocks blocks of block_tokens positions for its layers.
+        decode_graphs: its decode steps through modeling/decode_graphs.py, captured as CUDA graphs
+        on a GPU (None: there, where the stage's layers allow it; True on the CPU: the same
+        fixed-shape step, uncaptured)."""
+        graphs = decode_graphs if decode_graphs is not None else decode_graphs_wanted(self.device)
+        graphs = graphs and graphs_cover(self)
+        pool = KVPool(len(self._layers), self.layer_start, self._kv_heads, self._head_dim, num_blocks=num_blocks,
+                      block_tokens=block_tokens, dtype=self._kv_dtype, device=self.device, scratch=graphs)
+        if graphs:
+            self._graphs = DecodeGraphs(self, pool, capture=self.device.type == "cuda")
+        return pool
 
     # ------------------------------------------------------------------ forward
 
@@ -227,6 +240,10 @@ class StageRuntime:
         each weight is read once for all of them (what makes decoding many sessions cheap);
         attention runs over each session's own keys and values, per segment (attention.PackedAttention).
         """
+        if self._graphs is not None and self._graphs.takes(segments):
+            stepped = self._graphs.run(segments)
+            if stepped is not None:
+                return stepped
         if len(segments) == 1:
             seg = segments[0]
             feed = {"token_ids": seg.inputs} if self.is_first else {"hidden": seg.inputs}

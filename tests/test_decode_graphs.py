@@ -1,0 +1,173 @@
+"""The fixed-shape decode step that a GPU stage captures as CUDA graphs (modeling/decode_graphs.py),
+run uncaptured on the CPU: it computes the logits (last stage) and hidden states (earlier stages)
+the eager pass computes, for batches padded to their bucket, tables scattered or consecutive, across
+a length bucket's edge, over a pool whose unwritten slots hold NaN; its padding writes nowhere but
+the scratch block; and what it does not cover (a verify window, a prompt chunk, a cache of a
+session's own, a layer that is not lean) runs eagerly. On a GPU (marker gpu) the same comparison
+runs with the graphs captured and replayed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from inferencemesh.bundled import DEFAULT_MODEL, bundled_path
+from inferencemesh.modeling import decode_graphs
+from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
+from inferencemesh.modeling.runtime import Segment, StageRuntime
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+BLOCKS = 80
+TABLES = [list(range(0, 20)), [40, 3, 77, 12, *range(21, 37)], list(range(60, 70))]  # consecutive, scattered, short
+PROMPTS = [torch.arange(250) % 300 + 5, torch.arange(100) % 200 + 9, torch.arange(30) + 50]
+STEPS = 10  # the first session crosses position 256: from the 16-block bucket to the 32-block one
+
+
+def make(device: str = "cpu", layers: tuple[int, int] = (0, 8), **kwargs) -> StageRuntime:
+    return StageRuntime(bundled_path(DEFAULT_MODEL), *layers, dtype="float32", max_context=1024, device=device,
+                        **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runtime() -> StageRuntime:
+    return make()
+
+
+def prefill(runtime: StageRuntime, pool: KVPool) -> None:
+    pool.store.fill_(float("nan"))  # what the pool held before: nothing of it may be read
+    for table, prompt in zip(TABLES, PROMPTS, strict=True):
+        runtime.forward(BlockTableKV(pool, table, 0, len(prompt)), 0, token_ids=prompt)
+
+
+def decode_both(runtime: StageRuntime, eager: KVPool, graphs: KVPool, sessions: int, steps: int = STEPS
+                ) -> list[list[int]]:
+    """The first `sessions` sessions' greedy steps over both pools, batched, each step's logits
+    compared; returns the tokens."""
+    positions = [len(p) for p in PROMPTS[:sessions]]
+    tokens = [[int(p[-1]) + 1] for p in PROMPTS[:sessions]]
+    for _ in range(steps):
+        outs = []
+        for pool in (eager, graphs):
+            segments = [Segment(BlockTableKV(pool, table, pos, 1), pos, torch.tensor(seq[-1:]))
+                        for table, pos, seq in zip(TABLES, positions, tokens, strict=False)]
+            outs.append(runtime.forward_batch(segments))
+        for want, got in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+        for seq, row in zip(tokens, outs[1], strict=True):
+            seq.append(int(row.argmax()))
+        positions = [p + 1 for p in positions]
+    return tokens
+
+
+@pytest.mark.parametrize("sessions", [1, 3])  # 3 rows: a batch padded to its bucket of 4
+def test_the_fixed_shape_step_computes_the_eager_logits(runtime, sessions) -> None:
+    eager, graphs = runtime.new_pool(BLOCKS), runtime.new_pool(BLOCKS, decode_graphs=True)
+    assert runtime._graphs is not None and runtime._graphs.pool is graphs
+    prefill(runtime, eager)
+    prefill(runtime, graphs)
+    decode_both(runtime, eager, graphs, sessions)
+    used = {key for key in runtime._graphs._graphs if key[0] == (1 if sessions == 1 else 4)}
+    assert {blocks for _, blocks in used} == {16, 32}  # it ran in both length buckets
+
+
+def test_a_later_stage_takes_hidden_rows_and_a_split_equals_one_stage() -> None:
+    first, last = make(layers=(0, 4)), make(layers=(4, 8))
+    pools = [(rt.new_pool(BLOCKS), rt.new_pool(BLOCKS, decode_graphs=True)) for rt in (first, last)]
+    whole = make()
+    whole_pool = whole.new_pool(BLOCKS)
+    prefill(whole, whole_pool)
+    for pair in pools:
+        for pool in pair:
+            pool.store.fill_(float("nan"))
+    for table, prompt in zip(TABLES, PROMPTS, strict=True):
+        for index in (0, 1):
+            hidden = first.forward(BlockTableKV(pools[0][index], table, 0, len(prompt)), 0, token_ids=prompt)
+            last.forward(BlockTableKV(pools[1][index], table, 0, len(prompt)), 0, hidden=hidden)
+    positions, tokens = [len(p) for p in PROMPTS], [torch.tensor([7]), torch.tensor([8]), torch.tensor([9])]
+    for _ in range(4):
+        results = []
+        for index in (0, 1):
+            hidden = first.forward_batch([Segment(BlockTableKV(pools[0][index], t, p, 1), p, x)
+                                          for t, p, x in zip(TABLES, positions, tokens, strict=True)])
+            results.append(last.forward_batch([Segment(BlockTableKV(pools[1][index], t, p, 1), p, h)
+                                               for t, p, h in zip(TABLES, positions, hidden, strict=True)]))
+        alone = whole.forward_batch([Segment(BlockTableKV(whole_pool, t, p, 1), p, x)
+                                     for t, p, x in zip(TABLES, positions, tokens, strict=True)])
+        for eager_row, graph_row, whole_row in zip(*results, alone, strict=True):
+            torch.testing.assert_close(graph_row, eager_row, **TOL)
+            torch.testing.assert_close(graph_row, whole_row, **TOL)
+        tokens = [row.argmax(-1).reshape(1) for row in results[1]]
+        positions = [p + 1 for p in positions]
+    assert first._graphs is not None and first._graphs._graphs and last._graphs and last._graphs._graphs
+
+
+def test_padding_rows_write_only_the_scratch_block(runtime) -> None:
+    pool = runtime.new_pool(BLOCKS, decode_graphs=True)
+    prefill(runtime, pool)
+    before = pool.store.clone()
+    position = len(PROMPTS[0])
+    runtime.forward_batch([Segment(BlockTableKV(pool, TABLES[0], position, 1), position, torch.tensor([3]))])
+    runtime.forward_batch([Segment(BlockTableKV(pool, table, len(p), 1), len(p), torch.tensor([3]))
+                           for table, p in zip(TABLES, PROMPTS, strict=True)])  # 3 rows in the bucket of 4
+    size = pool.block_tokens
+    changed = (pool.store != before) & ~(pool.store.isnan() & before.isnan())
+    slots = changed.any(dim=(0, 1, 2, 4)).nonzero().flatten().tolist()
+    written = {TABLES[i][len(p) // size] * size + len(p) % size for i, p in enumerate(PROMPTS)}
+    assert pool.scratch_block == BLOCKS and pool.store.shape[3] == (BLOCKS + 1) * size
+    assert set(slots) - written <= set(range(BLOCKS * size, (BLOCKS + 1) * size))  # the rest: scratch only
+    assert written <= set(slots)
+
+
+def test_frames_it_does_not_cover_run_eagerly(runtime) -> None:
+    pool = runtime.new_pool(BLOCKS, decode_graphs=True)
+    prefill(runtime, pool)
+    graphs = runtime._graphs
+    assert graphs is not None
+    position = len(PROMPTS[0])
+    window = Segment(BlockTableKV(pool, TABLES[0], position, 3), position, torch.tensor([1, 2, 3]), "all")
+    step = Segment(BlockTableKV(pool, TABLES[0], position, 1), position, torch.tensor([1]), "all")
+    own = Segment(runtime.new_session(), 0, torch.tensor([1]))
+    other_pool = runtime.new_pool(BLOCKS)  # no graphs of its own: this one's stay the runtime's
+    assert runtime._graphs is graphs
+    elsewhere = Segment(BlockTableKV(other_pool, TABLES[0], 0, 1), 0, torch.tensor([1]))
+    for segments in ([window], [step], [own], [elsewhere], [Segment(BlockTableKV(pool, TABLES[1], 100, 1), 100,
+                                                                    torch.tensor([4]))] * 65):
+        assert not graphs.takes(segments)
+    decoding = Segment(BlockTableKV(pool, TABLES[0], position, 1), position, torch.tensor([1]))
+    assert graphs.takes([decoding]) and graphs.takes([decoding, Segment(BlockTableKV(pool, TABLES[1], 100, 1),
+                                                                        100, torch.tensor([4]), "none")])
+
+
+def test_a_stage_with_a_layer_that_is_not_lean_keeps_the_eager_step() -> None:
+    runtime = make(lean=False)
+    assert not decode_graphs.covers(runtime)
+    pool = runtime.new_pool(BLOCKS, decode_graphs=True)
+    assert runtime._graphs is None and pool.scratch_block is None
+
+
+def test_graphs_are_wanted_on_cuda_unless_turned_off(monkeypatch) -> None:
+    assert not decode_graphs.wanted(torch.device("cpu"))
+    assert decode_graphs.wanted(torch.device("cuda"))
+    monkeypatch.setenv(decode_graphs.ENV, "0")
+    assert not decode_graphs.wanted(torch.device("cuda"))
+
+
+DEVICE = os.environ.get("INFERENCEMESH_TEST_DEVICE", "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graphs_replay_the_eager_logits_on_cuda() -> None:
+    runtime = make(DEVICE)
+    # On CUDA by default; the CPU's dry run asks for the (uncaptured) step.
+    eager = runtime.new_pool(BLOCKS, decode_graphs=False)
+    graphs = runtime.new_pool(BLOCKS, decode_graphs=True if DEVICE == "cpu" else None)
+    assert runtime._graphs is not None and runtime._graphs.capture == (DEVICE == "cuda")
+    prefill(runtime, eager)
+    prefill(runtime, graphs)
+    tokens = decode_both(runtime, eager, graphs, 3)
+    assert runtime._graphs.failed is None
+    assert runtime._graphs.captured == (2 if DEVICE == "cuda" else 0)  # (4 rows) x (16 and 32 blocks)
+    print(f"GPU-REPORT decode graphs captured: {runtime._graphs.captured}, tokens {tokens[0][:6]}")
