@@ -30,8 +30,9 @@ INT8 kernels beat the 16-bit weight's decode; FP8, which has no CPU kernel, save
 stages), not time.
 
 On CUDA: FP8 per tensor or channel runs torch._scaled_mm (activations quantized per token,
-dynamically, as vLLM does on H100), FP8 blocks dequantize; INT4 runs tinygemm
-(torch._weight_int4pack_mm, bfloat16); INT8 dequantizes into scratch.
+dynamically, as vLLM does on H100) where _scaled_mm_takes says it can (bfloat16, sizes of 16,
+sm89+), else dequantizes, as FP8 blocks do; INT4 runs tinygemm (torch._weight_int4pack_mm,
+bfloat16, _int4_cuda_takes); INT8 dequantizes into scratch.
 """
 
 from __future__ import annotations
@@ -115,6 +116,31 @@ def _int4_cpu_packed(q: torch.Tensor, check: bool = True) -> torch.Tensor:
     return (u[:, 0] & 0x0F | u[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def _scaled_mm_takes(quant: WeightQuant, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether FP8 [n, k] runs torch._scaled_mm on this device: per tensor or channel (one row-wise
+    scale per output), both sizes multiples of 16 (cuBLASLt's FP8 GEMM), bfloat16 out (the
+    row-wise output every torch since 2.5 takes), on a GPU with FP8 units (compute capability 8.9+)."""
+    return device.type == "cuda" and quant.strategy in ("tensor", "channel") and n % 16 == 0 and k % 16 == 0 \
+        and dtype == torch.bfloat16 and _capability(device) >= (8, 9)
+
+
+def _int4_cuda_takes(n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether INT4 [n, k] runs tinygemm (torch._weight_int4pack_mm) here: bfloat16 activations,
+    whole tiles of 8 outputs (its scales must have exactly n rows, n rounded up to 8), sm80+."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and n % 8 == 0 and _capability(device) >= (8, 0)
+
+
+def _inner_k_tiles(k: int) -> int:
+    """tinygemm's k-tiles (16 inputs each) packed together: 8, 4 or 2, whichever divides k's tiles
+    (_convert_weight_to_int4pack refuses k not a multiple of 16 x innerKTiles; a group size of 32
+    or more divides k, so 2 always does)."""
+    return next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held quantized (see the module docstring for how it computes)."""
 
@@ -140,7 +166,8 @@ class QuantizedLinear(nn.Module):
         # per channel or tensor: the scale multiplies the product's columns, not each weight
         self.scaled_after = quant.strategy in ("channel", "tensor") and zero is None and quant.bits == 8
         if quant.kind == "float":
-            self.path = "scaled_mm" if device.type == "cuda" and quant.strategy != "block" else "fp8_dequant"
+            self.path = "scaled_mm" if _scaled_mm_takes(quant, self.out_features, self.in_features, dtype, device) \
+                else "fp8_dequant"
             self.register_buffer("weight", weight.to(device))
             self.register_buffer("scale", scale.to(device, dtype))
         elif quant.bits == 4:
@@ -162,11 +189,11 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("weight", _int4_cpu_packed(q).to(device))
             # more rows dequantize its blocks (whole ones only: a last partial block is laid out otherwise)
             self.kernel_rows = INT4_KERNEL_ROWS if self.out_features % INT4_BLOCK == 0 else 1 << 62
-        elif kernel and device.type == "cuda" and dtype == torch.bfloat16:
+        elif kernel and _int4_cuda_takes(self.out_features, dtype, device):
             self.path = "int4_cuda"  # tinygemm: high nibble first
             unsigned = q.to(torch.int32) + 8
             nibbles = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8).to(device)
-            self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, 8))
+            self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, _inner_k_tiles(self.in_features)))
         else:
             self.path = "int4_dequant"  # a row's first half in the low nibbles, its second in the high ones
             unsigned = _nibbles(q)
@@ -307,7 +334,8 @@ class QuantizedLinear(nn.Module):
         finfo = torch.finfo(torch.float8_e4m3fn)
         x_scale = rows.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / finfo.max
         x_fp8 = (rows / x_scale).clamp(finfo.min, finfo.max).to(torch.float8_e4m3fn)
-        w_scale = self.scale.float().expand(self.out_features, 1).reshape(1, -1)
+        # [1, out], contiguous: a per-tensor scale expanded has stride 0, which CUDA's row-wise check refuses
+        w_scale = self.scale.float().expand(self.out_features, 1).reshape(1, -1).contiguous()
         return torch._scaled_mm(x_fp8, self.weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=self.compute_dtype)
 
     @property
@@ -408,7 +436,8 @@ class QuantizedEmbedding(nn.Module):
         return self._rows(torch.arange(self.num_embeddings, device=self.values.device))
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.values.index_select(0, ids)
+        # FP8 rows gathered as their bytes: CUDA's index_select is not built for float8 in every torch
+        rows = self.values.view(torch.uint8).index_select(0, ids).view(self.values.dtype)
         if rows.dtype == torch.uint8:  # INT4: each byte two signed values (stored plus 8)
             rows = torch.stack([rows & 0x0F, rows >> 4], -1).reshape(len(ids), -1).to(torch.float32) - 8
         # multiplied in float32, as a dequantized matrix (q x scale) is made
