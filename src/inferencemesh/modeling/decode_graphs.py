@@ -184,7 +184,9 @@ class DecodeGraphs:
                 self._step(entry)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
+        # thread_local: other threads of the process (a frontend's sampling, an embedded stage's
+        # neighbours) may use CUDA while this one records.
+        with torch.cuda.graph(graph, pool=self._memory, capture_error_mode="thread_local"):
             entry.outputs = self._step(entry)
         entry.graph = graph
         self.captured += 1
