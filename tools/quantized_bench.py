@@ -4,6 +4,7 @@
     python tools/quantized_bench.py --shape llama-150m --json docs/benchmarks/quantized-llama-150m.json
     git show COMMIT:src/inferencemesh/modeling/quantized.py > /tmp/quantized-before.py
     python tools/quantized_bench.py --before /tmp/quantized-before.py ...   # FORMAT@before beside FORMAT
+    python tools/quantized_bench.py --device cuda --shape llama-1b --rounds 2 --json out.json   # on a GPU
 
 Each format (bf16, and int8, int4, fp8 quantized as the stages read the 16-bit checkpoint:
 load_stage(quantization=...), what `--quantization` does) runs the whole model as one stage, in
@@ -22,6 +23,14 @@ pairs measurements taken seconds apart), the best round and the raw rounds kept 
 The issue's targets (int8 ≥ 1.2 and int4 ≥ 1.3 × bf16 decode at batch 1, every format ≥ 1.0 at
 batch 8, load ≤ 1.0 × bf16, bytes ≤ 0.55 (fp8, int8) / 0.3 (int4)) are checked in the JSON. The
 machine's load (`uptime`) is recorded before and after: numbers from a busy machine are noisier.
+
+--device cuda: the same, on the GPU (its kernels: tinygemm for INT4, torch._scaled_mm for FP8, see
+modeling/quantized.py), each timed step, prefill and load between two torch.cuda.synchronize().
+Decoding there runs as a GPU stage's does: the sessions' KV in the runtime's block pool, every step
+through forward_batch, so as CUDA graphs where the stage's decode steps are captured
+(modeling/decode_graphs.py; INFERENCEMESH_DECODE_GRAPHS=0 measures them eager); whether each
+format's steps were captured is recorded (--pool: the same on a CPU, uncaptured). The targets
+above are the issue's for a CPU: on a GPU they are figures, not goals.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from inferencemesh.bundled import resolve_model
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.compute_dtype import cpu_flags
 from inferencemesh.modeling import quantized_load
+from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.runtime import Segment, StageRuntime
@@ -60,15 +70,28 @@ TARGETS = [  # (metric, format, op, value)
 ]
 PROMPT = 16  # tokens each decoding session reads before its timed steps
 MAX_CONTEXT = 2048  # serve's default
+BLOCK = 16  # positions a KV block holds (a GPU stage's, protocol.transport.KV_BLOCK_TOKENS)
+DEVICE = torch.device("cpu")  # --device
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (a timed step ends when its kernels have)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def machine() -> dict:
     flags = cpu_flags()
     model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    out = {"cpu": model, "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+           "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform()}
+    if DEVICE.type == "cuda":
+        props = torch.cuda.get_device_properties(DEVICE)
+        out["gpu"] = {"name": props.name, "capability": list(torch.cuda.get_device_capability(DEVICE)),
+                      "memory_GiB": round(props.total_memory / 2 ** 30, 1), "cuda": torch.version.cuda}
+    return out
 
 
 def tree() -> dict:
@@ -96,11 +119,11 @@ def quantization(fmt: str) -> str | None:
 def load(model: Path, start: int, end: int, fmt: str) -> StageModules:
     """load_stage; a "@before" format quantizes with --before's quantize() (its QuantizedLinear)."""
     if not fmt.endswith("@before"):
-        return load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+        return load_stage(model, start, end, dtype="bfloat16", device=str(DEVICE), quantization=quantization(fmt))
     ours = quantized_load.quantize
     quantized_load.quantize = BEFORE["module"].quantize
     try:
-        return load_stage(model, start, end, dtype="bfloat16", device="cpu", quantization=quantization(fmt))
+        return load_stage(model, start, end, dtype="bfloat16", device=str(DEVICE), quantization=quantization(fmt))
     finally:
         quantized_load.quantize = ours
 
@@ -113,19 +136,23 @@ def runtime(model: Path, start: int, end: int, fmt: str, context: int) -> tuple[
     held = {id(t): t.numel() * t.element_size() for m in (modules.embed, modules.layers, modules.norm,
                                                            modules.lm_head)
             if m is not None for t in [*m.parameters(), *m.buffers()]}
-    return (StageRuntime(model, start, end, dtype="bfloat16", device="cpu", max_context=context, modules=modules),
-            sum(held.values()))
+    return (StageRuntime(model, start, end, dtype="bfloat16", device=str(DEVICE), max_context=context,
+                         modules=modules), sum(held.values()))
 
 
 def load_two_stages(model: Path, fmt: str, bounds: list[tuple[int, int]]) -> tuple[float, list[int]]:
     """Seconds until both stages of the 2-stage plan are ready to run (StageRuntime: load_stage, then
     the CPU's weight packing), one after the other, and the bytes each one's weights hold."""
+    sync()
     start = time.perf_counter()
     stages = [runtime(model, a, b, fmt, MAX_CONTEXT) for a, b in bounds]
+    sync()
     seconds = time.perf_counter() - start
     held = [h for _, h in stages]
     del stages
     gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
     return seconds, held
 
 
@@ -136,10 +163,19 @@ def paths(runtime: StageRuntime) -> dict[str, str]:
 
 
 class Decoder:
-    """`len(prompts)` sessions of one runtime decoding greedy tokens together, a step at a time."""
+    """`len(prompts)` sessions of one runtime decoding greedy tokens together, a step at a time
+    (with a pool: each session's KV in its blocks of it, as a GPU stage keeps it, every step
+    through forward_batch)."""
 
-    def __init__(self, runtime: StageRuntime, prompts: list[torch.Tensor]) -> None:
+    def __init__(self, runtime: StageRuntime, prompts: list[torch.Tensor],
+                 pool: tuple[KVPool, int] | None = None) -> None:
         self.runtime = runtime
+        self.pool = None
+        if pool is not None:  # (the pool, blocks a session)
+            self.pool, per = pool
+            self.tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+            self.pooled(prompts)
+            return
         self.sessions = [runtime.new_session() for _ in prompts]
         self.last = []
         for kv, prompt in zip(self.sessions, prompts, strict=True):
@@ -148,8 +184,19 @@ class Decoder:
             self.last.append(int(logits[-1].argmax()))
         self.pos = prompts[0].numel()
 
+    def pooled(self, prompts: list[torch.Tensor]) -> None:
+        assert self.pool is not None
+        self.last = []
+        for table, prompt in zip(self.tables, prompts, strict=True):
+            logits = self.runtime.forward(BlockTableKV(self.pool, table, 0, prompt.numel()), 0, token_ids=prompt)
+            assert logits is not None
+            self.last.append(int(logits[-1].argmax()))
+        self.pos = prompts[0].numel()
+
     def step(self) -> float:
         """Seconds for one step of every session."""
+        if self.pool is not None:
+            return self.pooled_step()
         start = time.perf_counter()
         if len(self.sessions) == 1:
             outs = [self.runtime.forward(self.sessions[0], self.pos, token_ids=torch.tensor([self.last[0]]))]
@@ -160,11 +207,25 @@ class Decoder:
         self.pos += 1
         return time.perf_counter() - start
 
+    def pooled_step(self) -> float:
+        assert self.pool is not None
+        segments = [Segment(BlockTableKV(self.pool, table, self.pos, 1), self.pos, torch.tensor([t]))
+                    for table, t in zip(self.tables, self.last, strict=True)]
+        sync()
+        start = time.perf_counter()
+        outs = self.runtime.forward_batch(segments)
+        self.last = [int(o[-1].argmax()) for o in outs if o is not None]  # the sampler's read: a sync
+        sync()
+        seconds = time.perf_counter() - start
+        self.pos += 1
+        return seconds
 
-def decode(runtimes: dict[str, StageRuntime], prompts: list[torch.Tensor], steps: int) -> dict[str, float]:
+
+def decode(runtimes: dict[str, StageRuntime], prompts: list[torch.Tensor], steps: int,
+           pools: dict[str, tuple[KVPool, int]] | None = None) -> dict[str, float]:
     """Tokens per second per format, the formats taking turns step by step (a step is tens of
     milliseconds: the machine's drifting load falls on all of them alike); from the median step."""
-    decoders = {f: Decoder(rt, prompts) for f, rt in runtimes.items()}
+    decoders = {f: Decoder(rt, prompts, (pools or {}).get(f)) for f, rt in runtimes.items()}
     times: dict[str, list[float]] = {f: [] for f in runtimes}
     for _ in range(steps):
         for f, d in decoders.items():
@@ -174,9 +235,20 @@ def decode(runtimes: dict[str, StageRuntime], prompts: list[torch.Tensor], steps
 
 def prefill(runtime: StageRuntime, ids: torch.Tensor) -> float:
     kv = runtime.new_session()
+    sync()
     start = time.perf_counter()
     runtime.forward(kv, 0, token_ids=ids)
+    sync()
     return ids.numel() / (time.perf_counter() - start)
+
+
+def graphs_state(runtime: StageRuntime) -> dict:
+    """Whether this runtime's pooled decode steps ran as CUDA graphs (modeling/decode_graphs.py)."""
+    graphs = getattr(runtime, "_graphs", None)
+    if graphs is None:
+        return {"captured_graphs": False, "fixed_shape_step": False}
+    return {"captured_graphs": bool(graphs.capture), "captured": graphs.captured, "failed": graphs.failed,
+            "buckets": sorted(graphs._graphs)}
 
 
 def measure(model: Path, args: argparse.Namespace) -> dict:
@@ -190,6 +262,11 @@ def measure(model: Path, args: argparse.Namespace) -> dict:
     long = torch.randint(3, vocab, (args.prefill_tokens,), generator=gen)
     context = max(args.prefill_tokens, PROMPT + args.decode_tokens) + 8
     runtimes = {f: runtime(model, 0, layers, f, context)[0] for f in args.formats}
+    pools = None
+    if DEVICE.type == "cuda" or args.pool:  # a GPU stage's KV: blocks of a pool, the sessions' tables in it
+        per = -(-(PROMPT + args.decode_tokens + 1) // BLOCK)
+        graphs = True if DEVICE.type == "cpu" else None  # --pool: the fixed-shape step, uncaptured
+        pools = {f: (rt.new_pool(len(prompts) * per, BLOCK, decode_graphs=graphs), per) for f, rt in runtimes.items()}
     rounds: dict[str, dict[str, list[float]]] = {f: {} for f in args.formats}
     held: dict[str, list[int]] = {}
     for r in range(args.rounds):
@@ -197,12 +274,15 @@ def measure(model: Path, args: argparse.Namespace) -> dict:
             seconds, held[f] = load_two_stages(model, f, bounds)
             rounds[f].setdefault("load_2_stages_s", []).append(seconds)
         for b in args.batch:
-            for f, rate in decode(runtimes, prompts[:b], args.decode_tokens).items():
+            for f, rate in decode(runtimes, prompts[:b], args.decode_tokens, pools).items():
                 rounds[f].setdefault(f"decode_b{b}_tok_s", []).append(rate)
         for f in args.formats:
             rounds[f].setdefault("prefill_tok_s", []).append(prefill(runtimes[f], long))
             print(f"round {r + 1} {f:11} " + "  ".join(f"{k} {v[-1]:.2f}" for k, v in rounds[f].items()), flush=True)
-    return summarize(rounds, held, bounds, {f: paths(rt) for f, rt in runtimes.items()})
+    out = summarize(rounds, held, bounds, {f: paths(rt) for f, rt in runtimes.items()})
+    if pools is not None:
+        out["decode_graphs"] = {f: graphs_state(rt) for f, rt in runtimes.items()}
+    return out
 
 
 def summarize(rounds: dict[str, dict[str, list[float]]], held: dict[str, list[int]], bounds: list[tuple[int, int]],
@@ -272,7 +352,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch's CPU threads (a GPU stage's are 1 too)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--pool", action="store_true", help="decode over a block pool, as on cuda (always there): a CPU "
+                                                       "dry run of that path")
     p.add_argument("--json", type=Path)
     p.add_argument("--summarize", type=Path, help="only summarize (again) the rounds of a JSON this wrote")
     p.add_argument("--before", type=Path, help="another commit's modeling/quantized.py: its formats measured "
@@ -283,6 +366,10 @@ def main() -> None:
         return
     if "bf16" not in args.formats:
         p.error("--formats must include bf16 (the baseline)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
+    global DEVICE
+    DEVICE = torch.device(args.device)
     args.formats = ["bf16", *[f for f in args.formats if f != "bf16"]]
     if args.before:
         spec = util.spec_from_file_location("quantized_before", args.before)
@@ -299,8 +386,8 @@ def main() -> None:
         model = Path(resolve_model(args.model))
     report = {"issue": 36, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "tree": tree(),
-              "model": args.shape or str(model), "threads": args.threads, "rounds": args.rounds,
-              "compute_dtype": "bfloat16", "decode_tokens": args.decode_tokens,
+              "model": args.shape or str(model), "device": args.device, "threads": args.threads,
+              "rounds": args.rounds, "compute_dtype": "bfloat16", "decode_tokens": args.decode_tokens,
               "prefill_tokens": args.prefill_tokens, "before": str(args.before) if args.before else None,
               "uptime_before": uptime(),
               "note": "formats interleaved round by round; over_bf16: the median of each round's ratio to that "
