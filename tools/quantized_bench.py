@@ -334,10 +334,11 @@ def resummarize(path: Path) -> None:
     """The report at `path` with its results summarized from its raw rounds (as summarize does now)."""
     report = json.loads(path.read_text())
     formats = report["results"]["formats"]
-    report["results"] = summarize({f: v["rounds"] for f, v in formats.items()},
-                                  {f: v["stage_weight_bytes"] for f, v in formats.items()},
-                                  [(a, b) for a, b in report["results"]["stages_2_plan"]],
-                                  {f: v["layer_0_paths"] for f, v in formats.items()})
+    again = summarize({f: v["rounds"] for f, v in formats.items()},
+                      {f: v["stage_weight_bytes"] for f, v in formats.items()},
+                      [(a, b) for a, b in report["results"]["stages_2_plan"]],
+                      {f: v["layer_0_paths"] for f, v in formats.items()})
+    report["results"] = {**report["results"], **again}  # what summarize does not make (decode_graphs) kept
     report["summarized_by"] = tree()["commit"]
     print(table(report["results"]))
     path.write_text(json.dumps(report, indent=2) + "\n")
