@@ -3,7 +3,9 @@
 # repository's root, with wheels for what its image lacks in .whl/: see docs/benchmarks/README.md):
 # the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
 # the next runs whatever the last did; everything is written under $OUT.
-#   bash tools/gpu/checklist.sh [steps...]   (default: all; steps: tests profile latency speculation concurrency)
+#   bash tools/gpu/checklist.sh [steps...]
+#   default: tests profile latency speculation concurrency quantized; also: quantized-tests (the
+#   quantized-weight tests of tests/test_gpu.py alone: `tests` runs them with the rest)
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -13,7 +15,7 @@ if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then  # NO_WHEELS=1: a dry run here
     || exit 1
 fi
 export PYTHONPATH="/tmp/site:$PWD/src"
-STEPS=${*:-tests profile latency speculation concurrency}
+STEPS=${*:-tests profile latency speculation concurrency quantized}
 
 step() {  # name, limit in seconds, command...
   local name=$1 limit=$2 started=$SECONDS
@@ -31,7 +33,9 @@ BENCH="python3 -m inferencemesh bench"
 
 for s in $STEPS; do
   case $s in
-    tests) step tests 120 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
+    tests) step tests 180 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
+    quantized-tests) step quantized-tests 90 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 60 \
+      -p no:cacheprovider -k quantized ;;
     latency) step latency 130 $BENCH --shape llama-1b --stages 1,2 --new-tokens 64 --repeats 1 --prompts code \
       --json "$OUT/bench-llama-1b.json" ;;
     profile) step profile 150 python3 tools/gpu_decode_profile.py --shape llama-1b --dtype bfloat16 \
@@ -40,9 +44,15 @@ for s in $STEPS; do
       --json "$OUT/bench-speculation-bundled.json" ;;
     concurrency) step concurrency 90 $BENCH --shape llama-1b --stages 1,2 --concurrency 1,8 --new-tokens 64 \
       --repeats 1 --json "$OUT/bench-concurrency-llama-1b.json" ;;
+    # INT8, INT4 and FP8 quantized at load against bf16 on the GPU's kernels: decode batch 1 and 8
+    # (as CUDA graphs where captured), prefill, load, bytes (tools/quantized_bench.py)
+    quantized) step quantized 120 python3 tools/quantized_bench.py --device cuda --shape llama-1b --rounds 2 \
+      --json "$OUT/quantized-cuda.json" ;;
+    *) echo "=== $s: no such step" | tee -a "$OUT/log" ;;
   esac
 done
 echo "=== summary"
-grep -E "passed|failed|error|GPU-REPORT|^FAILED|^ERROR" "$OUT/log" | tail -40
+grep -E "passed|failed|error|GPU-REPORT|^FAILED|^ERROR" "$OUT/log" | tail -60
 grep -E '^\{"config"' "$OUT/log"
 grep -E "tok/s|acceptance|ratio" "$OUT/log" | grep -v "^\[" | tail -40
+grep -E "^(format|bf16|int8|int4|fp8) |^(PASS|FAIL) " "$OUT/log" | tail -20
