@@ -3,7 +3,7 @@
 # repository's root, with wheels for what its image lacks in .whl/: see docs/benchmarks/README.md):
 # the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
 # the next runs whatever the last did; everything is written under $OUT.
-#   bash tools/gpu/checklist.sh [steps...]
+#   bash tools/gpu/checklist.sh [steps...]   (default: all; steps: tests graphs latency quantized profile speculation concurrency quantized-tests)
 #   default: tests profile latency speculation concurrency quantized; also: quantized-tests (the
 #   quantized-weight tests of tests/test_gpu.py alone: `tests` runs them with the rest)
 set -o pipefail
@@ -15,7 +15,7 @@ if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then  # NO_WHEELS=1: a dry run here
     || exit 1
 fi
 export PYTHONPATH="/tmp/site:$PWD/src"
-STEPS=${*:-tests profile latency speculation concurrency quantized}
+STEPS=${*:-tests graphs latency quantized profile speculation concurrency}
 
 step() {  # name, limit in seconds, command...
   local name=$1 limit=$2 started=$SECONDS
@@ -33,7 +33,11 @@ BENCH="python3 -m inferencemesh bench"
 
 for s in $STEPS; do
   case $s in
-    tests) step tests 180 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 90 -p no:cacheprovider ;;
+    tests) step tests 200 python3 -m pytest -m gpu tests/test_gpu.py tests/test_decode_graphs.py -q -rA --timeout 90 \
+      -p no:cacheprovider ;;
+    # The decode step eager against CUDA graphs, in one process, batch 1, 8 and 32 (modeling/decode_graphs.py)
+    graphs) step graphs 100 python3 tools/gpu/decode_graphs_bench.py --shape llama-1b \
+      --json "$OUT/decode-graphs-llama-1b.json" ;;
     quantized-tests) step quantized-tests 90 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 60 \
       -p no:cacheprovider -k quantized ;;
     latency) step latency 130 $BENCH --shape llama-1b --stages 1,2 --new-tokens 64 --repeats 1 --prompts code \
@@ -53,6 +57,6 @@ for s in $STEPS; do
 done
 echo "=== summary"
 grep -E "passed|failed|error|GPU-REPORT|^FAILED|^ERROR" "$OUT/log" | tail -60
-grep -E '^\{"config"' "$OUT/log"
+grep -E '^\{"(config|batch)"' "$OUT/log"
 grep -E "tok/s|acceptance|ratio" "$OUT/log" | grep -v "^\[" | tail -40
 grep -E "^(format|bf16|int8|int4|fp8) |^(PASS|FAIL) " "$OUT/log" | tail -20
