@@ -3,9 +3,9 @@
 # repository's root, with wheels for what its image lacks in .whl/: see docs/benchmarks/README.md):
 # the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
 # the next runs whatever the last did; everything is written under $OUT.
-#   bash tools/gpu/checklist.sh [steps...]   (default: all; steps: tests graphs latency quantized profile speculation concurrency quantized-tests)
-#   default: tests profile latency speculation concurrency quantized; also: quantized-tests (the
-#   quantized-weight tests of tests/test_gpu.py alone: `tests` runs them with the rest)
+#   bash tools/gpu/checklist.sh [steps...]
+#   default: tests graphs latency quantized profile speculation concurrency; also: quantized-tests
+#   (the quantized-weight tests of tests/test_gpu.py alone: `tests` runs them with the rest)
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
