@@ -171,3 +171,50 @@ def test_captured_graphs_replay_the_eager_logits_on_cuda() -> None:
     assert runtime._graphs.failed is None
     assert runtime._graphs.captured == (2 if DEVICE == "cuda" else 0)  # (4 rows) x (16 and 32 blocks)
     print(f"GPU-REPORT decode graphs captured: {runtime._graphs.captured}, tokens {tokens[0][:6]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_graphs_agree_with_transformers_bf16_on_the_bench_prompts() -> None:
+    """bf16: the graphs' argmax against transformers' bf16 argmax, all 8 bench prompts decoding
+    as one batch, teacher-forced on transformers' own greedy continuation (one early disagreement
+    does not decide the rest); the eager pool's share beside it. Reported; above 90% as the
+    eager runtime's own bf16 check (tests/test_gpu.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inferencemesh.programs.bench.models import PROMPTS as BENCH_PROMPTS
+
+    model_dir = bundled_path(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    model.generation_config.eos_token_id = None
+    runtime = StageRuntime(model_dir, 0, 8, dtype="bfloat16", device=DEVICE, max_context=512)
+    texts = BENCH_PROMPTS["code"] + BENCH_PROMPTS["prose"]
+    sequences, theirs, starts = [], [], []
+    with torch.inference_mode():
+        for text in texts:
+            ids = torch.tensor([tokenizer(text).input_ids], device=DEVICE)
+            sequence = model.generate(ids, max_new_tokens=48, do_sample=False, pad_token_id=0)[0]
+            theirs.append(model(sequence[None]).logits[0, ids.shape[1] - 1:-1].argmax(-1).tolist())
+            sequences.append(sequence.cpu())
+            starts.append(ids.shape[1])
+    shares = {}
+    for label, graphs in (("graphs", True if DEVICE == "cpu" else None), ("eager", False)):
+        pool = runtime.new_pool(len(texts) * 32, decode_graphs=graphs)
+        tables = [list(range(i * 32, (i + 1) * 32)) for i in range(len(texts))]
+        agree = total = 0
+        firsts = [runtime.forward(BlockTableKV(pool, t, 0, s), 0, token_ids=seq[:s])
+                  for t, s, seq in zip(tables, starts, sequences, strict=True)]
+        mine = [[int(f.argmax())] for f in firsts]
+        for step in range(47):
+            segments = [Segment(BlockTableKV(pool, t, s + step, 1), s + step, seq[s + step: s + step + 1])
+                        for t, s, seq in zip(tables, starts, sequences, strict=True)]
+            for row, out in zip(mine, runtime.forward_batch(segments), strict=True):
+                row.append(int(out.argmax()))
+        for ours, want in zip(mine, theirs, strict=True):
+            agree += sum(a == b for a, b in zip(ours, want, strict=True))
+            total += len(want)
+        shares[label] = round(agree / total, 4)
+    assert runtime._graphs is None or runtime._graphs.failed is None
+    print(f"GPU-REPORT bf16_graphs_agreement: {shares} over {total} positions")
+    assert shares["graphs"] > 0.9, shares
