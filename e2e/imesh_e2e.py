@@ -248,6 +248,15 @@ def probe_seconds(ns: str, pod: str, path: str = "/ready", port: int = 9090, n: 
     return [float(t) for t in proc.stdout.split()]
 
 
+def sigkill_container(containerd_address: str, pod: dict) -> None:
+    """SIGKILL the pod's (only) container through the node's containerd, as a crash would end it:
+    no SIGTERM, no preStop hook, no grace; the kubelet then restarts it in the same pod. Needs the
+    tests to run on the node (IMESH_E2E_CONTAINERD_ADDRESS, which tools/cluster/up.sh sets)."""
+    (status,) = pod["status"]["containerStatuses"]
+    subprocess.run(["ctr", "--address", containerd_address, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL",
+                    status["containerID"].split("://", 1)[1]], check=True, capture_output=True, timeout=30)
+
+
 def cluster_routes_missing() -> list[str]:
     """The cluster ranges (tools/cluster/lib.sh) that lack their unreachable route on this machine:
     [] while a cluster tools/cluster/up.sh brought up runs; both after tools/cluster/down.sh."""

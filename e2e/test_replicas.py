@@ -5,6 +5,7 @@ the endpoint Service <name>-frontend selects.
 One mesh (the module's `replicated` fixture) serves every test here, in order: it is Ready with two
 pipelines; a shared prefix sticks to one replica and a burst spreads over both; an HPA on the mesh is
 accepted; a stage of pipeline 0 lost mid-stream is replayed while pipeline 1 does not notice; a
+frontend SIGKILLed mid-stream fails its own streams visibly while the other pipeline's finish; a
 scale-down drains a pipeline under load (frontend first, then its stages) and a scale-up serves
 again; a crash-looping pipeline is marked Failed on its own and recovers on a budget reset; deleting
 the mesh leaves nothing behind. A test that changes the mesh puts it back (2 settled pipelines).
@@ -58,7 +59,9 @@ from imesh_e2e import (
     prefix,
     probe_failures,
     probe_seconds,
+    router_replicas,
     running_pods,
+    sigkill_container,
     stage_pod,
     wait_for,
     wait_router_replicas,
@@ -445,6 +448,142 @@ def test_a_stage_of_pipeline_0_lost_mid_stream_is_replayed_and_pipeline_1_is_una
     assert watch.states.get(1) == {"Ready"}, f"pipeline 1 was not Ready throughout: {watch.states}"
     assert restarts_of(ns, 1) == others, "pipeline 1's pods changed"
     assert stage_pod(ns, NAME, 1, 0)["metadata"]["name"] != victim
+
+
+# ---- a frontend killed mid-stream ---------------------------------------------------------------
+
+# 256 tokens: 4 undisturbed streams of 128 took 1.9 s here (speculation), and the victim's first
+# stream must still run once the 4th has its first token.
+KILL_STREAMS, KILL_TOKENS = 4, 256
+KILL_PROMPTS = [f"# killed frontend, stream {i}\n{PROMPTS[i % len(PROMPTS)]}" for i in range(KILL_STREAMS)]
+
+
+class Progress:
+    """A stream's chunks so far (each one or more tokens), and whether it has its first (or ended)."""
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.first = threading.Event()
+
+    def __call__(self, n: int) -> None:
+        self.chunks = n
+        self.first.set()
+
+
+def stream_outcome(client: OpenAI, prompt: str, max_tokens: int, progress: Progress | None = None
+                   ) -> tuple[str, str, str | None]:
+    """A greedy stream of exactly max_tokens tokens (ignore_eos), as a client sees it:
+    ("done", text, finish_reason) when the SDK's iteration ended normally, ("error", what it raised,
+    None) when it raised (an SSE error event: openai.APIError; a broken connection: an httpx error)."""
+    import httpx
+
+    pieces: list[str] = []
+    finish = None
+    try:
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text or "")
+                finish = chunk.choices[0].finish_reason or finish
+                if progress is not None:
+                    progress(len(pieces))
+    except (openai.APIError, httpx.HTTPError) as err:
+        return "error", f"{type(err).__name__}: {err}", None
+    finally:
+        if progress is not None:
+            progress.first.set()
+    return "done", "".join(pieces), finish
+
+
+def test_a_frontend_killed_mid_stream_fails_its_streams_visibly_and_the_other_pipeline_finishes(
+        settings: dict, replicated: dict) -> None:
+    """4 greedy streams of 256 tokens through the router (started one by one, so the router's load
+    balance puts 2 on each pipeline; its per-replica `routed` count says where each went); once
+    every one has its first token, the frontend container of one pipeline is SIGKILLed through
+    containerd (a crash: no SIGTERM, no preStop, no drain). Each stream that was on it ends with an
+    error the `openai` client raises (the router's SSE error event naming the replica, or a broken
+    connection), never a normal end of a truncated answer; the other pipeline's streams finish and
+    equal the undisturbed reference (the same prompts streamed before); a request sent during the
+    outage is answered 200; the container is restarted in its pod (one restart, within the
+    pipeline's budget), Ready and routed to again, and the same 4 streams through the router all
+    equal the reference."""
+    ns = replicated["namespace"]
+    if not settings["containerd_address"]:
+        pytest.skip("needs IMESH_E2E_CONTAINERD_ADDRESS (the tests run on the node, e.g. tools/cluster/up.sh)")
+    wait_settled(ns, NAME, settings["timeout"])
+    frontends = {replica(k): frontend_pod(ns, NAME, k) for k in indexes(ns)}
+    with port_forward(ns, *endpoint(replicated)) as base:
+        wait_router_replicas(base, 2)
+        client = openai_client(base)
+        reference_at = time.monotonic()
+        with ThreadPoolExecutor(max_workers=KILL_STREAMS) as pool:
+            reference = dict(zip(KILL_PROMPTS, pool.map(lambda p: stream_outcome(client, p, KILL_TOKENS),
+                                                        KILL_PROMPTS), strict=True))
+        reference_s = time.monotonic() - reference_at
+        assert all(kind == "done" and finish == "length" for kind, _, finish in reference.values()), reference
+
+        # The streams, one by one: each one's replica is the one whose `routed` count grew.
+        placed: list[str] = []
+        futures, progress = [], [Progress() for _ in KILL_PROMPTS]
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=KILL_STREAMS) as pool:
+            for prompt, seen in zip(KILL_PROMPTS, progress, strict=True):
+                before = {name: r["routed"] for name, r in router_replicas(base).items()}
+                futures.append(pool.submit(stream_outcome, client, prompt, KILL_TOKENS, seen))
+                assert seen.first.wait(120), f"a stream never started: {prompt!r}"
+                grown = [name for name, r in router_replicas(base).items() if r["routed"] > before.get(name, 0)]
+                assert len(grown) == 1, f"cannot tell where a stream went: {router_replicas(base)}"
+                placed.append(grown[0])
+            assert set(placed) == set(frontends), f"the streams did not reach both pipelines: {placed}"
+            # The victim: a pipeline none of whose streams has ended yet (the lower index of two).
+            running = {name for name in placed
+                       if not any(f.done() for f, where in zip(futures, placed, strict=True) if where == name)}
+            assert running, f"a stream of each pipeline ended before the kill (raise KILL_TOKENS): {placed}"
+            victim = min(running, key=lambda name: int(frontends[name]["metadata"]["labels"][LABEL_PIPELINE]))
+            pod = frontends[victim]
+            sigkill_container(settings["containerd_address"], pod)
+            killed_at = time.monotonic()
+            at_kill = [seen.chunks for seen in progress]
+            placing_s = killed_at - started
+            # Meanwhile, a new request: answered by the other pipeline (the router marked the victim down).
+            outage_answer = complete_200(client, KILL_PROMPTS[0], max_tokens=8)
+            outage_s = time.monotonic() - killed_at
+            results = [f.result(timeout=300) for f in futures]
+        name = pod["metadata"]["name"]
+        restarts = pod["status"]["containerStatuses"][0].get("restartCount", 0)
+        wait_for(lambda: (p := get_json("pod", name, "-n", ns))["status"]["containerStatuses"][0]
+                 .get("restartCount", 0) > restarts and pod_ready(p), 300, f"{name} restarted and Ready again", 0.5)
+        ready_s = time.monotonic() - killed_at
+        wait_for(lambda: router_replicas(base).get(victim, {}).get("up"), 120, f"the router to route to {victim} again",
+                 0.5)
+        routed_s = time.monotonic() - killed_at
+        with ThreadPoolExecutor(max_workers=KILL_STREAMS) as pool:
+            after = dict(zip(KILL_PROMPTS, pool.map(lambda p: stream_outcome(client, p, KILL_TOKENS), KILL_PROMPTS),
+                             strict=True))
+    outcomes = list(zip(placed, KILL_PROMPTS, results, strict=True))
+    killed = [(prompt, r) for where, prompt, r in outcomes if where == victim]
+    others = [(prompt, r) for where, prompt, r in outcomes if where != victim]
+    cut = [r[1] for _, r in killed if r[0] == "error"]
+    print(f"{KILL_STREAMS} undisturbed streams of {KILL_TOKENS} tokens took {reference_s:.1f} s; {victim} SIGKILLed "
+          f"{placing_s:.1f} s after the first stream started, the streams on {placed} at chunks {at_kill}; "
+          f"{len(cut)} of its {len(killed)} streams raised (first: {cut[:1]}), the others' ended "
+          f"{[r[:1] + r[2:] for _, r in others]}; a request during the outage took {outage_s:.1f} s; the container "
+          f"restarted and Ready after {ready_s:.1f} s, routed to again after {routed_s:.1f} s")  # shown with -rA
+    for prompt, (kind, what, finish) in killed:
+        if kind == "done":  # only a stream that had ended in the moment before the kill: whole, or it is the bug
+            assert (finish, what) == ("length", reference[prompt][1]), \
+                f"a stream through the killed frontend ended normally, truncated ({finish=}): {what!r}"
+            continue
+        # The router's SSE error event (the SDK raises APIError) names the replica; a broken
+        # connection (an httpx error) is the other visible end.
+        assert not what.startswith("APIError") or victim in what, what
+    assert any(kind == "error" for _, (kind, _, _) in killed), f"no stream was cut by the kill: {killed}"
+    for prompt, (kind, text, finish) in others:
+        assert (kind, finish) == ("done", "length"), (kind, text)
+        assert text == reference[prompt][1], f"{prompt!r}: {text!r} != {reference[prompt][1]!r}"
+    assert outage_answer and reference[KILL_PROMPTS[0]][1].startswith(outage_answer), outage_answer
+    assert all(after[p] == reference[p] for p in KILL_PROMPTS), {p: (after[p], reference[p]) for p in KILL_PROMPTS}
+    wait_settled(ns, NAME, settings["timeout"])
 
 
 # ---- scaling ------------------------------------------------------------------------------------
