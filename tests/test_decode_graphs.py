@@ -140,6 +140,24 @@ def test_frames_it_does_not_cover_run_eagerly(runtime) -> None:
                                                                         100, torch.tensor([4]), "none")])
 
 
+def test_warming_makes_every_bucket_a_batch_of_the_session_limit_can_need(runtime) -> None:
+    runtime.new_pool(BLOCKS)
+    runtime._graphs = None
+    assert runtime.warm_decode_graphs(8) == (0, 0.0)  # no graphs: nothing to warm
+    pool = runtime.new_pool(BLOCKS, decode_graphs=True)
+    graphs = runtime._graphs
+    assert graphs is not None and graphs.table_buckets == (16, 32, 64)  # max_context 1024 in blocks of 16
+    captured, _ = runtime.warm_decode_graphs(3)  # 3 sessions at most: buckets of 1, 2 and 4 rows
+    assert captured == 0  # the CPU: buffers made, nothing captured
+    assert set(graphs._graphs) == {(b, n) for b in (1, 2, 4) for n in (16, 32, 64)}
+    prefill(runtime, pool)
+    position = len(PROMPTS[2])
+    out = runtime.forward_batch([Segment(BlockTableKV(pool, TABLES[2], position, 1), position, torch.tensor([5]))])
+    kv = runtime.new_session()
+    runtime.forward(kv, 0, token_ids=PROMPTS[2])
+    torch.testing.assert_close(out[0], runtime.forward(kv, position, token_ids=torch.tensor([5])), **TOL)
+
+
 def test_a_stage_with_a_layer_that_is_not_lean_keeps_the_eager_step() -> None:
     runtime = make(lean=False)
     assert not decode_graphs.covers(runtime)

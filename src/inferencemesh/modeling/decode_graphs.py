@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,19 @@ class DecodeGraphs:
         self._block_positions = torch.arange(size, device=pool.device)
         self._windows = runtime._windows
         self._scratch: int = pool.scratch_block
+
+    def warm(self, max_rows: int) -> tuple[int, float]:
+        """Capture every bucket a batch of up to max_rows frames can need (the stage's session
+        limit), before the stage says ready, so that no request pays a capture; returns how many
+        were captured and the seconds it took. Uncaptured (the CPU), only the buffers are made."""
+        started = time.perf_counter()
+        before = self.captured
+        largest = bucket(min(max_rows, BATCH_BUCKETS[-1]), BATCH_BUCKETS) or BATCH_BUCKETS[-1]
+        for batch in (b for b in BATCH_BUCKETS if b <= largest):
+            for blocks in self.table_buckets:
+                if self._entry(batch, blocks) is None:  # a failed capture: eager from here on
+                    return self.captured - before, time.perf_counter() - started
+        return self.captured - before, time.perf_counter() - started
 
     def takes(self, segments: list[Segment]) -> bool:
         """Whether these frames are decode steps the graphs can run: one token each, over this

@@ -173,6 +173,11 @@ class StageRuntime:
             self._graphs = DecodeGraphs(self, pool, capture=self.device.type == "cuda")
         return pool
 
+    def warm_decode_graphs(self, max_rows: int) -> tuple[int, float]:
+        """The decode graphs of the last new_pool captured for batches of up to max_rows frames
+        (DecodeGraphs.warm): how many, and the seconds; (0, 0.0) where the stage has none."""
+        return self._graphs.warm(max_rows) if self._graphs is not None else (0, 0.0)
+
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()

@@ -94,7 +94,8 @@ class StageService:
             log.exception("stage %d failed to load", o.stage_index)
             self._fail(loop, f"{type(err).__name__}: {err}")
             return
-        asyncio.run_coroutine_threadsafe(self._become_ready(runtime), loop)
+        worker = self._new_worker(runtime)  # here, not on the loop: its graphs' captures take seconds
+        asyncio.run_coroutine_threadsafe(self._become_ready(runtime, worker), loop)
 
     def _fail(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         reason = " ".join(reason.split())  # one line, wherever it is shown (Info, a log, a pod's status)
@@ -102,9 +103,9 @@ class StageService:
         for listener in self.on_failed:
             loop.call_soon_threadsafe(listener, reason)
 
-    async def _become_ready(self, runtime: StageRuntime) -> None:
+    async def _become_ready(self, runtime: StageRuntime, worker: StageWorker) -> None:
         """On the event loop, so no batch sees a half-ready stage: runtime, worker and state at once."""
-        o = self._adopt(runtime).options
+        o = self._adopt(runtime, worker).options
         for listener in self.on_serving:
             await listener(True)
         log.info("stage %d ready: layers [%d, %d) of %d on %s (%s, %d threads), weights %d bytes%s", o.stage_index,
@@ -112,13 +113,22 @@ class StageService:
                  torch.get_num_threads(), runtime.weight_bytes,
                  f" ({o.quantization} at load)" if o.quantization else "")
 
-    def _adopt(self, runtime: StageRuntime) -> StageService:
+    def _new_worker(self, runtime: StageRuntime) -> StageWorker:
+        """The worker over the loaded runtime: its KV pool allocated, its decode graphs captured."""
         o = self.options
         wire_dtype = codec.DTYPE_NAMES[o.wire_dtype] if o.wire_dtype else None
+        worker = StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, max_sessions=o.max_sessions,
+                             session_ttl=o.session_ttl, kv_blocks=self.kv_blocks, wire_dtype=wire_dtype,
+                             metrics=self.metrics)
+        # On a GPU, every decode graph its batches can need, captured before the stage says ready.
+        captured, seconds = runtime.warm_decode_graphs(o.max_sessions)
+        if captured:
+            log.info("stage %d: %d decode graphs captured in %.1f s", o.stage_index, captured, seconds)
+        return worker
+
+    def _adopt(self, runtime: StageRuntime, worker: StageWorker | None = None) -> StageService:
         self.runtime = runtime
-        self.worker = StageWorker(runtime, is_first=self.is_first, is_last=self.is_last, max_sessions=o.max_sessions,
-                                  session_ttl=o.session_ttl, kv_blocks=self.kv_blocks, wire_dtype=wire_dtype,
-                                  metrics=self.metrics)
+        self.worker = worker or self._new_worker(runtime)
         self.publish_totals()
         self._set_state("ready", 1.0)
         return self
