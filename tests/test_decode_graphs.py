@@ -68,8 +68,35 @@ def test_the_fixed_shape_step_computes_the_eager_logits(runtime, sessions) -> No
     prefill(runtime, eager)
     prefill(runtime, graphs)
     decode_both(runtime, eager, graphs, sessions)
-    used = {key for key in runtime._graphs._graphs if key[0] == (1 if sessions == 1 else 4)}
-    assert {blocks for _, blocks in used} == {16, 32}  # it ran in both length buckets
+    rows = 1 if sessions == 1 else 4
+    assert {blocks for r, _, blocks in runtime._graphs._graphs if r == rows} == {16, 32}  # both length buckets
+
+
+def test_verify_windows_and_decode_steps_batched_together_compute_the_eager_logits(runtime) -> None:
+    """A decode step, a verify window of 5 and one of 3 (all rows' logits) in one pass, padded
+    to 4 rows of 8 positions; then a short prompt piece that wants no logits beside a decode step."""
+    eager, graphs = runtime.new_pool(BLOCKS), runtime.new_pool(BLOCKS, decode_graphs=True)
+    prefill(runtime, eager)
+    prefill(runtime, graphs)
+    frames = [(torch.tensor([11]), "last"), (torch.tensor([3, 4, 5, 6, 7]), "all"), (torch.tensor([8, 9, 10]), "all")]
+    pieces = [(torch.tensor([12]), "last"), (torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]), "none"),
+              (torch.tensor([13, 14]), "all")]
+    positions = [len(p) for p in PROMPTS]
+    for batch in (frames, pieces):
+        outs = []
+        for pool in (eager, graphs):
+            outs.append(runtime.forward_batch([Segment(BlockTableKV(pool, table, pos, len(x)), pos, x, logits)
+                                               for table, pos, (x, logits) in zip(TABLES, positions, batch,
+                                                                                  strict=True)]))
+        for want, got, (x, logits) in zip(*outs, batch, strict=True):
+            if logits == "none":
+                assert want is None and got is None
+            else:
+                torch.testing.assert_close(got, want, **TOL)
+                assert got.shape[0] == (len(x) if logits == "all" else 1)
+        positions = [p + len(x) for p, (x, _) in zip(positions, batch, strict=True)]
+    assert runtime._graphs is not None
+    assert {(rows, window) for rows, window, _ in runtime._graphs._graphs} == {(4, 8), (4, 16)}
 
 
 def test_a_later_stage_takes_hidden_rows_and_a_split_equals_one_stage() -> None:
@@ -100,6 +127,16 @@ def test_a_later_stage_takes_hidden_rows_and_a_split_equals_one_stage() -> None:
             torch.testing.assert_close(graph_row, whole_row, **TOL)
         tokens = [row.argmax(-1).reshape(1) for row in results[1]]
         positions = [p + 1 for p in positions]
+    windows = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]  # hidden rows of 3, 1 and 2
+    results = []
+    for index in (0, 1):
+        hidden = first.forward_batch([Segment(BlockTableKV(pools[0][index], t, p, len(x)), p, x, "all")
+                                      for t, p, x in zip(TABLES, positions, windows, strict=True)])
+        results.append(last.forward_batch([Segment(BlockTableKV(pools[1][index], t, p, len(h)), p, h, "all")
+                                           for t, p, h in zip(TABLES, positions, hidden, strict=True)]))
+    for eager_rows, graph_rows, x in zip(*results, windows, strict=True):
+        assert graph_rows.shape[0] == len(x)
+        torch.testing.assert_close(graph_rows, eager_rows, **TOL)
     assert first._graphs is not None and first._graphs._graphs and last._graphs and last._graphs._graphs
 
 
@@ -126,18 +163,16 @@ def test_frames_it_does_not_cover_run_eagerly(runtime) -> None:
     graphs = runtime._graphs
     assert graphs is not None
     position = len(PROMPTS[0])
-    window = Segment(BlockTableKV(pool, TABLES[0], position, 3), position, torch.tensor([1, 2, 3]), "all")
-    step = Segment(BlockTableKV(pool, TABLES[0], position, 1), position, torch.tensor([1]), "all")
+    chunk = Segment(BlockTableKV(pool, TABLES[0], position, 17), position, torch.arange(17), "none")
     own = Segment(runtime.new_session(), 0, torch.tensor([1]))
     other_pool = runtime.new_pool(BLOCKS)  # no graphs of its own: this one's stay the runtime's
     assert runtime._graphs is graphs
     elsewhere = Segment(BlockTableKV(other_pool, TABLES[0], 0, 1), 0, torch.tensor([1]))
-    for segments in ([window], [step], [own], [elsewhere], [Segment(BlockTableKV(pool, TABLES[1], 100, 1), 100,
-                                                                    torch.tensor([4]))] * 65):
+    decoding = Segment(BlockTableKV(pool, TABLES[1], 100, 1), 100, torch.tensor([4]))
+    window = Segment(BlockTableKV(pool, TABLES[0], position, 9), position, torch.arange(9), "all")
+    for segments in ([chunk], [own], [elsewhere], [decoding] * 65, [window] + [decoding] * 16):  # 32 x 16 > 256
         assert not graphs.takes(segments)
-    decoding = Segment(BlockTableKV(pool, TABLES[0], position, 1), position, torch.tensor([1]))
-    assert graphs.takes([decoding]) and graphs.takes([decoding, Segment(BlockTableKV(pool, TABLES[1], 100, 1),
-                                                                        100, torch.tensor([4]), "none")])
+    assert graphs.takes([decoding]) and graphs.takes([window, decoding]) and graphs.takes([window] * 16)
 
 
 def test_warming_makes_every_bucket_a_batch_of_the_session_limit_can_need(runtime) -> None:
@@ -149,7 +184,7 @@ def test_warming_makes_every_bucket_a_batch_of_the_session_limit_can_need(runtim
     assert graphs is not None and graphs.table_buckets == (16, 32, 64)  # max_context 1024 in blocks of 16
     captured, _ = runtime.warm_decode_graphs(3)  # 3 sessions at most: buckets of 1, 2 and 4 rows
     assert captured == 0  # the CPU: buffers made, nothing captured
-    assert set(graphs._graphs) == {(b, n) for b in (1, 2, 4) for n in (16, 32, 64)}
+    assert set(graphs._graphs) == {(b, 1, n) for b in (1, 2, 4) for n in (16, 32, 64)}  # decode steps' buckets
     prefill(runtime, pool)
     position = len(PROMPTS[2])
     out = runtime.forward_batch([Segment(BlockTableKV(pool, TABLES[2], position, 1), position, torch.tensor([5]))])
@@ -170,6 +205,8 @@ def test_graphs_are_wanted_on_cuda_unless_turned_off(monkeypatch) -> None:
     assert decode_graphs.wanted(torch.device("cuda"))
     monkeypatch.setenv(decode_graphs.ENV, "0")
     assert not decode_graphs.wanted(torch.device("cuda"))
+    monkeypatch.setenv(decode_graphs.ENV, "always")
+    assert decode_graphs.wanted(torch.device("cpu")) and decode_graphs.wanted(torch.device("cuda"))
 
 
 DEVICE = os.environ.get("INFERENCEMESH_TEST_DEVICE", "cuda")
