@@ -193,6 +193,23 @@ def test_warming_makes_every_bucket_a_batch_of_the_session_limit_can_need(runtim
     torch.testing.assert_close(out[0], runtime.forward(kv, position, token_ids=torch.tensor([5])), **TOL)
 
 
+def test_buckets_whose_gather_would_pass_the_limit_run_eagerly(runtime, monkeypatch) -> None:
+    # The bundled shape in float32: 2 x 2 kv heads x 64 x 4 bytes = 1 KiB a position.
+    monkeypatch.setattr(decode_graphs, "GATHER_LIMIT_BYTES", 512 << 10)  # 512 positions of any rows
+    pool = runtime.new_pool(BLOCKS, decode_graphs=True)
+    graphs = runtime._graphs
+    assert graphs is not None
+    graphs.warm(4)
+    assert set(graphs._graphs) == {(1, 1, 16), (2, 1, 16), (1, 1, 32)}
+    prefill(runtime, pool)
+    steps = [Segment(BlockTableKV(pool, table, len(p), 1), len(p), torch.tensor([2]))
+             for table, p in zip(TABLES, PROMPTS, strict=True)]
+    assert graphs.takes(steps[1:2]) and graphs.takes(steps[1:]) and graphs.takes(steps[:1])  # 1 x 16, 2 x 16, 1 x 16
+    assert not graphs.takes(steps)  # 4 rows x 16 blocks: 1,024 positions
+    long = [Segment(BlockTableKV(pool, table, 300, 1), 300, torch.tensor([2])) for table in TABLES[:2]]
+    assert graphs.takes(long[:1]) and not graphs.takes(long)  # 1 x 32 blocks fits, 2 x 32 does not
+
+
 def test_a_stage_with_a_layer_that_is_not_lean_keeps_the_eager_step() -> None:
     runtime = make(lean=False)
     assert not decode_graphs.covers(runtime)

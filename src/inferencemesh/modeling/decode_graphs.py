@@ -53,6 +53,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 WINDOW_BUCKETS = (1, 2, 4, 8, 16)
 MAX_GRAPH_POSITIONS = 256  # rows x window bucket at most: the attention's scores grow with both
 MIN_TABLE_BLOCKS = 16  # the shortest length bucket: 256 positions of 16-token blocks
+# The step gathers each row's whole table bucket of keys and values a layer (rows x positions x
+# 2 x kv_heads x head_dim): a bucket whose gather would exceed this runs eagerly, so long contexts
+# at large batches cost no unplanned GPU memory (a paged decode attention kernel would gather nothing).
+GATHER_LIMIT_BYTES = 256 << 20
 # "0": a GPU stage runs eagerly (to compare; vLLM's --enforce-eager); "always": the CPU's stages
 # run the fixed-shape step too, uncaptured (the tests' way to send whole meshes through it).
 ENV = "INFERENCEMESH_DECODE_GRAPHS"
@@ -105,6 +109,8 @@ class DecodeGraphs:
         self._block_positions = torch.arange(size, device=pool.device)
         self._windows = runtime._windows
         self._scratch: int = pool.scratch_block
+        store = pool.store  # [layers, 2, kv_heads, slots, head_dim]
+        self._position_bytes = 2 * store.shape[2] * store.shape[4] * store.element_size()
 
     def warm(self, max_rows: int) -> tuple[int, float]:
         """Capture every bucket a batch of up to max_rows frames can need (the stage's session
@@ -115,6 +121,8 @@ class DecodeGraphs:
         largest = bucket(min(max_rows, BATCH_BUCKETS[-1]), BATCH_BUCKETS) or BATCH_BUCKETS[-1]
         for batch in (b for b in BATCH_BUCKETS if b <= largest):
             for blocks in self.table_buckets:  # decode steps (verify windows are captured when first seen)
+                if not self._fits(batch, blocks):
+                    continue
                 if self._entry(batch, 1, blocks) is None:  # a failed capture: eager from here on
                     return self.captured - before, time.perf_counter() - started
         return self.captured - before, time.perf_counter() - started
@@ -124,14 +132,21 @@ class DecodeGraphs:
         (decode steps, verify windows), over this pool, within MAX_GRAPH_POSITIONS once padded."""
         if self.failed is not None or len(segments) > BATCH_BUCKETS[-1]:
             return False
-        longest = 0
+        longest = stop = 0
         for seg in segments:
             if not isinstance(seg.kv, BlockTableKV) or seg.kv.pool is not self.pool:
                 return False
             longest = max(longest, seg.inputs.shape[0])
+            stop = max(stop, seg.pos_start + seg.inputs.shape[0])
         window = bucket(longest, WINDOW_BUCKETS)
         batch = bucket(len(segments), BATCH_BUCKETS)
-        return window is not None and batch is not None and batch * window <= MAX_GRAPH_POSITIONS
+        blocks = bucket(-(-stop // self.pool.block_tokens), self.table_buckets)
+        return window is not None and batch is not None and blocks is not None and \
+            batch * window <= MAX_GRAPH_POSITIONS and self._fits(batch, blocks)
+
+    def _fits(self, batch: int, blocks: int) -> bool:
+        """Whether a bucket's gather of keys and values stays within GATHER_LIMIT_BYTES."""
+        return batch * blocks * self.pool.block_tokens * self._position_bytes <= GATHER_LIMIT_BYTES
 
     def run(self, segments: list[Segment]) -> list[torch.Tensor | None] | None:
         """What forward_batch returns for these frames (takes() said yes), or None where the
@@ -143,7 +158,7 @@ class DecodeGraphs:
         stop = max(seg.pos_start + count for seg, count in zip(segments, counts, strict=True))
         batch, window = bucket(len(segments), BATCH_BUCKETS), bucket(max(counts), WINDOW_BUCKETS)
         blocks = bucket(-(-stop // size), self.table_buckets)
-        assert batch is not None and window is not None and blocks is not None  # takes(), check_positions
+        assert batch is not None and window is not None and blocks is not None  # takes() bounded them
         entry = self._entry(batch, window, blocks)
         if entry is None:
             return None
