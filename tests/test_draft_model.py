@@ -27,14 +27,18 @@ def ids() -> list[int]:
     return torch.randint(0, 300, (SEQUENCE,), generator=torch.Generator().manual_seed(3)).tolist()
 
 
+@pytest.mark.parametrize("form", ["auto", "graphs"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_draft_logits_match_transformers(models, ids, family) -> None:
+def test_draft_logits_match_transformers(models, ids, family, form) -> None:
     """Prefill, single steps, a multi-token feed at an offset and a rollback: all equal the
-    unsplit transformers model's logits at those positions (float32)."""
+    unsplit transformers model's logits at those positions (float32). form "graphs": the GPU's
+    form (block tables over a pool, the steps through the stage runtime's fixed-shape step where
+    its layers are lean), here uncaptured."""
     reference = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    draft = DraftModel(str(models[family]), device="cpu", max_context=128)
+    draft = DraftModel(str(models[family]), device="cpu", max_context=128, form=form)
+    assert (draft.form == "graphs") == (form == "graphs")
     cache = draft.new_cache()
 
     def check(pos: int, count: int) -> None:
@@ -109,3 +113,19 @@ def test_concurrent_proposals_share_forward_passes(models) -> None:
     together = [p.tokens for p in asyncio.run(go())]
     assert together == alone
     assert passes == [3, 3, 3, 3]  # catch-up, then three more draft steps, all three requests each time
+
+
+def test_the_gpu_forms_pool_lends_blocks_while_they_last(models) -> None:
+    from inferencemesh.frontend.engine.proposers.draft_model import DRAFT_KV_CONTEXTS, _PoolCache, _StageCache
+
+    draft = DraftModel(str(models["llama"]), device="cpu", max_context=64, form="graphs")
+    caches = [draft.new_cache() for _ in range(DRAFT_KV_CONTEXTS + 1)]
+    assert all(isinstance(c, _PoolCache) for c in caches[:-1]) and isinstance(caches[-1], _StageCache)
+    feeds = [(c, 0, [1 + i, 2, 3]) for i, c in enumerate(caches)]  # pooled and not, in one pass
+    together = draft.forward_packed(feeds)
+    for cache, (_, _, tokens), got in zip(caches, feeds, together, strict=True):
+        assert cache.length == 3
+        alone = draft.forward(cache, 0, tokens)
+        torch.testing.assert_close(got, alone, rtol=1e-4, atol=1e-4)  # packed against alone: summation order
+    caches[0].release()
+    assert isinstance(draft.new_cache(), _PoolCache)

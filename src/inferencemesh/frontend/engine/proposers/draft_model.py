@@ -30,17 +30,21 @@ import torch
 import torch.nn.functional as F
 
 from inferencemesh.checkpoint.read import read_checkpoint
+from inferencemesh.modeling import decode_graphs
 from inferencemesh.modeling.families import forward_hooks
 from inferencemesh.modeling.kv import SessionKV
+from inferencemesh.modeling.kv_pool import BlockTableKV
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.modeling.quantized import QuantizedLinear
 from inferencemesh.modeling.runtime import Segment, StageRuntime
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 from inferencemesh.speculation import draft_dtype
 
 log = logging.getLogger("inferencemesh.speculative")
 
 _GROWTH = 256  # cache positions added at a time
+DRAFT_KV_CONTEXTS = 16  # the GPU form's pool: this many requests at max_context at once (more run eagerly)
 
 
 @dataclass
@@ -131,7 +135,46 @@ class _StageCache:
         self.kv.release()
 
 
-Cache = DraftCache | _StageCache
+class _DraftBlocks:
+    """The draft's KV pool on a GPU and its free blocks: the stage's pool and block tables, so the
+    draft's steps run through the stage runtime's decode graphs (modeling/decode_graphs.py)."""
+
+    def __init__(self, runtime: StageRuntime, max_context: int) -> None:
+        self.block_tokens = KV_BLOCK_TOKENS
+        self.most = -(-max_context // KV_BLOCK_TOKENS)  # blocks a request can hold
+        self.pool = runtime.new_pool(DRAFT_KV_CONTEXTS * self.most, KV_BLOCK_TOKENS, decode_graphs=True)
+        self.free = list(range(self.pool.num_blocks - 1, -1, -1))
+        self.runtime = runtime
+
+    def new_cache(self) -> _PoolCache | _StageCache:
+        """A cache over the pool's blocks while they last, else one of its own (eager)."""
+        if len(self.free) < self.most:
+            return _StageCache(self.runtime.new_session())
+        return _PoolCache(self)
+
+
+class _PoolCache:
+    """One request's draft KV as a block table over the draft's pool: max_context's blocks, taken
+    when the request starts (so a step never finds the pool full) and given back by release()."""
+
+    def __init__(self, blocks: _DraftBlocks) -> None:
+        self.owner = blocks
+        self.table = [blocks.free.pop() for _ in range(blocks.most)]
+        self.length = 0
+
+    def frame(self, pos_start: int, count: int) -> BlockTableKV:
+        return BlockTableKV(self.owner.pool, self.table, pos_start, count)
+
+    def forget(self) -> None:
+        self.length = 0
+
+    def release(self) -> None:
+        self.owner.free.extend(reversed(self.table))
+        self.table = []
+        self.length = 0
+
+
+Cache = DraftCache | _StageCache | _PoolCache
 
 
 # The decoder layers the lean forward computes. A family whose layers read alike may still
@@ -163,8 +206,8 @@ class DraftModel:
         draft lacks get -inf (it never proposes them). None: the draft's own size.
         form: "auto" (lean where it agrees with the stage runtime), "lean" (refused where it
         cannot be) or "stage" (the stage runtime): see the module docstring."""
-        if form not in ("auto", "lean", "stage"):
-            raise ValueError(f"draft form must be auto, lean or stage, not {form!r}")
+        if form not in ("auto", "lean", "stage", "graphs"):
+            raise ValueError(f"draft form must be auto, lean, stage or graphs, not {form!r}")
         facts = read_checkpoint(source)
         on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
         stage = load_stage(source, 0, facts.num_layers, dtype=draft_dtype(dtype, on_cpu) or dtype, device=device)
@@ -176,29 +219,40 @@ class DraftModel:
         self._missing_rows = max(0, self.vocab_size - self.embedding_rows)
         lean: _LeanForward | None = None
         why = "asked for the stage runtime"
-        if form != "stage":
+        # On a GPU a step is launches, not arithmetic: the stage runtime's decode graphs over a pool.
+        graphs = form == "graphs" or (form == "auto" and decode_graphs.wanted(self.device))
+        if form != "stage" and not graphs:
             try:
                 lean = _LeanForward(stage, max_context, self.vocab_size)
             except NotLean as err:
                 why = str(err)
-        # The stage runtime over every layer: the general form, and the reference the lean one is checked against.
+        # The stage runtime over every layer: the general form, and the reference the lean one is
+        # checked against (built after the lean form: it lays the layers' weights out anew).
         runtime = StageRuntime(source, 0, facts.num_layers, max_context=max_context, modules=stage)
+        self._blocks = _DraftBlocks(runtime, max_context) if graphs and (
+            form == "graphs" or decode_graphs.covers(runtime)) else None
+        if graphs and self._blocks is None:
+            why = "its layers are not ones the decode graphs compute"
         if lean is not None and form == "auto":
             disagreement = _disagreement(lean, runtime)
             if disagreement is not None:
                 lean, why = None, disagreement
         if lean is None and form == "lean":
             raise ValueError(f"the lean draft forward cannot run {source}: {why}")
-        self.form = "lean" if lean is not None else "stage"
+        self.form = "lean" if lean is not None else "graphs" if self._blocks is not None else "stage"
         self._lean = lean
         self._runtime = None if lean is not None else runtime
         del runtime, stage
+        if self.form == "graphs":
+            why = "its steps as the stage runtime's decode graphs"
         log.info("draft %s (%s) runs %s", source, facts.model_type,
                  "the lean forward" if self.form == "lean" else f"through the stage runtime ({why})")
 
     def new_cache(self) -> Cache:
         if self._lean is not None:
             return DraftCache(self._lean)
+        if self._blocks is not None:
+            return self._blocks.new_cache()
         assert self._runtime is not None  # one form or the other
         return _StageCache(self._runtime.new_session())
 
@@ -220,9 +274,13 @@ class DraftModel:
             logits = self._lean.forward_packed(feeds)  # type: ignore[arg-type]  # lean caches
         else:
             assert self._runtime is not None
-            segments = [Segment(cache.kv, pos_start, torch.tensor(token_ids), "last")  # type: ignore[union-attr]
+            segments = [Segment(cache.frame(pos_start, len(token_ids)) if isinstance(cache, _PoolCache)
+                                else cache.kv, pos_start, torch.tensor(token_ids), "last")  # type: ignore[union-attr]
                         for cache, pos_start, token_ids in feeds]
             rows = self._runtime.forward_batch(segments)
+            for cache, pos_start, token_ids in feeds:
+                if isinstance(cache, _PoolCache):
+                    cache.length = pos_start + len(token_ids)
             logits = torch.cat([row for row in rows if row is not None])[:, : self.vocab_size]
         if self._missing_rows:
             logits = F.pad(logits, (0, self._missing_rows), value=float("-inf"))
