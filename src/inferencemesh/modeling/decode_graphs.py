@@ -35,15 +35,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
 
-if TYPE_CHECKING:
-    from inferencemesh.modeling.runtime import Segment, StageRuntime
+# The stage runtime (modeling/runtime.py) imports this module, so its types are not imported back:
+# `runtime` is a StageRuntime, whose layers, rotary tables, embedding and head the step reads,
+# and a segment a runtime.Segment (kv, pos_start, inputs, logits).
+StageRuntime = Any
+Segment = Any
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ class DecodeGraphs:
                     return self.captured - before, time.perf_counter() - started
         return self.captured - before, time.perf_counter() - started
 
-    def takes(self, segments: list[Segment]) -> bool:
+    def takes(self, segments: Sequence[Segment]) -> bool:
         """Whether these frames are ones the graphs run: up to WINDOW_BUCKETS[-1] positions each
         (decode steps, verify windows), over this pool, within MAX_GRAPH_POSITIONS once padded."""
         if self.failed is not None or len(segments) > BATCH_BUCKETS[-1]:
