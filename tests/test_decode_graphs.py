@@ -170,7 +170,9 @@ def test_frames_it_does_not_cover_run_eagerly(runtime) -> None:
     elsewhere = Segment(BlockTableKV(other_pool, TABLES[0], 0, 1), 0, torch.tensor([1]))
     decoding = Segment(BlockTableKV(pool, TABLES[1], 100, 1), 100, torch.tensor([4]))
     window = Segment(BlockTableKV(pool, TABLES[0], position, 9), position, torch.arange(9), "all")
-    for segments in ([chunk], [own], [elsewhere], [decoding] * 65, [window] + [decoding] * 16):  # 32 x 16 > 256
+    empty = Segment(BlockTableKV(pool, TABLES[0], position, 0), position, torch.tensor([], dtype=torch.long))
+    for segments in ([chunk], [own], [elsewhere], [decoding] * 65, [window] + [decoding] * 16,  # 32 x 16 > 256
+                     [empty, decoding]):
         assert not graphs.takes(segments)
     assert graphs.takes([decoding]) and graphs.takes([window, decoding]) and graphs.takes([window] * 16)
 

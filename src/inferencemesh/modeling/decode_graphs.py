@@ -138,8 +138,8 @@ class DecodeGraphs:
             return False
         longest = stop = 0
         for seg in segments:
-            if not isinstance(seg.kv, BlockTableKV) or seg.kv.pool is not self.pool:
-                return False
+            if not isinstance(seg.kv, BlockTableKV) or seg.kv.pool is not self.pool or seg.inputs.shape[0] == 0:
+                return False  # (an empty frame: the eager pass says what is wrong with it)
             longest = max(longest, seg.inputs.shape[0])
             stop = max(stop, seg.pos_start + seg.inputs.shape[0])
         window = bucket(longest, WINDOW_BUCKETS)
