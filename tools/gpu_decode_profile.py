@@ -1,6 +1,7 @@
 """Where a decode step's time goes on a GPU (the GPU checklist's item 2): one stage, batch 1.
 
-For the stage runtime (lean layers and transformers' layers) and transformers' own forward with
+For the stage runtime over its KV pool, eager and as its decode graphs (modeling/decode_graphs.py),
+the stage runtime over a session's cache (lean layers and transformers' layers) and transformers' own forward with
 its cache, each on the same weights: the time per step (synchronized, median of many), the CUDA
 kernel time in it (torch.profiler: the sum of kernel durations, how many kernels), what is left
 (launch gaps and host Python, the GPU idle), and the bandwidth it reaches: the weight bytes a step
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 
 from inferencemesh.checkpoint.read import read_local
-from inferencemesh.modeling.runtime import StageRuntime
+from inferencemesh.modeling.kv_pool import BlockTableKV
+from inferencemesh.modeling.runtime import Segment, StageRuntime
 from inferencemesh.programs.bench.models import make_shape_model
+from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
 # Datasheet HBM bandwidth, bytes/s: what "% of peak" is measured against (GPU.md's figures).
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
@@ -72,6 +75,22 @@ def stage_step(runtime: StageRuntime, prompt: torch.Tensor):
     def step(_: int) -> None:
         out = runtime.forward(kv, state["pos"], token_ids=torch.tensor([state["token"]]))
         state["token"] = int(out[-1].argmax())
+        state["pos"] += 1
+    return step
+
+
+def pool_step(runtime: StageRuntime, prompt: torch.Tensor, graphs: bool):
+    """A decode step as the stage's worker runs it, over the stage's KV pool and a block table:
+    through the decode graphs (modeling/decode_graphs.py, captured on a GPU) or eagerly."""
+    pool = runtime.new_pool(-(-runtime.max_context // KV_BLOCK_TOKENS), decode_graphs=graphs)
+    table = list(range(pool.num_blocks))
+    logits = runtime.forward(BlockTableKV(pool, table, 0, len(prompt)), 0, token_ids=prompt.cpu())
+    state = {"token": int(logits[-1].argmax()), "pos": len(prompt)}
+
+    def step(_: int) -> None:
+        pos = state["pos"]
+        rows = runtime.forward_batch([Segment(BlockTableKV(pool, table, pos, 1), pos, torch.tensor([state["token"]]))])
+        state["token"] = int(rows[0][-1].argmax())
         state["pos"] += 1
     return step
 
@@ -138,15 +157,6 @@ def hf_static_decode(model, prompt: torch.Tensor):
     return lambda: model(token, past_key_values=cache, cache_position=position)
 
 
-def runtime_decode(runtime: StageRuntime, prompt: torch.Tensor):
-    """The stage runtime's decode step as it is today, its token id already on the device."""
-    kv = runtime.new_session()
-    with torch.inference_mode():
-        runtime.forward(kv, 0, token_ids=prompt)
-    token = prompt[-1:].clone()
-    return lambda: runtime.forward(kv, len(prompt), token_ids=token)
-
-
 def graph_row(name: str, decode, weights: int, steps: int, peak: float | None) -> dict:
     try:
         graph = graph_replay_ms(decode(), steps)
@@ -209,6 +219,14 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
 
+    # The stage's own path: its KV pool, eager and as the decode graphs (the kernels a replay runs,
+    # the gaps between them).
+    runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
+                           max_context=PROMPT + steps_taken + 8)
+    for graphs in (False, True):
+        keep(measure(f"stage runtime over its KV pool, {'decode graphs' if graphs else 'eager'}",
+                     pool_step(runtime, prompt, graphs), weights, args.steps, peak))
+    del runtime
     for lean in (True, False):
         runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
                                max_context=PROMPT + steps_taken + 8, lean=lean)
@@ -220,12 +238,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
     keep(measure("transformers forward + DynamicCache", hf_step(model, prompt), weights, args.steps, peak))
     if device == "cuda":
-        # Ours first: transformers' StaticCache capture hit a device-side assert on the H200 (2026-11-27),
+        # Last: transformers' StaticCache capture hit a device-side assert on the H200 (2026-11-27),
         # which leaves the CUDA context unusable for anything after it.
-        runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=device,
-                               max_context=PROMPT + 8)
-        keep(graph_row("stage runtime (lean), one CUDA graph", lambda: runtime_decode(runtime, prompt),
-                       weights, args.steps, peak))
         keep(graph_row("transformers + StaticCache, one CUDA graph", lambda: hf_static_decode(model, prompt),
                        weights, args.steps, peak))
 

@@ -4,7 +4,7 @@
 # the CUDA tests, then the 1B decode profile and the benches. Each step has its own time limit and
 # the next runs whatever the last did; everything is written under $OUT.
 #   bash tools/gpu/checklist.sh [steps...]
-#   default: tests graphs latency quantized profile speculation concurrency; also: quantized-tests
+#   default: tests graphs graphs-window speculation latency quantized profile concurrency; also: quantized-tests
 #   (the quantized-weight tests of tests/test_gpu.py alone: `tests` runs them with the rest)
 set -o pipefail
 OUT=${OUT:-/tmp/gpu-out}
@@ -15,7 +15,7 @@ if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then  # NO_WHEELS=1: a dry run here
     || exit 1
 fi
 export PYTHONPATH="/tmp/site:$PWD/src"
-STEPS=${*:-tests graphs latency quantized profile speculation concurrency}
+STEPS=${*:-tests graphs graphs-window speculation latency quantized profile concurrency}
 
 step() {  # name, limit in seconds, command...
   local name=$1 limit=$2 started=$SECONDS
@@ -38,6 +38,9 @@ for s in $STEPS; do
     # The decode step eager against CUDA graphs, in one process, batch 1, 8 and 32 (modeling/decode_graphs.py)
     graphs) step graphs 100 python3 tools/gpu/decode_graphs_bench.py --shape llama-1b \
       --json "$OUT/decode-graphs-llama-1b.json" ;;
+    # The same for a verify window's shape: 5 positions a row, every row's logits
+    graphs-window) step graphs-window 90 python3 tools/gpu/decode_graphs_bench.py --shape llama-1b --window 5 \
+      --batches 1 8 --json "$OUT/decode-graphs-window-llama-1b.json" ;;
     quantized-tests) step quantized-tests 90 python3 -m pytest -m gpu tests/test_gpu.py -q -rA --timeout 60 \
       -p no:cacheprovider -k quantized ;;
     latency) step latency 130 $BENCH --shape llama-1b --stages 1,2 --new-tokens 64 --repeats 1 --prompts code \

@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32, help="decode steps a round, per pool")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--window", type=int, default=1, help="positions a row per step: 1 decodes; more is a "
+                        "verify window's shape (the token repeated, every row's logits)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # a GPU stage's CPU threads (cpus.GPU_PROCESS_THREADS)
@@ -58,11 +60,12 @@ def main() -> None:
     model_dir = make_shape_model(args.shape, args.dtype)
     facts = read_local(model_dir)
     weights = sum(t.nbytes for n, t in facts.tensors.items() if "embed_tokens" not in n)
-    context = args.prompt + args.rounds * args.steps + 16
+    context = args.prompt + args.rounds * args.steps * args.window + 16
     runtime = StageRuntime(model_dir, 0, facts.num_layers, dtype=args.dtype, device=args.device, max_context=context)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
     report: dict = {"device": name, "torch": torch.__version__, "shape": args.shape, "dtype": args.dtype,
+                    "window": args.window,
                     "weight_bytes": weights, "peak_bandwidth": peak, "rows": []}
     per_session = -(-context // 16)
     for batch in args.batches:
@@ -85,12 +88,13 @@ def main() -> None:
                 s = state[label]
                 pos = position
                 for step in range(args.steps):
-                    segments = [Segment(BlockTableKV(s["pool"], table, pos, 1), pos, torch.tensor([token]))
+                    segments = [Segment(BlockTableKV(s["pool"], table, pos, args.window), pos,
+                                        torch.tensor([token] * args.window), "all" if args.window > 1 else "last")
                                 for table, token in zip(tables, s["next"], strict=True)]
                     sync(device)
                     started = time.perf_counter()
                     rows = runtime.forward_batch(segments)
-                    chosen = torch.cat(rows).argmax(-1).tolist()  # the sampler's read: a sync, as a stage's
+                    chosen = torch.stack([row[-1] for row in rows]).argmax(-1).tolist()  # a sync, as a stage's
                     elapsed = time.perf_counter() - started
                     if s["first_ms"] is None:
                         s["first_ms"] = round(elapsed * 1e3, 2)  # graphs: the capture of the first bucket
@@ -99,12 +103,13 @@ def main() -> None:
                     s["next"] = chosen
                     for seq, token in zip(s["tokens"], chosen, strict=True):
                         seq.append(token)
-                    pos += 1
-            position += args.steps
-        row: dict = {"batch": batch, "captured": runtime._graphs.captured, "capture_failed": runtime._graphs.failed}
+                    pos += args.window
+            position += args.steps * args.window
+        row: dict = {"batch": batch, "window": args.window, "captured": runtime._graphs.captured,
+                     "capture_failed": runtime._graphs.failed}
         for label in ("eager", "graphs"):
             ms = statistics.median(state[label]["times"]) * 1e3
-            row[label] = {"ms_per_step": round(ms, 3), "tok_s": round(batch / ms * 1e3, 1),
+            row[label] = {"ms_per_step": round(ms, 3), "tok_s": round(batch * args.window / ms * 1e3, 1),
                           "first_step_ms": state[label]["first_ms"]}
             if batch == 1:
                 row[label]["weight_GBps"] = round(weights / ms * 1e3 / 1e9, 1)
