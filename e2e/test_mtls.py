@@ -64,12 +64,15 @@ def secret_data(ns: str, name: str) -> dict[str, bytes]:
     return {k: base64.b64decode(v) for k, v in get_json("secret", name, "-n", ns)["data"].items()}
 
 
+TLS_HASH = "inferencemesh.io/tls-hash"  # the pod template's annotation: a renewal changes it, and so rolls the pods
+
+
 def tls_hashes(ns: str, name: str) -> dict[str, str]:
     """Each Deployment of the mesh that mounts a certificate (stages and frontends; the router mounts
     none) -> the certificate hash on its pod template."""
     items = get_json("deployments", "-n", ns, "-l", f"inferencemesh.io/mesh={name}")["items"]
     found = {d["metadata"]["name"]: (d["spec"]["template"]["metadata"].get("annotations") or {})
-             .get("inferencemesh.io/tls-hash") for d in items}
+             .get(TLS_HASH) for d in items}
     return {k: v for k, v in found.items() if v}
 
 
@@ -171,8 +174,13 @@ def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_me
         hashes = tls_hashes(ns, name)
         wait_ready(ns, name, settings["timeout"])
         assert ready_pipeline(ns, name) == k, "a certificate renewal started a new pipeline"
-        pod = frontend_pod(ns, name, k)["metadata"]["name"]
-        mounted = exec_python(ns, pod, "import sys; sys.stdout.write(open(sys.argv[1]).read())",
+        # The mesh is Ready before its Deployments finish rolling: the old frontend pod may still be
+        # up (and ready) beside the new one, so the pod read is the renewed template's.
+        renewed = hashes[components[2]]
+        pod = wait_for(lambda: next((p["metadata"]["name"] for p in [frontend_pod(ns, name, k)]
+                                     if (p["metadata"].get("annotations") or {}).get(TLS_HASH) == renewed), None),
+                       180, "the frontend pod of the renewed template")
+        mounted = exec_python(ns, str(pod), "import sys; sys.stdout.write(open(sys.argv[1]).read())",
                               f"{TLS_MOUNT}/tls.crt")  # the rolled pod holds the renewed certificate
         assert mounted.stdout.encode() == secret_data(ns, f"{components[2]}-tls")["tls.crt"], mounted.stderr
         with port_forward(ns, f"svc/{name}-frontend",
