@@ -14,6 +14,7 @@ from test_families import write  # noqa: E402  (the families' tiny random checkp
 
 from inferencemesh.modeling.kv_pool import BlockTableKV
 from inferencemesh.modeling.lean_layers import LeanLayer, _same_output
+from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 
 LEAN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -83,25 +84,38 @@ def test_layers_of_another_shape_stay_transformers(root, family) -> None:
 
 
 def test_a_lean_layer_that_differs_from_its_layer_is_not_adopted(root, caplog) -> None:
-    rt = StageRuntime(write(root, "llama"), 0, 4, dtype="float32", device="cpu", max_context=128, lean=False)
-    layer = rt._layers[0]
+    path = write(root, "llama")
+    rt = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128, lean=False)  # its rotary
+    layer = load_stage(path, 0, 4, dtype="float32", device="cpu").layers[0]  # as loaded: nn.Linear
     lean = LeanLayer(layer)
     rope = lambda x, start, count: rt._rope(x, start, count, None)  # noqa: E731
     assert _same_output(lean, layer, rope)
-    assert lean.qkv.weight is not None  # float32 on the CPU: one fused matrix
-    lean.qkv.weight[:, :1].mul_(1.5)  # one query column off
+    assert lean.qkv.fused is not None  # float32 on the CPU: one fused matrix, a copy until adopted
+    with torch.inference_mode():
+        layer.self_attn.q_proj.weight[:1].mul_(1.5)  # one query feature off in the layer's own
     with caplog.at_level(logging.WARNING, logger="inferencemesh.modeling.lean_layers"):
         assert not _same_output(lean, layer, rope)
     assert "differs from transformers'" in caplog.text
 
 
 def test_an_adopted_layer_holds_its_projection_weights_once(root) -> None:
-    lean, _ = runtimes(write(root, "llama"))
+    """The fused matmuls take the linear layers' places: no nn.Linear is left holding a weight,
+    and transformers' forward of the layer, through the slices, still computes the layer."""
+    lean, plain = runtimes(write(root, "llama"))
     layer, fused = lean._layers[0], lean._lean[0]
-    assert fused is not None and fused.qkv.weight is not None and fused.gate_up.weight is not None
-    for module, matrix in ((layer.self_attn.q_proj, fused.qkv.weight), (layer.self_attn.v_proj, fused.qkv.weight),
-                           (layer.mlp.up_proj, fused.gate_up.weight)):
-        assert module.packed.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
+    assert fused is not None and fused.qkv.fused is not None and fused.gate_up.fused is not None
+    assert not [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert layer.self_attn.q_proj.fused is fused.qkv.fused and layer.mlp.up_proj.fused is fused.gate_up.fused
+    assert layer.self_attn.o_proj is fused.o_proj.fused and layer.mlp.down_proj is fused.down_proj.fused
+    x = torch.randn(1, 3, layer.input_layernorm.weight.shape[0], generator=torch.Generator().manual_seed(2))
+    cos, sin = lean._rope(x, 0, 3, None)
+    with torch.inference_mode():
+        ours = layer(x, attention_mask=None, position_ids=torch.arange(3)[None], use_cache=False,
+                     position_embeddings=(cos, sin))
+        theirs = plain._layers[0](x, attention_mask=None, position_ids=torch.arange(3)[None], use_cache=False,
+                                  position_embeddings=(cos, sin))
+    ours, theirs = (o[0] if isinstance(o, tuple) else o for o in (ours, theirs))
+    assert relative_error(ours, theirs) < 1e-5
 
 
 def test_a_tied_head_is_packed_once_and_its_embedding_reads_the_same_vectors(root) -> None:

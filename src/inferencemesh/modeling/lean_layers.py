@@ -4,9 +4,9 @@ A decode step runs every layer on one row, so on a small model the time of a tok
 host work: transformers' layer calls about 200 Python functions per layer (module calls and their
 hooks, keyword plumbing, the attention registry, rotate_half twice, config lookups) around a dozen
 kernels. A LeanLayer computes the same layer from the same modules' weights with one projection
-for queries, keys and values, one for gate and up (the CPU's float32 weights concatenated once at
-load), rotary applied to queries and keys together, and the stage's own cache and attention
-(kv_pool, attention.stage_attention) as transformers' layer calls them.
+for queries, keys and values, one for gate and up (their weights concatenated once at load, and
+on a CPU packed for its matmul kernel), rotary applied to queries and keys together, and the
+stage's own cache and attention (kv_pool, attention.stage_attention) as transformers' layer calls them.
 
 It covers the layers whose structure it knows exactly (LEAN_LAYERS: pre-norm RMSNorm, rotary,
 grouped-query attention without soft-capping or sinks, a gated SiLU MLP; Qwen3's per-head
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
-from inferencemesh.modeling.packed import PackedLinear
+from inferencemesh.modeling.packed import PackedLinear, packs_weight
 
 log = logging.getLogger(__name__)
 
@@ -77,37 +77,78 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Projection:
-    """Several linear layers of one input as one matmul where their weights allow it (the CPU's
-    float32 PackedLinear: [in, out] matrices concatenated once), else each module in turn."""
+    """Several linear layers of one input as one matmul: their weights concatenated once, output
+    features after output features, and on a CPU packed for its kernel (packed.py). Modules that
+    are not plain nn.Linear (quantized, say) run in turn."""
 
-    def __init__(self, modules: Sequence[Any]) -> None:
+    def __init__(self, parent: nn.Module, names: Sequence[str]) -> None:
+        self.parent, self.names = parent, list(names)
+        modules = [getattr(parent, name) for name in names]
         self.sizes = [int(m.out_features) for m in modules]
-        self.weight: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-        self.modules = list(modules)
-        if all(type(m) is PackedLinear and not m._mkldnn for m in modules):
-            self.weight = modules[0].packed if len(modules) == 1 else torch.cat([m.packed for m in modules], dim=1)
-            biases = [m.bias for m in modules]
-            if any(b is not None for b in biases):
-                self.bias = torch.cat([b.detach() if b is not None else torch.zeros(n, dtype=self.weight.dtype)
-                                       for b, n in zip(biases, self.sizes, strict=True)])
-            self.modules = []  # the fused matrix serves; release() turns theirs into views of it
+        self.modules: list[Any] = modules
+        self.fused: nn.Module | None = None
+        weights = [m.weight for m in modules if type(m) is nn.Linear]
+        if len(weights) == len(modules) and len({(w.dtype, w.device) for w in weights}) == 1:
+            weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            bias = _fused_bias(modules, weight)
+            if packs_weight(weight):
+                self.fused = PackedLinear(weight, bias)
+            elif len(modules) > 1:
+                self.fused = _Fused(weight, bias)
+            # else: the module itself is the fused matmul
 
-    def release(self, modules: Sequence[Any]) -> None:
-        """The modules' own matrices become column views of the fused one (the layer's transformers
-        forward still works, slower): the stage holds each weight once."""
-        if self.weight is None or len(modules) == 1:
+    def release(self) -> None:
+        """The fused matmul takes the modules' place in their layer (a module of several becomes a
+        slice of its output: the layer's transformers forward still works, slower): the stage
+        holds each weight once."""
+        if self.fused is None:
+            return
+        if len(self.names) == 1:
+            setattr(self.parent, self.names[0], self.fused)
             return
         start = 0
-        for module, size in zip(modules, self.sizes, strict=True):
-            module.packed = self.weight[:, start:start + size]
+        for name, size in zip(self.names, self.sizes, strict=True):
+            setattr(self.parent, name, _OutputSlice(self.fused, start, size))
             start += size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            y = torch.matmul(x, self.weight)
-            return y if self.bias is None else y + self.bias
+        if self.fused is not None:
+            return self.fused.forward(x)  # not through nn.Module's call: no hooks here, a token's Python less
+        if len(self.modules) == 1:
+            return self.modules[0](x)
         return torch.cat([m(x) for m in self.modules], dim=-1)
+
+
+def _fused_bias(modules: Sequence[nn.Linear], weight: torch.Tensor) -> torch.Tensor | None:
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else weight.new_zeros(int(m.out_features))
+                      for b, m in zip(biases, modules, strict=True)])
+
+
+class _Fused(nn.Module):
+    """x W^T + b over concatenated weights where no packed form is faster (a GPU's, say)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.fused_bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.fused_bias)
+
+
+class _OutputSlice(nn.Module):
+    """One of several fused linear layers, left in its layer's place: the fused matmul's columns
+    [start, start + size)."""
+
+    def __init__(self, fused: nn.Module, start: int, size: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.out_features = fused, start, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start:self.start + self.out_features]
 
 
 @dataclass(frozen=True)
@@ -134,17 +175,17 @@ class LeanLayer:
         if hasattr(attn, "q_norm"):  # Qwen3
             self.head_norms = ((attn.q_norm.weight.detach(), float(attn.q_norm.variance_epsilon)),
                                (attn.k_norm.weight.detach(), float(attn.k_norm.variance_epsilon)))
-        self.qkv = _Projection([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up = _Projection([mlp.gate_proj, mlp.up_proj])
-        self.o_proj = _Projection([attn.o_proj])
-        self.down_proj = _Projection([mlp.down_proj])
+        self.qkv = _Projection(attn, ["q_proj", "k_proj", "v_proj"])
+        self.gate_up = _Projection(mlp, ["gate_proj", "up_proj"])
+        self.o_proj = _Projection(attn, ["o_proj"])
+        self.down_proj = _Projection(mlp, ["down_proj"])
         self.gqa = self.shape.heads != self.shape.kv_heads
         self.mlp: Any = mlp
 
     def adopt(self) -> None:
         """Adopted in place of its layer: the fused projections hold the weights alone."""
-        self.qkv.release([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj])
-        self.gate_up.release([self.mlp.gate_proj, self.mlp.up_proj])
+        for projection in (self.qkv, self.gate_up, self.o_proj, self.down_proj):
+            projection.release()
 
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

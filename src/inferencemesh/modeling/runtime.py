@@ -34,7 +34,7 @@ from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
 from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm
 from inferencemesh.modeling.loader import StageModules, load_stage
-from inferencemesh.modeling.packed import PackedLinear, onednn_packs, pack_linears, packs
+from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
@@ -112,17 +112,20 @@ class StageRuntime:
         if lean and None in self._rope_tables:  # one rotary table for every layer
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
             self._norm = lean_norm(self._norm)
+        if self.device.type == "cpu":  # after the lean layers, which fuse and pack their projections
+            for layer in self._layers:
+                pack_linears(layer)
         if on_progress is not None:
             on_progress("ready", 1.0)
 
     def _adopt_modules(self, stage: StageModules) -> None:
-        """The stage's modules, their linear layers packed for the CPU's matmul there."""
+        """The stage's modules, its LM head packed for the CPU's matmul there (the layers' linear
+        layers are, once the lean layers have fused theirs)."""
         self._embed: nn.Module | None = stage.embed
         self._layers = list(stage.layers)
         self._norm = stage.norm
         self._lm_head: nn.Module | None = stage.lm_head
         if self.device.type == "cpu":
-            pack_linears(stage.layers)
             self._lm_head, self._embed = _packed_head(self._lm_head, self._embed)
 
     def _plan_attention(self, stage: StageModules) -> None:
@@ -356,9 +359,10 @@ def _packed_head(head: nn.Module | None, embed: nn.Module | None) -> tuple[nn.Mo
     if not (isinstance(head, nn.Linear) and packs(head)):
         return head, embed
     tied = embed is not None and head.weight is embed.weight
-    if tied and (onednn_packs(head.weight.dtype) or type(embed) is not nn.Embedding or embed.max_norm is not None):
+    transposable = head.weight.dtype == torch.float32  # MKL's [in, out] form: 16-bit there is slow
+    if tied and (not transposable or type(embed) is not nn.Embedding or embed.max_norm is not None):
         return head, embed  # decided before packing: a head packed for nothing would cost a copy at load
-    packed = PackedLinear(head)
+    packed = PackedLinear(head.weight, head.bias, transposed=tied)
     return (packed, ColumnEmbedding(packed.packed)) if tied else (packed, embed)
 
 
