@@ -40,9 +40,8 @@ def decode_step(layers: list[LeanLayer]):  # noqa: ANN201 (a closure torch.compi
         """x [1, 1, H] at position `stop` over positions [0, stop) of the pool: (x out, its new K/V)."""
         new = []
         for i, layer in enumerate(layers):
-            assert layer.qkv.weight is not None and layer.gate_up.weight is not None
             norm, eps = layer.input_norm
-            qkv = (torch.rms_norm(x, norm.shape, norm, eps) @ layer.qkv.weight).view(-1, dim)
+            qkv = layer.qkv(torch.rms_norm(x, norm.shape, norm, eps)).view(-1, dim)
             qk = rotate(qkv[: shape.heads + kv_heads], cos, sin)
             q, k, v = qk[: shape.heads], qk[shape.heads:], qkv[shape.heads + kv_heads:]
             keys, values = store[i, 0, :, :stop], store[i, 1, :, :stop]
@@ -52,10 +51,10 @@ def decode_step(layers: list[LeanLayer]):  # noqa: ANN201 (a closure torch.compi
             top = torch.maximum(old.amax(-1, keepdim=True), own)
             p_old, p_own = torch.exp(old - top), torch.exp(own - top)
             out = (p_old @ values + p_own * v.view(kv_heads, 1, dim)) / (p_old.sum(-1, keepdim=True) + p_own)
-            x = x + out.reshape(1, 1, -1) @ layer.o_proj.weight
+            x = x + layer.o_proj(out.reshape(1, 1, -1))
             norm, eps = layer.post_norm
-            gate, up = (torch.rms_norm(x, norm.shape, norm, eps) @ layer.gate_up.weight).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ layer.down_proj.weight
+            gate, up = layer.gate_up(torch.rms_norm(x, norm.shape, norm, eps)).chunk(2, dim=-1)
+            x = x + layer.down_proj(torch.nn.functional.silu(gate) * up)
             new.append(torch.stack((k, v)))
         return x, torch.stack(new)
 
@@ -84,7 +83,7 @@ def main() -> None:
     model = load_bench_model(BenchConfig(dtype="float32", shape=args.shape, stages=(1,)).check())
     runtime = StageRuntime(model.model_dir, 0, model.facts.num_layers, dtype="float32", max_context=2048)
     layers = [layer for layer in runtime._lean if layer is not None]
-    assert len(layers) == runtime.num_layers and all(layer.qkv.weight is not None for layer in layers)
+    assert len(layers) == runtime.num_layers
     pool = runtime.new_pool(2048 // 16)
     blocks = list(range(pool.num_blocks))
     context = args.context
