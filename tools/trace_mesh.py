@@ -38,8 +38,10 @@ CATEGORIES: list[tuple[str, object]] = [
     ("attention (cache write, gather, sdpa)", lambda fs: _any(fs, "stage_attention", "sdpa_attention_forward",
                                                               "_PackedCache.update", "kv.py", "kv_pool.py",
                                                               "positions.py")),
-    ("layer matmuls (projections, MLP)", lambda fs: _any(fs, "modeling_llama.py") and _any(fs, "packed.py")),
-    ("layer other (norms, rotary, activations)", lambda fs: _any(fs, "modeling_llama.py", "modeling_layers.py")),
+    ("layer matmuls (projections, MLP)", lambda fs: _any(fs, "modeling_llama.py", "lean_layers.py")
+     and _any(fs, "packed.py")),
+    ("layer other (norms, rotary, activations)", lambda fs: _any(fs, "modeling_llama.py", "modeling_layers.py",
+                                                                 "lean_layers.py")),
     ("head + norm (last stage)", lambda fs: _any(fs, "runtime.py") and _any(fs, "packed.py", "normalization",
                                                                              "modeling_llama.py")),
     ("decide: sampling / verify", lambda fs: _any(fs, "sampling.py", "_decide")),
