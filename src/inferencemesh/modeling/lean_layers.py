@@ -30,6 +30,7 @@ from torch import nn
 
 from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
 from inferencemesh.modeling.packed import PackedLinear, packs_weight
+from inferencemesh.modeling.quantized_fused import fused_outputs
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class _Projection:
     """Several linear layers of one input as one matmul: their weights concatenated once, output
-    features after output features, and on a CPU packed for its kernel (packed.py). Modules that
-    are not plain nn.Linear (quantized, say) run in turn."""
+    features after output features, and on a CPU packed for its kernel (packed.py); quantized ones
+    in their own layout (quantized_fused.py). Modules that cannot be joined run in turn."""
 
     def __init__(self, parent: nn.Module, names: Sequence[str]) -> None:
         self.parent, self.names = parent, list(names)
@@ -96,6 +97,8 @@ class _Projection:
             elif len(modules) > 1:
                 self.fused = _Fused(weight, bias)
             # else: the module itself is the fused matmul
+        else:
+            self.fused = fused_outputs(modules)  # quantized ones, in their layout, where it allows
 
     def release(self) -> None:
         """The fused matmul takes the modules' place in their layer (a module of several becomes a
