@@ -129,3 +129,22 @@ def test_a_tied_head_is_packed_once_and_its_embedding_reads_the_same_vectors(roo
     ids = torch.tensor([0, 7, 319, 7])
     assert torch.equal(rt._embed(ids), embedding[ids])  # type: ignore[misc]
     assert rt._lm_head.packed.data_ptr() == rt._embed.columns.data_ptr()  # type: ignore[union-attr]
+
+
+def test_where_nothing_packs_the_projections_are_fused_as_plain_matrices(root, monkeypatch) -> None:
+    """A GPU's path (and a CPU's 16-bit one without oneDNN's units): the fused weights are one plain
+    matrix each, computed by F.linear, and the layer equals transformers' layer as before."""
+    from inferencemesh.modeling import lean_layers
+
+    monkeypatch.setattr(lean_layers, "packs_weight", lambda weight: False)
+    path = write(root, "qwen2")  # biases on q/k/v: the fused bias too
+    lean = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128, lean=True)
+    monkeypatch.undo()
+    plain = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128, lean=False)
+    layer = lean._lean[0]
+    assert layer is not None and type(layer.qkv.fused).__name__ == "_Fused"
+    assert layer.qkv.fused.fused_bias is not None and layer.o_proj.fused is None  # one module: itself
+    prompt = torch.randint(3, 320, (7,), generator=torch.Generator().manual_seed(3))
+    blocks = [4, 0, 9]
+    got, want = decode(lean, blocks, prompt, 5), decode(plain, blocks, prompt, 5)
+    assert relative_error(got, want) < 1e-5
