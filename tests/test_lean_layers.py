@@ -13,7 +13,7 @@ import torch
 from test_families import write  # noqa: E402  (the families' tiny random checkpoints)
 
 from inferencemesh.modeling.kv_pool import BlockTableKV
-from inferencemesh.modeling.lean_layers import LeanLayer, _same_output
+from inferencemesh.modeling.lean_layers import LeanLayer, Probe
 from inferencemesh.modeling.loader import load_stage
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 
@@ -87,14 +87,15 @@ def test_a_lean_layer_that_differs_from_its_layer_is_not_adopted(root, caplog) -
     path = write(root, "llama")
     rt = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128, lean=False)  # its rotary
     layer = load_stage(path, 0, 4, dtype="float32", device="cpu").layers[0]  # as loaded: nn.Linear
-    lean = LeanLayer(layer)
     rope = lambda x, start, count: rt._rope(x, start, count, None)  # noqa: E731
-    assert _same_output(lean, layer, rope)
-    assert lean.qkv.fused is not None  # float32 on the CPU: one fused matrix, a copy until adopted
+    probe = Probe.of(layer, rope)  # what the layer computes before anything of it is fused
+    lean = LeanLayer(layer)
+    assert lean.qkv.fused is not None  # float32 on the CPU: one fused matrix, in the layer's place too
+    assert probe.same_output(lean) and Probe.of(layer, rope).same_output(lean)
     with torch.inference_mode():
-        layer.self_attn.q_proj.weight[:1].mul_(1.5)  # one query feature off in the layer's own
+        lean.input_norm[0][:1].mul_(1.5)  # one feature of the input norm off (the layer's own weight)
     with caplog.at_level(logging.WARNING, logger="inferencemesh.modeling.lean_layers"):
-        assert not _same_output(lean, layer, rope)
+        assert not probe.same_output(lean)
     assert "differs from transformers'" in caplog.text
 
 

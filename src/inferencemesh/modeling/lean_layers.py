@@ -90,15 +90,26 @@ class _Projection:
         self.fused: nn.Module | None = None
         weights = [m.weight for m in modules if type(m) is nn.Linear]
         if len(weights) == len(modules) and len({(w.dtype, w.device) for w in weights}) == 1:
-            weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            if len(weights) == 1:
+                weight = weights[0].detach()
+            else:  # the parts' own weights are dropped once joined: loading holds two copies, not three
+                weight = torch.cat([w.detach() for w in weights])
+                for module in modules:
+                    module.weight = None
+            del weights
             bias = _fused_bias(modules, weight)
             if packs_weight(weight):
-                self.fused = PackedLinear(weight, bias)
-            elif len(modules) > 1:
+                try:
+                    self.fused = PackedLinear(weight, bias)
+                except RuntimeError as err:  # (never seen: oneDNN packs every float32 and 16-bit weight it takes)
+                    log.warning("a fused projection stays unpacked: %r", err)
+            if self.fused is None and len(modules) > 1:
                 self.fused = _Fused(weight, bias)
             # else: the module itself is the fused matmul
         else:
             self.fused = fused_outputs(modules)  # quantized ones, in their layout, where it allows
+        if self.fused is not None:
+            self.modules = []  # the fused matmul serves: the modules' weights go when release() replaces them
 
     def release(self) -> None:
         """The fused matmul takes the modules' place in their layer (a module of several becomes a
@@ -178,17 +189,19 @@ class LeanLayer:
         if hasattr(attn, "q_norm"):  # Qwen3
             self.head_norms = ((attn.q_norm.weight.detach(), float(attn.q_norm.variance_epsilon)),
                                (attn.k_norm.weight.detach(), float(attn.k_norm.variance_epsilon)))
+        # Each projection takes its modules' places as soon as it is made, so that loading holds
+        # one projection's weights twice at a time, never a layer's; the layer's own forward then
+        # computes through them (the same products), whether or not the lean form is adopted.
         self.qkv = _Projection(attn, ["q_proj", "k_proj", "v_proj"])
+        self.qkv.release()
         self.gate_up = _Projection(mlp, ["gate_proj", "up_proj"])
+        self.gate_up.release()
         self.o_proj = _Projection(attn, ["o_proj"])
+        self.o_proj.release()
         self.down_proj = _Projection(mlp, ["down_proj"])
+        self.down_proj.release()
         self.gqa = self.shape.heads != self.shape.kv_heads
         self.mlp: Any = mlp
-
-    def adopt(self) -> None:
-        """Adopted in place of its layer: the fused projections hold the weights alone."""
-        for projection in (self.qkv, self.gate_up, self.o_proj, self.down_proj):
-            projection.release()
 
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,22 +243,21 @@ class LeanLayer:
 def lean_layers(layers: Sequence[nn.Module], rope: Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
                 ) -> list[LeanLayer | None]:
     """A LeanLayer for each layer it covers and computes alike (checked on a probe input against
-    the layer itself), else None: the layer stays transformers'. rope(x, start, count): the
-    runtime's rotary tables for positions [start, start + count)."""
+    what the layer computed before its projections were fused), else None: the layer stays
+    transformers'. rope(x, start, count): the runtime's rotary tables for positions [start, start + count)."""
     out: list[LeanLayer | None] = []
     for layer in layers:
         lean = None
         if type(layer).__name__ in LEAN_LAYERS and _plain_attention(layer):
             try:
+                probe = Probe.of(layer, rope)
                 lean = LeanLayer(layer)
-                if not _same_output(lean, layer, rope):
+                if not probe.same_output(lean):
                     lean = None
             except Exception as err:  # a layer this form cannot take (its linears' kind): transformers' runs it
                 log.warning("layer %s runs as transformers' layer: the lean form failed on it: %r",
                             type(layer).__name__, err)
                 lean = None
-            if lean is not None:
-                lean.adopt()
         out.append(lean)
     return out
 
@@ -265,19 +277,32 @@ def _plain_attention(layer: nn.Module) -> bool:
         config, "attn_logit_softcapping", None)
 
 
-@torch.inference_mode()
-def _same_output(lean: LeanLayer, layer: nn.Module, rope: Callable) -> bool:
-    weight = lean.input_norm[0]
-    x = torch.randn(1, PROBE_TOKENS, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-    cos, sin = rope(x, 0, PROBE_TOKENS)
-    positions = torch.arange(PROBE_TOKENS, device=x.device)[None]
-    theirs = layer(x, attention_mask=None, position_ids=positions, use_cache=False, position_embeddings=(cos, sin))
-    theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-    ours = lean(x, (cos, sin), None, None)
-    scale = float(theirs.float().abs().max()) or 1.0
-    error = float((ours.float() - theirs.float()).abs().max()) / scale
-    if error > max(PROBE_TOLERANCE, PROBE_EPSILONS * torch.finfo(x.dtype).eps):
-        log.warning("layer %d (%s) computed lean differs from transformers' by %.2e: it runs as transformers' "
-                    "layer", lean.layer_idx, type(layer).__name__, error)
-        return False
-    return True
+@dataclass(frozen=True)
+class Probe:
+    """A probe input and what a transformers layer computes for it."""
+
+    x: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    theirs: torch.Tensor
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, layer: Any, rope: Callable) -> Probe:  # (a transformers decoder layer: read by name)
+        weight = layer.input_layernorm.weight
+        x = torch.randn(1, PROBE_TOKENS, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
+        cos, sin = rope(x, 0, PROBE_TOKENS)
+        positions = torch.arange(PROBE_TOKENS, device=x.device)[None]
+        theirs = layer(x, attention_mask=None, position_ids=positions, use_cache=False, position_embeddings=(cos, sin))
+        return cls(x, (cos, sin), theirs[0] if isinstance(theirs, tuple) else theirs)
+
+    @torch.inference_mode()
+    def same_output(self, lean: LeanLayer) -> bool:
+        """Whether `lean` computes what the layer did, within summation order (see PROBE_TOLERANCE)."""
+        ours = lean(self.x, self.rope, None, None)
+        scale = float(self.theirs.float().abs().max()) or 1.0
+        error = float((ours.float() - self.theirs.float()).abs().max()) / scale
+        if error > max(PROBE_TOLERANCE, PROBE_EPSILONS * torch.finfo(self.x.dtype).eps):
+            log.warning("layer %d computed lean differs from transformers' by %.2e: it runs as transformers' layer",
+                        lean.layer_idx, error)
+            return False
+        return True

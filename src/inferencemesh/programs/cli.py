@@ -15,6 +15,7 @@ child processes and pods.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from typing import Any, NoReturn
@@ -151,7 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, PlanError) as err:  # a user's mistake (a taken port too): one line
         parser.exit(2, f"inferencemesh {args.command}: error: {err}\n")
     except LoadFailed as err:  # its model could not be loaded: one line, and an exit a supervisor sees at once
-        parser.exit(1, f"inferencemesh {args.command}: error: {err}\n")
+        message = f"inferencemesh {args.command}: error: {err}\n"
+        write_termination_message(message)
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # Without the interpreter's teardown: with gRPC's threads still winding down it can abort
+        # (SIGABRT, "terminate called without an active exception", seen once in CI), and the exit
+        # code is what the supervisor reads.
+        os._exit(1)
     except KeyboardInterrupt:  # Ctrl-C while a program had no handler of its own (plan, bench)
         return 130
     except Exception as err:  # a bug: the traceback on stderr, its one-line summary in the termination message
