@@ -22,6 +22,9 @@ from collections.abc import Iterator
 
 import pytest
 from imesh_e2e import (
+    LABEL_COMPONENT,
+    LABEL_MESH,
+    LABEL_PIPELINE,
     PROMPTS,
     apply,
     delete_mesh,
@@ -35,6 +38,7 @@ from imesh_e2e import (
     port_forward,
     prefix,
     ready_pipeline,
+    running_pods,
     wait_for,
     wait_ready,
     wait_settled,
@@ -174,15 +178,11 @@ def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_me
         hashes = tls_hashes(ns, name)
         wait_ready(ns, name, settings["timeout"])
         assert ready_pipeline(ns, name) == k, "a certificate renewal started a new pipeline"
-        # The mesh is Ready before its Deployments finish rolling: the old frontend pod may still be
-        # up (and ready) beside the new one, so the pod read is the renewed template's.
-        renewed = hashes[components[2]]
-        pod = wait_for(lambda: next((p["metadata"]["name"] for p in [frontend_pod(ns, name, k)]
-                                     if (p["metadata"].get("annotations") or {}).get(TLS_HASH) == renewed), None),
-                       180, "the frontend pod of the renewed template")
-        mounted = exec_python(ns, str(pod), "import sys; sys.stdout.write(open(sys.argv[1]).read())",
-                              f"{TLS_MOUNT}/tls.crt")  # the rolled pod holds the renewed certificate
-        assert mounted.stdout.encode() == secret_data(ns, f"{components[2]}-tls")["tls.crt"], mounted.stderr
+        # The mesh is Ready before its Deployments finish rolling, and under a 180 s lifetime the
+        # certificates renew again every few minutes: the pod read is one of the template's current
+        # roll, its certificate the Secret's current one, both read afresh each poll.
+        assert wait_for(lambda: rolled_frontend_holds_its_certificate(ns, name, k, components[2]), 300,
+                        "a frontend pod of the current template holding the current certificate")
         with port_forward(ns, f"svc/{name}-frontend",
                           shared_mesh["doc"]["spec"]["frontend"]["service"]["port"]) as base:
             from openai import OpenAI
@@ -196,10 +196,24 @@ def test_certificates_rotate_with_a_shortened_lifetime(settings: dict, shared_me
         kubectl("patch", "inferencemesh", name, "-n", ns, "--type=json",
                 "-p", '[{"op": "remove", "path": "/spec/security/certificateLifetime"}]')
         wait_for(lambda: all(validity(secret_data(ns, f"{c}-tls")["tls.crt"]) > 10 * lifetime for c in components),
-                 120, "the default lifetime's certificates")
+                 300, "the default lifetime's certificates")
         wait_for(lambda: all(tls_hashes(ns, name)[c] != hashes[c] for c in components), 60,
                  "the pod templates to roll onto them")
         wait_ready(ns, name, settings["timeout"])
+
+
+def rolled_frontend_holds_its_certificate(ns: str, name: str, pipeline: int, component: str) -> str | None:
+    """A running frontend pod of `pipeline` whose template is the Deployment's current one and whose
+    mounted certificate is the Secret's current one (its name), or None."""
+    current = tls_hashes(ns, name)[component]
+    for pod in running_pods(ns, f"{LABEL_MESH}={name},{LABEL_COMPONENT}=frontend,{LABEL_PIPELINE}={pipeline}"):
+        if (pod["metadata"].get("annotations") or {}).get(TLS_HASH) != current:
+            continue
+        mounted = exec_python(ns, pod["metadata"]["name"], "import sys; sys.stdout.write(open(sys.argv[1]).read())",
+                              f"{TLS_MOUNT}/tls.crt")
+        if mounted.returncode == 0 and mounted.stdout.encode() == secret_data(ns, f"{component}-tls")["tls.crt"]:
+            return str(pod["metadata"]["name"])
+    return None
 
 
 def validity(cert_pem: bytes) -> float:
