@@ -99,22 +99,21 @@ class _Projection:
             del weights
             bias = _fused_bias(modules, weight)
             if packs_weight(weight):
-                try:
-                    self.fused = PackedLinear(weight, bias)
-                except RuntimeError as err:  # (never seen: oneDNN packs every float32 and 16-bit weight it takes)
-                    log.warning("a fused projection stays unpacked: %r", err)
-            if self.fused is None and len(modules) > 1:
+                self.fused = PackedLinear(weight, bias)
+            elif len(modules) > 1:
                 self.fused = _Fused(weight, bias)
             # else: the module itself is the fused matmul
         else:
             self.fused = fused_outputs(modules)  # quantized ones, in their layout, where it allows
         if self.fused is not None:
-            self.modules = []  # the fused matmul serves: the modules' weights go when release() replaces them
+            self.modules = []  # the fused matmul serves
+            self._take_their_places()
 
-    def release(self) -> None:
-        """The fused matmul takes the modules' place in their layer (a module of several becomes a
-        slice of its output: the layer's transformers forward still works, slower): the stage
-        holds each weight once."""
+    def _take_their_places(self) -> None:
+        """The fused matmul takes the modules' places in their layer at once (a module of several
+        becomes a slice of its output: the layer's transformers forward still works, slower), so
+        the stage holds each weight once and loading one projection's twice at a time, never a
+        layer's."""
         if self.fused is None:
             return
         if len(self.names) == 1:
@@ -189,17 +188,12 @@ class LeanLayer:
         if hasattr(attn, "q_norm"):  # Qwen3
             self.head_norms = ((attn.q_norm.weight.detach(), float(attn.q_norm.variance_epsilon)),
                                (attn.k_norm.weight.detach(), float(attn.k_norm.variance_epsilon)))
-        # Each projection takes its modules' places as soon as it is made, so that loading holds
-        # one projection's weights twice at a time, never a layer's; the layer's own forward then
+        # Each projection takes its modules' places as it is made: the layer's own forward then
         # computes through them (the same products), whether or not the lean form is adopted.
         self.qkv = _Projection(attn, ["q_proj", "k_proj", "v_proj"])
-        self.qkv.release()
         self.gate_up = _Projection(mlp, ["gate_proj", "up_proj"])
-        self.gate_up.release()
         self.o_proj = _Projection(attn, ["o_proj"])
-        self.o_proj.release()
         self.down_proj = _Projection(mlp, ["down_proj"])
-        self.down_proj.release()
         self.gqa = self.shape.heads != self.shape.kv_heads
         self.mlp: Any = mlp
 

@@ -5,9 +5,9 @@ The lean layers fuse 16-bit and float32 projections by concatenating their weigh
 a quantized layer's weight is held in its kernel's layout, so it is concatenated in that layout:
 every buffer that runs along the output features (the values, their scales, zero offsets, bias)
 is joined on that axis. That is the same layer where each part's output features are whole units
-of the layout: the CPU INT4 kernel's blocks of 64 rows, tinygemm's tiles of 8, an FP8 scale block's
-rows. Per-tensor scales (one number a part) and act-order layers (an input permutation each) do
-not fuse, nor does tinygemm's layout (untested on a GPU so far): those compute part by part.
+of the layout: the CPU INT4 kernel's blocks of 64 rows, an FP8 scale block's rows. Per-tensor
+scales (one number a part) and act-order layers (an input permutation each) do not fuse, nor does
+tinygemm's layout (untested on a GPU so far): those compute part by part.
 
 One call instead of two or three saves the calls' fixed costs (on a CPU a few microseconds each;
 on a GPU a kernel launch each), and a GEMV-shaped kernel streams one matrix instead of three.
