@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from inferencemesh.modeling.attention import KeysValues, KVSpans
+from inferencemesh.modeling.pages import keep_small_pages
 
 NO_TOKEN = -1  # a token slot written by a frame that carried no token ids
 # A table in a few runs of consecutive blocks (a shared prefix's, then the session's own) is read
@@ -50,6 +51,7 @@ class KVPool:
         self.scratch_block = num_blocks if scratch else None
         stored = self.slots + (block_tokens if scratch else 0)
         self.store = torch.empty((num_layers, 2, kv_heads, stored, head_dim), dtype=dtype, device=device)
+        keep_small_pages(self.store)  # committed as blocks are written, not 2 MiB at a time (pages.py)
         # Token id per slot, on the CPU (the penalties read it as a list); int32 as the wire's ids.
         self.tokens = torch.full((self.slots,), NO_TOKEN, dtype=torch.int32)
 
