@@ -19,7 +19,7 @@ for such a buffer, whatever the process or the system's THP setting says.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -61,9 +61,10 @@ def keep_small_pages(buffer: HostBuffer) -> bool:
     return madvise is not None and madvise(first, last - first, MADV_NOHUGEPAGE) == 0
 
 
+@functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols, libc's among them
     except OSError:
         return None
     madvise = getattr(libc, "madvise", None)
