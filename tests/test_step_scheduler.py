@@ -51,7 +51,8 @@ class ScriptedStage:
     While `holding`, answers wait (batches pile up in flight); end() ends the stream, with a status
     or cleanly."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency: float = 0.0) -> None:
+        self.latency = latency  # seconds before a batch is answered (0: at once), as a pipeline's
         self.sent: list[pb.Batch] = []
         self.held: list[pb.Batch] = []
         self.holding = False
@@ -65,7 +66,12 @@ class ScriptedStage:
         self.sent.append(batch)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        (self.held.append if self.holding else self.answer)(batch)
+        if self.holding:
+            self.held.append(batch)
+        elif self.latency:
+            asyncio.get_running_loop().call_later(self.latency, self.answer, batch)
+        else:
+            self.answer(batch)
 
     def answer(self, batch: pb.Batch) -> None:
         self.in_flight -= 1
@@ -130,6 +136,32 @@ def test_no_more_microbatches_in_flight_than_the_limit_and_each_sessions_frames_
     assert stage.most_in_flight == 2
     assert [f.seq for b in stage.sent for f in b.frames] == [1, 2, 3, 4, 5, 6]
     assert stage.cancelled
+
+
+def test_sessions_decoding_together_are_shared_among_the_stages_microbatches() -> None:
+    """8 sessions whose frames all wait at once, 2 stages: two microbatches of 4, not one of 8, and
+    they stay apart step after step (sent as one, the sessions would come back together and go out
+    together again: one stage computing at a time). The pure rule's `most` caps a microbatch."""
+    assert names(next_microbatch([waiting(s, pb.DECODE, 1) for s in "abcde"], 8, most=3)[0]) == \
+        ["a:DECODE", "b:DECODE", "c:DECODE"]
+
+    async def go() -> list[list[str]]:
+        stage = ScriptedStage(latency=0.01)
+        scheduler = StepScheduler(stage, in_flight_limit=2, token_budget=64)
+        sessions = [ScheduledSession(scheduler, f"s{i}", step_timeout=5) for i in range(8)]
+
+        async def decode(session: ScheduledSession) -> None:
+            for step in range(4):
+                await session.send(pb.Frame(session_id=session.session_id, seq=step + 1, kind=pb.DECODE,
+                                            pos_start=step, token_count=1, token_ids=[1]))
+
+        await asyncio.gather(*(decode(s) for s in sessions))
+        await scheduler.close()
+        return [sorted(f.session_id for f in b.frames) for b in stage.sent]
+
+    batches = asyncio.run(go())
+    assert [len(b) for b in batches] == [4] * 8, batches
+    assert len({tuple(b) for b in batches}) == 2  # the same two groups every step
 
 
 def test_a_broken_stream_fails_its_sessions_at_once_with_the_stages_status() -> None:

@@ -2,8 +2,8 @@
 
 Sessions submit their next frame (a prompt chunk, a decode token, a verify window) when they
 have it. Whenever fewer microbatches than there are stages are in flight, the frames waiting go
-out together as one Batch: each stage computes them in one forward pass, and with one
-microbatch in flight per stage, every stage has one to work on. The last stage's BatchResult
+out as Batches, shared evenly among the free places: each stage computes a Batch in one forward
+pass, and with one microbatch in flight per stage, every stage has one to work on. The last stage's BatchResult
 for it comes back up the same stream. What carries the stream (gRPC, or a stage in this
 process) is the hop's business (hops.py).
 """
@@ -55,20 +55,24 @@ def _within(used: int, more: int, limit: int) -> bool:
     return not more or not used or used + more <= limit
 
 
-def next_microbatch(waiting: list[_Waiting], budget: int) -> tuple[list[_Waiting], list[_Waiting]]:
+def next_microbatch(waiting: list[_Waiting], budget: int, most: int | None = None
+                    ) -> tuple[list[_Waiting], list[_Waiting]]:
     """(the next microbatch, what keeps waiting), from the waiting frames in arrival order: at
-    most one frame per session (its later frames wait their turn), every decode and verify frame,
-    and prompt chunks while their tokens stay within the budget (the first chunk always goes): a
-    long prompt shares its steps with the other sessions' decoding, and never stalls them. Verify
-    windows with draft probabilities go while their rows stay within MAX_DRAFT_ROWS_PER_BATCH, so
-    that a Batch stays within the message limit the plan gave the stages (transport.message_limit)."""
-    batch, rest, prompt_tokens, rows = [], [], 0, 0
+    most one frame per session (its later frames wait their turn), every decode and verify frame
+    (up to `most` frames in all), and prompt chunks while their tokens stay within the budget (the
+    first chunk always goes): a long prompt shares its steps with the other sessions' decoding,
+    and never stalls them. Verify windows with draft probabilities go while their rows stay within
+    MAX_DRAFT_ROWS_PER_BATCH, so that a Batch stays within the message limit the plan gave the
+    stages (transport.message_limit)."""
+    batch: list[_Waiting] = []
+    rest: list[_Waiting] = []
+    prompt_tokens = rows = 0
     sessions: set[str] = set()  # sessions in this batch, or with an earlier frame left waiting
     for item in waiting:
         frame = item.frame
         chunk = frame.token_count if frame.kind == pb.PREFILL else 0
         fits = _within(prompt_tokens, chunk, budget) and _within(rows, draft_rows(frame), MAX_DRAFT_ROWS_PER_BATCH)
-        if frame.session_id in sessions or not fits:
+        if frame.session_id in sessions or not fits or (most is not None and len(batch) >= most):
             rest.append(item)
         else:
             batch.append(item)
@@ -131,7 +135,12 @@ class StepScheduler:
                 self._wake.clear()
                 await self._wake.wait()
             await self._settled()
-            frames, self.waiting = next_microbatch(self.waiting, self.budget)
+            # With several stages free, the waiting frames are shared among that many microbatches
+            # (sent one after another), so that every stage has one to compute: sent as one, the
+            # sessions would come back together and go out together again, one stage computing at
+            # a time for as long as they run.
+            free = self.limit - len(self.in_flight)
+            frames, self.waiting = next_microbatch(self.waiting, self.budget, most=-(-len(self.waiting) // free))
             if not frames:  # the stream broke meanwhile (_break took them)
                 continue
             self._seq += 1
