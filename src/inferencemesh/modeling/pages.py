@@ -6,8 +6,8 @@ that stop at each page boundary. PyTorch's CPU allocator backs every allocation 
 with transparent huge pages when THP_MEM_ALLOC_ENABLE is set (c10 reads it once, at the first
 allocation, so it is set before torch is imported: `prefer_huge_pages`, from every program's
 process set-up). Measured on the 2-core AVX-512 EPYC (THP "madvise", as most distributions ship
-it), llama-150m float32, one greedy request, one thread, 4 rounds interleaved: 17.9 -> 16.8 ms a
-token (medians; 3 rounds 5-8% faster, one 3% slower); its 48 oneDNN matmuls alone 12.1 -> 11.6 ms.
+it), llama-150m float32, the whole model's forward for one token, one thread, 6 rounds
+interleaved: 16.64 -> 15.58 ms (medians; every round faster); its 48 matmuls alone 12.1 -> 11.6 ms.
 
 The KV pool is the exception. It is allocated once and committed by the OS page by page as
 blocks are written (kv_pool.py); its layout puts each (layer, head) region's slots together, so a
