@@ -3,17 +3,20 @@
 A CPU decode step streams every weight from memory once, so it runs at the memory bandwidth one
 core can draw, and 4 KiB pages cost some of it: a TLB walk every 4 KiB, and hardware prefetchers
 that stop at each page boundary. PyTorch's CPU allocator backs every allocation of 2 MiB or more
-with transparent huge pages when THP_MEM_ALLOC_ENABLE is set (c10 reads it once, at the first
-allocation, so it is set before torch is imported: `prefer_huge_pages`, from every program's
-process set-up). Measured on the 2-core AVX-512 EPYC (THP "madvise", as most distributions ship
-it), llama-150m float32, the whole model's forward for one token, one thread, 6 rounds
-interleaved: 16.64 -> 15.58 ms (medians; every round faster); its 48 matmuls alone 12.1 -> 11.6 ms.
+with transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is in the environment a program starts
+with (c10 reads it once, at the first allocation). It is opt-in: a cluster run with it on by
+default failed an e2e test with a frontend that refused connections after the mesh was ready,
+cause not established (direct compaction stalling a process on a busy node is one candidate),
+so it stays off until a cluster run shows it safe. Measured on the 2-core AVX-512 EPYC (THP
+"madvise", as most distributions ship it), llama-150m float32, the whole model's forward for
+one token, one thread, 6 rounds interleaved: 16.64 -> 15.58 ms (medians; every round faster); its
+48 matmuls alone 12.1 -> 11.6 ms.
 
 The KV pool is the exception. It is allocated once and committed by the OS page by page as
 blocks are written (kv_pool.py); its layout puts each (layer, head) region's slots together, so a
 2 MiB page would commit the positions of many blocks nobody wrote yet: llama-150m's 12 layers x
 2 x 12 heads would commit 576 MiB on the first token. `keep_small_pages` asks for 4 KiB pages
-for such a buffer, whatever the process or the system's THP setting says.
+for such a buffer, whatever the process or the system's THP setting says (`always` included).
 """
 
 from __future__ import annotations
@@ -31,19 +34,13 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class HostBuffer(Protocol):
-    """What keep_small_pages reads of a tensor (torch is not imported here: see prefer_huge_pages)."""
+    """What keep_small_pages reads of a tensor (torch is not imported here)."""
 
     @property
     def device(self) -> object: ...
     def data_ptr(self) -> int: ...
     def numel(self) -> int: ...
     def element_size(self) -> int: ...
-
-
-def prefer_huge_pages() -> None:
-    """Ask PyTorch's CPU allocator for huge pages (a value already in the environment wins).
-    Before torch is imported: afterwards the allocator has read its setting."""
-    os.environ.setdefault(THP_ENV, "1")
 
 
 def keep_small_pages(buffer: HostBuffer) -> bool:

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferencemesh.flags import ConfigError
-from inferencemesh.modeling.pages import prefer_huge_pages
 
 # The child's end of its parent's lifeline: the fd number, in the child's environment.
 LIFELINE_ENV = "INFERENCEMESH_LIFELINE_FD"
@@ -122,12 +121,10 @@ PROFILES = {
 
 
 def prepare_process() -> None:
-    """First thing in every program, before torch (and with it libgomp and PyTorch's allocator,
-    which read their environment once) is imported: the OpenMP spin default and huge pages for
-    big allocations, for this process and every child it starts; and, in a child of serve or
-    bench, the watch on its parent."""
+    """First thing in every program, before torch (and with it libgomp, which reads its
+    environment once, when it loads) is imported: the OpenMP spin default, for this process and
+    every child it starts; and, in a child of serve or bench, the watch on its parent."""
     os.environ.setdefault(SPIN_ENV, DEFAULT_SPINCOUNT)
-    prefer_huge_pages()  # weights on 2 MiB pages (modeling/pages.py)
     watch_lifeline()
 
 
