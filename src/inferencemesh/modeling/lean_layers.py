@@ -112,8 +112,8 @@ class _Projection:
     def _take_their_places(self) -> None:
         """The fused matmul takes the modules' places in their layer at once (a module of several
         becomes a slice of its output: the layer's transformers forward still works, slower), so
-        the stage holds each weight once and loading one projection's twice at a time, never a
-        layer's."""
+        the stage holds each weight once, and loading holds one projection's weights twice at a
+        time, never a layer's."""
         if self.fused is None:
             return
         if len(self.names) == 1:

@@ -4,7 +4,7 @@ A CPU decode step streams every weight from memory once, so it runs at the memor
 core can draw, and 4 KiB pages cost some of it: a TLB walk every 4 KiB, and hardware prefetchers
 that stop at each page boundary. PyTorch's CPU allocator backs every allocation of 2 MiB or more
 with transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is in the environment a program starts
-with (c10 reads it once, at the first allocation). It is opt-in: a cluster run with it on by
+with (c10/core/impl/alloc_cpu.cpp reads it once, at the first allocation). It is opt-in: a cluster run with it on by
 default failed an e2e test with a frontend that refused connections after the mesh was ready,
 cause not established (direct compaction stalling a process on a busy node is one candidate),
 so it stays off until a cluster run shows it safe. Measured on the 2-core AVX-512 EPYC (THP
@@ -28,7 +28,6 @@ import sys
 from collections.abc import Callable
 from typing import Protocol
 
-THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator (c10/core/impl/alloc_cpu.cpp)
 MADV_NOHUGEPAGE = 15  # <asm-generic/mman-common.h>
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
