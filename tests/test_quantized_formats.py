@@ -28,7 +28,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.loader import load_stage
-from inferencemesh.modeling.quantized import QuantizedEmbedding, QuantizedLinear, fp8_bits_as_float
+from inferencemesh.modeling.quantized import QuantizedLinear, fp8_bits_as_float
+from inferencemesh.modeling.quantized_embedding import QuantizedEmbedding
 from inferencemesh.modeling.runtime import StageRuntime
 from inferencemesh.planner import PlanInputs
 

@@ -112,12 +112,20 @@ BEFORE: dict[str, ModuleType] = {}  # --before: another commit's modeling/quanti
 
 
 def quantization(fmt: str) -> str | None:
-    name = fmt.removesuffix("@before")
+    name = fmt.partition("@")[0]
     return None if name == "bf16" else name
 
 
 def load(model: Path, start: int, end: int, fmt: str) -> StageModules:
-    """load_stage; a "@before" format quantizes with --before's quantize() (its QuantizedLinear)."""
+    """load_stage; a "@before" format quantizes with --before's quantize() (its QuantizedLinear); a
+    "@pytorch" one computes without the native kernels (PyTorch's kernels and dequantized tiles)."""
+    if fmt.endswith("@pytorch"):
+        modules = load_stage(model, start, end, dtype="bfloat16", device=str(DEVICE), quantization=quantization(fmt))
+        for part in (modules.layers, modules.lm_head):
+            for layer in [] if part is None else part.modules():
+                if isinstance(layer, QuantizedLinear):
+                    layer.native_rows = 0
+        return modules
     if not fmt.endswith("@before"):
         return load_stage(model, start, end, dtype="bfloat16", device=str(DEVICE), quantization=quantization(fmt))
     ours = quantized_load.quantize
@@ -358,6 +366,8 @@ def main() -> None:
     p.add_argument("--pool", action="store_true", help="decode over a block pool, as on cuda (always there): a CPU "
                                                        "dry run of that path")
     p.add_argument("--json", type=Path)
+    p.add_argument("--pytorch-kernels", action="store_true", help="also INT8 and FP8 without the native kernels "
+                   "(modeling/native_kernels.py), as FORMAT@pytorch, in the same rounds")
     p.add_argument("--summarize", type=Path, help="only summarize (again) the rounds of a JSON this wrote")
     p.add_argument("--before", type=Path, help="another commit's modeling/quantized.py: its formats measured "
                                                 "beside ours, as FORMAT@before, in the same rounds")
@@ -378,6 +388,8 @@ def main() -> None:
         BEFORE["module"] = util.module_from_spec(spec)
         spec.loader.exec_module(BEFORE["module"])
         args.formats += [f"{f}@before" for f in args.formats[1:]]
+    if args.pytorch_kernels:
+        args.formats += [f"{f}@pytorch" for f in args.formats[1:] if f in ("int8", "fp8")]
     torch.set_num_threads(args.threads)
     if args.shape:
         from inferencemesh.programs.bench.models import make_shape_model

@@ -62,7 +62,7 @@ def held_bytes(quant: WeightQuant, out_features: int, in_features: int, width: i
 
 def held_embedding_bytes(quant: WeightQuant, rows: int, columns: int, width: int) -> int:
     """Bytes a stage holds for an embedding table [rows, columns] quantized as `quant`
-    (modeling/quantized.py's QuantizedEmbedding): the values (INT4 two a byte) and a scale per row
+    (modeling/quantized_embedding.py's QuantizedEmbedding): the values (INT4 two a byte) and a scale per row
     or per group of a row, in `width`-byte floats."""
     scale_rows, scale_cols = quant.scale_shape(rows, columns)
     values = rows * columns // 2 if quant.kind == "int" and quant.bits == 4 else rows * columns

@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn import functional
 
 from inferencemesh.checkpoint.quantization import WeightQuant
+from inferencemesh.modeling import native_kernels
 from inferencemesh.modeling.packed import onednn_packs
 
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
@@ -89,7 +90,7 @@ def fp8_bits_as_float(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
+def unsigned_nibbles(q: torch.Tensor) -> torch.Tensor:
     """INT4 values q (int8 in [-8, 7]) as uint8 whose low nibble is the kernels' u = q + 8 (q's
     4-bit two's complement with its sign bit flipped; the high nibble is left as it falls)."""
     return q.view(torch.uint8) ^ 8
@@ -112,7 +113,7 @@ def _int4_cpu_packed(q: torch.Tensor, check: bool = True) -> torch.Tensor:
     n, k = q.shape
     if n % INT4_BLOCK or (check and not _int4_cpu_layout_known()):
         return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32) + 8, 1)
-    u = _nibbles(q).view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, k)
+    u = unsigned_nibbles(q).view(n // INT4_BLOCK, 2, INT4_BLOCK // 2, k)
     return (u[:, 0] & 0x0F | u[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
 
 
@@ -168,12 +169,19 @@ class QuantizedLinear(nn.Module):
         if quant.kind == "float":
             self.path = "scaled_mm" if _scaled_mm_takes(quant, self.out_features, self.in_features, dtype, device) \
                 else "fp8_dequant"
-            self.register_buffer("weight", weight.to(device))
-            self.register_buffer("scale", scale.to(device, dtype))
+            self.register_buffer("weight", weight.to(device).contiguous())
+            self.register_buffer("scale", scale.to(device, dtype).contiguous())
+            self.register_buffer("offset", None)
         elif quant.bits == 4:
             self._init_int4(weight, scale, zero, dtype, device)
         else:
             self._init_int8(weight, scale, zero, dtype, device)
+        # INT8 and FP8 decode rows: the native kernel where it builds (native_kernels.py)
+        self.native_rows = 0
+        if self.path in ("int8", "fp8_dequant") and native_kernels.takes(self.weight, dtype, self.in_features,
+                                                                          self._scale_group()[0]):
+            beside = self.kernel_rows > 0  # PyTorch's INT8 kernel takes the rows past a few
+            self.native_rows = native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside else native_kernels.MAX_ROWS
 
     def _init_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                    device: torch.device) -> None:
@@ -196,15 +204,16 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("weight", torch._convert_weight_to_int4pack(nibbles, _inner_k_tiles(self.in_features)))
         else:
             self.path = "int4_dequant"  # a row's first half in the low nibbles, its second in the high ones
-            unsigned = _nibbles(q)
+            unsigned = unsigned_nibbles(q)
             half = self.in_features // 2
             self.register_buffer("weight", (unsigned[:, :half] & 0x0F | unsigned[:, half:] << 4).to(device))
 
     def _init_int8(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                    device: torch.device) -> None:
-        self.register_buffer("weight", q.to(device, torch.int8))
-        self.register_buffer("scale", scale.to(device, dtype))
-        self.register_buffer("offset", None if zero is None else (-zero.to(torch.float32) * scale).to(device, dtype))
+        self.register_buffer("weight", q.to(device, torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(device, dtype).contiguous())
+        offset = None if zero is None else (-zero.to(torch.float32) * scale).to(device, dtype).contiguous()
+        self.register_buffer("offset", offset)
         if device.type == "cpu" and dtype != torch.float32 and zero is None and self.quant.strategy == "channel":
             self.kernel_rows = INT8_KERNEL_ROWS
         self.path = "int8"
@@ -214,7 +223,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if self.path == "int4_cpu" and rows.shape[0] <= self.kernel_rows:
+        if rows.shape[0] <= self.native_rows:
+            y = native_kernels.woq_matmul(rows, self.weight, self.scale, self.offset, *self._scale_group())
+        elif self.path == "int4_cpu" and rows.shape[0] <= self.kernel_rows:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scale_zeros)
         elif self.path == "int8" and rows.shape[0] <= self.kernel_rows:
             y = torch._weight_int8pack_mm(rows, self.weight, self.scale.reshape(-1))
@@ -248,6 +259,13 @@ class QuantizedLinear(nn.Module):
         unit = INT4_BLOCK if self.path == "int4_cpu" else unit
         tile = max(unit, tile // unit * unit)
         return [(a, min(a + tile, self.out_features)) for a in range(0, self.out_features, tile)]
+
+    def _scale_group(self) -> tuple[int, int]:
+        """(inputs, outputs) one scale covers: a group or block's, a channel's (all inputs, one
+        output), a tensor's (everything)."""
+        k, n = self.in_features, self.out_features
+        return {"group": (k // max(1, self.scale.shape[-1]), 1), "block": self.quant.block[::-1],
+                "tensor": (k, n)}.get(self.quant.strategy, (k, 1))
 
     def _column_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """A per-channel (or per-tensor) format's scales, as the product's columns take them."""
@@ -402,45 +420,3 @@ def quantized_values(quant: WeightQuant, weight: torch.Tensor) -> tuple[torch.Te
             tile.round_().clamp_(-(2 ** (quant.bits - 1)), 2 ** (quant.bits - 1) - 1)
         q[a:b] = tile.view(b - a, k)
     return q, scale
-
-
-class QuantizedEmbedding(nn.Module):
-    """An embedding table [rows, hidden] held quantized (quantized_values: the values a linear
-    weight of that shape would have), its rows dequantized as a lookup reads them: INT8 and FP8 a
-    byte a value, INT4 two (the even column in the low nibble), one float32-computed scale per row
-    or per group of a row, kept in the compute dtype (held_embedding_bytes counts exactly these).
-    embed_scale: the multiplier of a scaled embedding (Gemma 3's), applied as it applies it."""
-
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    def __init__(self, quant: WeightQuant, weight: torch.Tensor, dtype: torch.dtype, device: torch.device,
-                 embed_scale: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.quant, self.compute_dtype = quant, dtype
-        self.num_embeddings, self.embedding_dim = weight.shape
-        q, scale = quantized_values(quant, weight)
-        if quant.kind == "int" and quant.bits == 4:
-            unsigned = _nibbles(q)
-            q = (unsigned[:, 0::2] & 0x0F | unsigned[:, 1::2] << 4).to(torch.uint8)
-        self.register_buffer("values", q.to(device))
-        self.register_buffer("scale", scale.to(device, dtype))
-        self.embed_scale = None if embed_scale is None else float(embed_scale)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self._rows(ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
-        return out * torch.tensor(self.embed_scale, dtype=out.dtype) if self.embed_scale is not None else out
-
-    def dequantized(self) -> torch.Tensor:
-        """The whole table in the compute dtype, unscaled (a new tensor: for checks, never per call)."""
-        return self._rows(torch.arange(self.num_embeddings, device=self.values.device))
-
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # FP8 rows gathered as their bytes: CUDA's index_select is not built for float8 in every torch
-        rows = self.values.view(torch.uint8).index_select(0, ids).view(self.values.dtype)
-        if rows.dtype == torch.uint8:  # INT4: each byte two signed values (stored plus 8)
-            rows = torch.stack([rows & 0x0F, rows >> 4], -1).reshape(len(ids), -1).to(torch.float32) - 8
-        # multiplied in float32, as a dequantized matrix (q x scale) is made
-        scale = self.scale.index_select(0, ids).to(torch.float32)
-        grouped = rows.to(torch.float32).view(len(ids), scale.shape[1], -1) * scale[..., None]
-        return grouped.view(len(ids), self.embedding_dim).to(self.compute_dtype)

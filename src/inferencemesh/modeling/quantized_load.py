@@ -15,7 +15,8 @@ from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.quant_types import WeightQuant
 from inferencemesh.checkpoint.quantization import LOAD_METHODS, quant_method, quantized_at_load
-from inferencemesh.modeling.quantized import QuantizedEmbedding, quantize
+from inferencemesh.modeling.quantized import quantize
+from inferencemesh.modeling.quantized_embedding import QuantizedEmbedding
 from inferencemesh.modeling.quantized_formats import build_quantized, fits
 
 

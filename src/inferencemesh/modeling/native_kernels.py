@@ -1,0 +1,151 @@
+"""The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
+for the few rows of a decode step (native/woq_gemm.c says how they read memory and why).
+
+The source ships with the package and is compiled once per machine with its C compiler (`cc`,
+or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
+then inferencemesh/native), under a name that hashes the source, the compiler (its file) and the flags, so
+every process after the first loads it in milliseconds and an edited source builds anew. The
+build writes a temporary file and renames it into place, so processes starting together never
+load a half-written library.
+
+Where it cannot be had (no compiler, a CPU without AVX-512, INFERENCEMESH_NATIVE_KERNELS=0) one
+log line says why and the layers compute as before, through PyTorch's kernels or dequantized
+tiles: never a failed load or request.
+
+The library is linked against libgomp, the OpenMP runtime PyTorch's CPU wheel loads under the
+same soname, so the kernel's threads are PyTorch's (torch.get_num_threads()), not a second pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "woq_gemm.c"
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
+CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
+BUILD_TIMEOUT_S = 300
+# Rows of x a layer sends here. Each weight is widened once per 4 rows, so with more rows the
+# float32 products grow faster than the bytes saved: per-channel INT8 then has PyTorch's own
+# kernel (equal at 4 rows, faster at 5-8); formats whose alternative is a dequantized tile come
+# here up to 8 rows (llama-150m's layers, one thread: FP8 at 8 rows 12.8 against 18 ms); more
+# rows (prefill chunks) are compute-bound, where a 16-bit GEMM over dequantized tiles wins.
+ROWS_BESIDE_PYTORCH_KERNEL = 4
+MAX_ROWS = 8
+_FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1}
+_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+_FP8_SCALE = 2.0 ** 120  # the kernel widens FP8 by its bits: values x 2^-120
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "inferencemesh" / "native"
+
+
+def _compiler() -> list[str]:
+    return (os.environ.get("CC") or "cc").split()
+
+
+def _compiler_identity(compiler: list[str]) -> str:
+    """The compiler's resolved file, size and time: a changed compiler builds anew, and a cached
+    library is found without starting a process."""
+    found = shutil.which(compiler[0])
+    if found is None:
+        raise FileNotFoundError(f"no C compiler {compiler[0]!r} on PATH (set CC to one)")
+    real = os.path.realpath(found)
+    stat = os.stat(real)
+    return f"{real} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def build(directory: Path | None = None) -> Path:
+    """The compiled library's path, compiling it first unless the cache has it. Raises OSError,
+    subprocess.CalledProcessError or TimeoutExpired where it cannot be built."""
+    compiler = _compiler()
+    parts = [SOURCE.read_text(), _compiler_identity(compiler), *compiler, *FLAGS]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"woq_gemm-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=".woq_gemm-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                       check=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL | None:
+    library = ctypes.CDLL(str(path))
+    if not library.imesh_woq_available():
+        return None
+    library.imesh_woq_gemm.restype = ctypes.c_int
+    library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+                                       ctypes.c_int, ctypes.c_int]
+    return library
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels, built and loaded once per process; None (with one log line) where they cannot be."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        log.info("native CPU kernels off (%s=0): quantized layers use PyTorch's kernels", SWITCH_ENV)
+        return None
+    try:
+        loaded = _load(build())
+    except Exception as error:  # noqa: BLE001 - whatever stops the build, the layers compute without it
+        detail = getattr(error, "stderr", None) or error
+        log.warning("native CPU kernels unavailable (%s): quantized layers use PyTorch's kernels", str(detail).strip())
+        return None
+    if loaded is None:
+        log.info("native CPU kernels need AVX-512 (F, BW, DQ), which this CPU lacks: quantized layers use PyTorch's")
+    return loaded
+
+
+def takes(weight: torch.Tensor, dtype: torch.dtype, in_features: int, group: int) -> bool:
+    """Whether woq_matmul computes a layer of these weights (its compute dtype, inputs and scale
+    group): INT8 or FP8 on a CPU, bfloat16 or float32 activations, inputs (and groups narrower
+    than a row) in multiples of 32, and the library at hand."""
+    return (weight.device.type == "cpu" and weight.dtype in _FORMATS and dtype in _DTYPES and in_features % 32 == 0
+            and (group >= in_features or group % 32 == 0) and library() is not None)
+
+
+def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+               group: int, row_div: int) -> torch.Tensor:
+    """rows [M, K] (any count; the compute dtype) times weight [N, K]^T, dequantized as
+    scale[n // row_div, k // group] x weight[n, k] (+ offset[n, k // group]): [M, N] in rows' dtype."""
+    lib = library()
+    assert lib is not None, "woq_matmul called where takes() said no"
+    # the kernel reads raw row-major buffers (the layer holds them so: contiguous() is a no-op)
+    rows, weight, scale = rows.contiguous(), weight.contiguous(), scale.contiguous()
+    offset = None if offset is None else offset.contiguous()
+    m, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=rows.dtype)
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    status = lib.imesh_woq_gemm(rows.data_ptr(), weight.data_ptr(), _FORMATS[weight.dtype], scale.data_ptr(),
+                                None if offset is None else offset.data_ptr(), _FP8_SCALE if fp8 else 1.0,
+                                out.data_ptr(), m, n, k, group, row_div, _DTYPES[rows.dtype], torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
+    return out

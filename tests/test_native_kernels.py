@@ -1,0 +1,192 @@
+"""The native weight-only kernels (modeling/native/woq_gemm.c) against what they replace and against
+float64: per-channel INT8 equal to PyTorch's _weight_int8pack_mm bit for bit (the same arithmetic,
+read faster), every scale layout within its dtype's rounding, FP8's subnormals exact; the build
+cached and found without starting a process; and a machine without a compiler computing the same
+layers through PyTorch's kernels."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferencemesh.checkpoint.quantization import WeightQuant
+from inferencemesh.modeling import native_kernels
+from inferencemesh.modeling.quantized import QuantizedLinear
+
+CPU = torch.device("cpu")
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+pytestmark = pytest.mark.skipif(native_kernels.library() is None, reason="no C compiler or no AVX-512 here")
+
+
+def _layer(quant: WeightQuant, n: int, k: int, dtype: torch.dtype, asymmetric: bool = False,
+           seed: int = 0) -> tuple[QuantizedLinear, torch.Tensor]:
+    """A layer and its weight dequantized in float64 from the scales and offsets it holds."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = quant.scale_shape(n, k)
+    scale = torch.rand(rows, cols, generator=gen) * 1e-2 + 1e-3
+    if quant.kind == "float":
+        q = (torch.randn(n, k, generator=gen) * 100).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    zero = torch.randint(-20, 20, (rows, cols), generator=gen) if asymmetric else None
+    layer = QuantizedLinear(quant, q, scale, zero, None, dtype, CPU)
+    b0, b1 = quant.block if quant.strategy == "block" else (-(-n // rows), -(-k // cols))
+    held_scale = layer.scale.double().repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
+    weight = q.double() * held_scale
+    if layer.offset is not None:
+        weight += layer.offset.double().repeat_interleave(b1, 1)[:, :k]
+    return layer, weight
+
+
+LAYOUTS = {
+    "int8-channel": (WeightQuant("int", 8, "channel"), False),
+    "int8-channel-asymmetric": (WeightQuant("int", 8, "channel", symmetric=False), True),
+    "int8-group": (WeightQuant("int", 8, "group", 64), False),
+    "int8-group-asymmetric": (WeightQuant("int", 8, "group", 32, symmetric=False), True),
+    "fp8-channel": (WeightQuant("float", 8, "channel"), False),
+    "fp8-tensor": (WeightQuant("float", 8, "tensor"), False),
+    "fp8-block": (WeightQuant("float", 8, "block", block=(64, 128)), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_scale_layout_within_its_dtypes_rounding(name: str, dtype: torch.dtype) -> None:
+    """1 to the layer's native rows (4 a pass: 5-8 take two), outputs not a multiple of the
+    kernel's tile (a partial FP8 block too): each output within its dtype's rounding of the float64
+    product (bfloat16: the output rounded once, 2^-8 of the largest; float32: 1e-5)."""
+    quant, asymmetric = LAYOUTS[name]
+    layer, weight = _layer(quant, 203, 384, dtype, asymmetric)
+    beside_pytorch = name == "int8-channel" and dtype == torch.bfloat16  # _weight_int8pack_mm beyond
+    assert layer.native_rows == (native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside_pytorch
+                                 else native_kernels.MAX_ROWS), layer.extra_repr()
+    tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    for rows in range(1, layer.native_rows + 1):
+        x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        want = x.double() @ weight.t()
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (rows, 203)
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        assert err <= tolerance, (name, dtype, rows, err)
+
+
+def test_per_channel_int8_is_pytorchs_kernel() -> None:
+    """The arithmetic _weight_int8pack_mm does (float32 products and sums, the scale after): one
+    row bit for bit; more rows sum in another order in its kernel, which moves a rare output's
+    rounding by one bfloat16 step (2^-7 relative at most), never more."""
+    layer, _ = _layer(WeightQuant("int", 8, "channel"), 1030, 2048, torch.bfloat16)
+    for rows in range(1, native_kernels.ROWS_BESIDE_PYTORCH_KERNEL + 1):
+        x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        ours, theirs = layer(x), torch._weight_int8pack_mm(x, layer.weight, layer.scale.reshape(-1))
+        if rows == 1:
+            assert torch.equal(ours, theirs)
+        differ = ours != theirs
+        assert int(differ.sum()) <= ours.numel() // 100, rows
+        step = (ours.float() - theirs.float()).abs() / theirs.float().abs().clamp(min=1e-6)
+        assert float(step.max()) <= 2 ** -7, rows
+
+
+def test_threads_split_outputs_not_sums() -> None:
+    """One thread or two, the same bits: threads take whole outputs, never part of a sum."""
+    layer, _ = _layer(WeightQuant("int", 8, "group", 128), 4096, 1024, torch.bfloat16)
+    x = torch.randn(3, 1024).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_fp8_subnormals_and_extremes_are_exact() -> None:
+    """Every e4m3 value, subnormals and +-448 included, as the weight of one output each: x = 1 at
+    a single input reads each weight back exactly (float32 compute, scale 1)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaNs
+    q = torch.zeros(len(codes), 32, dtype=torch.uint8)
+    q[:, 5] = codes
+    q = q.view(torch.float8_e4m3fn)
+    layer = QuantizedLinear(WeightQuant("float", 8, "channel"), q, torch.ones(len(codes), 1), None, None,
+                            torch.float32, CPU)
+    assert layer.native_rows
+    x = torch.zeros(1, 32)
+    x[0, 5] = 1.0
+    assert torch.equal(layer(x)[0], q[:, 5].float())
+
+
+def test_layers_the_kernel_cannot_take_compute_as_before() -> None:
+    """Inputs not a multiple of 32, INT4, float16: no native rows, PyTorch's paths."""
+    odd, _ = _layer(WeightQuant("int", 8, "channel"), 64, 48, torch.bfloat16)
+    half, _ = _layer(WeightQuant("int", 8, "channel"), 64, 64, torch.float16)
+    q = torch.randint(-8, 8, (64, 64), dtype=torch.int8)
+    int4 = QuantizedLinear(WeightQuant("int", 4, "group", 32), q, torch.rand(64, 2), None, None, torch.bfloat16, CPU)
+    assert odd.native_rows == half.native_rows == int4.native_rows == 0
+    x = torch.randn(1, 48).bfloat16()
+    assert torch.equal(odd(x), torch._weight_int8pack_mm(x, odd.weight, odd.scale.reshape(-1)))
+
+
+def test_a_cached_build_starts_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first build compiles; the next finds the library by its key without running anything,
+    and a changed source builds anew beside it."""
+    first = native_kernels.build(tmp_path)
+    assert first.exists() and first.parent == tmp_path
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    assert native_kernels.build(tmp_path) == first
+    edited = tmp_path / "edited.c"
+    edited.write_text(native_kernels.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native_kernels, "SOURCE", edited)
+    with pytest.raises(AssertionError, match="started a process"):
+        native_kernels.build(tmp_path)
+
+
+def test_processes_building_together_each_load_a_whole_library(tmp_path: Path) -> None:
+    """Four builds at once into one empty cache: each compiles into its own temporary file and
+    renames it into place, so every one returns a library that loads, and no partial file stays."""
+    paths: list[Path] = []
+    workers = [threading.Thread(target=lambda: paths.append(native_kernels.build(tmp_path))) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(paths) == 4 and len(set(paths)) == 1
+    assert native_kernels._load(paths[0]) is not None
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+
+
+def test_without_a_compiler_layers_compute_through_pytorch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """CC names nothing and the cache is empty: one warning, no native rows, the same products
+    (per-channel INT8 through _weight_int8pack_mm, FP8 through dequantized tiles)."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(native_kernels.CACHE_ENV, str(tmp_path))
+    native_kernels.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=native_kernels.__name__):
+            assert native_kernels.library() is None
+        assert "native CPU kernels unavailable" in caplog.text and "/nonexistent/cc" in caplog.text
+        int8, weight = _layer(WeightQuant("int", 8, "channel"), 96, 256, torch.bfloat16)
+        fp8, fp8_weight = _layer(WeightQuant("float", 8, "block", block=(32, 128)), 96, 256, torch.bfloat16)
+        assert int8.native_rows == 0 and fp8.native_rows == 0
+        x = torch.randn(2, 256).bfloat16()
+        for layer, w in ((int8, weight), (fp8, fp8_weight)):
+            want = x.double() @ w.t()
+            assert float((layer(x).double() - want).abs().max() / want.abs().max()) <= 1e-2
+    finally:
+        native_kernels.library.cache_clear()
+    monkeypatch.setenv(native_kernels.SWITCH_ENV, "0")
+    try:
+        assert native_kernels.library() is None
+    finally:
+        native_kernels.library.cache_clear()
