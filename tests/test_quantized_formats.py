@@ -346,7 +346,7 @@ def test_an_embedding_quantized_at_load_reads_the_rows_of_its_quantized_table(me
 
     weight = torch.randn(320, 64, generator=torch.Generator().manual_seed(2))
     quant = quantized_at_load("model.embed_tokens.weight", (320, 64), method)
-    assert quant is not None and quantized_at_load("model.embed_tokens.weight", (320, 64), method, tied=True) is None
+    assert quant is not None
     table = QuantizedEmbedding(quant, weight, torch.float32, torch.device("cpu"))
     ids = torch.tensor([[0, 5, 319], [7, 7, 100]])
     assert torch.equal(table(ids), _fake_quantized(weight, method)[ids])
@@ -361,19 +361,44 @@ def test_an_embedding_quantized_at_load_reads_the_rows_of_its_quantized_table(me
         _quantized_embedding(norm_capped, quant, weight, torch.float32, torch.device("cpu"), "m")
 
 
-def test_a_tied_embedding_and_head_stay_16_bit(tmp_path):
-    """One matrix serving both (tied) is not quantized at load: each end of a 2-stage split holds
-    it as it is, as the plan counts it."""
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_a_tied_embedding_and_head_are_quantized_for_each_role_a_stage_holds(tmp_path, method):
+    """One matrix serving both (tied): the first stage holds it as a quantized table, the last as a
+    quantized head, one stage as both (two quantized copies), each as the plan counts it; greedy
+    tokens at 1 and 2 stages equal transformers' forward with the matrix quantize-dequantized
+    (both roles read the same rows)."""
     path = write_tiny_model(tmp_path / "tied", "qwen2", num_layers=2, shards=1)
-    inputs = PlanInputs.from_checkpoint(read_local(path), dtype="float32", quantization="int8", kv_tokens=64)
-    for a, b in ((0, 1), (1, 2)):
-        stage = load_stage(path, a, b, dtype="float32", device="cpu", quantization="int8")
-        table = stage.embed if a == 0 else stage.lm_head
-        assert type(table) in (torch.nn.Embedding, torch.nn.Linear) and table.weight.dtype == torch.float32
-        assert isinstance(stage.layers[0].mlp.up_proj, QuantizedLinear)
-        held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm, stage.lm_head)
-                if m is not None for t in [*m.parameters(), *m.buffers()]}
-        assert sum(held.values()) == inputs.stage_bytes(a, b, 2)[0], (a, b)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    for name, module in model.named_modules():
+        if name == "model.embed_tokens" or (name.startswith("model.layers.") and isinstance(module, torch.nn.Linear)):
+            module.weight.data = _fake_quantized(module.weight.data, method)
+    prompt = torch.randint(3, 200, (PROMPT,), generator=torch.Generator().manual_seed(5))
+    ids = prompt.tolist()
+    with torch.no_grad():
+        for _ in range(NEW):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    expected = ids[PROMPT:]
+    inputs = PlanInputs.from_checkpoint(read_local(path), dtype="float32", quantization=method, kv_tokens=64)
+    for bounds in ([0, 2], [0, 1, 2]):
+        ranges = list(zip(bounds, bounds[1:], strict=False))
+        modules = [load_stage(path, a, b, dtype="float32", device="cpu", quantization=method) for a, b in ranges]
+        for (a, b), stage in zip(ranges, modules, strict=True):
+            assert a > 0 or isinstance(stage.embed, QuantizedEmbedding)
+            assert b < 2 or isinstance(stage.lm_head, QuantizedLinear)
+            held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm,
+                                                                    stage.lm_head)
+                    if m is not None for t in [*m.parameters(), *m.buffers()]}
+            assert sum(held.values()) == inputs.stage_bytes(a, b, 2)[0], (method, a, b)
+        stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64, modules=m)
+                  for (a, b), m in zip(ranges, modules, strict=True)]
+        sessions = [s.new_session() for s in stages]
+        logits, got, pos = chain(stages, sessions, 0, prompt), [], PROMPT
+        for _ in range(NEW):
+            got.append(int(logits[-1].argmax()))
+            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
+            pos += 1
+        assert got == expected, (method, bounds)
 
 
 def test_quantized_experts_are_refused_at_plan_time(base, root, tmp_path):

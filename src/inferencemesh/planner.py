@@ -91,7 +91,7 @@ class PlanInputs:
         not, on a CPU with cpu_flags, None: this machine's). A stage on a CPU keeps its KV cache in
         float32 whatever it computes in (modeling.attention.kv_cache_dtype). The KV reserve is the
         pool: kv_tokens positions (config.kv_pool_tokens) per layer. quantization: the 16-bit
-        checkpoint's linear layers, and an untied embedding and head, quantized as the stages read
+        checkpoint's linear layers, and the embedding and head (tied or not), quantized as the stages read
         them (int8, int4, fp8)."""
         dtype = choose_dtype(dtype, facts.checkpoint_dtype, on_cpu=on_cpu, flags=cpu_flags).name
         if dtype not in TORCH_DTYPE_BYTES:

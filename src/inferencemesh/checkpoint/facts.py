@@ -115,30 +115,39 @@ class CheckpointFacts:
                     sizes[group.layer] += self._held(info, dtype_bytes, quantized)
         return sizes
 
-    def group_bytes(self, kind: str, dtype_bytes: int | None = None, quantize: str | None = None) -> int:
-        """Bytes of a group's tensors (see layer_bytes; with quantize, an untied embedding or head
-        quantized as it is read)."""
-        from inferencemesh.checkpoint.quantization import held_bytes, held_embedding_bytes, quantized_at_load
+    def group_bytes(self, kind: str, dtype_bytes: int | None = None, quantize: str | None = None, *,
+                    as_head: bool = False) -> int:
+        """Bytes of a group's tensors (see layer_bytes; with quantize, the embedding or head
+        quantized as it is read). as_head: the embedding's matrix as the LM head a tied model's
+        last stage makes of it."""
+        from inferencemesh.checkpoint.quantization import (
+            HEAD_WEIGHT,
+            held_bytes,
+            held_embedding_bytes,
+            quantized_at_load,
+        )
 
         quantized = self.quantized_modules() if dtype_bytes is not None else {}
         total = 0
         for info in self.tensors.values():
             if classify(info.name).kind != kind:
                 continue
-            at_load = quantized_at_load(info.name, info.shape, quantize, tied=self.tie_word_embeddings) \
+            table = kind == "embed" and not as_head
+            at_load = quantized_at_load(HEAD_WEIGHT if as_head else info.name, info.shape, quantize) \
                 if quantize and dtype_bytes else None
             if at_load and dtype_bytes:
                 rows, columns = info.shape
-                total += held_embedding_bytes(at_load, rows, columns, dtype_bytes) if kind == "embed" \
+                total += held_embedding_bytes(at_load, rows, columns, dtype_bytes) if table \
                     else held_bytes(at_load, rows, columns, dtype_bytes)
             else:
                 total += self._held(info, dtype_bytes, quantized)
         return total
 
     def head_bytes(self, dtype_bytes: int | None = None, quantize: str | None = None) -> int:
-        """Bytes the last stage holds for the LM head: a tied head reuses the embedding matrix."""
+        """Bytes the last stage holds for the LM head: a tied head is the embedding matrix (as it is,
+        or quantized as a head)."""
         head = self.group_bytes("head", dtype_bytes, quantize)
-        return head if head else self.group_bytes("embed", dtype_bytes, quantize)
+        return head if head else self.group_bytes("embed", dtype_bytes, quantize, as_head=True)
 
     def shards_for(self, names: list[str]) -> list[str]:
         return sorted({self.tensors[n].shard for n in names})

@@ -255,21 +255,21 @@ LOAD_METHODS = ("int8", "int4", "fp8")  # a 16-bit checkpoint quantized as it is
 _ROUTERS = ("gate", "router", "wg")  # MoE routers stay in float, as vLLM keeps them
 
 
-# The embedding table and the LM head: quantized at load too unless they are one tied matrix.
+# The embedding table and the LM head: quantized at load too, tied or not.
 EMBEDDING_WEIGHT, HEAD_WEIGHT = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def quantized_at_load(name: str, shape: tuple[int, ...], method: str, *, tied: bool = False) -> WeightQuant | None:
+def quantized_at_load(name: str, shape: tuple[int, ...], method: str) -> WeightQuant | None:
     """How a 16-bit tensor is quantized as a stage reads it with quantization `method` (int8: per
     channel; int4: groups of 128, 64 or 32 inputs; fp8: e4m3 per channel, FP8_DYNAMIC's weights),
-    or None: it stays as it is (norms, fused experts, MoE routers, inputs no int4 group divides,
-    and the embedding and the head when they are one `tied` matrix). An untied embedding and head
-    are quantized as a linear weight [rows, hidden] is: per row, or per group of a row. They are
-    a third of a 150M model's weights and most of a stage's at the ends of a split, as in GGUF."""
+    or None: it stays as it is (norms, fused experts, MoE routers, inputs no int4 group divides).
+    The embedding and the head are quantized as a linear weight [rows, hidden] is: per row, or per
+    group of a row. They are a third of a 150M model's weights and most of a stage's at the ends of
+    a split, as in GGUF. A tied matrix is quantized for each role a stage gives it (HEAD_WEIGHT
+    names the head's): the first stage's table, the last stage's head, and both in one stage,
+    which holds two quantized copies (INT8 and FP8: the 16-bit matrix's bytes; INT4: half)."""
     parts = name.split(".")
     table = name in (EMBEDDING_WEIGHT, HEAD_WEIGHT)
-    if table and tied:
-        return None
     if not ((table or name.startswith("model.layers.")) and parts[-1] == "weight" and len(shape) == 2) or \
             parts[-2] in _ROUTERS or "experts" in parts:
         return None

@@ -232,7 +232,8 @@ def load_stage(
     model = _build_on_meta(config, torch_dtype, facts, source)
     quantized = [m for m in facts.quantized_modules() if _in_stage(m + ".weight", layer_start, layer_end,
                                                                     facts.num_layers)]
-    at_load = quantizer(model, facts, quantization, torch_dtype, torch_device, source)
+    at_load = quantizer(model, facts, quantization, torch_dtype, torch_device, source,
+                        first=layer_start == 0, last=layer_end == facts.num_layers)
     tensors = _read_tensors(model_dir, facts, layer_start, layer_end, torch_dtype, torch_device, on_progress,
                             keep_dtype=tuple(m + "." for m in quantized), consume=at_load)
     swap_quantized(model, tensors, facts, quantized, torch_dtype, torch_device, source)

@@ -1,6 +1,6 @@
 """A stage's quantized linear layers, put in place as its tensors are read (modeling/loader.py
 calls these): a quantized checkpoint's layers built from their tensors (swap_quantized), or a
-16-bit checkpoint's dense linear layers (and its untied embedding and head) quantized one by one
+16-bit checkpoint's dense linear layers (and its embedding and head, tied or not) quantized one by one
 as they are read (quantizer)."""
 
 from __future__ import annotations
@@ -14,17 +14,26 @@ from torch import nn
 from inferencemesh.checkpoint.errors import CheckpointError
 from inferencemesh.checkpoint.facts import CheckpointFacts
 from inferencemesh.checkpoint.quant_types import WeightQuant
-from inferencemesh.checkpoint.quantization import LOAD_METHODS, quant_method, quantized_at_load
+from inferencemesh.checkpoint.quantization import (
+    EMBEDDING_WEIGHT,
+    HEAD_WEIGHT,
+    LOAD_METHODS,
+    quant_method,
+    quantized_at_load,
+)
 from inferencemesh.modeling.quantized import quantize
 from inferencemesh.modeling.quantized_embedding import QuantizedEmbedding
 from inferencemesh.modeling.quantized_formats import build_quantized, fits
 
 
 def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtype: torch.dtype,
-               device: torch.device, source: str | Path) -> Callable[[str, torch.Tensor], bool] | None:
+              device: torch.device, source: str | Path, *, first: bool,
+              last: bool) -> Callable[[str, torch.Tensor], bool] | None:
     """With a quantization method: a function that takes a tensor just read and, when it is a dense
     linear layer's weight, swaps a QuantizedLinear of it into the model (True: consumed, so the
-    float tensor is dropped at once and the stage never holds its layers in float)."""
+    float tensor is dropped at once and the stage never holds its layers in float). A tied
+    embedding matrix read by the `last` stage becomes its LM head, quantized as a head (and the
+    table too when the stage is also the `first`)."""
     if method is None:
         return None
     if method not in LOAD_METHODS:
@@ -34,7 +43,14 @@ def quantizer(model: nn.Module, facts: CheckpointFacts, method: str | None, dtyp
                               f"serve it without --quantization")
 
     def consume(name: str, tensor: torch.Tensor) -> bool:
-        quant = quantized_at_load(name, tuple(tensor.shape), method, tied=facts.tie_word_embeddings)
+        if name == EMBEDDING_WEIGHT and last and facts.tie_word_embeddings:
+            head = quantized_at_load(HEAD_WEIGHT, tuple(tensor.shape), method)
+            if head is None:  # stays 16-bit (an INT4 group that does not divide it), tied as planned
+                return False
+            model.lm_head = quantize(head, tensor, dtype, device)
+            if not first:
+                return True  # only the head reads it here
+        quant = quantized_at_load(name, tuple(tensor.shape), method)
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         try:
             parent = model.get_submodule(parent_name) if quant else None
