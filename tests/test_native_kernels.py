@@ -145,8 +145,8 @@ def test_a_cached_build_starts_no_process(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(subprocess, "run", refuse)
     assert native_kernels.build(tmp_path) == first
     edited = tmp_path / "edited.c"
-    edited.write_text(native_kernels.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(native_kernels, "SOURCE", edited)
+    edited.write_text(native_kernels.SOURCES[0].read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native_kernels, "SOURCES", (edited, *native_kernels.SOURCES[1:]))
     with pytest.raises(AssertionError, match="started a process"):
         native_kernels.build(tmp_path)
 
@@ -190,3 +190,23 @@ def test_without_a_compiler_layers_compute_through_pytorch(tmp_path: Path, monke
         assert native_kernels.library() is None
     finally:
         native_kernels.library.cache_clear()
+
+
+def test_rms_norm_is_transformers_float32_rms_norm() -> None:
+    """A decode row's RMSNorm in one native call: within float32's rounding (1e-6 of the largest
+    output) of transformers' LlamaRMSNorm computed in float64; rows beyond RMS_NORM_MAX_ROWS, other
+    dtypes and widths not a multiple of 16 are left to PyTorch (None)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for rows, width in ((1, 64), (3, 384), (native_kernels.RMS_NORM_MAX_ROWS, 4096)):
+        norm = LlamaRMSNorm(width, eps=1e-6).double()
+        norm.weight.data = torch.randn(width, generator=torch.Generator().manual_seed(width), dtype=torch.float64)
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 30
+        got = native_kernels.rms_norm(x, norm.weight.float(), 1e-6)
+        want = norm(x.double())
+        assert got is not None and got.dtype == torch.float32
+        assert float((got.double() - want).abs().max() / want.abs().max()) <= 1e-6, (rows, width)
+    weight = torch.randn(64)
+    assert native_kernels.rms_norm(torch.randn(native_kernels.RMS_NORM_MAX_ROWS + 1, 64), weight, 1e-6) is None
+    assert native_kernels.rms_norm(torch.randn(1, 64).bfloat16(), weight.bfloat16(), 1e-6) is None
+    assert native_kernels.rms_norm(torch.randn(1, 40), torch.randn(40), 1e-6) is None

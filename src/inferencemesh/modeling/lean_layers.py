@@ -20,6 +20,7 @@ what compiling a whole step of them would give on the CPU is measured in docs/de
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from inferencemesh.modeling import native_kernels
 from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
 from inferencemesh.modeling.packed import PackedLinear, packs_weight
 from inferencemesh.modeling.quantized_fused import fused_outputs
@@ -47,9 +49,11 @@ PROBE_EPSILONS = 4
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: computed in float32, scaled in the input's dtype."""
+    """transformers' RMSNorm: computed in float32, scaled in the input's dtype (a float32 decode
+    row on a CPU in one native call: 1.5 against 7 us)."""
     if x.dtype == torch.float32:
-        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+        native = native_kernels.rms_norm(x, weight, eps)
+        return native if native is not None else torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
@@ -71,10 +75,25 @@ def lean_norm(norm: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[
     return norm
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary (the half-split form transformers' Llama uses): x [1, T, heads, D], cos/sin [1, T, 1, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+@functools.cache
+def _half_signs(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[-1] * (size / 2) + [1] * (size / 2), made once per shape."""
+    with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+        sign = torch.ones(size, dtype=dtype, device=device)
+        sign[: size // 2] = -1
+    return sign
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) x sin = roll(x, D / 2) x this, bit for bit
+    (negation is exact), in one roll instead of two slices, a negation and a cat."""
+    return sin * _half_signs(sin.shape[-1], sin.dtype, sin.device)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary (the half-split form transformers' Llama uses): x [1, T, heads, D], cos and
+    _signed_sin(sin) [1, T, 1, D]; 6.7 against 10 us for transformers' form of one decode row."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class _Projection:
@@ -203,12 +222,13 @@ class LeanLayer:
         s = self.shape
         count = x.shape[1]
         qkv = self.qkv(_rms_norm(x, *self.input_norm)).view(1, count, s.heads + 2 * s.kv_heads, s.head_dim)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, D]: over every head
+        cos, sin = cos.unsqueeze(2), _signed_sin(sin.unsqueeze(2))  # [1, T, 1, D]: over every head
+        # split_with_sizes: torch.split's Python wrapper costs more than the split (0.9 against 2.3 us)
         if self.head_norms is None:  # queries and keys rotated as one tensor
-            qk, v = qkv.split((s.heads + s.kv_heads, s.kv_heads), dim=2)
-            q, k = _rotate(qk, cos, sin).split((s.heads, s.kv_heads), dim=2)
+            qk, v = qkv.split_with_sizes((s.heads + s.kv_heads, s.kv_heads), dim=2)
+            q, k = _rotate(qk, cos, sin).split_with_sizes((s.heads, s.kv_heads), dim=2)
         else:
-            q, k, v = qkv.split((s.heads, s.kv_heads, s.kv_heads), dim=2)
+            q, k, v = qkv.split_with_sizes((s.heads, s.kv_heads, s.kv_heads), dim=2)
             q = _rotate(_rms_norm(q, *self.head_norms[0]), cos, sin)
             k = _rotate(_rms_norm(k, *self.head_norms[1]), cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -216,7 +236,7 @@ class LeanLayer:
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention's output [1, T, heads * D] and the MLP."""
         x = x + self.o_proj(attended)
-        gate, up = self.gate_up(_rms_norm(x, *self.post_norm)).split(self.gate_up.sizes[0], dim=-1)
+        gate, up = self.gate_up(_rms_norm(x, *self.post_norm)).split_with_sizes(self.gate_up.sizes, dim=-1)
         return x + self.down_proj(torch.nn.functional.silu(gate) * up)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,

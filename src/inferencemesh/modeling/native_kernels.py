@@ -1,7 +1,8 @@
 """The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
-for the few rows of a decode step (native/woq_gemm.c says how they read memory and why).
+for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), and
+per-token operations whose dispatch outweighs their arithmetic (native/host_ops.c: RMSNorm).
 
-The source ships with the package and is compiled once per machine with its C compiler (`cc`,
+The sources ship with the package and is compiled once per machine with its C compiler (`cc`,
 or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
 then inferencemesh/native), under a name that hashes the source, the compiler (its file) and the flags, so
 every process after the first loads it in milliseconds and an edited source builds anew. The
@@ -32,8 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "woq_gemm.c"
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("woq_gemm.c", "host_ops.c"))
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-lm")
 SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
 CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -75,17 +76,17 @@ def build(directory: Path | None = None) -> Path:
     """The compiled library's path, compiling it first unless the cache has it. Raises OSError,
     subprocess.CalledProcessError or TimeoutExpired where it cannot be built."""
     compiler = _compiler()
-    parts = [SOURCE.read_text(), _compiler_identity(compiler), *compiler, *FLAGS]
+    parts = [*(source.read_text() for source in SOURCES), _compiler_identity(compiler), *compiler, *FLAGS]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"woq_gemm-{key}.so"
+    target = directory / f"inferencemesh-native-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=".woq_gemm-", suffix=".so", dir=directory)
+    fd, partial = tempfile.mkstemp(prefix=".inferencemesh-native-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        subprocess.run([*compiler, "-o", partial, *map(str, SOURCES), *FLAGS], capture_output=True, text=True,
                        check=True, timeout=BUILD_TIMEOUT_S)
         os.replace(partial, target)
     finally:
@@ -102,6 +103,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, *[ctypes.c_int64] * 5,
                                        ctypes.c_int, ctypes.c_int]
+    library.imesh_rms_norm_f32.restype = ctypes.c_int
+    library.imesh_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return library
 
 
@@ -109,16 +112,16 @@ def _load(path: Path) -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The kernels, built and loaded once per process; None (with one log line) where they cannot be."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
-        log.info("native CPU kernels off (%s=0): quantized layers use PyTorch's kernels", SWITCH_ENV)
+        log.info("native CPU kernels off (%s=0): PyTorch's paths compute instead", SWITCH_ENV)
         return None
     try:
         loaded = _load(build())
     except Exception as error:  # noqa: BLE001 - whatever stops the build, the layers compute without it
         detail = getattr(error, "stderr", None) or error
-        log.warning("native CPU kernels unavailable (%s): quantized layers use PyTorch's kernels", str(detail).strip())
+        log.warning("native CPU kernels unavailable (%s): PyTorch's paths compute instead", str(detail).strip())
         return None
     if loaded is None:
-        log.info("native CPU kernels need AVX-512 (F, BW, DQ), which this CPU lacks: quantized layers use PyTorch's")
+        log.info("native CPU kernels need AVX-512 (F, BW, DQ), which this CPU lacks: PyTorch's paths compute instead")
     return loaded
 
 
@@ -148,4 +151,24 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
                                 out.data_ptr(), m, n, k, group, row_div, _DTYPES[rows.dtype], torch.get_num_threads())
     if status:
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
+    return out
+
+
+# Rows a native RMSNorm takes: decode steps and verify windows; longer prompt chunks keep PyTorch's
+# vectorised, threaded kernel, where the dispatch is paid once for many rows.
+RMS_NORM_MAX_ROWS = 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' float32 RMSNorm of x's rows in one native call, or None where it does not take
+    x (not float32 on a CPU, a width not a multiple of 16, more than RMS_NORM_MAX_ROWS rows, no
+    library): the caller computes it as before."""
+    lib = library()
+    n = weight.shape[0]
+    float32 = x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+    if lib is None or not float32 or n % 16 or x.numel() > RMS_NORM_MAX_ROWS * n or not x.is_contiguous() \
+            or not weight.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    lib.imesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
     return out
