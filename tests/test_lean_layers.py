@@ -149,3 +149,17 @@ def test_where_nothing_packs_the_projections_are_fused_as_plain_matrices(root, m
     blocks = [4, 0, 9]
     got, want = decode(lean, blocks, prompt, 5), decode(plain, blocks, prompt, 5)
     assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_one_roll_is_transformers_rotary_bit_for_bit(dtype: torch.dtype) -> None:
+    """x * cos + roll(x) * signed_sin against transformers' x * cos + rotate_half(x) * sin: the
+    same products and sum (the sign is exact), so the same bits, queries and keys as one tensor."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from inferencemesh.modeling.lean_layers import _rotate, _signed_sin
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 5, 12, 64, generator=gen).to(dtype)
+    cos, sin = (torch.randn(1, 5, 1, 64, generator=gen).to(dtype) for _ in range(2))
+    assert torch.equal(_rotate(x, cos, _signed_sin(sin)), x * cos + rotate_half(x) * sin)
