@@ -1,4 +1,5 @@
-"""How the OS backs a program's buffers (modeling/pages.py): with THP_MEM_ALLOC_ENABLE=1 (opt-in) a
+"""How the OS backs a program's buffers (modeling/pages.py): with THP_MEM_ALLOC_ENABLE=1 (serve's and
+bench's default, a pod's opt-in) a
 big tensor is committed in 2 MiB pages (the weights' speed), and the KV pool still 4 KiB at a
 time as its blocks are written (its memory is committed by use)."""
 
@@ -19,7 +20,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 SCRIPT = textwrap.dedent("""
     import json, os
     from inferencemesh.programs.process import prepare_process
-    prepare_process()
+    prepare_process("stage")
     import torch
     from inferencemesh.modeling.kv_pool import KVPool
 

@@ -241,18 +241,25 @@ def test_the_lifeline_alone_stops_a_child_whose_parent_was_killed() -> None:
 
 def test_one_set_up_for_every_program() -> None:
     """process.prepare_process and set_up_process: the spin default before torch loads (a value
-    given wins), grad mode off and the threads a program asks for."""
+    given wins), huge pages for a local mesh (serve, bench) and what it starts but not for a pod's
+    program (a value given wins there too), grad mode off and the threads a program asks for."""
     script = textwrap.dedent("""
-        import os
+        import os, sys
         from inferencemesh.programs.process import prepare_process, set_up_process
-        prepare_process()
+        prepare_process(sys.argv[1])
         import torch
         set_up_process("stage", threads=1)
-        print(os.environ["GOMP_SPINCOUNT"], torch.is_grad_enabled(), torch.get_num_threads())
+        print(os.environ["GOMP_SPINCOUNT"], os.environ.get("THP_MEM_ALLOC_ENABLE", "-"), torch.is_grad_enabled(),
+              torch.get_num_threads())
     """)
-    env = {k: v for k, v in ENV.items() if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
-    assert done.stdout.split() == ["10000", "False", "1"], done.stderr
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                          env={**env, "GOMP_SPINCOUNT": "0"})
-    assert done.stdout.split()[0] == "0"
+    env = {k: v for k, v in ENV.items() if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")}
+
+    def run(program: str, **extra: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", script, program], capture_output=True, text=True, check=True,
+                              env={**env, **extra})
+        return done.stdout.split()
+
+    assert run("stage") == ["10000", "-", "False", "1"]
+    assert run("serve")[:2] == run("bench")[:2] == ["10000", "1"]
+    assert run("serve", GOMP_SPINCOUNT="0", THP_MEM_ALLOC_ENABLE="0")[:2] == ["0", "0"]
+    assert run("frontend", THP_MEM_ALLOC_ENABLE="1")[1] == "1"

@@ -4,10 +4,11 @@ A CPU decode step streams every weight from memory once, so it runs at the memor
 core can draw, and 4 KiB pages cost some of it: a TLB walk every 4 KiB, and hardware prefetchers
 that stop at each page boundary. PyTorch's CPU allocator backs every allocation of 2 MiB or more
 with transparent huge pages when THP_MEM_ALLOC_ENABLE=1 is in the environment a program starts
-with (c10/core/impl/alloc_cpu.cpp reads it once, at the first allocation). It is opt-in: a cluster run with it on by
-default failed an e2e test with a frontend that refused connections after the mesh was ready,
-cause not established (direct compaction stalling a process on a busy node is one candidate),
-so it stays off until a cluster run shows it safe. Measured on the 2-core AVX-512 EPYC (THP
+with (c10/core/impl/alloc_cpu.cpp reads it once, at the first allocation). serve and bench set it
+for themselves and the processes they start (programs/process.py); pods opt in: a cluster run with
+it on everywhere failed an e2e test with a frontend that refused connections after the mesh was
+ready, cause not established (direct compaction stalling a process on a busy node is one
+candidate; two cluster runs with it on since passed). Measured on the 2-core AVX-512 EPYC (THP
 "madvise", as most distributions ship it), llama-150m float32, the whole model's forward for
 one token, one thread, 6 rounds interleaved: 16.64 -> 15.58 ms (medians; every round faster); its
 48 matmuls alone 12.1 -> 11.6 ms.

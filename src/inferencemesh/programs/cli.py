@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "models":
         return print_models()
-    prepare_process()  # before torch loads; started by serve or bench: die with that parent
+    prepare_process(args.command)  # before torch loads; started by serve or bench: die with that parent
     try:
         return _run(args)
     except (ConfigError, CheckpointError, PlanError) as err:  # a user's mistake (a taken port too): one line

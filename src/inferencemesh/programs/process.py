@@ -2,7 +2,7 @@
 
 Set-up. Every program (`inferencemesh serve|stage|frontend|plan|bench|operator`) is set up by the
 same two calls from the CLI, so that no program decides its logging, torch threads, grad mode
-or OpenMP spinning on its own: `prepare_process()` before torch is imported, then
+or OpenMP spinning on its own: `prepare_process(program)` before torch is imported, then
 `set_up_process(program, ...)` with what the program's config says (PROFILES: what differs).
 
 Children that die with their parent. `serve` and `bench` start stage and frontend processes;
@@ -92,6 +92,7 @@ class LoadFailed(Exception):  # noqa: N818 - read as "inferencemesh stage: error
 # alike; a value in the environment wins.
 SPIN_ENV = "GOMP_SPINCOUNT"
 DEFAULT_SPINCOUNT = "10000"
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read once by PyTorch's CPU allocator (c10): modeling/pages.py
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -103,13 +104,19 @@ class ProcessProfile:
     tensors: bool  # computes with torch: no autograd, and its thread count set
     inferencemesh_level: int | None = None  # the project's loggers at this level, where `logs` is off
     quiet: tuple[str, ...] = ()  # loggers held to warnings
+    # weights on 2 MiB pages (modeling/pages.py) for this program and every process it starts
+    huge_pages: bool = False
 
 
 PROFILES = {
     "stage": ProcessProfile(logs=True, tensors=True),
     "frontend": ProcessProfile(logs=True, tensors=True),
-    "bench": ProcessProfile(logs=False, tensors=True),  # prints its own results; torch threads per configuration
-    "serve": ProcessProfile(logs=False, tensors=False),  # prints; its children log
+    # Local meshes put weights on 2 MiB pages: llama-150m float32 ÷ llama.cpp 1.21 / 1.14 / 1.45 ->
+    # 1.03 / 1.08 / 1.27 (1 stage at 2 threads and 1, 2 stages). Pods leave it to their environment
+    # (THP_MEM_ALLOC_ENABLE=1 opts in): one cluster run with it on everywhere failed an e2e test
+    # (a frontend refusing connections after the mesh was ready), cause not established.
+    "bench": ProcessProfile(logs=False, tensors=True, huge_pages=True),  # prints its results; threads per configuration
+    "serve": ProcessProfile(logs=False, tensors=False, huge_pages=True),  # prints; its children log
     "plan": ProcessProfile(logs=False, tensors=False),
     # no torch in its pod; httpx's line per request (every relayed one) costs time and says nothing
     "router": ProcessProfile(logs=True, tensors=False, quiet=("httpx",)),
@@ -120,11 +127,14 @@ PROFILES = {
 }
 
 
-def prepare_process() -> None:
-    """First thing in every program, before torch (and with it libgomp, which reads its
-    environment once, when it loads) is imported: the OpenMP spin default, for this process and
-    every child it starts; and, in a child of serve or bench, the watch on its parent."""
+def prepare_process(program: str) -> None:
+    """First thing in every program, before torch (and with it libgomp and PyTorch's allocator,
+    which read their environment once) is imported: the OpenMP spin default, and for a local mesh
+    (serve, bench) huge pages, for this process and every child it starts; a value already in the
+    environment wins. In a child of serve or bench, the watch on its parent."""
     os.environ.setdefault(SPIN_ENV, DEFAULT_SPINCOUNT)
+    if PROFILES[program].huge_pages:
+        os.environ.setdefault(THP_ENV, "1")
     watch_lifeline()
 
 
