@@ -1,6 +1,5 @@
 """The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
-for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), and
-per-token operations whose dispatch outweighs their arithmetic (native/host_ops.c: RMSNorm).
+for the few rows of a decode step (native/woq_gemm.c says how they read memory and why).
 
 The sources ship with the package and is compiled once per machine with its C compiler (`cc`,
 or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
@@ -33,8 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("woq_gemm.c", "host_ops.c"))
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-lm")
+SOURCES = (Path(__file__).with_name("native") / "woq_gemm.c",)
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
 CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -103,8 +102,6 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, *[ctypes.c_int64] * 5,
                                        ctypes.c_int, ctypes.c_int]
-    library.imesh_rms_norm_f32.restype = ctypes.c_int
-    library.imesh_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     return library
 
 
@@ -153,22 +150,3 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
     return out
 
-
-# Rows a native RMSNorm takes: decode steps and verify windows; longer prompt chunks keep PyTorch's
-# vectorised, threaded kernel, where the dispatch is paid once for many rows.
-RMS_NORM_MAX_ROWS = 16
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """transformers' float32 RMSNorm of x's rows in one native call, or None where it does not take
-    x (not float32 on a CPU, a width not a multiple of 16, more than RMS_NORM_MAX_ROWS rows, no
-    library): the caller computes it as before."""
-    lib = library()
-    n = weight.shape[0]
-    float32 = x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
-    if lib is None or not float32 or n % 16 or x.numel() > RMS_NORM_MAX_ROWS * n or not x.is_contiguous() \
-            or not weight.is_contiguous():
-        return None
-    out = torch.empty_like(x)
-    lib.imesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
-    return out
