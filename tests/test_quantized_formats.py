@@ -311,28 +311,34 @@ def test_a_16_bit_checkpoint_quantized_as_it_is_read(base, method):
     prompt = torch.randint(3, 256, (PROMPT,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = model.generate(prompt[None], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, PROMPT:]
-    inputs = PlanInputs.from_checkpoint(read_local(base), dtype="float32", quantization=method)
     for n in (1, 2):
-        bounds = SPLITS[n]
-        modules = [load_stage(base, a, b, dtype="float32", device="cpu", quantization=method)
-                   for a, b in zip(bounds, bounds[1:], strict=False)]
-        for (a, b), stage in zip(zip(bounds, bounds[1:], strict=False), modules, strict=True):
-            assert isinstance(stage.layers[0].self_attn.o_proj, QuantizedLinear)
-            assert a > 0 or isinstance(stage.embed, QuantizedEmbedding)
-            assert b < 4 or isinstance(stage.lm_head, QuantizedLinear)
-            held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm,
-                                                                    stage.lm_head)
-                    if m is not None for t in [*m.parameters(), *m.buffers()]}
-            assert sum(held.values()) == inputs.stage_bytes(a, b, 4)[0], (method, a, b)
-        stages = [StageRuntime(base, a, b, dtype="float32", device="cpu", max_context=64, modules=m)
-                  for (a, b), m in zip(zip(bounds, bounds[1:], strict=False), modules, strict=True)]
-        sessions = [s.new_session() for s in stages]
-        logits, got, pos = chain(stages, sessions, 0, prompt), [], PROMPT
-        for _ in range(NEW):
-            got.append(int(logits[-1].argmax()))
-            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
-            pos += 1
-        assert got == expected.tolist(), (method, n)
+        _quantized_at_load_serves(base, method, SPLITS[n], prompt, expected.tolist())
+
+
+def _quantized_at_load_serves(path: Path, method: str, bounds: list[int], prompt: torch.Tensor,
+                              expected: list[int]) -> None:
+    """The stages of `bounds` loaded with quantization `method`: their layers, table and head
+    quantized, the bytes each holds the plan's, and greedy tokens through them `expected`."""
+    inputs = PlanInputs.from_checkpoint(read_local(path), dtype="float32", quantization=method, kv_tokens=64)
+    ranges = list(zip(bounds, bounds[1:], strict=False))
+    layers = bounds[-1]
+    modules = [load_stage(path, a, b, dtype="float32", device="cpu", quantization=method) for a, b in ranges]
+    for (a, b), stage in zip(ranges, modules, strict=True):
+        assert isinstance(stage.layers[0].self_attn.o_proj, QuantizedLinear)
+        assert a > 0 or isinstance(stage.embed, QuantizedEmbedding)
+        assert b < layers or isinstance(stage.lm_head, QuantizedLinear)
+        held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm, stage.lm_head)
+                if m is not None for t in [*m.parameters(), *m.buffers()]}
+        assert sum(held.values()) == inputs.stage_bytes(a, b, layers)[0], (method, a, b)
+    stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64, modules=m)
+              for (a, b), m in zip(ranges, modules, strict=True)]
+    sessions = [s.new_session() for s in stages]
+    logits, got, pos = chain(stages, sessions, 0, prompt), [], PROMPT
+    for _ in range(NEW):
+        got.append(int(logits[-1].argmax()))
+        logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
+        pos += 1
+    assert got == expected, (method, bounds)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
@@ -379,26 +385,8 @@ def test_a_tied_embedding_and_head_are_quantized_for_each_role_a_stage_holds(tmp
         for _ in range(NEW):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     expected = ids[PROMPT:]
-    inputs = PlanInputs.from_checkpoint(read_local(path), dtype="float32", quantization=method, kv_tokens=64)
     for bounds in ([0, 2], [0, 1, 2]):
-        ranges = list(zip(bounds, bounds[1:], strict=False))
-        modules = [load_stage(path, a, b, dtype="float32", device="cpu", quantization=method) for a, b in ranges]
-        for (a, b), stage in zip(ranges, modules, strict=True):
-            assert a > 0 or isinstance(stage.embed, QuantizedEmbedding)
-            assert b < 2 or isinstance(stage.lm_head, QuantizedLinear)
-            held = {id(t): t.numel() * t.element_size() for m in (stage.embed, stage.layers, stage.norm,
-                                                                    stage.lm_head)
-                    if m is not None for t in [*m.parameters(), *m.buffers()]}
-            assert sum(held.values()) == inputs.stage_bytes(a, b, 2)[0], (method, a, b)
-        stages = [StageRuntime(path, a, b, dtype="float32", device="cpu", max_context=64, modules=m)
-                  for (a, b), m in zip(ranges, modules, strict=True)]
-        sessions = [s.new_session() for s in stages]
-        logits, got, pos = chain(stages, sessions, 0, prompt), [], PROMPT
-        for _ in range(NEW):
-            got.append(int(logits[-1].argmax()))
-            logits = chain(stages, sessions, pos, torch.tensor([got[-1]]))
-            pos += 1
-        assert got == expected, (method, bounds)
+        _quantized_at_load_serves(path, method, bounds, prompt, expected)
 
 
 def test_quantized_experts_are_refused_at_plan_time(base, root, tmp_path):

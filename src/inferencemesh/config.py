@@ -71,10 +71,9 @@ class ModelOptions:
     quantization: str | None = option(None, "quantize a 16-bit checkpoint's layers as the stages load them, "
                                             "weight-only (activations stay in the compute dtype): int8 per "
                                             "channel, int4 in groups of 128 (or 64, 32), fp8 e4m3 per channel; "
-                                            "the embedding and LM head too (a tied matrix as a table where the "
-                                            "first stage reads it and as a head where the last does; the draft "
-                                            "model stays as it is); the plan counts the quantized bytes. A checkpoint "
-                                            "quantized already is refused: serve it as it is, without this flag",
+                                            "the embedding and LM head too, tied or not (the draft model stays as "
+                                            "it is); the plan counts the quantized bytes. A checkpoint quantized "
+                                            "already is refused: serve it as it is, without this flag",
                                    choices=LOAD_METHODS)
     served_model_name: str | None = option(None, "the model name clients use and metrics carry (default: "
                                                  "a hub id as given, a bundled or local model's folder name)")
