@@ -1,7 +1,7 @@
 """The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
 for the few rows of a decode step (native/woq_gemm.c says how they read memory and why).
 
-The sources ship with the package and is compiled once per machine with its C compiler (`cc`,
+The sources ship with the package and are compiled once per machine with its C compiler (`cc`,
 or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
 then inferencemesh/native), under a name that hashes the source, the compiler (its file) and the flags, so
 every process after the first loads it in milliseconds and an edited source builds anew. The
@@ -46,7 +46,6 @@ ROWS_BESIDE_PYTORCH_KERNEL = 4
 MAX_ROWS = 8
 _FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
-_FP8_SCALE = 2.0 ** 120  # the kernel widens FP8 by its bits: values x 2^-120
 
 
 def cache_dir() -> Path:
@@ -131,9 +130,11 @@ def takes(weight: torch.Tensor, dtype: torch.dtype, in_features: int, group: int
 
 
 def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-               group: int, row_div: int) -> torch.Tensor:
+               group: int, row_div: int, scale_mul: float) -> torch.Tensor:
     """rows [M, K] (any count; the compute dtype) times weight [N, K]^T, dequantized as
-    scale[n // row_div, k // group] x weight[n, k] (+ offset[n, k // group]): [M, N] in rows' dtype."""
+    scale[n // row_div, k // group] x scale_mul x weight[n, k] (+ offset[n, k // group]): [M, N] in
+    rows' dtype. FP8 is widened by its bits (fp8_bits_as_float's values x 2^-120): its scale_mul
+    is 2^120."""
     lib = library()
     assert lib is not None, "woq_matmul called where takes() said no"
     # the kernel reads raw row-major buffers (the layer holds them so: contiguous() is a no-op)
@@ -142,9 +143,8 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=rows.dtype)
-    fp8 = weight.dtype == torch.float8_e4m3fn
     status = lib.imesh_woq_gemm(rows.data_ptr(), weight.data_ptr(), _FORMATS[weight.dtype], scale.data_ptr(),
-                                None if offset is None else offset.data_ptr(), _FP8_SCALE if fp8 else 1.0,
+                                None if offset is None else offset.data_ptr(), scale_mul,
                                 out.data_ptr(), m, n, k, group, row_div, _DTYPES[rows.dtype], torch.get_num_threads())
     if status:
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")

@@ -177,9 +177,10 @@ class QuantizedLinear(nn.Module):
         else:
             self._init_int8(weight, scale, zero, dtype, device)
         # INT8 and FP8 decode rows: the native kernel where it builds (native_kernels.py)
-        self.native_rows = 0
-        if self.path in ("int8", "fp8_dequant") and native_kernels.takes(self.weight, dtype, self.in_features,
-                                                                          self._scale_group()[0]):
+        self.native_rows, self.native_group = 0, (0, 0)  # the group fixed at load: no per-call work
+        if self.path in ("int8", "fp8_dequant"):
+            self.native_group = self._scale_group()
+        if self.native_group[0] and native_kernels.takes(self.weight, dtype, self.in_features, self.native_group[0]):
             beside = self.kernel_rows > 0  # PyTorch's INT8 kernel takes the rows past a few
             self.native_rows = native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside else native_kernels.MAX_ROWS
 
@@ -224,7 +225,8 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
         if rows.shape[0] <= self.native_rows:
-            y = native_kernels.woq_matmul(rows, self.weight, self.scale, self.offset, *self._scale_group())
+            y = native_kernels.woq_matmul(rows, self.weight, self.scale, self.offset, *self.native_group,
+                                          _FP8_SCALE if self.quant.kind == "float" else 1.0)
         elif self.path == "int4_cpu" and rows.shape[0] <= self.kernel_rows:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scale_zeros)
         elif self.path == "int8" and rows.shape[0] <= self.kernel_rows:
