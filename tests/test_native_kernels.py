@@ -1,8 +1,9 @@
 """The native weight-only kernels (modeling/native/woq_gemm.c) against what they replace and against
-float64: per-channel INT8 equal to PyTorch's _weight_int8pack_mm bit for bit (the same arithmetic,
-read faster), every scale layout within its dtype's rounding, FP8's subnormals exact; the build
-cached and found without starting a process; and a machine without a compiler computing the same
-layers through PyTorch's kernels."""
+float64: per-channel INT8 in float32 tiles equal to PyTorch's _weight_int8pack_mm bit for bit (the
+same arithmetic, read faster), every scale layout within its dtype's rounding in both tiles (float32
+and, for bfloat16 rows on a CPU with AVX512_BF16, bfloat16 dot products), a row's sums the same at
+every row count, FP8's subnormals exact; the build cached and found without starting a process;
+and a machine without a compiler computing the same layers through PyTorch's kernels."""
 
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ def _layer(quant: WeightQuant, n: int, k: int, dtype: torch.dtype, asymmetric: b
     zero = torch.randint(-20, 20, (rows, cols), generator=gen) if asymmetric else None
     layer = QuantizedLinear(quant, q, scale, zero, None, dtype, CPU)
     b0, b1 = quant.block if quant.strategy == "block" else (-(-n // rows), -(-k // cols))
-    held_scale = layer.scale.double().repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
-    weight = q.double() * held_scale
+    weight = q.double() * layer.scale.double().repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :k]
     if layer.offset is not None:
         weight += layer.offset.double().repeat_interleave(b1, 1)[:, :k]
     return layer, weight
+
+
+def _native(layer: QuantizedLinear, x: torch.Tensor, dot: bool) -> torch.Tensor:
+    """The kernel's product for the layer's weights, through either tile."""
+    return native_kernels.woq_matmul(x, layer.weight, layer.scale, layer.offset, *layer.native_group, dot=dot)
 
 
 LAYOUTS = {
@@ -54,25 +59,48 @@ LAYOUTS = {
 }
 
 
+DOTS = [False, True] if native_kernels.bfloat16_dots() else [False]
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_scale_layout_within_its_dtypes_rounding(name: str, dtype: torch.dtype) -> None:
-    """1 to the layer's native rows (4 a pass: 5-8 take two), outputs not a multiple of the
-    kernel's tile (a partial FP8 block too): each output within its dtype's rounding of the float64
-    product (bfloat16: the output rounded once, 2^-8 of the largest; float32: 1e-5)."""
+    """1 to the layer's native rows (passes of 4 or 8), outputs not a multiple of the kernel's tile
+    (a partial FP8 block too), bfloat16 rows through both tiles: each output within its dtype's
+    rounding of the float64 product (bfloat16: the output rounded once, 2^-8 of the largest;
+    float32: 1e-5)."""
     quant, asymmetric = LAYOUTS[name]
     layer, weight = _layer(quant, 203, 384, dtype, asymmetric)
-    beside_pytorch = name == "int8-channel" and dtype == torch.bfloat16  # _weight_int8pack_mm beyond
-    assert layer.native_rows == (native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside_pytorch
-                                 else native_kernels.MAX_ROWS), layer.extra_repr()
+    # _weight_int8pack_mm takes bfloat16 rows past 4 where no bfloat16 dot products do
+    beside_pytorch = name == "int8-channel" and dtype == torch.bfloat16 and not native_kernels.bfloat16_dots()
+    dots = dtype == torch.bfloat16 and native_kernels.bfloat16_dots()
+    rows = native_kernels.MAX_DOT_ROWS if dots else native_kernels.MAX_ROWS
+    assert layer.native_rows == (native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside_pytorch else rows), \
+        layer.extra_repr()
     tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
-    for rows in range(1, layer.native_rows + 1):
-        x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        want = x.double() @ weight.t()
-        got = layer(x)
-        assert got.dtype == dtype and got.shape == (rows, 203)
-        err = float((got.double() - want).abs().max() / want.abs().max())
-        assert err <= tolerance, (name, dtype, rows, err)
+    for dot in DOTS if dtype == torch.bfloat16 else [False]:
+        for rows in range(1, native_kernels.MAX_DOT_ROWS + 1):
+            x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            want = x.double() @ weight.t()
+            got = _native(layer, x, dot)
+            assert got.dtype == dtype and got.shape == (rows, 203)
+            err = float((got.double() - want).abs().max() / want.abs().max())
+            assert err <= tolerance, (name, dtype, dot, rows, err)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_sums_are_the_same_at_every_row_count(name: str, dtype: torch.dtype) -> None:
+    """Row r of 16 computed with 1 to 16 rows around it (tiles of other widths and passes): the
+    same bits, so a request decodes the same alone or batched with others."""
+    quant, asymmetric = LAYOUTS[name]
+    layer, _ = _layer(quant, 203, 384, dtype, asymmetric, seed=3)
+    x = torch.randn(native_kernels.MAX_DOT_ROWS, 384, generator=torch.Generator().manual_seed(4)).to(dtype)
+    for dot in DOTS if dtype == torch.bfloat16 else [False]:
+        alone = torch.cat([_native(layer, x[r:r + 1], dot) for r in range(len(x))])
+        for rows in range(2, len(x) + 1):
+            together = _native(layer, x[:rows], dot)
+            assert torch.equal(together, alone[:rows]), (name, dtype, dot, rows)
 
 
 def test_per_channel_int8_is_pytorchs_kernel() -> None:
@@ -82,7 +110,8 @@ def test_per_channel_int8_is_pytorchs_kernel() -> None:
     layer, _ = _layer(WeightQuant("int", 8, "channel"), 1030, 2048, torch.bfloat16)
     for rows in range(1, native_kernels.ROWS_BESIDE_PYTORCH_KERNEL + 1):
         x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        ours, theirs = layer(x), torch._weight_int8pack_mm(x, layer.weight, layer.scale.reshape(-1))
+        ours = _native(layer, x, dot=False)
+        theirs = torch._weight_int8pack_mm(x, layer.weight, layer.scale.reshape(-1))
         if rows == 1:
             assert torch.equal(ours, theirs)
         differ = ours != theirs
@@ -106,20 +135,23 @@ def test_threads_split_outputs_not_sums() -> None:
     assert torch.equal(one, two)
 
 
-def test_fp8_subnormals_and_extremes_are_exact() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_subnormals_and_extremes_are_exact(dtype: torch.dtype) -> None:
     """Every e4m3 value, subnormals and +-448 included, as the weight of one output each: x = 1 at
-    a single input reads each weight back exactly (float32 compute, scale 1)."""
+    a single input reads each weight back exactly (scale 1; e4m3's values all fit bfloat16), in
+    each tile: float32, and bfloat16 dot products where the CPU has them."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaNs
     q = torch.zeros(len(codes), 32, dtype=torch.uint8)
     q[:, 5] = codes
     q = q.view(torch.float8_e4m3fn)
-    layer = QuantizedLinear(WeightQuant("float", 8, "channel"), q, torch.ones(len(codes), 1), None, None,
-                            torch.float32, CPU)
+    layer = QuantizedLinear(WeightQuant("float", 8, "channel"), q, torch.ones(len(codes), 1), None, None, dtype, CPU)
     assert layer.native_rows
-    x = torch.zeros(1, 32)
+    x = torch.zeros(1, 32, dtype=dtype)
     x[0, 5] = 1.0
-    assert torch.equal(layer(x)[0], q[:, 5].float())
+    for dot in DOTS if dtype == torch.bfloat16 else [False]:
+        got = _native(layer, x, dot)
+        assert torch.equal(got[0].float(), q[:, 5].float()), dot
 
 
 def test_layers_the_kernel_cannot_take_compute_as_before() -> None:

@@ -63,7 +63,8 @@ def test_every_path_computes_the_weight_it_holds(name: str, dtype: torch.dtype,
     assert len(layer._tiles()) > 1 or layer.kernel_rows > n  # (a ragged INT4 layer: the kernel's, always)
     weight = _reference(quant, q, scale.to(dtype).float())  # the scales as the layer holds them
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    counts = {1, native_kernels.ROWS_BESIDE_PYTORCH_KERNEL + 1, native_kernels.MAX_ROWS, quantized.INT8_KERNEL_ROWS,
+    counts = {1, native_kernels.ROWS_BESIDE_PYTORCH_KERNEL + 1, native_kernels.MAX_ROWS, native_kernels.MAX_DOT_ROWS,
+              native_kernels.MAX_DOT_ROWS + 1, quantized.INT8_KERNEL_ROWS,
               quantized.INT8_KERNEL_ROWS + 1, quantized.INT4_KERNEL_ROWS, quantized.INT4_KERNEL_ROWS + 1, 80}
     for rows in sorted(counts):
         x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -1,5 +1,6 @@
 """The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
-for the few rows of a decode step (native/woq_gemm.c says how they read memory and why).
+for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), with
+bfloat16 dot products (AVX512_BF16) for bfloat16 rows where the CPU has them.
 
 The sources ship with the package and are compiled once per machine with its C compiler (`cc`,
 or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
@@ -37,13 +38,17 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
 CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
 BUILD_TIMEOUT_S = 300
-# Rows of x a layer sends here. Each weight is widened once per 4 rows, so with more rows the
-# float32 products grow faster than the bytes saved: per-channel INT8 then has PyTorch's own
+# Rows of x a layer sends here. In float32 each weight is widened once per 4 rows, so with more
+# rows the products grow faster than the bytes saved: per-channel INT8 then has PyTorch's own
 # kernel (equal at 4 rows, faster at 5-8); formats whose alternative is a dequantized tile come
-# here up to 8 rows (llama-150m's layers, one thread: FP8 at 8 rows 12.8 against 18 ms); more
-# rows (prefill chunks) are compute-bound, where a 16-bit GEMM over dequantized tiles wins.
+# here up to 8 rows (llama-150m's layers, one thread: FP8 at 8 rows 12.8 against 18 ms). bfloat16
+# rows with bfloat16 dot products come here up to 16 for every format (a third of llama-150m's
+# layers, one thread, INT8: 8 rows 2.4 ms against a dequantized tile's 5.5, 16 rows 4.8 against
+# 6.5, 40 rows 12.1 against 9.1). More rows (prefill chunks, a batch's verify windows) are
+# compute-bound, where a 16-bit GEMM over dequantized tiles wins.
 ROWS_BESIDE_PYTORCH_KERNEL = 4
 MAX_ROWS = 8
+MAX_DOT_ROWS = 16
 _FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -99,8 +104,7 @@ def _load(path: Path) -> ctypes.CDLL | None:
         return None
     library.imesh_woq_gemm.restype = ctypes.c_int
     library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                                       ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, *[ctypes.c_int] * 3]
     return library
 
 
@@ -121,6 +125,21 @@ def library() -> ctypes.CDLL | None:
     return loaded
 
 
+@functools.cache
+def bfloat16_dots() -> bool:
+    """Whether bfloat16 rows take the bfloat16 tiles (the library, and AVX512_BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.imesh_woq_dot_available())
+
+
+def rows_for(dtype: torch.dtype, beside_pytorch_kernel: bool) -> int:
+    """How many rows of x a layer computing in dtype sends to woq_matmul (the comment on MAX_ROWS
+    says why); beside_pytorch_kernel: per-channel INT8, which PyTorch's kernel also takes."""
+    if dtype == torch.bfloat16 and bfloat16_dots():
+        return MAX_DOT_ROWS
+    return ROWS_BESIDE_PYTORCH_KERNEL if beside_pytorch_kernel else MAX_ROWS
+
+
 def takes(weight: torch.Tensor, dtype: torch.dtype, in_features: int, group: int) -> bool:
     """Whether woq_matmul computes a layer of these weights (its compute dtype, inputs and scale
     group): INT8 or FP8 on a CPU, bfloat16 or float32 activations, inputs (and groups narrower
@@ -130,11 +149,12 @@ def takes(weight: torch.Tensor, dtype: torch.dtype, in_features: int, group: int
 
 
 def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-               group: int, row_div: int, scale_mul: float) -> torch.Tensor:
+               group: int, row_div: int, dot: bool | None = None) -> torch.Tensor:
     """rows [M, K] (any count; the compute dtype) times weight [N, K]^T, dequantized as
-    scale[n // row_div, k // group] x scale_mul x weight[n, k] (+ offset[n, k // group]): [M, N] in
-    rows' dtype. FP8 is widened by its bits (fp8_bits_as_float's values x 2^-120): its scale_mul
-    is 2^120."""
+    scale[n // row_div, k // group] x weight[n, k] (+ offset[n, k // group]): [M, N] in rows'
+    dtype. dot: the bfloat16 tiles (default:
+    for bfloat16 rows where the CPU has them; False computes bfloat16 rows in float32 as float32
+    rows are)."""
     lib = library()
     assert lib is not None, "woq_matmul called where takes() said no"
     # the kernel reads raw row-major buffers (the layer holds them so: contiguous() is a no-op)
@@ -143,9 +163,11 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=rows.dtype)
+    if dot is None:
+        dot = rows.dtype == torch.bfloat16 and bfloat16_dots()
     status = lib.imesh_woq_gemm(rows.data_ptr(), weight.data_ptr(), _FORMATS[weight.dtype], scale.data_ptr(),
-                                None if offset is None else offset.data_ptr(), scale_mul,
-                                out.data_ptr(), m, n, k, group, row_div, _DTYPES[rows.dtype], torch.get_num_threads())
+                                None if offset is None else offset.data_ptr(), out.data_ptr(), m, n, k, group, row_div,
+                                _DTYPES[rows.dtype], int(dot), torch.get_num_threads())
     if status:
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
     return out

@@ -10,24 +10,27 @@ How each format computes, chosen by device, compute dtype and the number of rows
 this machine's CPU, an AVX-512 EPYC with bfloat16 units, one thread; docs/benchmarks/quantized-*.json
 and docs/design/quantized-weights.md have the numbers):
 
+- INT8 and FP8, any scale layout, decode rows: the native kernels (native_kernels.py, compiled
+  at first use): bfloat16 rows up to 16 with bfloat16 dot products where the CPU has them, else
+  float32 products up to 8 (per-channel INT8 in bfloat16: 4, then _weight_int8pack_mm up to
+  INT8_KERNEL_ROWS).
 - INT4 (groups of 32-256), 16-bit compute: up to INT4_KERNEL_ROWS rows PyTorch's CPU kernel
   (_weight_int4pack_mm_for_cpu, GEMV-shaped: its time grows with the rows); more rows (prefill)
   dequantize the kernel's own packed blocks (_int4_cpu_tile) into a 16-bit scratch tile and run
   the 16-bit GEMM, so the weight is held once, in the kernel's layout.
-- INT8 per channel, 16-bit compute: up to INT8_KERNEL_ROWS rows _weight_int8pack_mm; more rows
-  dequantize.
-- Everything else dequantizes: TILE_ELEMENTS weights at a time into this thread's scratch
-  buffer, then a GEMM of that tile, so no layer is ever held in float beside its quantized form.
-  Per-channel (and per-tensor) INT8 and FP8 tiles are not scaled: their scales multiply the
-  product's columns, one pass fewer per weight. FP8 is converted by its bits (fp8_bits_as_float;
-  torch's own float8 conversion is ~5x slower on a CPU).
-- float32 compute (a CPU without bfloat16 units): the kernels lose there (_weight_int8pack_mm
-  and _weight_int4pack_mm_for_cpu with float32 activations are 5-40x slower than dequantizing),
-  so every format dequantizes; INT4 is then kept in row halves for cheap unpacking.
+- Everything else (prefill rows; a machine without the native kernels) dequantizes:
+  TILE_ELEMENTS weights at a time into this thread's scratch buffer, then a GEMM of that tile, so
+  no layer is ever held in float beside its quantized form. Per-channel (and per-tensor) INT8
+  and FP8 tiles are not scaled: their scales multiply the product's columns, one pass fewer per
+  weight. FP8 is converted by its bits (fp8_bits_as_float; torch's own float8 conversion is ~5x
+  slower on a CPU).
+- float32 compute (a CPU without bfloat16 units): PyTorch's kernels lose there
+  (_weight_int8pack_mm and _weight_int4pack_mm_for_cpu with float32 activations are 5-40x slower
+  than dequantizing), so every format but the native kernels' rows dequantizes; INT4 is then
+  kept in row halves for cheap unpacking.
 
-Weight-only dequantization reads fewer bytes but does more work per byte: on a CPU the INT4 and
-INT8 kernels beat the 16-bit weight's decode; FP8, which has no CPU kernel, saves memory (and
-stages), not time.
+Weight-only formats read fewer bytes per token: on this CPU every format decodes faster than the
+16-bit weight at batch 1 and 8 (docs/benchmarks/quantized-native-*.json).
 
 On CUDA: FP8 per tensor or channel runs torch._scaled_mm (activations quantized per token,
 dynamically, as vLLM does on H100) where _scaled_mm_takes says it can (bfloat16, sizes of 16,
@@ -181,8 +184,7 @@ class QuantizedLinear(nn.Module):
         if self.path in ("int8", "fp8_dequant"):
             self.native_group = self._scale_group()
         if self.native_group[0] and native_kernels.takes(self.weight, dtype, self.in_features, self.native_group[0]):
-            beside = self.kernel_rows > 0  # PyTorch's INT8 kernel takes the rows past a few
-            self.native_rows = native_kernels.ROWS_BESIDE_PYTORCH_KERNEL if beside else native_kernels.MAX_ROWS
+            self.native_rows = native_kernels.rows_for(dtype, beside_pytorch_kernel=self.kernel_rows > 0)
 
     def _init_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                    device: torch.device) -> None:
@@ -225,8 +227,7 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
         if rows.shape[0] <= self.native_rows:
-            y = native_kernels.woq_matmul(rows, self.weight, self.scale, self.offset, *self.native_group,
-                                          _FP8_SCALE if self.quant.kind == "float" else 1.0)
+            y = native_kernels.woq_matmul(rows, self.weight, self.scale, self.offset, *self.native_group)
         elif self.path == "int4_cpu" and rows.shape[0] <= self.kernel_rows:
             y = torch._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scale_zeros)
         elif self.path == "int8" and rows.shape[0] <= self.kernel_rows:
