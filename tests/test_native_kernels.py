@@ -16,7 +16,7 @@ import torch
 
 from inferencemesh.checkpoint.quantization import WeightQuant
 from inferencemesh.modeling import native_kernels
-from inferencemesh.modeling.quantized import QuantizedLinear
+from inferencemesh.modeling.quantized import QuantizedLinear, _quantized_values_torch
 
 CPU = torch.device("cpu")
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -152,6 +152,41 @@ def test_fp8_subnormals_and_extremes_are_exact(dtype: torch.dtype) -> None:
     for dot in DOTS if dtype == torch.bfloat16 else [False]:
         got = _native(layer, x, dot)
         assert torch.equal(got[0].float(), q[:, 5].float()), dot
+
+
+QUANTIZED_AT_LOAD = [(WeightQuant("int", 8, "channel"), 256), (WeightQuant("int", 4, "group", 32), 32),
+                     (WeightQuant("int", 4, "group", 128), 128), (WeightQuant("float", 8, "channel"), 256)]
+
+
+@pytest.mark.parametrize(("quant", "size"), QUANTIZED_AT_LOAD, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantizing_at_load_is_pytorchs_path_bit_for_bit(quant: WeightQuant, size: int, dtype: torch.dtype) -> None:
+    """native/quantize.c against quantized_values' PyTorch ops: the same values and scales, on
+    rows spanning 40 decades (scales clamped at the smallest normal float, subnormal inputs), a
+    zero row, exact integers, and rows whose maximum makes the scale 1 (every e4m3 rounding tie
+    and subnormal on a fine grid): a local serve and a pod without a compiler load the same model."""
+    gen = torch.Generator().manual_seed(size)
+    spread = torch.randn(300, 256, generator=gen) * torch.logspace(-30, 10, 300)[:, None]
+    spread[0] = 0
+    spread[1, :5] = 1e-40
+    spread[2] = torch.arange(256) - 128.0
+    grid = torch.cat([torch.linspace(-448, 448, 2 ** 18 + 1), torch.linspace(-0.02, 0.02, 2 ** 14 + 1)])
+    grid = grid[:len(grid) // 256 * 256].view(-1, 256)
+    grid[:, ::size] = 448.0  # every group's largest magnitude: scale 448 / top
+    for weight in (spread.to(dtype), grid.to(dtype)):
+        ours = native_kernels.quantize(weight, quant.kind, quant.bits, size)
+        assert ours is not None
+        theirs = _quantized_values_torch(quant, weight, size)
+        assert torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8))
+        assert torch.equal(ours[1], theirs[1])
+
+
+def test_quantizing_infinities_or_nans_is_left_to_pytorch() -> None:
+    """A group holding an infinity or NaN: the kernel declines, PyTorch's ops decide."""
+    for bad in (float("inf"), float("nan")):
+        weight = torch.ones(4, 64)
+        weight[2, 7] = bad
+        assert native_kernels.quantize(weight, "int", 8, 64) is None
 
 
 def test_layers_the_kernel_cannot_take_compute_as_before() -> None:

@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("native") / "woq_gemm.c",)
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("woq_gemm.c", "quantize.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
 CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
@@ -105,6 +105,9 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_woq_gemm.restype = ctypes.c_int
     library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, *[ctypes.c_int] * 3]
+    library.imesh_quantize.restype = ctypes.c_int
+    library.imesh_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -172,3 +175,20 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
     return out
 
+
+
+def quantize(weight: torch.Tensor, kind: str, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """quantized_values' (modeling/quantized.py) values and float32 scales [n, k / group] of a CPU
+    weight [n, k] (bfloat16 or float32), the same bits in one pass (native/quantize.c); None where
+    the kernel does not take it (no library, another dtype or device, a group not a multiple of 16)
+    or a group holds an infinity or NaN: PyTorch's path computes those."""
+    lib = library()
+    if lib is None or weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2:
+        return None
+    weight = weight.contiguous()
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn if kind == "float" else torch.int8)
+    scale = torch.empty(n, k // group if group and k % group == 0 else 0)
+    status = lib.imesh_quantize(weight.data_ptr(), _DTYPES[weight.dtype], n, k, group, int(kind == "float"), bits,
+                                q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    return None if status else (q, scale)

@@ -404,9 +404,17 @@ def quantized_values(quant: WeightQuant, weight: torch.Tensor) -> tuple[torch.Te
     groups]), the scales of compressed-tensors' calculate_qparams (the largest magnitude over 7.5
     for INT4, 127.5 for INT8, 448 for FP8), per channel or per group as `quant` says. The weight is
     read once, a cache-sized tile of rows at a time, and divided by its scales in float32 (as
-    compressed-tensors divides) in place: loading never holds a float copy of a layer."""
+    compressed-tensors divides) in place: loading never holds a float copy of a layer. The native
+    kernel (native_kernels.quantize) computes the same bits in one pass where it can."""
     n, k = weight.shape
     size = quant.group_size if quant.strategy == "group" else k
+    native = native_kernels.quantize(weight, quant.kind, quant.bits, size)
+    return native if native is not None else _quantized_values_torch(quant, weight, size)
+
+
+def _quantized_values_torch(quant: WeightQuant, weight: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantized_values through PyTorch's ops, groups of `size` inputs."""
+    n, k = weight.shape
     top = {"float": torch.finfo(torch.float8_e4m3fn).max, "int": (2 ** quant.bits - 1) / 2}[quant.kind]
     scale = torch.empty(n, k // size, device=weight.device)
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn if quant.kind == "float" else torch.int8, device=weight.device)
