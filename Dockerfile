@@ -14,9 +14,12 @@
 # OPERATOR_BASE_IMAGE: the operator needs no torch; the project is installed without its
 # dependencies and only the operator's own pins (OPERATOR_REQUIREMENTS) are added.
 # WHEEL_BASE_IMAGE: where the (pure-Python) wheel is built; any Python with pip.
+# NATIVE_BASE_IMAGE: where the native CPU kernels (quantized weights' decode and load) are compiled
+# ahead of time, since the runtime images have no C compiler; any image with gcc and Python 3.
 ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 ARG OPERATOR_BASE_IMAGE=python:3.11.11-slim-bookworm
 ARG WHEEL_BASE_IMAGE=python:3.11.11-slim-bookworm
+ARG NATIVE_BASE_IMAGE=python:3.11.11-bookworm
 ARG OPERATOR_REQUIREMENTS="kopf==1.45.2 kubernetes==37.0.2 prometheus-client==0.26.0 PyYAML==6.0.3 pydantic==2.14.3 huggingface_hub==2.4.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 cryptography==48.0.0"
 
 FROM ${WHEEL_BASE_IMAGE} AS wheel
@@ -29,14 +32,23 @@ COPY src/ src/
 RUN pip install "setuptools>=77" wheel \
  && pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src
 
+# modeling/native_build.py: the library under the name the runtime looks for in
+# INFERENCEMESH_NATIVE_PREBUILT (a hash of these sources: a stale one is never loaded).
+FROM ${NATIVE_BASE_IMAGE} AS native
+COPY src/inferencemesh/modeling/native_build.py /build/
+COPY src/inferencemesh/modeling/native/ /build/native/
+RUN python3 /build/native_build.py --prebuild /native
+
 FROM ${BASE_IMAGE} AS runtime
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY --from=native /native /opt/inferencemesh/native
 COPY --from=wheel /wheels /wheels
 # Only the project's wheel travels; its dependencies resolve against the base (torch is already
 # there; on a prepared base every dependency is, and pip contacts no index).
 RUN pip install /wheels/inferencemesh-*.whl && rm -rf /wheels \
  && useradd --uid 10001 --user-group --no-create-home --home-dir /tmp inferencemesh
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp HF_HOME=/cache/hf
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp HF_HOME=/cache/hf \
+    INFERENCEMESH_NATIVE_PREBUILT=/opt/inferencemesh/native
 USER 10001:10001
 ENTRYPOINT ["inferencemesh"]
 

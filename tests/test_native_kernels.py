@@ -7,7 +7,9 @@ and a machine without a compiler computing the same layers through PyTorch's ker
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from inferencemesh.checkpoint.quantization import WeightQuant
-from inferencemesh.modeling import native_kernels
+from inferencemesh.modeling import native_build, native_kernels
 from inferencemesh.modeling.quantized import QuantizedLinear, _quantized_values_torch
 
 CPU = torch.device("cpu")
@@ -203,26 +205,26 @@ def test_layers_the_kernel_cannot_take_compute_as_before() -> None:
 def test_a_cached_build_starts_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first build compiles; the next finds the library by its key without running anything,
     and a changed source builds anew beside it."""
-    first = native_kernels.build(tmp_path)
+    first = native_build.build(tmp_path)
     assert first.exists() and first.parent == tmp_path
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"started a process: {args}")
 
     monkeypatch.setattr(subprocess, "run", refuse)
-    assert native_kernels.build(tmp_path) == first
+    assert native_build.build(tmp_path) == first
     edited = tmp_path / "edited.c"
-    edited.write_text(native_kernels.SOURCES[0].read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(native_kernels, "SOURCES", (edited, *native_kernels.SOURCES[1:]))
+    edited.write_text(native_build.SOURCES[0].read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(native_build, "SOURCES", (edited, *native_build.SOURCES[1:]))
     with pytest.raises(AssertionError, match="started a process"):
-        native_kernels.build(tmp_path)
+        native_build.build(tmp_path)
 
 
 def test_processes_building_together_each_load_a_whole_library(tmp_path: Path) -> None:
     """Four builds at once into one empty cache: each compiles into its own temporary file and
     renames it into place, so every one returns a library that loads, and no partial file stays."""
     paths: list[Path] = []
-    workers = [threading.Thread(target=lambda: paths.append(native_kernels.build(tmp_path))) for _ in range(4)]
+    workers = [threading.Thread(target=lambda: paths.append(native_build.build(tmp_path))) for _ in range(4)]
     for worker in workers:
         worker.start()
     for worker in workers:
@@ -237,7 +239,8 @@ def test_without_a_compiler_layers_compute_through_pytorch(tmp_path: Path, monke
     """CC names nothing and the cache is empty: one warning, no native rows, the same products
     (per-channel INT8 through _weight_int8pack_mm, FP8 through dequantized tiles)."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setenv(native_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(native_build.PREBUILT_ENV, raising=False)
     native_kernels.library.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=native_kernels.__name__):
@@ -258,3 +261,37 @@ def test_without_a_compiler_layers_compute_through_pytorch(tmp_path: Path, monke
     finally:
         native_kernels.library.cache_clear()
 
+
+
+def test_an_image_without_a_compiler_loads_the_library_built_for_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Dockerfile's native stage runs native_build.py as a script (standard library only) into
+    a directory; a process with no compiler and that directory in INFERENCEMESH_NATIVE_PREBUILT
+    loads it without compiling. A library prebuilt from other sources is never loaded."""
+    prebuilt = tmp_path / "prebuilt"
+    script = subprocess.run([sys.executable, "-I", str(Path(native_build.__file__)), "--prebuild", str(prebuilt)],
+                            capture_output=True, text=True, check=True)
+    (made,) = prebuilt.iterdir()
+    assert script.stdout.strip() == str(made) and made.name == native_build.prebuilt_name()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(native_build.PREBUILT_ENV, str(prebuilt))
+    native_kernels.library.cache_clear()
+    try:
+        assert native_kernels.library() is not None and native_build.prebuilt() == made
+        assert not (tmp_path / "cache").exists()  # nothing compiled
+        edited = tmp_path / "edited.c"
+        edited.write_text(native_build.SOURCES[0].read_text() + "\n/* edited */\n")
+        monkeypatch.setattr(native_build, "SOURCES", (edited, *native_build.SOURCES[1:]))
+        native_kernels.library.cache_clear()
+        assert native_build.prebuilt() is None and native_kernels.library() is None
+    finally:
+        native_kernels.library.cache_clear()
+
+
+def test_prebuilding_without_a_compiler_says_so(tmp_path: Path) -> None:
+    """The image build fails plainly (one line, exit 1) where its native base has no compiler."""
+    done = subprocess.run([sys.executable, "-I", str(Path(native_build.__file__)), "--prebuild", str(tmp_path)],
+                          capture_output=True, text=True, env={**os.environ, "CC": "/nonexistent/cc"})
+    assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
+    assert "no C compiler '/nonexistent/cc'" in done.stderr and not list(tmp_path.iterdir())

@@ -5,7 +5,8 @@
 #   operator  Dockerfile --target operator on the base image of base_image.sh
 #   stage     Dockerfile --target stage    on the same base
 #   frontend  Dockerfile --target frontend on the same base
-# (the Dockerfile's three base arguments all name that one base).
+# (the Dockerfile's three base arguments all name that one base; its NATIVE_BASE_IMAGE, where the
+# native CPU kernels are compiled, is base_image.sh native-build's).
 # The build context is a snapshot of what the Dockerfiles copy, taken once, so a tree being
 # edited meanwhile cannot mix two versions into one image; each tag is a hash of that snapshot
 # (plus the base and the role), so an unchanged tree rebuilds nothing.
@@ -29,7 +30,7 @@ snapshot_context() {
 
 pause_ref() { echo "localhost/inferencemesh/pause:$(tree_hash tools/cluster/pause)"; }
 
-role_ref() {  # ROLE BASE CONTEXT -> localhost/inferencemesh/ROLE:<hash>
+role_ref() {  # ROLE "BASE NATIVE_BUILD" CONTEXT -> localhost/inferencemesh/ROLE:<hash>
   local hash
   hash=$( { echo "$1 $2"; cd "$3" && find . -type f -print0 | LC_ALL=C sort -z \
             | xargs -0 sha256sum; } | sha256sum | cut -c1-16)
@@ -58,13 +59,14 @@ build_pause() {
 # fresh one with no interface but lo (unshare --net): proof that the Dockerfile builds offline on
 # the prepared base. --pull=false: the base exists only in the local store.
 build_role() {
-  local role=$1 base=$2 ref=$3 ctx=$4 t0
+  local role=$1 base=$2 native=$3 ref=$4 ctx=$5 t0
   in_buildah "$ref" && { say "cached: $ref"; return; }
   t0=$(date +%s)
   say "building $ref (Dockerfile --target $role)"
   (cd "$ctx" && unshare --net -- buildah --storage-driver vfs --root "$BUILDAH_ROOT" --runroot "$BUILDAH_RUNROOT" \
      bud --quiet --isolation chroot --pull=false \
      --build-arg BASE_IMAGE="$base" --build-arg OPERATOR_BASE_IMAGE="$base" --build-arg WHEEL_BASE_IMAGE="$base" \
+     --build-arg NATIVE_BASE_IMAGE="$native" \
      --target "$role" -f Dockerfile -t "$ref" . >&2)
   say "built $ref in $(( $(date +%s) - t0 ))s"
 }
@@ -106,17 +108,18 @@ prune_containerd() {
 }
 
 build_all() {
-  local base ctx refs=() role
+  local base native ctx refs=() role
   base=$(bash "$HERE/base_image.sh")
+  native=$(bash "$HERE/base_image.sh" native-build)
   ctx=$(snapshot_context)
   refs+=("$(pause_ref)")
-  for role in operator stage frontend; do refs+=("$(role_ref "$role" "$base" "$ctx")"); done
+  for role in operator stage frontend; do refs+=("$(role_ref "$role" "$base $native" "$ctx")"); done
   build_pause "${refs[0]}"
-  build_role operator "$base" "${refs[1]}" "$ctx"
-  build_role stage "$base" "${refs[2]}" "$ctx"
-  build_role frontend "$base" "${refs[3]}" "$ctx"
+  build_role operator "$base" "$native" "${refs[1]}" "$ctx"
+  build_role stage "$base" "$native" "${refs[2]}" "$ctx"
+  build_role frontend "$base" "$native" "${refs[3]}" "$ctx"
   rm -rf "$ctx"
-  prune_buildah "$base" "${refs[@]}"
+  prune_buildah "$base" "$native" "${refs[@]}"
   printf 'BASE=%s\nPAUSE=%s\nOPERATOR=%s\nSTAGE=%s\nFRONTEND=%s\n' "$base" "${refs[@]}"
 }
 

@@ -2,12 +2,8 @@
 for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), with
 bfloat16 dot products (AVX512_BF16) for bfloat16 rows where the CPU has them.
 
-The sources ship with the package and are compiled once per machine with its C compiler (`cc`,
-or $CC) into a cache directory ($INFERENCEMESH_NATIVE_CACHE, else $XDG_CACHE_HOME or ~/.cache,
-then inferencemesh/native), under a name that hashes the source, the compiler (its file) and the flags, so
-every process after the first loads it in milliseconds and an edited source builds anew. The
-build writes a temporary file and renames it into place, so processes starting together never
-load a half-written library.
+The sources ship with the package: native_build.py compiles them once per machine with its C
+compiler into a cache, or ahead of time into an image (which has no compiler).
 
 Where it cannot be had (no compiler, a CPU without AVX-512, INFERENCEMESH_NATIVE_KERNELS=0) one
 log line says why and the layers compute as before, through PyTorch's kernels or dequantized
@@ -21,23 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from inferencemesh.modeling import native_build
+
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("woq_gemm.c", "quantize.c"))
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 SWITCH_ENV = "INFERENCEMESH_NATIVE_KERNELS"  # 0: never build or load
-CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
-BUILD_TIMEOUT_S = 300
 # Rows of x a layer sends here. In float32 each weight is widened once per 4 rows, so with more
 # rows the products grow faster than the bytes saved: per-channel INT8 then has PyTorch's own
 # kernel (equal at 4 rows, faster at 5-8); formats whose alternative is a dequantized tile come
@@ -51,51 +41,6 @@ MAX_ROWS = 8
 MAX_DOT_ROWS = 16
 _FORMATS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "inferencemesh" / "native"
-
-
-def _compiler() -> list[str]:
-    return (os.environ.get("CC") or "cc").split()
-
-
-def _compiler_identity(compiler: list[str]) -> str:
-    """The compiler's resolved file, size and time: a changed compiler builds anew, and a cached
-    library is found without starting a process."""
-    found = shutil.which(compiler[0])
-    if found is None:
-        raise FileNotFoundError(f"no C compiler {compiler[0]!r} on PATH (set CC to one)")
-    real = os.path.realpath(found)
-    stat = os.stat(real)
-    return f"{real} {stat.st_size} {stat.st_mtime_ns}"
-
-
-def build(directory: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first unless the cache has it. Raises OSError,
-    subprocess.CalledProcessError or TimeoutExpired where it cannot be built."""
-    compiler = _compiler()
-    parts = [*(source.read_text() for source in SOURCES), _compiler_identity(compiler), *compiler, *FLAGS]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"inferencemesh-native-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=".inferencemesh-native-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        subprocess.run([*compiler, "-o", partial, *map(str, SOURCES), *FLAGS], capture_output=True, text=True,
-                       check=True, timeout=BUILD_TIMEOUT_S)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
 
 
 def _load(path: Path) -> ctypes.CDLL | None:
@@ -118,7 +63,7 @@ def library() -> ctypes.CDLL | None:
         log.info("native CPU kernels off (%s=0): PyTorch's paths compute instead", SWITCH_ENV)
         return None
     try:
-        loaded = _load(build())
+        loaded = _load(native_build.prebuilt() or native_build.build())
     except Exception as error:  # noqa: BLE001 - whatever stops the build, the layers compute without it
         detail = getattr(error, "stderr", None) or error
         log.warning("native CPU kernels unavailable (%s): PyTorch's paths compute instead", str(detail).strip())
