@@ -1,5 +1,6 @@
 """A quantized checkpoint from a PersistentVolume on the real cluster, kept quantized in 2 stage
-pods and exact against a local `inferencemesh serve` of the same folder (issue 36).
+pods and exact against a local `inferencemesh serve` of the same folder (issue 36); the stage
+image's native CPU kernels load in its pods.
 
 The checkpoint is the bundled model quantized W4A16 (INT4 weights, groups of 32, compressed-tensors'
 `pack-quantized`, the format llm-compressor writes), made by compressed-tensors' own compressor as
@@ -22,12 +23,14 @@ from imesh_e2e import (
     REPO,
     apply,
     delete_mesh,
+    exec_python,
     frontend_pod,
     get_json,
     local_serve,
     mesh,
     mesh_doc,
     run_client_pod,
+    stage_pod,
     wait_for,
     wait_ready,
 )
@@ -97,6 +100,15 @@ def test_a_quantized_checkpoint_from_a_pvc_serves_what_local_serve_does(settings
         wait_ready(ns, NAME, settings["timeout"])
         status = mesh(ns, NAME)["status"]
         assert len(status["stages"]) == 2, status["stages"]
+        # the image's native CPU kernels, compiled when it was built, load in a stage pod (which
+        # has no compiler) as they do in this process
+        from inferencemesh.modeling import native_kernels
+
+        pod = stage_pod(ns, NAME, 0)["metadata"]["name"]
+        found = exec_python(ns, pod, "from inferencemesh.modeling import native_kernels as n; "
+                                     "print(n.library() is not None, n.bfloat16_dots())")
+        assert found.returncode == 0, found.stderr
+        assert found.stdout.split() == [str(native_kernels.library() is not None), str(native_kernels.bfloat16_dots())]
         image = settings["frontend_image"] or frontend_pod(ns, NAME)["spec"]["containers"][0]["image"]
         got = run_client_pod(ns, "imesh-e2e-quant-client", image, settings["pull_policy"], status["endpoint"],
                              command=["python", "-c", CLIENT, status["endpoint"], SERVED, str(MAX_TOKENS), *PROMPTS])

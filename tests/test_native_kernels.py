@@ -273,6 +273,7 @@ def test_an_image_without_a_compiler_loads_the_library_built_for_it(tmp_path: Pa
                             capture_output=True, text=True, check=True)
     (made,) = prebuilt.iterdir()
     assert script.stdout.strip() == str(made) and made.name == native_build.prebuilt_name()
+    assert made.stat().st_mode & 0o555 == 0o555  # built by root, loaded by the image's user
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv(native_build.PREBUILT_ENV, str(prebuilt))

@@ -68,6 +68,8 @@ def _compile(compiler: list[str], target: Path) -> Path:
     try:
         subprocess.run([*compiler, "-o", partial, *map(str, SOURCES), *FLAGS], capture_output=True, text=True,
                        check=True, timeout=BUILD_TIMEOUT_S)
+        # mkstemp made it owner-only; an image's library is built by root and loaded by its user
+        os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

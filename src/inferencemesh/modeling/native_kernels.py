@@ -63,13 +63,17 @@ def library() -> ctypes.CDLL | None:
         log.info("native CPU kernels off (%s=0): PyTorch's paths compute instead", SWITCH_ENV)
         return None
     try:
-        loaded = _load(native_build.prebuilt() or native_build.build())
+        path = native_build.prebuilt() or native_build.build()
+        loaded = _load(path)
     except Exception as error:  # noqa: BLE001 - whatever stops the build, the layers compute without it
         detail = getattr(error, "stderr", None) or error
         log.warning("native CPU kernels unavailable (%s): PyTorch's paths compute instead", str(detail).strip())
         return None
     if loaded is None:
         log.info("native CPU kernels need AVX-512 (F, BW, DQ), which this CPU lacks: PyTorch's paths compute instead")
+    else:
+        log.info("native CPU kernels: %s (bfloat16 dot products: %s)", path,
+                 "yes" if loaded.imesh_woq_dot_available() else "no, this CPU lacks AVX512_BF16")
     return loaded
 
 

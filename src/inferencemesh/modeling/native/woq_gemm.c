@@ -133,14 +133,37 @@ static INLINE void store(const Problem *p, int64_t n, int64_t m, float sum) {
     else ((float *)p->y)[m * p->N + n] = v;
 }
 
+/* A tile's sums per (output, row): the running sum, the scaled group totals, the offsets' part;
+ * and where each output's scales and offsets are. Kept in registers (the tiles inline it all). */
+typedef struct {
+    __m512 acc[NB_MAX][DOT_MB_MAX], total[NB_MAX][DOT_MB_MAX];
+    float bias[NB_MAX][DOT_MB_MAX];
+    int64_t at[NB_MAX][2];
+} Sums;
+
+static INLINE TARGET void tile_start(const Problem *p, int64_t n0, const int NB, const int MB, Sums *t) {
+    for (int j = 0; j < NB; j++)
+        for (int i = 0; i < MB; i++) {
+            t->acc[j][i] = t->total[j][i] = _mm512_setzero_ps();
+            t->bias[j][i] = 0.f;
+        }
+    rows_at(p, n0, NB, t->at);
+}
+
+/* each output from its one sum (times the per-output scale), or its group totals plus offsets */
+static INLINE TARGET void tile_finish(const Problem *p, int64_t n0, int64_t m0, const int NB, const int MB,
+                                      const int grouped, Sums *t) {
+    for (int j = 0; j < NB; j++)
+        for (int i = 0; i < MB; i++)
+            store(p, n0 + j, m0 + i, grouped ? _mm512_reduce_add_ps(t->total[j][i]) + t->bias[j][i]
+                                             : _mm512_reduce_add_ps(t->acc[j][i]));
+}
+
 /* outputs [n0, n0 + NB) for rows [m0, m0 + MB) */
 static INLINE TARGET void tile(const Problem *p, int64_t n0, int64_t m0, const int NB, const int MB, const int format) {
-    __m512 acc[NB_MAX][DOT_MB_MAX], total[NB_MAX][DOT_MB_MAX];
-    float bias[NB_MAX][DOT_MB_MAX] = {{0}};
-    int64_t at[NB_MAX][2];
-    rows_at(p, n0, NB, at);
+    Sums t;
+    tile_start(p, n0, NB, MB, &t);
     const int64_t K = p->K;
-    for (int j = 0; j < NB; j++) for (int i = 0; i < MB; i++) acc[j][i] = total[j][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __m512 lo[NB_MAX], hi[NB_MAX];
         for (int j = 0; j < NB; j++) {
@@ -152,27 +175,21 @@ static INLINE TARGET void tile(const Problem *p, int64_t n0, int64_t m0, const i
         for (int i = 0; i < MB; i++) {
             const float *x = p->x + (m0 + i) * K + k;
             __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-            for (int j = 0; j < NB; j++) acc[j][i] = _mm512_fmadd_ps(hi[j], x1, _mm512_fmadd_ps(lo[j], x0, acc[j][i]));
+            for (int j = 0; j < NB; j++) t.acc[j][i] = _mm512_fmadd_ps(hi[j], x1, _mm512_fmadd_ps(lo[j], x0, t.acc[j][i]));
         }
         if (!p->per_output && ((k + 32) % p->group == 0 || k + 32 == K))
-            end_group(p, m0, k / p->group, NB, MB, at, acc, total, bias, 1);
+            end_group(p, m0, k / p->group, NB, MB, t.at, t.acc, t.total, t.bias, 1);
     }
-    for (int j = 0; j < NB; j++)
-        for (int i = 0; i < MB; i++)
-            store(p, n0 + j, m0 + i, p->per_output ? _mm512_reduce_add_ps(acc[j][i])
-                                                   : _mm512_reduce_add_ps(total[j][i]) + bias[j][i]);
+    tile_finish(p, n0, m0, NB, MB, !p->per_output, &t);
 }
 
 /* The bfloat16 tile: outputs [n0, n0 + NB) for rows [m0, m0 + MB), 32 weights a step; GROUPED
  * (a compile-time switch, so per-output tiles keep no group totals) scales each group's sums. */
 static INLINE TARGET_DOT void tile_dot(const Problem *p, int64_t n0, int64_t m0, const int NB, const int MB,
                                        const int format, const int GROUPED) {
-    __m512 acc[NB_MAX][DOT_MB_MAX], total[NB_MAX][DOT_MB_MAX];
-    float bias[NB_MAX][DOT_MB_MAX] = {{0}};
-    int64_t at[NB_MAX][2];
-    rows_at(p, n0, NB, at);
+    Sums t;
+    tile_start(p, n0, NB, MB, &t);
     const int64_t K = p->K;
-    for (int j = 0; j < NB; j++) for (int i = 0; i < MB; i++) acc[j][i] = total[j][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __m512bh w[NB_MAX];
         for (int j = 0; j < NB; j++) {
@@ -182,15 +199,12 @@ static INLINE TARGET_DOT void tile_dot(const Problem *p, int64_t n0, int64_t m0,
         }
         for (int i = 0; i < MB; i++) {
             const __m512bh x = (__m512bh)_mm512_loadu_si512(p->xb + (m0 + i) * K + k);
-            for (int j = 0; j < NB; j++) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], w[j], x);
+            for (int j = 0; j < NB; j++) t.acc[j][i] = _mm512_dpbf16_ps(t.acc[j][i], w[j], x);
         }
         if (GROUPED && ((k + 32) % p->group == 0 || k + 32 == K))
-            end_group(p, m0, k / p->group, NB, MB, at, acc, total, bias, 1);
+            end_group(p, m0, k / p->group, NB, MB, t.at, t.acc, t.total, t.bias, 1);
     }
-    for (int j = 0; j < NB; j++)
-        for (int i = 0; i < MB; i++)
-            store(p, n0 + j, m0 + i, GROUPED ? _mm512_reduce_add_ps(total[j][i]) + bias[j][i]
-                                             : _mm512_reduce_add_ps(acc[j][i]));
+    tile_finish(p, n0, m0, NB, MB, GROUPED, &t);
 }
 
 /* One specialisation per (outputs, rows, format): constant bounds keep the accumulators in registers. */
