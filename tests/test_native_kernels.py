@@ -296,3 +296,23 @@ def test_prebuilding_without_a_compiler_says_so(tmp_path: Path) -> None:
                           capture_output=True, text=True, env={**os.environ, "CC": "/nonexistent/cc"})
     assert done.returncode == 1 and done.stderr.strip().count("\n") == 0
     assert "no C compiler '/nonexistent/cc'" in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_rms_norm_is_transformers_float32_rms_norm() -> None:
+    """A decode row's RMSNorm in one native call: within float32's rounding (1e-6 of the largest
+    output) of transformers' LlamaRMSNorm computed in float64; rows beyond RMS_NORM_MAX_ROWS, other
+    dtypes and widths not a multiple of 16 are left to PyTorch (None)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for rows, width in ((1, 64), (3, 384), (native_kernels.RMS_NORM_MAX_ROWS, 4096)):
+        norm = LlamaRMSNorm(width, eps=1e-6).double()
+        norm.weight.data = torch.randn(width, generator=torch.Generator().manual_seed(width), dtype=torch.float64)
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 30
+        got = native_kernels.rms_norm(x, norm.weight.float(), 1e-6)
+        want = norm(x.double())
+        assert got is not None and got.dtype == torch.float32
+        assert float((got.double() - want).abs().max() / want.abs().max()) <= 1e-6, (rows, width)
+    weight = torch.randn(64)
+    assert native_kernels.rms_norm(torch.randn(native_kernels.RMS_NORM_MAX_ROWS + 1, 64), weight, 1e-6) is None
+    assert native_kernels.rms_norm(torch.randn(1, 64).bfloat16(), weight.bfloat16(), 1e-6) is None
+    assert native_kernels.rms_norm(torch.randn(1, 40), torch.randn(40), 1e-6) is None

@@ -1,6 +1,8 @@
 """The CPU kernels PyTorch lacks, compiled from C at first use: weight-only INT8 and FP8 products
 for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), with
-bfloat16 dot products (AVX512_BF16) for bfloat16 rows where the CPU has them.
+bfloat16 dot products (AVX512_BF16) for bfloat16 rows where the CPU has them; quantizing at load
+(native/quantize.c); per-token operations whose dispatch outweighs their arithmetic
+(native/host_ops.c: RMSNorm).
 
 The sources ship with the package: native_build.py compiles them once per machine with its C
 compiler into a cache, or ahead of time into an image (which has no compiler).
@@ -50,6 +52,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_woq_gemm.restype = ctypes.c_int
     library.imesh_woq_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5, *[ctypes.c_int] * 3]
+    library.imesh_rms_norm_f32.restype = ctypes.c_int
+    library.imesh_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     library.imesh_quantize.restype = ctypes.c_int
     library.imesh_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -141,3 +145,23 @@ def quantize(weight: torch.Tensor, kind: str, bits: int, group: int) -> tuple[to
     status = lib.imesh_quantize(weight.data_ptr(), _DTYPES[weight.dtype], n, k, group, int(kind == "float"), bits,
                                 q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
     return None if status else (q, scale)
+
+
+# Rows a native RMSNorm takes: decode steps and verify windows; longer prompt chunks keep PyTorch's
+# vectorised, threaded kernel, where the dispatch is paid once for many rows.
+RMS_NORM_MAX_ROWS = 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """transformers' float32 RMSNorm of x's rows in one native call, or None where it does not take
+    x (not float32 on a CPU, a width not a multiple of 16, more than RMS_NORM_MAX_ROWS rows, no
+    library): the caller computes it as before."""
+    lib = library()
+    n = weight.shape[0]
+    float32 = x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+    if lib is None or not float32 or n % 16 or x.numel() > RMS_NORM_MAX_ROWS * n or not x.is_contiguous() \
+            or not weight.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    lib.imesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    return out
