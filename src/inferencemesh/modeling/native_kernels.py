@@ -76,8 +76,8 @@ def library() -> ctypes.CDLL | None:
     if loaded is None:
         log.info("native CPU kernels need AVX-512 (F, BW, DQ), which this CPU lacks: PyTorch's paths compute instead")
     else:
-        log.info("native CPU kernels: %s (bfloat16 dot products: %s)", path,
-                 "yes" if loaded.imesh_woq_dot_available() else "no, this CPU lacks AVX512_BF16")
+        dots = "yes" if loaded.imesh_woq_dot_available() else "no, this CPU lacks AVX512_BF16"
+        log.info("native CPU kernels: %s (bfloat16 dot products: %s)", path, dots)
     return loaded
 
 
@@ -108,9 +108,8 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
                group: int, row_div: int, dot: bool | None = None) -> torch.Tensor:
     """rows [M, K] (any count; the compute dtype) times weight [N, K]^T, dequantized as
     scale[n // row_div, k // group] x weight[n, k] (+ offset[n, k // group]): [M, N] in rows'
-    dtype. dot: the bfloat16 tiles (default:
-    for bfloat16 rows where the CPU has them; False computes bfloat16 rows in float32 as float32
-    rows are)."""
+    dtype. dot: the bfloat16 tiles (default: for bfloat16 rows where the CPU has them; False
+    computes bfloat16 rows in float32 as float32 rows are)."""
     lib = library()
     assert lib is not None, "woq_matmul called where takes() said no"
     # the kernel reads raw row-major buffers (the layer holds them so: contiguous() is a no-op)
@@ -127,7 +126,6 @@ def woq_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, of
     if status:
         raise RuntimeError(f"imesh_woq_gemm refused a [{m}, {k}] x [{n}, {k}] product (status {status})")
     return out
-
 
 
 def quantize(weight: torch.Tensor, kind: str, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:

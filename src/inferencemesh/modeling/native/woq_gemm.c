@@ -95,8 +95,13 @@ static INLINE TARGET_DOT __m512bh widen_dot(const uint8_t *p, int format) {
     return (__m512bh)_mm512_ternarylogic_epi32(b, v, _mm512_set1_epi16((short)0x8000), 0xF8);
 }
 
+/* the scale of group c for the outputs whose scale row starts at `start` (rows_at's) */
+static INLINE float scale_from(const Problem *p, int64_t start, int64_t c) {
+    return read_value(p->scale, start + c, p->dtype) * p->scale_mul;
+}
+
 static INLINE float scale_at(const Problem *p, int64_t n, int64_t c) {
-    return read_value(p->scale, (n / p->row_div) * p->groups + c, p->dtype) * p->scale_mul;
+    return scale_from(p, n / p->row_div * p->groups, c);
 }
 
 /* At group c's end: its sums scaled into the totals (and cleared); with offsets, an asymmetric
@@ -106,7 +111,7 @@ static INLINE TARGET void end_group(const Problem *p, int64_t m0, int64_t c, con
                                     const int64_t at[NB_MAX][2], __m512 acc[NB_MAX][DOT_MB_MAX],
                                     __m512 total[NB_MAX][DOT_MB_MAX], float bias[NB_MAX][DOT_MB_MAX], int offsets) {
     for (int j = 0; j < NB; j++) {
-        __m512 s = _mm512_set1_ps(read_value(p->scale, at[j][0] + c, p->dtype) * p->scale_mul);
+        __m512 s = _mm512_set1_ps(scale_from(p, at[j][0], c));
         for (int i = 0; i < MB; i++) {
             total[j][i] = _mm512_fmadd_ps(acc[j][i], s, total[j][i]);
             acc[j][i] = _mm512_setzero_ps();
