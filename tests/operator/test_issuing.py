@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import replace
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -104,3 +105,25 @@ def test_leaves_renew_at_two_thirds_and_the_ca_rolls_over_in_two_steps() -> None
     assert certs.ca.next is None and certs.ca.previous == old_ca.cert
     assert certs.ca.trust_bundle() == new_ca.cert + old_ca.cert
     assert all(signed_by(m.cert, new_ca.cert) for m in certs.leaves.values())
+
+
+def test_a_lengthened_lifetime_moves_to_a_long_lived_ca_within_a_third_of_the_old_leaf_lifetime() -> None:
+    """Back from a short lifetime: the old CA is as short-lived as the old policy and cuts every leaf
+    it signs short, so the next CA signs a third of the old leaf lifetime later (not of the new one,
+    days away), and the cut-short leaves are kept meanwhile (not reissued, and their pods rolled,
+    at every reconcile)."""
+    short = datetime.timedelta(seconds=3)
+    certs = settle(None, {}, SUBJECTS, "inferencemesh m", short)
+    lengthened = again(certs, DAY)
+    now = datetime.datetime.now(datetime.UTC)
+    assert lengthened.ca.signing == certs.ca.signing and lengthened.ca.next is not None
+    assert lengthened.leaves == {c: replace(m, ca=lengthened.ca.trust_bundle()) for c, m in certs.leaves.items()}
+    assert lengthened.renew_at - now <= short / 3
+    assert again(lengthened, DAY) == lengthened  # nothing due until then: nothing rewritten
+    sleep_until(lengthened.renew_at)
+    moved = again(lengthened, DAY)
+    assert moved.ca.signing == lengthened.ca.next and moved.ca.previous == certs.ca.signing.cert
+    now = datetime.datetime.now(datetime.UTC)
+    for leaf in moved.leaves.values():
+        assert signed_by(leaf.cert, moved.ca.signing.cert)
+        assert abs(expires_at(leaf.cert) - (now + DAY)) < datetime.timedelta(minutes=1)

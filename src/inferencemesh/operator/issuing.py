@@ -14,7 +14,8 @@ rollout ever meets a certificate its peers do not trust:
      rolled still present leaves it signed.
 
 A lifetime shortened in the spec counts as due at once: anything valid for longer than the policy
-allows is replaced.
+allows is replaced. A lengthened one starts step 1 at once, and step 2 comes a third of the old leaf
+lifetime later: the old CA is as short-lived as the old policy, and every leaf it signs ends with it.
 """
 
 from __future__ import annotations
@@ -81,10 +82,17 @@ class MeshCertificates:
 
 def _expiry(pem: bytes, now: datetime.datetime) -> datetime.datetime:
     """A certificate's end of validity; `now` (so: expired) for one that cannot be read."""
+    return _life(pem, now)[1]
+
+
+def _life(pem: bytes, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
+    """When a certificate was issued (its notBefore is backdated by CLOCK_SKEW) and when it ends;
+    (now, now) for one that cannot be read."""
     try:
-        return expires_at(pem)
+        cert = x509.load_pem_x509_certificate(pem)
     except ValueError:
-        return now
+        return now, now
+    return cert.not_valid_before_utc + CLOCK_SKEW, cert.not_valid_after_utc
 
 
 def _authority(data: dict[str, bytes], cert_key: str, key_key: str, now: datetime.datetime) -> Authority | None:
@@ -105,11 +113,13 @@ def _key_matches(cert_pem: bytes, key_pem: bytes) -> bool:
 
 def renewal_time(cert_pem: bytes, lifetime: datetime.timedelta, now: datetime.datetime) -> datetime.datetime:
     """When a certificate meant to live `lifetime` is renewed: at two thirds of its life, or now if
-    it is valid for longer than `lifetime` (the policy was shortened since it was issued)."""
-    end = _expiry(cert_pem, now)
+    it is valid for longer than `lifetime` (the policy was shortened since it was issued). Its own
+    life, not `lifetime`: a leaf its CA's end cut short is not due at once (it would be reissued,
+    and its pods rolled, at every reconcile until that CA is replaced)."""
+    issued, end = _life(cert_pem, now)
     if end - now > lifetime + SLACK:
         return now
-    return end - lifetime * (1 - RENEW_FRACTION)
+    return issued + (end - issued) * RENEW_FRACTION
 
 
 def _leaf_usable(material: TlsMaterial | None, ca: Authority, dns_names: list[str], lifetime: datetime.timedelta,
@@ -134,9 +144,13 @@ def _ca_step(ca: CaState | None, ca_name: str, lifetime: datetime.timedelta,
     if ca is None:
         ca = CaState(make_ca(ca_name, ca_lifetime))
     if ca.next is not None:
-        # step 2, once the pods have had a third of a leaf lifetime to roll onto the bundle with the next CA
-        made = x509.load_pem_x509_certificate(ca.next.cert).not_valid_before_utc + CLOCK_SKEW
-        promote_at = made + lifetime * (1 - RENEW_FRACTION)
+        # step 2, once the pods have had a third of a leaf lifetime to roll onto the bundle with the next
+        # CA: of the policy the signing CA was made under, if that was shorter (the CA's end cuts every
+        # leaf it signs short, so a lengthened policy waits no longer than the old one would have)
+        made = _life(ca.next.cert, now)[0]
+        issued, end = _life(ca.signing.cert, now)
+        leaf_lifetime = min(lifetime, (end - issued) / CA_LIFETIME_FACTOR)
+        promote_at = made + leaf_lifetime * (1 - RENEW_FRACTION)
         if now < promote_at:
             return ca, promote_at
         ca = CaState(ca.next, previous=ca.signing.cert)
