@@ -22,6 +22,9 @@ from inferencemesh.programs.process import LoadFailed, PortInUse, on_stop_signal
 from inferencemesh.stage.server import start_stage_server
 
 log = logging.getLogger("inferencemesh.stage")
+# A stopping stage lets its streams run this long (a request about to end ends; the others are
+# replayed by their frontend on the stage that replaces it), then cancels them.
+GRACEFUL_STOP_S = 2.0
 
 
 class MainThreadExecutor(Executor):
@@ -86,7 +89,7 @@ async def serve_stage(options: StageConfig, compute: Executor, stop: asyncio.Eve
              options.downstream or "none: last stage")
     await stop.wait()
     await service.mark_not_serving()
-    await server.stop(grace=None if failure else 2.0)
+    await server.stop(grace=None if failure else GRACEFUL_STOP_S)
     await service.close()
     if failure:
         raise LoadFailed(f"stage {options.stage_index} cannot load layers {options.layer_start}:{options.layer_end}: "
