@@ -5,8 +5,10 @@ For each configuration (transformers' decoder layers, then the lean ones: modeli
 interleaved round by round: TPOT (median inter-token gap), the thread's CPU time per token, the
 Python calls per token, and a cProfile of one request with its own time grouped by where it is
 spent (torch kernels, the model's Python, the stage, the frontend's engine, the event loop).
+With --ops, also torch.profiler's self CPU time per token of the busiest operators (the matmuls
+against the rest, and what each costs at this thread count).
 
-    python tools/profile_decode.py [--shape llama-150m] [--threads 1] [--tokens 128] [--json out.json]
+    python tools/profile_decode.py [--shape llama-150m] [--threads 1] [--tokens 128] [--ops] [--json out.json]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import time
@@ -69,6 +72,33 @@ async def profile(engine: EngineUnderTest, prompt: list[int], count: int) -> dic
         k: round(v / total, 3) for k, v in sorted(own.items(), key=lambda kv: -kv[1])}}
 
 
+async def operators(engine: EngineUnderTest, prompt: list[int], count: int, top: int = 12) -> dict:
+    """torch.profiler over one request: the `top` operators by self CPU time, per token (the
+    profiler's own cost included, so the shares matter more than the sums)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        await engine.stream(prompt)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows)
+    return {"ops_self_cpu_ms_per_token": round(total / count / 1e3, 3), "ops": {
+        e.key: {"calls_per_token": round(e.count / count, 1),
+                "self_cpu_us_per_token": round(e.self_cpu_time_total / count, 1)} for e in rows[:top]}}
+
+
+def streaming_read_gb_per_s(mib: int = 256, rounds: int = 10) -> float:
+    """This machine's memory bandwidth now, at torch's thread count: a sum over a buffer far larger
+    than the caches (a decode step streams its weights much as this does; neighbours on a shared host
+    move it by 20% within minutes, so it is measured in the same run)."""
+    buffer = torch.ones(mib * 2**20 // 4)
+    buffer.sum()
+    started = time.perf_counter()
+    for _ in range(rounds):
+        buffer.sum()
+    return round(buffer.numel() * 4 * rounds / (time.perf_counter() - started) / 1e9, 1)
+
+
 async def run(args: argparse.Namespace) -> dict:
     config = BenchConfig(dtype=args.dtype, shape=args.shape, stages=(1,), new_tokens=args.tokens).check()
     model = load_bench_model(config)
@@ -89,9 +119,11 @@ async def run(args: argparse.Namespace) -> dict:
         results[name] = {
             "tpot_ms": round(statistics.median(s[0] for s in samples[name]) * 1e3, 3),
             "thread_cpu_ms_per_token": round(statistics.median(s[1] for s in samples[name]) * 1e3, 3),
-            **await profile(engine, prompt, args.tokens)}
+            **await profile(engine, prompt, args.tokens),
+            **(await operators(engine, prompt, args.tokens) if args.ops else {})}
         print(name, json.dumps(results[name]), flush=True)
     return {"model": str(model.model_dir.name), "shape": args.shape, "dtype": args.dtype, "threads": args.threads,
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "streaming_read_gb_per_s": streaming_read_gb_per_s(),
             "new_tokens": args.tokens, "rounds": args.rounds, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "results": results}
 
@@ -103,6 +135,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ops", action="store_true", help="torch.profiler's self time per token by operator")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
