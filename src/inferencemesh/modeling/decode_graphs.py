@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
+from inferencemesh.modeling.lean_layers import rotary
 
 # The stage runtime (modeling/runtime.py) imports this module, so its types are not imported back:
 # `runtime` is a StageRuntime, whose layers, rotary tables, embedding and head the step reads,
@@ -269,9 +270,10 @@ class DecodeGraphs:
         write = torch.where(real, slots, self._scratch * size + offsets[None, :]).reshape(-1)
         read = (tables[:, :, None] * size + self._block_positions).reshape(-1)
         allowed = _allowed(positions, span, self._windows)  # per window: [B, T, L]
+        rot = rotary((cos, sin))
         for index, lean in enumerate(rt._lean):
             assert lean is not None  # covers(): every layer is lean
-            q, k, v = lean.pre_attention(x, cos, sin)
+            q, k, v = lean.pre_attention(x, rot)
             layer = pool.store[index]
             layer.index_copy_(2, write, torch.stack((k[0], v[0])).to(layer.dtype))
             gathered = layer.index_select(2, read).unflatten(2, (batch, span)).transpose(1, 2)  # [2, B, kv, L, D]

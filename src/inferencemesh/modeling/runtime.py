@@ -32,7 +32,7 @@ from inferencemesh.modeling.decode_graphs import wanted as decode_graphs_wanted
 from inferencemesh.modeling.families import ForwardHooks, forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
 from inferencemesh.modeling.kv_pool import KVPool, PassWrites
-from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm
+from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm, rotaries_of
 from inferencemesh.modeling.loader import StageModules, load_stage
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
@@ -112,6 +112,7 @@ class StageRuntime:
         if lean and None in self._rope_tables:  # one rotary table for every layer
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
             self._norm = lean_norm(self._norm)
+        self._has_lean = any(lean is not None for lean in self._lean)
         if self.device.type == "cpu":  # after the lean layers, which fuse and pack their projections
             for layer in self._layers:
                 pack_linears(layer)
@@ -210,10 +211,11 @@ class StageRuntime:
         kv.truncate(pos_start)
         kv.begin(pos_start, count)
         ropes = {key: self._rope(x, pos_start, count, key) for key in self._rope_tables}
+        rotaries = rotaries_of(ropes) if self._has_lean else {}  # once a forward, for every lean layer
         masks = self._masks(pos_start, count)
         for layer, lean, mask, key in zip(self._layers, self._lean, masks, self._rope_keys, strict=True):
             if lean is not None:
-                x = lean(x, ropes[key], mask, kv)
+                x = lean(x, rotaries[key], mask, kv)
                 continue
             x = layer(x, attention_mask=mask, position_ids=self._positions(pos_start, count),
                       **{self._cache_kwarg: kv}, use_cache=True, position_embeddings=ropes[key])
@@ -274,9 +276,10 @@ class StageRuntime:
         packed = _PackedCache(self, segments, counts)
         positions = torch.cat([self._positions(seg.pos_start, count)
                                for seg, count in zip(segments, counts, strict=True)], dim=1)
+        rotaries = rotaries_of(by_key) if self._has_lean else {}
         for layer, lean, key in zip(self._layers, self._lean, self._rope_keys, strict=True):
             if lean is not None:
-                x = lean(x, by_key[key], None, packed)
+                x = lean(x, rotaries[key], None, packed)
                 continue
             x = layer(x, attention_mask=None, position_ids=positions, **{self._cache_kwarg: packed}, use_cache=True,
                       position_embeddings=by_key[key])
