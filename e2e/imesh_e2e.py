@@ -499,6 +499,8 @@ class MeshWatch:
             self._proc = subprocess.Popen(["kubectl", "get", "inferencemesh", self.name, "-n", self.ns, "-o", "json",
                                            "--watch"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             assert self._proc.stdout is not None
+            if self._stop.is_set():  # __exit__ came before this watch started: it read no process to end
+                self._proc.terminate()
             lines: list[str] = []
             for line in self._proc.stdout:  # pretty JSON objects, one after another: each ends in "}" at column 0
                 lines.append(line)
