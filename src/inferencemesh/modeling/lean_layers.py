@@ -6,7 +6,9 @@ hooks, keyword plumbing, the attention registry, rotate_half twice, config looku
 kernels. A LeanLayer computes the same layer from the same modules' weights with one projection
 for queries, keys and values, one for gate and up (their weights concatenated once at load, and
 on a CPU packed for its matmul kernel), rotary applied to queries and keys together, and the
-stage's own cache and attention (kv_pool, attention.stage_attention) as transformers' layer calls them.
+stage's own cache and attention (kv_pool, attention.stage_attention) as transformers' layer calls them;
+on a CPU, where the runtime hands it a pass's frames in the pool (kv_pool.PagedFrames), attention for
+every session in one native call over their block tables (native_kernels.paged_attention).
 
 It covers the layers whose structure it knows exactly (LEAN_LAYERS: pre-norm RMSNorm, rotary,
 grouped-query attention without soft-capping or sinks, a gated SiLU MLP; Qwen3's per-head
@@ -31,6 +33,8 @@ from torch import nn
 
 from inferencemesh.modeling import native_kernels
 from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
+from inferencemesh.modeling.kv_pool import PagedFrames
+from inferencemesh.modeling.native_kernels import paged_attention
 from inferencemesh.modeling.packed import PackedLinear, packs_weight
 from inferencemesh.modeling.quantized_fused import fused_outputs
 
@@ -257,10 +261,17 @@ class LeanLayer:
         gate, up = self.gate_up(_rms_norm(x, *self.post_norm)).split_with_sizes(self.gate_up.sizes, dim=-1)
         return x + self.down_proj(torch.nn.functional.silu(gate) * up)
 
-    def __call__(self, x: torch.Tensor, rot: Rotary, mask: torch.Tensor | None, cache: object | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rot: Rotary, mask: torch.Tensor | None, cache: object | None,
+                 paged: PagedFrames | None = None) -> torch.Tensor:
         """What the transformers layer returns for these arguments (its cache updated alike; rot:
-        rotary() of the rotary table's (cos, sin) it is given)."""
+        rotary() of the rotary table's (cos, sin) it is given). paged: the pass's frames in cache, for
+        the native attention over their block tables (the runtime's choice: full causal attention)."""
         q, k, v = self.pre_attention(x, rot)
+        if paged is not None:  # every session at once, its keys and values read where they lie
+            layer = paged.write(k, v, self.layer_idx)
+            out = paged_attention(q.transpose(1, 2), layer, paged.block_tokens, paged.tables, paged.frames,
+                                  self.scaling)
+            return self.post_attention(x, out.to(x.dtype))
         keys, values = cache.update(k, v, self.layer_idx) if cache is not None else (k, v)  # type: ignore[attr-defined]
         if isinstance(keys, PackedAttention):  # a batched pass: each session over its own cache
             out, _ = stage_attention(self.attn, q, keys, values, mask, scaling=self.scaling)

@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("woq_gemm.c", "quantize.c", "host_ops.c"))
+SOURCES = tuple(Path(__file__).with_name("native") / name
+                for name in ("woq_gemm.c", "quantize.c", "host_ops.c", "paged_attention.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-lm")
 CACHE_ENV = "INFERENCEMESH_NATIVE_CACHE"
 PREBUILT_ENV = "INFERENCEMESH_NATIVE_PREBUILT"

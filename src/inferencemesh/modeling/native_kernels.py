@@ -2,7 +2,8 @@
 for the few rows of a decode step (native/woq_gemm.c says how they read memory and why), with
 bfloat16 dot products (AVX512_BF16) for bfloat16 rows where the CPU has them; quantizing at load
 (native/quantize.c); per-token operations whose dispatch outweighs their arithmetic
-(native/host_ops.c: RMSNorm).
+(native/host_ops.c: RMSNorm); attention over a KV pool's block tables for every session of a pass
+in one call (native/paged_attention.c).
 
 The sources ship with the package: native_build.py compiles them once per machine with its C
 compiler into a cache, or ahead of time into an image (which has no compiler).
@@ -57,6 +58,10 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_quantize.restype = ctypes.c_int
     library.imesh_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    library.imesh_paged_attention_f32.restype = ctypes.c_int
+    library.imesh_paged_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                                  ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+                                                  ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -162,4 +167,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     out = torch.empty_like(x)
     lib.imesh_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    return out
+
+
+# Head widths the native attention takes: multiples of 16 (its vectors) up to 256 (its registers).
+PAGED_ATTENTION_MAX_HEAD_DIM = 256
+
+
+def takes_paged_attention(kv_dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether paged_attention computes a stage's attention: a float32 KV pool on a CPU, a head width
+    it takes, and the library at hand."""
+    return (kv_dtype == torch.float32 and device.type == "cpu" and head_dim % 16 == 0
+            and head_dim <= PAGED_ATTENTION_MAX_HEAD_DIM and library() is not None)
+
+
+def paged_attention(queries: torch.Tensor, layer: torch.Tensor, block_tokens: int, tables: torch.Tensor,
+                    frames: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every frame's queries [1, rows, heads, D] (a pass's, packed; any dtype) over its keys and values in
+    the pool's layer [2, kv_heads, slots, D] (float32, blocks of block_tokens slots), causal, as
+    kv_pool.PagedFrames describes them: [1, rows, heads x D] float32, what the output projection takes."""
+    lib = library()
+    assert lib is not None, "paged_attention called where takes_paged_attention() said no"
+    _, rows, heads, dim = queries.shape
+    queries = queries.to(torch.float32)
+    if queries.stride(3) != 1 or queries.stride(2) != dim:  # the kernel steps through rows only
+        queries = queries.contiguous()
+    out = torch.empty(1, rows, heads * dim)
+    status = lib.imesh_paged_attention_f32(queries.data_ptr(), queries.stride(1), layer.data_ptr(), layer.shape[2],
+                                           tables.data_ptr(), frames.data_ptr(), frames.shape[0], heads,
+                                           layer.shape[1], dim, block_tokens, scale, out.data_ptr(),
+                                           torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"imesh_paged_attention_f32 refused {heads} heads over {layer.shape[1]} of {dim} "
+                           f"(status {status})")
     return out

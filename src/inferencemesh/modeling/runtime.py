@@ -31,10 +31,12 @@ from inferencemesh.modeling.decode_graphs import covers as graphs_cover
 from inferencemesh.modeling.decode_graphs import wanted as decode_graphs_wanted
 from inferencemesh.modeling.families import ForwardHooks, forward_hooks
 from inferencemesh.modeling.kv import CacheKV, SessionKV
-from inferencemesh.modeling.kv_pool import KVPool, PassWrites
+from inferencemesh.modeling.kv_pool import KVPool, PagedFrames, PassWrites
 from inferencemesh.modeling.lean_layers import LeanLayer, lean_layers, lean_norm, rotaries_of
 from inferencemesh.modeling.loader import StageModules, load_stage
+from inferencemesh.modeling.native_kernels import takes_paged_attention
 from inferencemesh.modeling.packed import PackedLinear, pack_linears, packs
+from inferencemesh.modeling.pages import return_freed_memory
 from inferencemesh.modeling.positions import attention_mask, rope_table, sliding_window
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
 
@@ -113,6 +115,9 @@ class StageRuntime:
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
             self._norm = lean_norm(self._norm)
         self._has_lean = any(lean is not None for lean in self._lean)
+        # Lean layers' attention natively over the pool's block tables (kv_pool.PagedFrames): full causal only.
+        self._paged = self._has_lean and self._smallest_window is None and takes_paged_attention(
+            self._kv_dtype, self.device, self._head_dim)
         if self.device.type == "cpu":  # after the lean layers, which fuse and pack their projections
             for layer in self._layers:
                 pack_linears(layer)
@@ -213,9 +218,10 @@ class StageRuntime:
         ropes = {key: self._rope(x, pos_start, count, key) for key in self._rope_tables}
         rotaries = rotaries_of(ropes) if self._has_lean else {}  # once a forward, for every lean layer
         masks = self._masks(pos_start, count)
+        paged = PagedFrames.of([kv]) if self._paged else None
         for layer, lean, mask, key in zip(self._layers, self._lean, masks, self._rope_keys, strict=True):
             if lean is not None:
-                x = lean(x, rotaries[key], mask, kv)
+                x = lean(x, rotaries[key], mask, kv, paged)
                 continue
             x = layer(x, attention_mask=mask, position_ids=self._positions(pos_start, count),
                       **{self._cache_kwarg: kv}, use_cache=True, position_embeddings=ropes[key])
@@ -277,9 +283,10 @@ class StageRuntime:
         positions = torch.cat([self._positions(seg.pos_start, count)
                                for seg, count in zip(segments, counts, strict=True)], dim=1)
         rotaries = rotaries_of(by_key) if self._has_lean else {}
+        paged = PagedFrames.of([seg.kv for seg in segments]) if self._paged else None
         for layer, lean, key in zip(self._layers, self._lean, self._rope_keys, strict=True):
             if lean is not None:
-                x = lean(x, rotaries[key], None, packed)
+                x = lean(x, rotaries[key], None, packed, paged)
                 continue
             x = layer(x, attention_mask=None, position_ids=positions, **{self._cache_kwarg: packed}, use_cache=True,
                       position_embeddings=by_key[key])
@@ -434,15 +441,3 @@ class _PackedCache:
             parts.append((keys, values, self._masks[i, window]))
         return PackedAttention(parts, self.counts), None
 
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). Loading a
-    CPU stage frees about as much as it keeps (each weight read, then packed or fused anew), and
-    glibc keeps freed pages that lie between ones in use: 25 MB of a 57 MB float32 stage, resident
-    until trimmed (tests/test_stage_loader.py's peak-memory model, 3 layers and the head)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
