@@ -12,6 +12,12 @@ machine's drift falls on both alike:
 - pass: a whole forward_batch of N decode frames through every layer of the stage, in ms.
 Sessions' lengths spread over [L/2, L] (a batch's sessions are rarely equally long).
 
+Where the stage takes the native attention over block tables (a float32 pool on a CPU:
+native_kernels.paged_attention), both measures are taken for it too (`_native` in the JSON, and
+its ratio to sdpa over the same tables), interleaved with the rest:
+
+    python tools/attention_bench.py --dtype float32 --sessions 1,8 --lengths 256,1024
+
 --kernels compares the bare kernels instead, with no runtime around them: per-session sdpa
 calls, one padded call (caches gathered per layer) and one block-diagonal "varlen" call (caches
 concatenated, a mask keeping each query to its own session's block).
@@ -30,7 +36,8 @@ import torch
 
 from inferencemesh.checkpoint.read import read_local
 from inferencemesh.modeling.attention import stage_attention
-from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool
+from inferencemesh.modeling.kv_pool import BlockTableKV, KVPool, PagedFrames
+from inferencemesh.modeling.native_kernels import paged_attention
 from inferencemesh.modeling.runtime import Segment, StageRuntime, _PackedCache
 from inferencemesh.programs.bench.models import make_shape_model
 from inferencemesh.protocol.transport import KV_BLOCK_TOKENS
@@ -64,8 +71,10 @@ def segments_of(pool: KVPool, tables: list[list[int]], lengths: list[int], feed:
     return [Segment(BlockTableKV(pool, table, n, 1), n, x) for table, n, x in zip(tables, lengths, feed, strict=True)]
 
 
-def time_layer(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int) -> float:
-    """Median microseconds per layer of a pass's attention steps over N decode queries."""
+def time_layer(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int,
+               native: bool = False) -> float:
+    """Median microseconds per layer of a pass's attention steps over N decode queries (native: through
+    the native attention over the block tables, else sdpa as stage_attention calls it)."""
     modules = [layer.self_attn for layer in rt._layers]
     n = len(tables)
     heads = rt.config.num_attention_heads
@@ -78,16 +87,27 @@ def time_layer(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths:
         segments = segments_of(pool, tables, lengths, [torch.zeros(1, dtype=torch.long)] * n)
         for seg in segments:
             seg.kv.begin(seg.pos_start, 1)
-        cache = _PackedCache(rt, segments, [1] * n)
-        for index, module in enumerate(modules, start=rt.layer_start):
-            key, value = cache.update(k_new, v_new, index)
-            stage_attention(module, q, key, value, None, dropout=0.0, scaling=module.scaling)
+        if native:  # what a lean layer does with the pass's PagedFrames
+            paged = PagedFrames.of([seg.kv for seg in segments])
+            assert paged is not None
+            for index, module in enumerate(modules, start=rt.layer_start):
+                layer = paged.write(k_new, v_new, index)
+                paged_attention(q.transpose(1, 2), layer, paged.block_tokens, paged.tables, paged.frames,
+                                module.scaling)
+        else:
+            cache = _PackedCache(rt, segments, [1] * n)
+            for index, module in enumerate(modules, start=rt.layer_start):
+                key, value = cache.update(k_new, v_new, index)
+                stage_attention(module, q, key, value, None, dropout=0.0, scaling=module.scaling)
         samples.append((time.perf_counter_ns() - started) / 1e3 / len(modules))
     return statistics.median(samples)
 
 
-def time_pass(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int) -> float:
-    """Median milliseconds of a whole forward_batch of N decode frames (each at its session's length)."""
+def time_pass(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: list[int], reps: int,
+              native: bool = False) -> float:
+    """Median milliseconds of a whole forward_batch of N decode frames (each at its session's length),
+    the lean layers attending natively or through sdpa."""
+    takes_native, rt._paged = rt._paged, native
     gen = torch.Generator().manual_seed(0)
     feed = [torch.randint(0, rt.vocab_size, (1,), generator=gen) if rt.is_first
             else torch.randn(1, rt.hidden_size, generator=gen) for _ in tables]
@@ -97,6 +117,7 @@ def time_pass(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths: 
         started = time.perf_counter_ns()
         rt.forward_batch(segments)
         samples.append((time.perf_counter_ns() - started) / 1e6)
+    rt._paged = takes_native
     return statistics.median(samples)
 
 
@@ -191,28 +212,38 @@ def main() -> None:
     print(f"{'N':>3} {'L':>5} | {'layer view':>12} {'layer gather':>12} {'ratio':>6} | "
           f"{'pass view':>11} {'pass gather':>11} {'ratio':>6}")
     rows = []
+    native = rt._paged  # the stage takes the native attention: measured beside sdpa
+    ways = [(form, False) for form in FORMS] + ([(form, True) for form in FORMS] if native else [])
     for n in sessions:
         for longest in lengths:
             spread = lengths_for(n, longest)
             pool, tables = filled_pool(rt, spread)
-            layer: dict[str, list[float]] = {form: [] for form in FORMS}
-            whole: dict[str, list[float]] = {form: [] for form in FORMS}
-            for _ in range(3):  # rounds of both forms, interleaved
-                for form in FORMS:
-                    layer[form].append(time_layer(rt, pool, tables[form], spread, args.reps))
+            layer: dict[tuple[str, bool], list[float]] = {way: [] for way in ways}
+            whole: dict[tuple[str, bool], list[float]] = {way: [] for way in ways}
+            for _ in range(3):  # rounds of every form, interleaved
+                for form, natively in ways:
+                    layer[form, natively].append(time_layer(rt, pool, tables[form], spread, args.reps, natively))
                     if not args.no_pass:
-                        whole[form].append(time_pass(rt, pool, tables[form], spread, max(3, args.reps // 5)))
+                        whole[form, natively].append(time_pass(rt, pool, tables[form], spread,
+                                                               max(3, args.reps // 5), natively))
             row = {"sessions": n, "longest": longest,
-                   **{f"layer_us_{f}": round(statistics.median(layer[f]), 1) for f in FORMS}}
+                   **{f"layer_us_{f}{'_native' * m}": round(statistics.median(layer[f, m]), 1) for f, m in ways}}
             row["layer_ratio_gather"] = round(row["layer_us_gather"] / row["layer_us_view"], 3)
             if not args.no_pass:
-                row.update({f"pass_ms_{f}": round(statistics.median(whole[f]), 2) for f in FORMS})
+                row.update({f"pass_ms_{f}{'_native' * m}": round(statistics.median(whole[f, m]), 2) for f, m in ways})
                 row["pass_ratio_gather"] = round(row["pass_ms_gather"] / row["pass_ms_view"], 3)
+            for f in FORMS if native else ():  # native ÷ sdpa over the same tables
+                row[f"layer_ratio_native_{f}"] = round(row[f"layer_us_{f}_native"] / row[f"layer_us_{f}"], 3)
+                if not args.no_pass:
+                    row[f"pass_ratio_native_{f}"] = round(row[f"pass_ms_{f}_native"] / row[f"pass_ms_{f}"], 3)
             rows.append(row)
             print(f"{n:>3} {longest:>5} | {row['layer_us_view']:>10.1f}us {row['layer_us_gather']:>10.1f}us "
                   f"{row['layer_ratio_gather']:>6.2f} | " + (
                       f"{row['pass_ms_view']:>9.2f}ms {row['pass_ms_gather']:>9.2f}ms "
-                      f"{row['pass_ratio_gather']:>6.2f}" if not args.no_pass else ""), flush=True)
+                      f"{row['pass_ratio_gather']:>6.2f}" if not args.no_pass else "") + (
+                      f" | native: layer {row['layer_us_view_native']:.1f}us / {row['layer_us_gather_native']:.1f}us"
+                      + (f", pass {row['pass_ms_view_native']:.2f}ms / {row['pass_ms_gather_native']:.2f}ms"
+                         if not args.no_pass else "") if native else ""), flush=True)
     report = {"shape": args.shape, "dtype": args.dtype, "threads": args.threads, "torch": torch.__version__,
               "load_average_before": [round(x, 2) for x in load],
               "load_average_after": [round(x, 2) for x in os.getloadavg()], "rows": rows}
