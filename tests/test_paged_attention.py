@@ -1,9 +1,9 @@
 """The native attention over a KV pool's block tables (modeling/native/paged_attention.c): every
-session of a pass in one call, against sdpa over the same keys and values joined in position order
-(grouped queries, head widths it specialises and one it does not, a verify window's causal rows, a
-prompt piece from position 0, tables out of order); a session's result the same bit for bit alone or
-in a batch and at any thread count; what it refuses, refused; and the runtime taking it exactly where
-it should, with the answers of the path it replaces."""
+session of a pass in one call, its new keys and values written into their slots, against sdpa over
+the same keys and values joined in position order (grouped queries, head widths it specialises and
+one it does not, a verify window's causal rows, a prompt piece from position 0, tables out of order);
+a session's result the same bit for bit alone or in a batch and at any thread count; what it refuses,
+refused; and the runtime taking it exactly where it should, with the answers of the path it replaces."""
 
 from __future__ import annotations
 
@@ -50,27 +50,37 @@ def reference(queries: torch.Tensor, pool: KVPool, table: list[int], start: int,
     return out.transpose(1, 2).reshape(count, heads * dim)
 
 
-def attend(queries: torch.Tensor, pool: KVPool, frames: PagedFrames, scale: float) -> torch.Tensor:
-    return native_kernels.paged_attention(queries, pool.store[0], BLOCK, frames.tables, frames.frames, scale)[0]
+def fused_rows(rows: int, heads: int, kv_heads: int, dim: int, seed: int) -> torch.Tensor:
+    """A layer's fused projection of `rows` tokens, [1, rows, heads + 2 kv_heads, dim]: what the kernel's
+    queries, keys and values are views of."""
+    return torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def attend(fused: torch.Tensor, heads: int, frames: PagedFrames, scale: float) -> torch.Tensor:
+    kv_heads = (fused.shape[2] - heads) // 2
+    queries, keys, values = fused.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
+    return native_kernels.paged_attention(queries, keys, values, frames.layer(0), BLOCK, frames.tables,
+                                          frames.frames, scale)[0]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (4, 4, 128), (8, 1, 48), (2, 2, 256)])
 def test_every_session_equals_sdpa_over_its_joined_keys(heads, kv_heads, dim) -> None:
     pool = pool_of(kv_heads, dim)
-    gen = torch.Generator().manual_seed(1)
     # A decode step deep in an out-of-order table, a verify window, a prompt piece from position 0,
     # and a block partly filled: each session's own table, some blocks shared.
     tables = [[9, 2, 30, 31, 5, 17, 40, 41, 8, 3], [11, 12, 13], [50, 49, 48, 47], [2, 30, 60]]
     starts, counts = [37, 6, 0, 9], [1, 5, 13, 1]
     frames = frames_of(pool, tables, starts, counts)
-    # the queries as a layer's fused projection leaves them: rows strided past the keys and values
-    fused = torch.randn(1, sum(counts), heads + 2 * kv_heads, dim, generator=gen)
-    queries = fused[:, :, :heads]
+    fused = fused_rows(sum(counts), heads, kv_heads, dim, seed=1)
     scale = dim ** -0.5
-    got = attend(queries, pool, frames, scale)
+    got = attend(fused, heads, frames, scale)
     row = 0
     for table, start, count in zip(tables, starts, counts, strict=True):
-        want = reference(queries[:, row:row + count], pool, table, start, scale)
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + count)]
+        for side, offset in ((0, heads), (1, heads + kv_heads)):  # the frame's rows written where it lives
+            written = pool.store[0, side][:, slots].transpose(0, 1)
+            assert torch.equal(written, fused[0, row:row + count, offset:offset + kv_heads])
+        want = reference(fused[:, row:row + count, :heads], pool, table, start, scale)
         error = float((got[row:row + count] - want).abs().max() / want.abs().max())
         assert error < 2e-6, (start, count, error)
         row += count
@@ -78,15 +88,15 @@ def test_every_session_equals_sdpa_over_its_joined_keys(heads, kv_heads, dim) ->
 
 def test_a_session_computes_the_same_bits_alone_in_a_batch_and_at_any_thread_count() -> None:
     pool = pool_of(2, 64)
-    queries = torch.randn(1, 9, 6, 64, generator=torch.Generator().manual_seed(2))
+    fused = fused_rows(9, 6, 2, 64, seed=2)
     tables, starts, counts = [[1, 2, 3, 4, 5, 6], [20, 21], [7, 30, 31, 9]], [21, 3, 10], [1, 4, 4]
-    together = attend(queries, pool, frames_of(pool, tables, starts, counts), 0.125)
-    alone = attend(queries[:, 1:5], pool, frames_of(pool, tables[1:2], starts[1:2], counts[1:2]), 0.125)
+    together = attend(fused, 6, frames_of(pool, tables, starts, counts), 0.125)
+    alone = attend(fused[:, 1:5], 6, frames_of(pool, tables[1:2], starts[1:2], counts[1:2]), 0.125)
     assert torch.equal(together[1:5], alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = attend(queries, pool, frames_of(pool, tables, starts, counts), 0.125)
+        one_thread = attend(fused, 6, frames_of(pool, tables, starts, counts), 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, one_thread)
@@ -101,7 +111,7 @@ def test_what_the_kernel_does_not_take_is_refused() -> None:
     pool = pool_of(2, 72)
     frames = frames_of(pool, [[1, 2]], [3], [1])
     with pytest.raises(RuntimeError, match="refused"):
-        attend(torch.randn(1, 1, 4, 72), pool, frames, 0.1)
+        attend(fused_rows(1, 4, 2, 72, seed=3), 4, frames, 0.1)
     # frames past its query limit, or caches not over one pool, keep the other path
     long_frame = BlockTableKV(pool_of(2, 64, blocks=64), list(range(40)), 0, PAGED_MAX_QUERIES + 1)
     long_frame.begin(0, PAGED_MAX_QUERIES + 1)

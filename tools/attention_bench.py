@@ -91,9 +91,8 @@ def time_layer(rt: StageRuntime, pool: KVPool, tables: list[list[int]], lengths:
             paged = PagedFrames.of([seg.kv for seg in segments])
             assert paged is not None
             for index, module in enumerate(modules, start=rt.layer_start):
-                layer = paged.write(k_new, v_new, index)
-                paged_attention(q.transpose(1, 2), layer, paged.block_tokens, paged.tables, paged.frames,
-                                module.scaling)
+                paged_attention(q.transpose(1, 2), k_new.transpose(1, 2), v_new.transpose(1, 2), paged.layer(index),
+                                paged.pool.block_tokens, paged.tables, paged.frames, module.scaling)
         else:
             cache = _PackedCache(rt, segments, [1] * n)
             for index, module in enumerate(modules, start=rt.layer_start):

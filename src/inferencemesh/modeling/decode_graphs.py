@@ -273,7 +273,7 @@ class DecodeGraphs:
         rot = rotary((cos, sin))
         for index, lean in enumerate(rt._lean):
             assert lean is not None  # covers(): every layer is lean
-            q, k, v = lean.pre_attention(x, rot)
+            q, k, v = (rows.transpose(1, 2) for rows in lean.pre_attention(x, rot))  # [1, heads, T, D]
             layer = pool.store[index]
             layer.index_copy_(2, write, torch.stack((k[0], v[0])).to(layer.dtype))
             gathered = layer.index_select(2, read).unflatten(2, (batch, span)).transpose(1, 2)  # [2, B, kv, L, D]

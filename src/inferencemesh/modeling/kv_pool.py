@@ -255,22 +255,20 @@ class PassWrites:
 
 
 class PagedFrames:
-    """Where a pass's frames (all over one pool, begun) read and write, as the native attention over
-    block tables takes them (native_kernels.paged_attention): every table in one int32 tensor, and per
-    frame (its table's offset there, its start, its count of queries, its first row in the pass).
-    Built once a pass; each layer then writes its new rows with one index_copy_ (PassWrites) and
-    attends for every session in one call."""
+    """Where a pass's frames (all over one pool, begun) write and read, as the native attention over
+    block tables takes them (native_kernels.paged_attention, which writes each layer's new rows too):
+    every table in one int32 tensor, and per frame (its table's offset there, its start, its count of
+    queries, its first row in the pass). Built once a pass; each layer is then one call for every session."""
 
     def __init__(self, caches: Sequence[BlockTableKV]) -> None:
-        self.writes = PassWrites(caches)
-        self.block_tokens = size = caches[0].pool.block_tokens
+        self.pool = caches[0].pool
         tables: list[int] = []
         frames: list[tuple[int, int, int, int]] = []
         row = 0
         for cache in caches:
             start, stop = cache.window
             frames.append((len(tables), start, stop - start, row))
-            tables.extend(cache.blocks[: -(-stop // size)])
+            tables.extend(cache.blocks[: -(-stop // self.pool.block_tokens)])
             row += stop - start
         self.tables = torch.tensor(tables, dtype=torch.int32)
         self.frames = torch.tensor(frames, dtype=torch.int64)
@@ -286,7 +284,6 @@ class PagedFrames:
             return None
         return cls(frames)
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Every frame's new keys and values [1, kv_heads, T_total, head_dim] into their slots; returns
-        the layer's [2, kv_heads, slots, head_dim]."""
-        return self.writes.write(torch.stack((keys[0], values[0])).to(self.writes.pool.dtype), layer_idx)
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """The pool's [2, kv_heads, slots, head_dim] of a layer."""
+        return self.pool.store[layer_idx - self.pool.layer_offset]

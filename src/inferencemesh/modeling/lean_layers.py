@@ -240,7 +240,8 @@ class LeanLayer:
         self.mlp: Any = mlp
 
     def pre_attention(self, x: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [1, T, H] -> queries [1, heads, T, D], keys and values [1, kv_heads, T, D], rotated."""
+        """x [1, T, H] -> queries [1, T, heads, D], keys and values [1, T, kv_heads, D], rotated (views
+        of the fused projection where they can be)."""
         s = self.shape
         count = x.shape[1]
         qkv = self.qkv(_rms_norm(x, *self.input_norm)).view(1, count, s.heads + 2 * s.kv_heads, s.head_dim)
@@ -253,7 +254,7 @@ class LeanLayer:
             q, k, v = qkv.split_with_sizes((s.heads, s.kv_heads, s.kv_heads), dim=2)
             q = _rotate(_rms_norm(q, *self.head_norms[0]), cos, sin)
             k = _rotate(_rms_norm(k, *self.head_norms[1]), cos, sin)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention's output [1, T, heads * D] and the MLP."""
@@ -268,10 +269,10 @@ class LeanLayer:
         the native attention over their block tables (the runtime's choice: full causal attention)."""
         q, k, v = self.pre_attention(x, rot)
         if paged is not None:  # every session at once, its keys and values read where they lie
-            layer = paged.write(k, v, self.layer_idx)
-            out = paged_attention(q.transpose(1, 2), layer, paged.block_tokens, paged.tables, paged.frames,
-                                  self.scaling)
+            out = paged_attention(q, k, v, paged.layer(self.layer_idx), paged.pool.block_tokens, paged.tables,
+                                  paged.frames, self.scaling)
             return self.post_attention(x, out.to(x.dtype))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D], as attention takes
         keys, values = cache.update(k, v, self.layer_idx) if cache is not None else (k, v)  # type: ignore[attr-defined]
         if isinstance(keys, PackedAttention):  # a batched pass: each session over its own cache
             out, _ = stage_attention(self.attn, q, keys, values, mask, scaling=self.scaling)

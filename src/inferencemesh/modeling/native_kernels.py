@@ -59,7 +59,7 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.imesh_paged_attention_f32.restype = ctypes.c_int
-    library.imesh_paged_attention_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+    library.imesh_paged_attention_f32.argtypes = [*[ctypes.c_void_p, ctypes.c_int64] * 4,
                                                   ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
                                                   ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return library
@@ -181,19 +181,19 @@ def takes_paged_attention(kv_dtype: torch.dtype, device: torch.device, head_dim:
             and head_dim <= PAGED_ATTENTION_MAX_HEAD_DIM and library() is not None)
 
 
-def paged_attention(queries: torch.Tensor, layer: torch.Tensor, block_tokens: int, tables: torch.Tensor,
-                    frames: torch.Tensor, scale: float) -> torch.Tensor:
-    """Every frame's queries [1, rows, heads, D] (a pass's, packed; any dtype) over its keys and values in
-    the pool's layer [2, kv_heads, slots, D] (float32, blocks of block_tokens slots), causal, as
-    kv_pool.PagedFrames describes them: [1, rows, heads x D] float32, what the output projection takes."""
+def paged_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: torch.Tensor,
+                    block_tokens: int, tables: torch.Tensor, frames: torch.Tensor, scale: float) -> torch.Tensor:
+    """Every frame's new keys and values [1, rows, kv_heads, D] written into its slots of the pool's layer
+    [2, kv_heads, slots, D] (float32, blocks of block_tokens slots), then its queries [1, rows, heads, D]
+    (a pass's rows, packed; any dtype) over its keys and values, causal, as kv_pool.PagedFrames
+    describes them: [1, rows, heads x D] float32, what the output projection takes."""
     lib = library()
     assert lib is not None, "paged_attention called where takes_paged_attention() said no"
     _, rows, heads, dim = queries.shape
-    queries = queries.to(torch.float32)
-    if queries.stride(3) != 1 or queries.stride(2) != dim:  # the kernel steps through rows only
-        queries = queries.contiguous()
+    queries, keys, values = _rows_of(queries), _rows_of(keys), _rows_of(values)
     out = torch.empty(1, rows, heads * dim)
-    status = lib.imesh_paged_attention_f32(queries.data_ptr(), queries.stride(1), layer.data_ptr(), layer.shape[2],
+    status = lib.imesh_paged_attention_f32(queries.data_ptr(), queries.stride(1), keys.data_ptr(), keys.stride(1),
+                                           values.data_ptr(), values.stride(1), layer.data_ptr(), layer.shape[2],
                                            tables.data_ptr(), frames.data_ptr(), frames.shape[0], heads,
                                            layer.shape[1], dim, block_tokens, scale, out.data_ptr(),
                                            torch.get_num_threads())
@@ -201,3 +201,12 @@ def paged_attention(queries: torch.Tensor, layer: torch.Tensor, block_tokens: in
         raise RuntimeError(f"imesh_paged_attention_f32 refused {heads} heads over {layer.shape[1]} of {dim} "
                            f"(status {status})")
     return out
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x [1, rows, heads, D] in float32 with each row's heads side by side (the kernel steps through
+    rows only): a view of a fused projection as it is, anything else made so."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    stride = x.stride()
+    return x if stride[3] == 1 and stride[2] == x.shape[3] else x.contiguous()

@@ -14,7 +14,9 @@
  * at slot b B. Session s has count T queries at positions start .. start + T - 1, query t seeing
  * positions [0, start + t] (causal); its table lists the blocks of positions [0, start + T). Queries
  * are rows [row, row + T) of q, each heads x D floats (q_stride floats apart: a view of the layer's
- * fused projection); the output is [rows, heads, D], contiguous.
+ * fused projection); the frame's new keys and values, rows of k_new and v_new alike (kv_heads x D), are
+ * written into their slots before it attends (one call a layer: no separate scatter); the output is
+ * [rows, heads, D], contiguous.
  *
  * Arithmetic: the scores scaled as the queries are (q x scale, then the dot product over D summed in 16
  * lanes), the softmax in float32 with its maximum subtracted (exp to about 1 ulp, below), the values
@@ -184,7 +186,8 @@ TARGET static void attend_head(const float *q, int64_t q_stride, const float *ke
 /* sessions x 4 int64 in `frames`: (offset of its table in `tables`, start, count, its first row of q
  * and out). Returns 0, or -1 for what the kernel does not take (dim not a multiple of 16, heads not a
  * multiple of kv_heads), -2 when scratch memory cannot be had. */
-TARGET int imesh_paged_attention_f32(const float *q, int64_t q_stride, const float *layer, int64_t slots,
+TARGET int imesh_paged_attention_f32(const float *q, int64_t q_stride, const float *k_new, int64_t k_stride,
+                                     const float *v_new, int64_t v_stride, float *layer, int64_t slots,
                                      const int32_t *tables, const int64_t *frames, int64_t sessions, int64_t heads,
                                      int64_t kv_heads, int64_t dim, int64_t block, float scale, float *out,
                                      int threads) {
@@ -195,15 +198,21 @@ TARGET int imesh_paged_attention_f32(const float *q, int64_t q_stride, const flo
     for (int64_t item = 0; item < items; item++) {
         const int64_t *frame = frames + 4 * (item / kv_heads);
         const int64_t head = item % kv_heads, start = frame[1], count = frame[2], row = frame[3];
-        const int64_t rows = groups * count;
-        float *scratch = malloc(sizeof(float) * rows * (dim + start + count));
+        const int32_t *table = tables + frame[0];
+        float *keys = layer + head * plane, *values = layer + (kv_heads + head) * plane;
+        /* the frame's own keys and values into their slots first: its blocks are its own, never shared */
+        for (int64_t t = 0; t < count; t++) {
+            const int64_t slot = (int64_t)table[(start + t) / block] * block + (start + t) % block;
+            memcpy(keys + slot * dim, k_new + (row + t) * k_stride + head * dim, sizeof(float) * dim);
+            memcpy(values + slot * dim, v_new + (row + t) * v_stride + head * dim, sizeof(float) * dim);
+        }
+        float *scratch = malloc(sizeof(float) * groups * count * (dim + start + count));
         if (!scratch) {
             failed = 1;
             continue;
         }
-        attend_head(q + row * q_stride, q_stride, layer + head * plane, layer + (kv_heads + head) * plane,
-                    tables + frame[0], start, count, groups, head, heads, dim, block, scale,
-                    out + row * heads * dim, scratch);
+        attend_head(q + row * q_stride, q_stride, keys, values, table, start, count, groups, head, heads, dim,
+                    block, scale, out + row * heads * dim, scratch);
         free(scratch);
     }
     return failed ? -2 : 0;
