@@ -59,7 +59,8 @@ def _load(path: Path) -> ctypes.CDLL | None:
     library.imesh_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     library.imesh_paged_attention_f32.restype = ctypes.c_int
-    library.imesh_paged_attention_f32.argtypes = [*[ctypes.c_void_p, ctypes.c_int64] * 4,
+    pointer_and_stride: list[type] = [ctypes.c_void_p, ctypes.c_int64]
+    library.imesh_paged_attention_f32.argtypes = [*pointer_and_stride * 4,
                                                   ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
                                                   ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return library
