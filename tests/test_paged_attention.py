@@ -1,9 +1,10 @@
 """The native attention over a KV pool's block tables (modeling/native/paged_attention.c): every
 session of a pass in one call, its new keys and values written into their slots, against sdpa over
 the same keys and values joined in position order (grouped queries, head widths it specialises and
-one it does not, a verify window's causal rows, a prompt piece from position 0, tables out of order);
-a session's result the same bit for bit alone or in a batch and at any thread count; what it refuses,
-refused; and the runtime taking it exactly where it should, with the answers of the path it replaces."""
+one it does not, a verify window's causal rows, a prompt piece from position 0, tables out of order,
+a sliding window); a session's result the same bit for bit alone or in a batch and at any thread
+count; what it refuses, refused; and the runtime taking it where it should (Mistral's windows
+included), with the answers of the path it replaces."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from inferencemesh.modeling import native_kernels
 from inferencemesh.modeling.kv import SessionKV
 from inferencemesh.modeling.kv_pool import PAGED_MAX_QUERIES, BlockTableKV, KVPool, PagedFrames
+from inferencemesh.modeling.positions import attention_mask
 from inferencemesh.modeling.runtime import Segment, StageRuntime
 
 pytestmark = pytest.mark.skipif(native_kernels.library() is None, reason="no C compiler or no AVX-512 here")
@@ -38,13 +40,17 @@ def frames_of(pool: KVPool, tables: list[list[int]], starts: list[int], counts: 
     return frames
 
 
-def reference(queries: torch.Tensor, pool: KVPool, table: list[int], start: int, scale: float) -> torch.Tensor:
-    """sdpa over the session's keys and values gathered in position order: [T, heads * D]."""
+def reference(queries: torch.Tensor, pool: KVPool, table: list[int], start: int, scale: float,
+              window: int | None = None) -> torch.Tensor:
+    """sdpa over the session's keys and values gathered in position order, under the runtime's mask
+    (positions.attention_mask, with its sliding window): [T, heads * D]."""
     count, heads, dim = queries.shape[1:]
     stop = start + count
     slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(stop)])
     keys, values = pool.store[0, 0][:, slots][None], pool.store[0, 1][:, slots][None]
-    mask = (torch.arange(stop)[None, :] <= torch.arange(start, stop)[:, None])[None, None]
+    mask = attention_mask(start, count, window, CPU)
+    if mask is None:  # one query over everything, or a prefill from 0: causal
+        mask = (torch.arange(stop)[None, :] <= torch.arange(start, stop)[:, None])[None, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         queries.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != keys.shape[1])
     return out.transpose(1, 2).reshape(count, heads * dim)
@@ -56,15 +62,18 @@ def fused_rows(rows: int, heads: int, kv_heads: int, dim: int, seed: int) -> tor
     return torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=torch.Generator().manual_seed(seed))
 
 
-def attend(fused: torch.Tensor, heads: int, frames: PagedFrames, scale: float) -> torch.Tensor:
+def attend(fused: torch.Tensor, heads: int, frames: PagedFrames, scale: float, window: int | None = None
+           ) -> torch.Tensor:
     kv_heads = (fused.shape[2] - heads) // 2
     queries, keys, values = fused.split_with_sizes((heads, kv_heads, kv_heads), dim=2)
     return native_kernels.paged_attention(queries, keys, values, frames.layer(0), BLOCK, frames.tables,
-                                          frames.frames, scale)[0]
+                                          frames.frames, scale, window)[0]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (4, 4, 128), (8, 1, 48), (2, 2, 256)])
-def test_every_session_equals_sdpa_over_its_joined_keys(heads, kv_heads, dim) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"),
+                         [(6, 2, 64, None), (4, 4, 128, None), (8, 1, 48, None), (2, 2, 256, None), (6, 2, 64, 7),
+                          (4, 4, 128, 20)])
+def test_every_session_equals_sdpa_over_its_joined_keys(heads, kv_heads, dim, window) -> None:
     pool = pool_of(kv_heads, dim)
     # A decode step deep in an out-of-order table, a verify window, a prompt piece from position 0,
     # and a block partly filled: each session's own table, some blocks shared.
@@ -73,14 +82,14 @@ def test_every_session_equals_sdpa_over_its_joined_keys(heads, kv_heads, dim) ->
     frames = frames_of(pool, tables, starts, counts)
     fused = fused_rows(sum(counts), heads, kv_heads, dim, seed=1)
     scale = dim ** -0.5
-    got = attend(fused, heads, frames, scale)
+    got = attend(fused, heads, frames, scale, window)
     row = 0
     for table, start, count in zip(tables, starts, counts, strict=True):
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + count)]
         for side, offset in ((0, heads), (1, heads + kv_heads)):  # the frame's rows written where it lives
             written = pool.store[0, side][:, slots].transpose(0, 1)
             assert torch.equal(written, fused[0, row:row + count, offset:offset + kv_heads])
-        want = reference(fused[:, row:row + count, :heads], pool, table, start, scale)
+        want = reference(fused[:, row:row + count, :heads], pool, table, start, scale, window)
         error = float((got[row:row + count] - want).abs().max() / want.abs().max())
         assert error < 2e-6, (start, count, error)
         row += count
@@ -119,12 +128,13 @@ def test_what_the_kernel_does_not_take_is_refused() -> None:
     assert PagedFrames.of([SessionKV(1, 0, 2, 64, dtype=torch.float32, device=CPU, max_context=64)]) is None
 
 
-def test_the_runtime_attends_natively_with_the_answers_of_sdpa(tmp_path, monkeypatch) -> None:
-    """The bundled shape's attention (grouped queries) through the stage's real entry points: decode
-    steps of two sessions batched, and a verify window, with the kernel and with it switched off."""
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # grouped queries; and a sliding window of 8
+def test_the_runtime_attends_natively_with_the_answers_of_sdpa(tmp_path, monkeypatch, family) -> None:
+    """Attention through the stage's real entry points: decode steps of two sessions batched, and a
+    verify window, with the kernel and with it switched off."""
     from test_families import write  # the families' tiny random checkpoints
 
-    path = write(tmp_path, "llama")
+    path = write(tmp_path, family)
     native = StageRuntime(path, 0, 4, dtype="float32", device="cpu", max_context=128)
     assert native._paged
     calls = []

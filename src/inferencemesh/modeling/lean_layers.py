@@ -36,6 +36,7 @@ from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, s
 from inferencemesh.modeling.kv_pool import PagedFrames
 from inferencemesh.modeling.native_kernels import paged_attention
 from inferencemesh.modeling.packed import PackedLinear, packs_weight
+from inferencemesh.modeling.positions import sliding_window
 from inferencemesh.modeling.quantized_fused import fused_outputs
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ class LeanLayer:
         self.o_proj = _Projection(attn, ["o_proj"])
         self.down_proj = _Projection(mlp, ["down_proj"])
         self.gqa = self.shape.heads != self.shape.kv_heads
+        self.window = sliding_window(attn.config, self.layer_idx)  # the native attention's; masks carry sdpa's
         self.mlp: Any = mlp
 
     def pre_attention(self, x: torch.Tensor, rot: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,11 +268,11 @@ class LeanLayer:
                  paged: PagedFrames | None = None) -> torch.Tensor:
         """What the transformers layer returns for these arguments (its cache updated alike; rot:
         rotary() of the rotary table's (cos, sin) it is given). paged: the pass's frames in cache, for
-        the native attention over their block tables (the runtime's choice: full causal attention)."""
+        the native attention over their block tables (the runtime's choice)."""
         q, k, v = self.pre_attention(x, rot)
         if paged is not None:  # every session at once, its keys and values read where they lie
             out = paged_attention(q, k, v, paged.layer(self.layer_idx), paged.pool.block_tokens, paged.tables,
-                                  paged.frames, self.scaling)
+                                  paged.frames, self.scaling, self.window)
             return self.post_attention(x, out.to(x.dtype))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D], as attention takes
         keys, values = cache.update(k, v, self.layer_idx) if cache is not None else (k, v)  # type: ignore[attr-defined]

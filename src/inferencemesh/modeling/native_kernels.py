@@ -62,7 +62,7 @@ def _load(path: Path) -> ctypes.CDLL | None:
     pointer_and_stride: list[type] = [ctypes.c_void_p, ctypes.c_int64]
     library.imesh_paged_attention_f32.argtypes = [*pointer_and_stride * 4,
                                                   ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                                                  ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+                                                  ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -183,11 +183,13 @@ def takes_paged_attention(kv_dtype: torch.dtype, device: torch.device, head_dim:
 
 
 def paged_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: torch.Tensor,
-                    block_tokens: int, tables: torch.Tensor, frames: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_tokens: int, tables: torch.Tensor, frames: torch.Tensor, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Every frame's new keys and values [1, rows, kv_heads, D] written into its slots of the pool's layer
     [2, kv_heads, slots, D] (float32, blocks of block_tokens slots), then its queries [1, rows, heads, D]
-    (a pass's rows, packed; any dtype) over its keys and values, causal, as kv_pool.PagedFrames
-    describes them: [1, rows, heads x D] float32, what the output projection takes."""
+    (a pass's rows, packed; any dtype) over its keys and values, causal (within the layer's sliding
+    window, if any: positions.attention_mask's), as kv_pool.PagedFrames describes them:
+    [1, rows, heads x D] float32, what the output projection takes."""
     lib = library()
     assert lib is not None, "paged_attention called where takes_paged_attention() said no"
     _, rows, heads, dim = queries.shape
@@ -196,7 +198,7 @@ def paged_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     status = lib.imesh_paged_attention_f32(queries.data_ptr(), queries.stride(1), keys.data_ptr(), keys.stride(1),
                                            values.data_ptr(), values.stride(1), layer.data_ptr(), layer.shape[2],
                                            tables.data_ptr(), frames.data_ptr(), frames.shape[0], heads,
-                                           layer.shape[1], dim, block_tokens, scale, out.data_ptr(),
+                                           layer.shape[1], dim, block_tokens, scale, window or 0, out.data_ptr(),
                                            torch.get_num_threads())
     if status:
         raise RuntimeError(f"imesh_paged_attention_f32 refused {heads} heads over {layer.shape[1]} of {dim} "

@@ -115,9 +115,8 @@ class StageRuntime:
             self._lean = lean_layers(self._layers, lambda x, start, count: self._rope(x, start, count, None))
             self._norm = lean_norm(self._norm)
         self._has_lean = any(lean is not None for lean in self._lean)
-        # Lean layers' attention natively over the pool's block tables (kv_pool.PagedFrames): full causal only.
-        self._paged = self._has_lean and self._smallest_window is None and takes_paged_attention(
-            self._kv_dtype, self.device, self._head_dim)
+        # Lean layers' attention natively over the pool's block tables (kv_pool.PagedFrames).
+        self._paged = self._has_lean and takes_paged_attention(self._kv_dtype, self.device, self._head_dim)
         if self.device.type == "cpu":  # after the lean layers, which fuse and pack their projections
             for layer in self._layers:
                 pack_linears(layer)

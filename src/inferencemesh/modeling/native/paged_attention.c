@@ -12,7 +12,8 @@
  *
  * Layout. The pool layer is [2 (keys, values), kv_heads, slots, D]: block b of head h is B x D floats
  * at slot b B. Session s has count T queries at positions start .. start + T - 1, query t seeing
- * positions [0, start + t] (causal); its table lists the blocks of positions [0, start + T). Queries
+ * positions [0, start + t] (causal), or (start + t - window, start + t] under a sliding window (window > 0,
+ * the layer's: Mistral's); its table lists the blocks of positions [0, start + T). Queries
  * are rows [row, row + T) of q, each heads x D floats (q_stride floats apart: a view of the layer's
  * fused projection); the frame's new keys and values, rows of k_new and v_new alike (kv_heads x D), are
  * written into their slots before it attends (one call a layer: no separate scatter); the output is
@@ -90,17 +91,19 @@ TARGET static ALWAYS_INLINE void score_rows(const float *queries, int64_t rows, 
     }
 }
 
-/* Each row's softmax over its positions [0, seen), unnormalised (e^(s - max)), in place; positions
- * from seen to stop weigh 0. Returns 1 / the row's sum. */
-TARGET static float softmax_row(float *row, int64_t seen, int64_t stop) {
+/* A row's softmax over its positions [from, seen), unnormalised (e^(s - max)), in place; the other
+ * positions the values pass reads, [first, from) and [seen, stop), weigh 0. Returns 1 / the row's sum. */
+TARGET static float softmax_row(float *scores, int64_t first, int64_t from, int64_t seen, int64_t stop) {
+    float *row = scores + from;
+    const int64_t n = seen - from;
     __m512 top = _mm512_set1_ps(-__builtin_inff());
     int64_t p = 0;
-    for (; p + 16 <= seen; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
-    const __mmask16 tail = (__mmask16)((1u << (seen - p)) - 1);
+    for (; p + 16 <= n; p += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + p));
+    const __mmask16 tail = (__mmask16)((1u << (n - p)) - 1);
     top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, tail, row + p));
     const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 total = _mm512_setzero_ps();
-    for (p = 0; p + 16 <= seen; p += 16) {
+    for (p = 0; p + 16 <= n; p += 16) {
         const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + p), most));
         _mm512_storeu_ps(row + p, e);
         total = _mm512_add_ps(total, e);
@@ -108,7 +111,8 @@ TARGET static float softmax_row(float *row, int64_t seen, int64_t stop) {
     const __m512 e = _mm512_maskz_mov_ps(tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + p), most)));
     _mm512_mask_storeu_ps(row + p, tail, e);
     total = _mm512_add_ps(total, e);
-    for (p = seen; p < stop; p++) row[p] = 0.0f;
+    for (p = first; p < from; p++) scores[p] = 0.0f;
+    for (p = seen; p < stop; p++) scores[p] = 0.0f;
     return 1.0f / _mm512_reduce_add_ps(total);
 }
 
@@ -129,9 +133,9 @@ TARGET static ALWAYS_INLINE void weigh_values(const float *probs, int64_t stride
 /* One (session, key head): rows r = g T + t for query head h G + g and query t. chunks: dim / 16, a
  * constant where attend_head is specialised, so the loops over it unroll and the sums stay in registers. */
 TARGET static ALWAYS_INLINE void attend(const float *q, int64_t q_stride, const float *keys, const float *values,
-                                        const int32_t *table, int64_t start, int64_t count, int64_t groups,
-                                        int64_t head, int64_t heads, int64_t block, float scale, float *out,
-                                        float *scratch, const int64_t chunks) {
+                                        const int32_t *table, int64_t start, int64_t count, int64_t window,
+                                        int64_t groups, int64_t head, int64_t heads, int64_t block, float scale,
+                                        float *out, float *scratch, const int64_t chunks) {
     const int64_t dim = chunks * 16, rows = groups * count, stop = start + count;
     float *queries = scratch;             /* [rows, dim], scaled */
     float *scores = scratch + rows * dim; /* [rows, stop]: scores, then unnormalised probabilities */
@@ -142,19 +146,25 @@ TARGET static ALWAYS_INLINE void attend(const float *q, int64_t q_stride, const 
             _mm512_storeu_ps(queries + r * dim + 16 * c,
                              _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), _mm512_set1_ps(scale)));
     }
-    for (int64_t b = 0; b * block < stop; b++) {
+    /* A sliding window (query at q sees (q - window, q]) skips the blocks before any query's first key. */
+    const int64_t b0 = window > 0 && start - window + 1 > 0 ? (start - window + 1) / block : 0;
+    for (int64_t b = b0; b * block < stop; b++) {
         const int64_t first = b * block, n = stop - first < block ? stop - first : block;
         const float *k = keys + (int64_t)table[b] * block * dim;
         for (int64_t j = 0; j < n; j += 16)
             score_rows(queries, rows, k + j * dim, n - j < 16 ? n - j : 16, scores + first + j, stop, chunks);
     }
-    for (int64_t r = 0; r < rows; r++) inverse[r] = softmax_row(scores + r * stop, start + r % count + 1, stop);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t position = start + r % count;
+        const int64_t from = window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+        inverse[r] = softmax_row(scores + r * stop, b0 * block, from, position + 1, stop);
+    }
     const int64_t at_once = 16 / chunks;
     for (int64_t r0 = 0; r0 < rows; r0 += at_once) {
         const int64_t n = rows - r0 < at_once ? rows - r0 : at_once;
         __m512 acc[16];
         for (int64_t i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b * block < stop; b++) {
+        for (int64_t b = b0; b * block < stop; b++) {
             const int64_t first = b * block, m = stop - first < block ? stop - first : block;
             weigh_values(scores + r0 * stop + first, stop, n, values + (int64_t)table[b] * block * dim, m, acc, chunks);
         }
@@ -168,18 +178,21 @@ TARGET static ALWAYS_INLINE void attend(const float *q, int64_t q_stride, const 
 }
 
 TARGET static void attend_head(const float *q, int64_t q_stride, const float *keys, const float *values,
-                               const int32_t *table, int64_t start, int64_t count, int64_t groups, int64_t head,
-                               int64_t heads, int64_t dim, int64_t block, float scale, float *out, float *scratch) {
+                               const int32_t *table, int64_t start, int64_t count, int64_t window, int64_t groups,
+                               int64_t head, int64_t heads, int64_t dim, int64_t block, float scale, float *out,
+                               float *scratch) {
     switch (dim) {  /* the common widths specialised; others (multiples of 16 up to 256) generic */
     case 64:
-        attend(q, q_stride, keys, values, table, start, count, groups, head, heads, block, scale, out, scratch, 4);
+        attend(q, q_stride, keys, values, table, start, count, window, groups, head, heads, block, scale, out,
+               scratch, 4);
         break;
     case 128:
-        attend(q, q_stride, keys, values, table, start, count, groups, head, heads, block, scale, out, scratch, 8);
+        attend(q, q_stride, keys, values, table, start, count, window, groups, head, heads, block, scale, out,
+               scratch, 8);
         break;
     default:
-        attend(q, q_stride, keys, values, table, start, count, groups, head, heads, block, scale, out, scratch,
-               dim / 16);
+        attend(q, q_stride, keys, values, table, start, count, window, groups, head, heads, block, scale, out,
+               scratch, dim / 16);
     }
 }
 
@@ -189,8 +202,8 @@ TARGET static void attend_head(const float *q, int64_t q_stride, const float *ke
 TARGET int imesh_paged_attention_f32(const float *q, int64_t q_stride, const float *k_new, int64_t k_stride,
                                      const float *v_new, int64_t v_stride, float *layer, int64_t slots,
                                      const int32_t *tables, const int64_t *frames, int64_t sessions, int64_t heads,
-                                     int64_t kv_heads, int64_t dim, int64_t block, float scale, float *out,
-                                     int threads) {
+                                     int64_t kv_heads, int64_t dim, int64_t block, float scale, int64_t window,
+                                     float *out, int threads) {
     if (dim <= 0 || dim % 16 || dim > 256 || kv_heads <= 0 || heads % kv_heads || block <= 0) return -1;
     const int64_t groups = heads / kv_heads, items = sessions * kv_heads, plane = slots * dim;
     int failed = 0;
@@ -211,8 +224,8 @@ TARGET int imesh_paged_attention_f32(const float *q, int64_t q_stride, const flo
             failed = 1;
             continue;
         }
-        attend_head(q + row * q_stride, q_stride, keys, values, table, start, count, groups, head, heads, dim,
-                    block, scale, out + row * heads * dim, scratch);
+        attend_head(q + row * q_stride, q_stride, keys, values, table, start, count, window, groups, head, heads,
+                    dim, block, scale, out + row * heads * dim, scratch);
         free(scratch);
     }
     return failed ? -2 : 0;
