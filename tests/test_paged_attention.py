@@ -111,6 +111,20 @@ def test_a_session_computes_the_same_bits_alone_in_a_batch_and_at_any_thread_cou
     assert torch.equal(together, one_thread)
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf"), 3e38, -3e38])
+def test_a_poisoned_session_leaves_the_sessions_beside_it_untouched(poison) -> None:
+    """NaN, infinities or huge numbers in one session's queries, new keys and values (a broken upstream
+    stage's hidden state) stay in that session: the others in the same call compute the same bits as
+    without it, and the call returns."""
+    tables, starts, counts = [[1, 2, 3, 4, 5, 6], [20, 21], [7, 30, 31, 9]], [21, 3, 10], [1, 4, 4]
+    clean = fused_rows(9, 6, 2, 64, seed=4)
+    want = attend(clean, 6, frames_of(pool_of(2, 64), tables, starts, counts), 0.125)
+    poisoned = clean.clone()
+    poisoned[0, 1:5] = poison  # session 1's rows: queries, keys and values
+    got = attend(poisoned, 6, frames_of(pool_of(2, 64), tables, starts, counts), 0.125)
+    assert torch.equal(got[0:1], want[0:1]) and torch.equal(got[5:], want[5:])
+
+
 def test_what_the_kernel_does_not_take_is_refused() -> None:
     assert native_kernels.takes_paged_attention(torch.float32, CPU, 64)
     assert not native_kernels.takes_paged_attention(torch.bfloat16, CPU, 64)  # a GPU's pool dtype
@@ -139,7 +153,7 @@ def test_the_runtime_attends_natively_with_the_answers_of_sdpa(tmp_path, monkeyp
     assert native._paged
     calls = []
     real = native_kernels.paged_attention
-    monkeypatch.setattr("inferencemesh.modeling.lean_layers.paged_attention",
+    monkeypatch.setattr(native_kernels, "paged_attention",
                         lambda *args: calls.append(1) or real(*args))
 
     def run(rt: StageRuntime) -> list[torch.Tensor]:

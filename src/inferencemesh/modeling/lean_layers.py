@@ -34,7 +34,6 @@ from torch import nn
 from inferencemesh.modeling import native_kernels
 from inferencemesh.modeling.attention import KVSpans, PackedAttention, attend, stage_attention
 from inferencemesh.modeling.kv_pool import PagedFrames
-from inferencemesh.modeling.native_kernels import paged_attention
 from inferencemesh.modeling.packed import PackedLinear, packs_weight
 from inferencemesh.modeling.positions import sliding_window
 from inferencemesh.modeling.quantized_fused import fused_outputs
@@ -271,8 +270,8 @@ class LeanLayer:
         the native attention over their block tables (the runtime's choice)."""
         q, k, v = self.pre_attention(x, rot)
         if paged is not None:  # every session at once, its keys and values read where they lie
-            out = paged_attention(q, k, v, paged.layer(self.layer_idx), paged.pool.block_tokens, paged.tables,
-                                  paged.frames, self.scaling, self.window)
+            out = native_kernels.paged_attention(q, k, v, paged.layer(self.layer_idx), paged.pool.block_tokens,
+                                                 paged.tables, paged.frames, self.scaling, self.window)
             return self.post_attention(x, out.to(x.dtype))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D], as attention takes
         keys, values = cache.update(k, v, self.layer_idx) if cache is not None else (k, v)  # type: ignore[attr-defined]

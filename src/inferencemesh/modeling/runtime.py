@@ -278,11 +278,12 @@ class StageRuntime:
             ropes = [self._rope(p, seg.pos_start, count, key)
                      for p, seg, count in zip(pieces, segments, counts, strict=True)]
             by_key[key] = (torch.cat([c for c, _ in ropes], dim=1), torch.cat([s for _, s in ropes], dim=1))
-        packed = _PackedCache(self, segments, counts)
         positions = torch.cat([self._positions(seg.pos_start, count)
                                for seg, count in zip(segments, counts, strict=True)], dim=1)
         rotaries = rotaries_of(by_key) if self._has_lean else {}
         paged = PagedFrames.of([seg.kv for seg in segments]) if self._paged else None
+        # the sessions' caches as transformers' layers take them: not built where no layer reads them
+        packed = _PackedCache(self, segments, counts) if paged is None or None in self._lean else None
         for layer, lean, key in zip(self._layers, self._lean, self._rope_keys, strict=True):
             if lean is not None:
                 x = lean(x, rotaries[key], None, packed, paged)
